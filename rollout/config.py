@@ -1,0 +1,97 @@
+"""Configuration dataclasses: what to sample (``SamplingConfig``) and how to run (``RolloutConfig``).
+
+``SamplingConfig`` keeps the field names and defaults of DeepSpeed's ``deepspeed.runtime.rollout``
+so users can switch; it is the only source of sampling behaviour (a model's ``generation_config``,
+e.g. an Instruct model's default temperature, is ignored).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+ROUTES = ("ordinary",)
+GATHER_MODES = ("once", "per_forward")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling knobs passed to ``Rollout.generate`` each step."""
+
+    max_new_tokens: int
+    """Response budget per row (> 0). Prompt + budget must fit the model's context."""
+    temperature: float = 1.0
+    """Softmax temperature; ``<= 0`` means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus filtering in (0, 1]; 1 disables it."""
+    top_k: int = -1
+    """Keep the k most likely tokens; ``<= 0`` disables it."""
+    n_samples_per_prompt: int = 1
+    """Responses per prompt (>= 1); output row i belongs to prompt ``i // n``."""
+    continuous_batch_size: Optional[int] = None
+    """Slots for continuous batching (ignored by the ordinary route)."""
+    repetition_penalty: float = 1.0
+    """HF semantics (> 0; 1 disables): applied in fp32 over the padded history (prompt incl. padding + response)."""
+    seed: Optional[int] = None
+    """Same inputs + same seed -> same samples. None uses torch's global RNG."""
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
+                 f"must be a positive int; got {self.max_new_tokens!r}")
+        _require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature),
+                 "temperature", f"must be a finite number; got {self.temperature!r}")
+        _require(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0, "top_p",
+                 f"must be in (0, 1]; got {self.top_p!r}")
+        _require(_is_int(self.top_k), "top_k", f"must be an int (<= 0 disables); got {self.top_k!r}")
+        _require(_is_int(self.n_samples_per_prompt) and self.n_samples_per_prompt >= 1,
+                 "n_samples_per_prompt", f"must be an int >= 1; got {self.n_samples_per_prompt!r}")
+        _require(self.continuous_batch_size is None
+                 or (_is_int(self.continuous_batch_size) and self.continuous_batch_size >= 1),
+                 "continuous_batch_size", f"must be None or an int >= 1; got {self.continuous_batch_size!r}")
+        _require(isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
+                 and self.repetition_penalty > 0, "repetition_penalty",
+                 f"must be a finite number > 0; got {self.repetition_penalty!r}")
+        _require(self.seed is None or _is_int(self.seed), "seed", f"must be None or an int; got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How the rollout runs (our own; DeepSpeed's ``HybridEngineRolloutConfig`` has no equivalent)."""
+
+    route: str = "ordinary"
+    """Generation route: ``"ordinary"`` (one padded batch over a static KV cache)."""
+    gather: str = "once"
+    """ZeRO-3 only: ``"once"`` gathers all parameters once per ``generate`` call (fast, needs memory for the
+    full model); ``"per_forward"`` keeps ZeRO-3's own per-forward gathering (low memory, slow)."""
+    keep_cache: bool = True
+    """Keep the KV cache allocated between compatible calls (no re-allocation) or release it after each call."""
+    fuse_lora: bool = True
+    """Merge peft LoRA adapters into the base weights for generation (restored bit-exactly afterwards)."""
+    eos_check_interval: int = 1
+    """Decode steps between the checks whether every row has finished (each check is one host sync)."""
+    max_context: Optional[int] = None
+    """Upper bound on prompt + new tokens; None reads ``max_position_embeddings`` from the model config."""
+
+    def __post_init__(self) -> None:
+        _require(self.route in ROUTES, "route", f"must be one of {ROUTES}; got {self.route!r}")
+        _require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
+        _require(isinstance(self.keep_cache, bool), "keep_cache", f"must be a bool; got {self.keep_cache!r}")
+        _require(isinstance(self.fuse_lora, bool), "fuse_lora", f"must be a bool; got {self.fuse_lora!r}")
+        _require(_is_int(self.eos_check_interval) and self.eos_check_interval >= 1, "eos_check_interval",
+                 f"must be an int >= 1; got {self.eos_check_interval!r}")
+        _require(self.max_context is None or (_is_int(self.max_context) and self.max_context > 0),
+                 "max_context", f"must be None or a positive int; got {self.max_context!r}")

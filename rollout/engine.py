@@ -1,0 +1,195 @@
+"""``Rollout``: the public engine, a drop-in for DeepSpeed's ``HybridEngineRollout``.
+
+A ``generate`` call runs these stages (each a function wrapped at its call boundary):
+expand -> mode_switch (eval) -> gather (ZeRO-3) -> lora_fuse -> cache_acquire -> prefill ->
+decode x k -> lora_unfuse -> cache_release -> mode_switch (restore) -> mask_build/postprocess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from instrumentation import collect_stages, stage, stages
+from rollout import compat, zero
+from rollout.config import RolloutConfig, SamplingConfig
+from rollout.expand import expand_prompts
+from rollout.kv_cache import CachePool, CacheShape
+from rollout.lora import LoraFuser
+from rollout.postprocess import eos_tensor, postprocess
+from rollout.request import RolloutBatch, RolloutRequest
+from rollout.runner import generate_ordinary
+from rollout.profile import build_profile
+
+
+def token_ids(tokenizer) -> tuple[tuple[int, ...], int]:
+    """``(eos_token_ids, pad_token_id)`` from anything with ``eos_token_id`` / ``pad_token_id``.
+
+    ``eos_token_id`` may be an int, a list of ints or None (no EOS: rows run to the budget). Without a
+    pad id the first EOS id pads, as in HF ``generate``.
+    """
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos_ids: tuple[int, ...] = ()
+    elif isinstance(eos, int) and not isinstance(eos, bool):
+        eos_ids = (eos,)
+    elif isinstance(eos, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+        eos_ids = tuple(eos)
+    else:
+        raise ValueError(f"tokenizer.eos_token_id: must be an int, a list of ints or None; got {eos!r}")
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        if not eos_ids:
+            raise ValueError("tokenizer.pad_token_id: is None and there is no eos_token_id to pad with")
+        pad = eos_ids[0]
+    elif not isinstance(pad, int) or isinstance(pad, bool):
+        raise ValueError(f"tokenizer.pad_token_id: must be an int or None; got {pad!r}")
+    return eos_ids, pad
+
+
+class Rollout:
+    """Generates student rollouts for on-policy distillation.
+
+    ``engine`` is a DeepSpeed engine (ZeRO-0..3, optionally a peft LoRA model inside) or a plain HF
+    causal LM (optionally peft-wrapped). Sampling behaviour comes from ``SamplingConfig`` alone: the
+    model's ``generation_config`` is ignored. Outputs live on the model's device.
+    """
+
+    name = "opsd_rollout"
+
+    def __init__(self, engine, tokenizer, config: RolloutConfig | None = None):
+        self.config = config if config is not None else RolloutConfig()
+        if not isinstance(self.config, RolloutConfig):
+            raise ValueError(f"config: must be a RolloutConfig; got {type(self.config).__name__}")
+        self.engine = engine
+        self.module = compat.unwrap_model(engine)
+        self.model = compat.causal_lm(self.module)
+        compat.check_supported(self.model)
+        self.eos_token_ids, self.pad_token_id = token_ids(tokenizer)
+        self.tokenizer = tokenizer
+        self.is_zero3 = zero.is_zero3(engine)
+        self._pool = CachePool(keep=self.config.keep_cache)
+        self._last_profile: dict | None = None
+
+    # ---- public interface (DeepSpeed's RolloutEngine) -------------------------------------------
+    @torch.no_grad()
+    def generate(self, request: RolloutRequest, sampling: SamplingConfig) -> RolloutBatch:
+        """Run one rollout. See :mod:`rollout.request` for the output semantics."""
+        if not isinstance(request, RolloutRequest):
+            raise ValueError(f"request: must be a RolloutRequest; got {type(request).__name__}")
+        if not isinstance(sampling, SamplingConfig):
+            raise ValueError(f"sampling: must be a SamplingConfig; got {type(sampling).__name__}")
+        start = time.perf_counter()
+        with collect_stages() as collector, stage(stages.ROLLOUT):
+            batch, counters = self._generate(request, sampling)
+        self._last_profile = (build_profile(collector.summary(), counters, batch, request, sampling,
+                                            time.perf_counter() - start, self._pool.nbytes)
+                              if collector is not None else None)
+        return batch
+
+    def sync_weights(self, step: int) -> None:
+        """No-op: the rollout reads the training engine's weights in place (nothing to push)."""
+        return None
+
+    def shutdown(self) -> None:
+        """Release the KV cache."""
+        self._pool.clear()
+
+    def get_last_profile(self) -> dict | None:
+        """Per-stage timings of the last ``generate`` call, or None when profiling is off."""
+        return self._last_profile
+
+    # ---- the call, stage by stage ----------------------------------------------------------------
+    def _generate(self, request: RolloutRequest, sampling: SamplingConfig):
+        device = self._device()
+        prompt_ids, prompt_mask = self._validate(request, sampling, device)
+        with stage(stages.EXPAND):
+            ids, mask = expand_prompts(prompt_ids, prompt_mask, sampling.n_samples_per_prompt)
+        with self._inference_mode(), self._generation_weights():
+            with stage(stages.CACHE_ACQUIRE):
+                cache = self._pool.acquire(self._cache_shape(ids.shape[0], ids.shape[1] + sampling.max_new_tokens))
+            try:
+                state = generate_ordinary(
+                    self.model, cache, ids, mask, sampling, eos_tensor(self.eos_token_ids, device),
+                    self.model.config.vocab_size, self.config.eos_check_interval, self._busy, stage)
+            finally:
+                with stage(stages.CACHE_RELEASE):
+                    self._pool.release()
+        with stage(stages.POSTPROCESS):
+            batch = postprocess(ids, mask, state.generated[:, :state.num_steps], self.eos_token_ids,
+                                self.pad_token_id)
+        return batch, dict(state.counters, num_steps=state.num_steps)
+
+    def _validate(self, request: RolloutRequest, sampling: SamplingConfig, device: torch.device):
+        ids = request.prompt_ids.to(device, non_blocking=True)
+        mask = request.prompt_attention_mask.to(device, non_blocking=True)
+        # one host sync for all value checks: [min row length, mask min, mask max, id min, id max]
+        checks = torch.stack([mask.sum(dim=1).min(), mask.min(), mask.max(), ids.min(), ids.max()]).tolist()
+        if checks[1] < 0 or checks[2] > 1:
+            raise ValueError("prompt_attention_mask: values must be 0 or 1")
+        if checks[0] < 1:
+            raise ValueError("prompt_attention_mask: every row needs at least one prompt token (a row is all 0)")
+        vocab = self.model.config.vocab_size
+        if checks[3] < 0 or checks[4] >= vocab:
+            raise ValueError(f"prompt_ids: token ids must be in [0, {vocab}); got [{checks[3]}, {checks[4]}]")
+        total = request.prompt_len + sampling.max_new_tokens
+        limit = self.config.max_context or compat.context_limit(self.model)
+        if limit is not None and total > limit:
+            raise ValueError(f"max_new_tokens: prompt length {request.prompt_len} + max_new_tokens "
+                             f"{sampling.max_new_tokens} = {total} exceeds the model context {limit}")
+        return ids, mask
+
+    @contextlib.contextmanager
+    def _inference_mode(self):
+        """train -> eval for generation; every submodule's own flag is restored afterwards."""
+        with stage(stages.MODE_SWITCH):
+            flags = [(m, m.training) for m in self.module.modules()]
+            self.module.eval()
+        try:
+            yield
+        finally:
+            with stage(stages.MODE_SWITCH):
+                for m, was_training in flags:
+                    m.training = was_training
+
+    @contextlib.contextmanager
+    def _generation_weights(self):
+        """ZeRO-3 gather (per ``config.gather``), then LoRA fuse; unfuse before the gather closes."""
+        mode = self.config.gather if self.is_zero3 else "per_forward"
+        with contextlib.ExitStack() as exits:
+            with stage(stages.GATHER):
+                exits.enter_context(zero.gathered(self.engine, mode))
+            fuser = self._fuser()
+            if fuser is not None:
+                with stage(stages.LORA_FUSE):
+                    fuser.fuse()
+                exits.callback(self._unfuse, fuser)
+            yield
+
+    @staticmethod
+    def _unfuse(fuser) -> None:
+        with stage(stages.LORA_UNFUSE):
+            fuser.unfuse()
+
+    def _fuser(self):
+        if not self.config.fuse_lora or (self.is_zero3 and self.config.gather == "per_forward"):
+            return None  # per-forward ZeRO-3 has no full weights to merge into; peft's forward stays exact
+        if not hasattr(self, "_lora_fuser"):
+            self._lora_fuser = LoraFuser.for_model(self.module)
+        return self._lora_fuser
+
+    def _busy(self, local_busy: bool) -> bool:
+        """Under ZeRO-3 per-forward gathering every forward is a collective: all ranks must agree."""
+        if self.is_zero3 and self.config.gather == "per_forward":
+            return zero.any_rank_busy(local_busy, self._device())
+        return local_busy
+
+    def _cache_shape(self, batch_size: int, capacity: int) -> CacheShape:
+        num_layers, num_kv_heads, head_dim = compat.kv_geometry(self.model)
+        param = next(self.model.parameters())
+        return CacheShape(batch_size, capacity, num_layers, num_kv_heads, head_dim, param.dtype, param.device)
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device

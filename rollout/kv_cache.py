@@ -1,0 +1,129 @@
+"""A static KV cache we own: preallocated per layer, fixed addresses, reused across calls.
+
+``StaticKVCache`` subclasses transformers' ``Cache`` (duck-typing broke upstream DeepSpeed's cache on
+transformers 5.17). Before every forward the runner sets the *write columns* (a device tensor of
+column indices) and the *live length* (columns the attention reads); each layer writes the new keys
+and values into its preallocated buffers in place and returns a view of the live prefix. Addresses
+never change, so decode can later be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout.compat import Cache, CacheLayerMixin
+
+
+class StaticKVLayer(CacheLayerMixin):
+    """One layer's keys and values: ``[B, H_kv, capacity, D]`` each, allocated once."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: "StaticKVCache", keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.owner = owner
+        self.keys, self.values = keys, values
+        self.device = keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist from the start
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        cols, live = self.owner.write_cols, self.owner.live_len
+        self.keys.index_copy_(2, cols, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, cols, value_states.to(self.values.dtype))
+        return self.keys[:, :, :live], self.values[:, :, :live]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.live_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.live_len
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What a cache must hold; a cache serves any request with smaller batch and capacity."""
+
+    batch_size: int
+    capacity: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def fits_in(self, other: "CacheShape") -> bool:
+        return (self.batch_size <= other.batch_size and self.capacity <= other.capacity
+                and (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+                == (other.num_layers, other.num_kv_heads, other.head_dim, other.dtype, other.device))
+
+
+class StaticKVCache(Cache):
+    """Keys/values of every layer in two preallocated tensors ``[L, B, H_kv, capacity, D]``."""
+
+    def __init__(self, shape: CacheShape, storage: tuple[torch.Tensor, torch.Tensor] | None = None):
+        if storage is None:
+            dims = (shape.num_layers, shape.batch_size, shape.num_kv_heads, shape.capacity, shape.head_dim)
+            storage = (torch.zeros(dims, dtype=shape.dtype, device=shape.device),
+                       torch.zeros(dims, dtype=shape.dtype, device=shape.device))
+        self.shape = shape
+        self.key_storage, self.value_storage = storage
+        b = shape.batch_size
+        layers = [StaticKVLayer(self, self.key_storage[i, :b], self.value_storage[i, :b])
+                  for i in range(shape.num_layers)]
+        super().__init__(layers=layers)
+        self.write_cols = torch.zeros(1, dtype=torch.long, device=shape.device)
+        self.live_len = 0
+
+    def view(self, shape: CacheShape) -> "StaticKVCache":
+        """A cache over the first ``shape.batch_size`` rows of this one's storage (no allocation)."""
+        if not shape.fits_in(self.shape):
+            raise ValueError(f"cache shape {shape} does not fit in {self.shape}")
+        return StaticKVCache(shape, (self.key_storage, self.value_storage))
+
+    def set_window(self, write_cols: torch.Tensor, live_len: int) -> None:
+        """Columns the next forward writes (``[q]`` int64 on the cache device) and reads (``[0, live_len)``)."""
+        self.write_cols = write_cols
+        self.live_len = live_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.key_storage.nbytes + self.value_storage.nbytes
+
+
+class CachePool:
+    """Acquire/release policy: with ``keep`` the storage outlives a call and serves every later request
+    that fits; without it the storage is dropped at release (no ``empty_cache``: the caching allocator
+    reuses the blocks)."""
+
+    def __init__(self, keep: bool):
+        self.keep = keep
+        self._cache: StaticKVCache | None = None
+        self.num_allocations = 0
+
+    def acquire(self, shape: CacheShape) -> StaticKVCache:
+        if self._cache is not None and shape.fits_in(self._cache.shape):
+            return self._cache.view(shape)
+        self._cache = None  # drop the old storage before allocating the new one
+        self._cache = StaticKVCache(shape)
+        self.num_allocations += 1
+        return self._cache.view(shape)
+
+    def release(self) -> None:
+        if not self.keep:
+            self._cache = None
+
+    def clear(self) -> None:
+        self._cache = None
+
+    @property
+    def nbytes(self) -> int:
+        return self._cache.nbytes if self._cache is not None else 0

@@ -1,0 +1,80 @@
+"""Post-processing: generated tokens -> ``RolloutBatch`` (see :mod:`rollout.request` for semantics).
+
+``postprocess_reference`` mirrors the per-row Python loop of the upstream implementation (the seed
+feature request's candidate for optimisation) and serves as the test oracle; ``postprocess`` is the
+batched version used in production: a fixed number of tensor ops and one host sync (the output
+width), whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.request import RolloutBatch
+
+
+def eos_tensor(eos_token_ids: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+    return torch.tensor(eos_token_ids, dtype=torch.long, device=device) if eos_token_ids else None
+
+
+def response_lengths(generated: torch.Tensor, eos_ids: torch.Tensor | None) -> torch.Tensor:
+    """``lengths [N]``: position of the first EOS + 1 (the EOS is kept), or the full width."""
+    num_rows, width = generated.shape
+    if eos_ids is None or width == 0:
+        return torch.full((num_rows,), width, dtype=torch.long, device=generated.device)
+    is_eos = torch.isin(generated, eos_ids)  # [N, S]
+    first = is_eos.int().argmax(dim=1)
+    return torch.where(is_eos.any(dim=1), first + 1, width)
+
+
+def postprocess(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generated: torch.Tensor,
+                eos_token_ids: tuple[int, ...], pad_token_id: int) -> RolloutBatch:
+    """Batched post-processing.
+
+    ``prompt_ids``/``prompt_mask`` are the expanded prompts ``[N, T_p]``; ``generated [N, S]`` the
+    raw tokens of every decode step (whatever came after a row's EOS is discarded here).
+    """
+    lengths = response_lengths(generated, eos_tensor(eos_token_ids, generated.device))
+    width = int(lengths.max()) if lengths.numel() else 0  # the one host sync
+    cols = torch.arange(width, device=generated.device)
+    response_mask = cols[None, :] < lengths[:, None]  # [N, T_r]
+    response = torch.where(response_mask, generated[:, :width], pad_token_id)
+    input_ids = torch.cat([prompt_ids, response.to(prompt_ids.dtype)], dim=1)
+    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+    start = torch.full((prompt_ids.shape[0],), prompt_ids.shape[1], dtype=torch.long, device=prompt_ids.device)
+    return RolloutBatch(input_ids=input_ids, attention_mask=attention_mask, response_start_idx=start)
+
+
+def postprocess_reference(request_prompt_ids: torch.Tensor, request_prompt_mask: torch.Tensor,
+                          generated: torch.Tensor, num_samples: int, eos_token_ids: tuple[int, ...],
+                          pad_token_id: int) -> RolloutBatch:
+    """Reference: one Python iteration per output row, reading the *unexpanded* request.
+
+    Row ``i`` takes prompt ``i // num_samples``; its response runs to the first EOS (kept) or the
+    end; the output width is the longest response.
+    """
+    num_rows, width = generated.shape
+    prompt_len = request_prompt_ids.shape[1]
+    eos = set(eos_token_ids)
+    rows, lengths = [], []
+    for i in range(num_rows):
+        tokens = generated[i].tolist()
+        length = width
+        for k, token in enumerate(tokens):
+            if token in eos:
+                length = k + 1
+                break
+        rows.append(tokens[:length])
+        lengths.append(length)
+    out_width = max(lengths) if lengths else 0
+    input_ids = torch.full((num_rows, prompt_len + out_width), pad_token_id, dtype=request_prompt_ids.dtype)
+    attention_mask = torch.zeros((num_rows, prompt_len + out_width), dtype=torch.long)
+    for i in range(num_rows):
+        source = i // num_samples
+        input_ids[i, :prompt_len] = request_prompt_ids[source].cpu()
+        attention_mask[i, :prompt_len] = request_prompt_mask[source].cpu().long()
+        input_ids[i, prompt_len:prompt_len + lengths[i]] = torch.tensor(rows[i], dtype=input_ids.dtype)
+        attention_mask[i, prompt_len:prompt_len + lengths[i]] = 1
+    device = generated.device
+    return RolloutBatch(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                        response_start_idx=torch.full((num_rows,), prompt_len, dtype=torch.long, device=device))

@@ -1,0 +1,83 @@
+"""Input and output records of ``Rollout.generate`` (DeepSpeed's field names, so users can switch).
+
+Semantics
+---------
+Prompts are left-padded ``[B, T_p]``. Output row ``i`` belongs to prompt ``i // n``
+(``n = n_samples_per_prompt``). ``input_ids = [prompt | response]``, right-padded to the longest
+response; ``response_start_idx[i] == T_p``. The response mask comes from positions, never from token
+values: a generated token equal to the pad id keeps mask 1; the first EOS is kept (mask 1) even when
+pad == eos; everything after it is pad with mask 0. The prompt part of the mask equals the expanded
+prompt mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RolloutRequest:
+    """Prompts for one ``generate`` call."""
+
+    prompt_ids: torch.Tensor
+    """``[B, T_p]`` token ids, left-padded."""
+    prompt_attention_mask: torch.Tensor
+    """``[B, T_p]``, 1 on real prompt tokens, 0 on padding. Every row needs at least one 1."""
+
+    def __post_init__(self) -> None:
+        ids, mask = self.prompt_ids, self.prompt_attention_mask
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError(f"prompt_ids: must be a 2-D tensor [B, T_p]; got {_shape(ids)}")
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            raise ValueError(f"prompt_attention_mask: must be a 2-D tensor [B, T_p]; got {_shape(mask)}")
+        if mask.shape != ids.shape:
+            raise ValueError(f"prompt_attention_mask: shape {tuple(mask.shape)} does not match prompt_ids "
+                             f"{tuple(ids.shape)}")
+        if ids.shape[0] == 0 or ids.shape[1] == 0:
+            raise ValueError(f"prompt_ids: needs at least one row and one column; got {tuple(ids.shape)}")
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"prompt_ids: must hold integer token ids; got dtype {ids.dtype}")
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt_ids.shape[1])
+
+
+@dataclass
+class RolloutBatch:
+    """Prompt + response of every sample, in one right-padded tensor."""
+
+    input_ids: torch.Tensor
+    """``[B*n, T_p + T_r]``: ``[prompt | response]``."""
+    attention_mask: torch.Tensor
+    """``[B*n, T_p + T_r]``: expanded prompt mask, then 1 up to and including the first EOS."""
+    response_start_idx: torch.Tensor
+    """``[B*n]`` int64, all equal to ``T_p``."""
+
+    def __post_init__(self) -> None:
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids: must be 2-D; got {tuple(self.input_ids.shape)}")
+        if self.attention_mask.shape != self.input_ids.shape:
+            raise ValueError(f"attention_mask: shape {tuple(self.attention_mask.shape)} does not match "
+                             f"input_ids {tuple(self.input_ids.shape)}")
+        if self.response_start_idx.shape != (self.input_ids.shape[0],):
+            raise ValueError(f"response_start_idx: must be 1-D of length {self.input_ids.shape[0]}; got "
+                             f"{tuple(self.response_start_idx.shape)}")
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def _shape(value) -> str:
+    return str(tuple(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__

@@ -1,0 +1,87 @@
+"""Tiny random models and a tokenizer-like object, for tests, demos and CPU benchmarks.
+
+Nothing is downloaded: every model is built from a config with random weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+#: Shapes of the embedded tiny models. ``vocab_size`` stays small so CPU tests are fast.
+TINY_SHAPES = {
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=512),
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, vocab_size=512, max_position_embeddings=512),
+}
+
+#: The Qwen2.5-3B geometry used for GPU benchmarks (random weights).
+QWEN25_3B_SHAPE = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+                       max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0)
+
+
+@dataclass(frozen=True)
+class TinyTokenizer:
+    """The part of a tokenizer the rollout core uses: ``pad_token_id`` and ``eos_token_id``.
+
+    ``eos_token_id`` may be an int, a list of ints, or None (no EOS: every row runs to the budget).
+    """
+
+    pad_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 2
+    vocab_size: int = 512
+    bos_token_id: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def tiny_config(arch: str = "qwen2", **overrides):
+    """A transformers config for a tiny random model of ``arch`` (``"qwen2"`` or ``"llama"``)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if arch not in TINY_SHAPES:
+        raise ValueError(f"arch must be one of {sorted(TINY_SHAPES)}; got {arch!r}")
+    kwargs = dict(TINY_SHAPES[arch])
+    kwargs.update(overrides)
+    kwargs.setdefault("pad_token_id", 0)
+    kwargs.setdefault("eos_token_id", 2)
+    kwargs.setdefault("bos_token_id", 1)
+    config_cls = Qwen2Config if arch == "qwen2" else LlamaConfig
+    config = config_cls(**kwargs)
+    config._attn_implementation = kwargs.get("attn_implementation", "sdpa")
+    return config
+
+
+def tiny_model(arch: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", **overrides):
+    """A tiny random causal LM (eval mode), deterministic for a given ``seed``."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def random_prompts(batch_size: int, max_len: int, *, min_len: int = 1, vocab_size: int = 512,
+                   pad_token_id: int = 0, seed: int = 0, avoid: tuple[int, ...] = (0, 1, 2),
+                   device: str | torch.device = "cpu"):
+    """Left-padded random prompts: ``(prompt_ids [B, T_p], prompt_attention_mask [B, T_p])``.
+
+    Row lengths are drawn from ``[min_len, max_len]``; the longest row is ``max_len`` so ``T_p ==
+    max_len``. Token ids avoid ``avoid`` (pad/bos/eos by default) so prompts contain no EOS.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (batch_size,), generator=gen)
+    lengths[0] = max_len
+    ids = torch.full((batch_size, max_len), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((batch_size, max_len), dtype=torch.long)
+    allowed = torch.tensor([t for t in range(vocab_size) if t not in avoid])
+    for row, length in enumerate(lengths.tolist()):
+        picks = allowed[torch.randint(len(allowed), (length,), generator=gen)]
+        ids[row, max_len - length:] = picks
+        mask[row, max_len - length:] = 1
+    return ids.to(device), mask.to(device)

@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny random models (no downloads) and an HF ``generate`` oracle."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("OPSD_PROFILE", "0")  # tests opt in to profiling explicitly
+
+from rollout.testing import TinyTokenizer, random_prompts, tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen():
+    return tiny_model("qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return tiny_model("llama", seed=1)
+
+
+def hf_greedy(model, ids_row: torch.Tensor, mask_row: torch.Tensor, max_new_tokens: int, *, eos=None, pad=0,
+              repetition_penalty: float = 1.0) -> list[int]:
+    """Response tokens of HF ``generate`` on one prompt alone (its own padding kept), greedy, fp32."""
+    out = model.generate(ids_row[None], attention_mask=mask_row[None], max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=pad, eos_token_id=eos,
+                         repetition_penalty=repetition_penalty, temperature=None, top_p=None, top_k=None)
+    return out[0, ids_row.shape[0]:].tolist()
+
+
+def response_of(batch, row: int) -> list[int]:
+    """The masked response tokens of one output row."""
+    start = int(batch.response_start_idx[row])
+    keep = batch.attention_mask[row, start:].bool()
+    return batch.input_ids[row, start:][keep].tolist()
+
+
+__all__ = ["TinyTokenizer", "random_prompts", "hf_greedy", "response_of"]

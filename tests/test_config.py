@@ -1,0 +1,53 @@
+import pytest
+
+from rollout import RolloutConfig, SamplingConfig
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=-3), "max_new_tokens"),
+    (dict(max_new_tokens=2.0), "max_new_tokens"),
+    (dict(max_new_tokens=4, temperature=float("nan")), "temperature"),
+    (dict(max_new_tokens=4, top_p=0.0), "top_p"),
+    (dict(max_new_tokens=4, top_p=1.5), "top_p"),
+    (dict(max_new_tokens=4, top_k=2.5), "top_k"),
+    (dict(max_new_tokens=4, n_samples_per_prompt=0), "n_samples_per_prompt"),
+    (dict(max_new_tokens=4, continuous_batch_size=0), "continuous_batch_size"),
+    (dict(max_new_tokens=4, repetition_penalty=0.0), "repetition_penalty"),
+    (dict(max_new_tokens=4, repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(max_new_tokens=4, seed="7"), "seed"),
+])
+def test_sampling_config_rejects_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingConfig(**kwargs)
+
+
+def test_sampling_config_keeps_upstream_defaults():
+    cfg = SamplingConfig(max_new_tokens=8)
+    assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.n_samples_per_prompt, cfg.continuous_batch_size) == \
+        (1.0, 1.0, -1, 1, None)
+    assert (cfg.repetition_penalty, cfg.seed) == (1.0, None)
+    assert SamplingConfig(max_new_tokens=1, temperature=0.0).is_greedy
+    assert SamplingConfig(max_new_tokens=1, temperature=-1.0).is_greedy
+    assert not cfg.is_greedy
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(route="fastest"), "route"),
+    (dict(gather="sometimes"), "gather"),
+    (dict(keep_cache="yes"), "keep_cache"),
+    (dict(fuse_lora=1), "fuse_lora"),
+    (dict(eos_check_interval=0), "eos_check_interval"),
+    (dict(max_context=0), "max_context"),
+])
+def test_rollout_config_rejects_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        RolloutConfig(**kwargs)
+
+
+def test_rollout_config_rejects_unknown_fields_and_is_frozen():
+    with pytest.raises(TypeError):
+        RolloutConfig(routes="ordinary")
+    cfg = RolloutConfig()
+    with pytest.raises(Exception):
+        cfg.route = "continuous"

@@ -1,0 +1,161 @@
+"""Sampling, repetition penalty, caches, mode switching and input errors of ``Rollout``."""
+
+import pytest
+import torch
+
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout.testing import TinyTokenizer, random_prompts, tiny_model
+
+TOK = TinyTokenizer(pad_token_id=0, eos_token_id=None)
+
+
+def test_repetition_penalty_matches_hf_on_the_padded_batch(qwen):
+    ids, mask = random_prompts(4, 9, min_len=2, seed=21)
+    batch = Rollout(qwen, TOK).generate(RolloutRequest(ids, mask), SamplingConfig(
+        max_new_tokens=10, temperature=0.0, repetition_penalty=1.7))
+    expected = qwen.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                             eos_token_id=None, repetition_penalty=1.7, temperature=None, top_p=None, top_k=None)
+    assert torch.equal(batch.input_ids, expected)
+    plain = Rollout(qwen, TOK).generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10,
+                                                                                 temperature=0.0))
+    assert not torch.equal(plain.input_ids, batch.input_ids), "the penalty must change something here"
+
+
+@pytest.mark.parametrize("sampling", [
+    dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.8),
+    dict(temperature=0.9, top_k=50, top_p=0.9, repetition_penalty=1.2),
+])
+def test_seeded_sampling_is_reproducible(qwen, sampling):
+    ids, mask = random_prompts(3, 6, seed=22)
+    ro = Rollout(qwen, TOK)
+    cfg = SamplingConfig(max_new_tokens=12, n_samples_per_prompt=3, seed=123, **sampling)
+    first = ro.generate(RolloutRequest(ids, mask), cfg)
+    torch.manual_seed(999)  # the global RNG must not matter
+    second = ro.generate(RolloutRequest(ids, mask), cfg)
+    other = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=12, n_samples_per_prompt=3,
+                                                                  seed=124, **sampling))
+    assert torch.equal(first.input_ids, second.input_ids)
+    assert not torch.equal(first.input_ids, other.input_ids)
+    # samples of one prompt differ from each other (sampling is per row, not per prompt)
+    assert not torch.equal(first.input_ids[0], first.input_ids[1])
+
+
+def test_top_k_one_equals_greedy(qwen):
+    ids, mask = random_prompts(2, 6, seed=23)
+    ro = Rollout(qwen, TOK)
+    greedy = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=8, temperature=0.0))
+    top1 = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=8, temperature=1.0, top_k=1,
+                                                                seed=1))
+    assert torch.equal(greedy.input_ids, top1.input_ids)
+
+
+def test_sampling_follows_the_model_distribution():
+    """One decode step's samples follow softmax(logits / T) restricted to the top-k set."""
+    from rollout.sampling import select_next_token
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]]).repeat(20000, 1)
+    cfg = SamplingConfig(max_new_tokens=1, temperature=0.8, top_k=3, seed=0)
+    tokens = select_next_token(logits, cfg, None, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=5).float() / tokens.numel()
+    expected = torch.softmax(logits[0, :3] / 0.8, dim=0)
+    assert freq[3:].sum() == 0
+    assert torch.allclose(freq[:3], expected, atol=0.015)
+
+
+def test_mode_switch_restores_every_submodule_flag(qwen):
+    model = tiny_model(seed=3)
+    model.train()
+    model.model.layers[0].eval()  # a frozen submodule stays in eval
+    ids, mask = random_prompts(1, 4, seed=24)
+    Rollout(model, TOK).generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=2, temperature=0.0))
+    assert model.training and model.model.layers[1].training
+    assert not model.model.layers[0].training
+
+
+def test_cache_is_reused_when_kept_and_released_otherwise(qwen):
+    ids, mask = random_prompts(4, 8, seed=25)
+    kept = Rollout(qwen, TOK, RolloutConfig(keep_cache=True))
+    dropped = Rollout(qwen, TOK, RolloutConfig(keep_cache=False))
+    cfg = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    outs = []
+    for ro in (kept, dropped):
+        a = ro.generate(RolloutRequest(ids, mask), cfg)
+        b = ro.generate(RolloutRequest(ids[:2], mask[:2]), cfg)  # smaller: fits in the kept cache
+        outs.append((a, b))
+    assert kept._pool.num_allocations == 1 and kept._pool.nbytes > 0
+    assert dropped._pool.num_allocations == 2 and dropped._pool.nbytes == 0
+    assert torch.equal(outs[0][0].input_ids, outs[1][0].input_ids)
+    assert torch.equal(outs[0][1].input_ids, outs[1][1].input_ids)
+    assert torch.equal(outs[0][1].input_ids, outs[0][0].input_ids[:2])
+    kept.shutdown()
+    assert kept._pool.nbytes == 0
+
+
+def test_generation_config_is_ignored(qwen):
+    model = tiny_model(seed=4)
+    ids, mask = random_prompts(2, 5, seed=26)
+    cfg = SamplingConfig(max_new_tokens=5, temperature=0.0)
+    before = Rollout(model, TOK).generate(RolloutRequest(ids, mask), cfg)
+    model.generation_config.temperature = 5.0
+    model.generation_config.top_k = 3
+    model.generation_config.repetition_penalty = 3.0
+    after = Rollout(model, TOK).generate(RolloutRequest(ids, mask), cfg)
+    assert torch.equal(before.input_ids, after.input_ids)
+
+
+def test_eager_attention_matches_sdpa():
+    ids, mask = random_prompts(3, 7, min_len=2, seed=27)
+    cfg = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    sdpa = tiny_model(seed=5)
+    eager = tiny_model(seed=5, attn_implementation="eager")
+    a = Rollout(sdpa, TOK).generate(RolloutRequest(ids, mask), cfg)
+    b = Rollout(eager, TOK).generate(RolloutRequest(ids, mask), cfg)
+    assert torch.equal(a.input_ids, b.input_ids)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda ids, mask: (ids[0], mask[0]), "prompt_ids"),
+    (lambda ids, mask: (ids, mask[:, 1:]), "prompt_attention_mask"),
+    (lambda ids, mask: (ids.float(), mask), "prompt_ids"),
+    (lambda ids, mask: (ids[:, :0], mask[:, :0]), "prompt_ids"),
+])
+def test_request_shape_errors(make, field):
+    ids, mask = random_prompts(2, 4, seed=28)
+    with pytest.raises(ValueError, match=field):
+        RolloutRequest(*make(ids, mask))
+
+
+def test_value_errors_name_the_field(qwen):
+    ro = Rollout(qwen, TOK)
+    ids, mask = random_prompts(2, 4, seed=29)
+    empty_row = mask.clone()
+    empty_row[1] = 0
+    with pytest.raises(ValueError, match="prompt_attention_mask"):
+        ro.generate(RolloutRequest(ids, empty_row), SamplingConfig(max_new_tokens=2))
+    with pytest.raises(ValueError, match="prompt_attention_mask"):
+        ro.generate(RolloutRequest(ids, mask * 2), SamplingConfig(max_new_tokens=2))
+    with pytest.raises(ValueError, match="prompt_ids"):
+        ro.generate(RolloutRequest(ids + 10_000, mask), SamplingConfig(max_new_tokens=2))
+    with pytest.raises(ValueError, match="max_new_tokens"):  # 4 + 509 > 512 positions: no silent truncation
+        ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=509))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Rollout(qwen, TOK, RolloutConfig(max_context=5)).generate(RolloutRequest(ids, mask),
+                                                                  SamplingConfig(max_new_tokens=2))
+    with pytest.raises(ValueError, match="sampling"):
+        ro.generate(RolloutRequest(ids, mask), {"max_new_tokens": 2})
+
+
+@pytest.mark.parametrize("tokenizer, field", [
+    (TinyTokenizer(pad_token_id=None, eos_token_id=None), "pad_token_id"),
+    (TinyTokenizer(pad_token_id=0, eos_token_id="</s>"), "eos_token_id"),
+    (TinyTokenizer(pad_token_id=1.5, eos_token_id=2), "pad_token_id"),
+])
+def test_tokenizer_errors(qwen, tokenizer, field):
+    with pytest.raises(ValueError, match=field):
+        Rollout(qwen, tokenizer)
+
+
+def test_unsupported_attention_is_rejected():
+    model = tiny_model(seed=6)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="_attn_implementation"):
+        Rollout(model, TOK)

@@ -1,0 +1,3 @@
+"""Per-stage latency and peak-memory reports from Chrome / TensorBoard profiler traces."""
+
+__opsd_rollout_package__ = "traces"
