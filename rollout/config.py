@@ -85,12 +85,20 @@ class RolloutConfig:
     """Decode steps between the checks whether every row has finished (each check is one host sync)."""
     max_context: Optional[int] = None
     """Upper bound on prompt + new tokens; None reads ``max_position_embeddings`` from the model config."""
+    fast_decode: bool = True
+    """Run decode steps through our own fused step (Llama-family models); other models, unfused LoRA and
+    ZeRO-3 per-forward gathering use the HF forward, with the reason in the profile."""
+    cuda_graphs: bool = True
+    """On CUDA, capture the fast decode step in CUDA graphs (per batch and length bucket) and replay them."""
+    compile: bool = True
+    """On CUDA, ``torch.compile`` the fast step's fusable pieces (norms, rotary, MLP activation)."""
 
     def __post_init__(self) -> None:
         _require(self.route in ROUTES, "route", f"must be one of {ROUTES}; got {self.route!r}")
         _require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
         _require(isinstance(self.keep_cache, bool), "keep_cache", f"must be a bool; got {self.keep_cache!r}")
-        _require(isinstance(self.fuse_lora, bool), "fuse_lora", f"must be a bool; got {self.fuse_lora!r}")
+        for name in ("fuse_lora", "fast_decode", "cuda_graphs", "compile"):
+            _require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
         _require(_is_int(self.eos_check_interval) and self.eos_check_interval >= 1, "eos_check_interval",
                  f"must be an int >= 1; got {self.eos_check_interval!r}")
         _require(self.max_context is None or (_is_int(self.max_context) and self.max_context > 0),

@@ -13,7 +13,8 @@ import time
 import torch
 
 from instrumentation import collect_stages, stage, stages
-from rollout import compat, zero
+from rollout import compat, fast_decode, zero
+from rollout.decode_graphs import FastDecoder, batch_bucket
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.expand import expand_prompts
 from rollout.kv_cache import CachePool, CacheShape
@@ -72,6 +73,7 @@ class Rollout:
         self.is_zero3 = zero.is_zero3(engine)
         self._pool = CachePool(keep=self.config.keep_cache)
         self._last_profile: dict | None = None
+        self._decoder: FastDecoder | None = None
 
     # ---- public interface (DeepSpeed's RolloutEngine) -------------------------------------------
     @torch.no_grad()
@@ -90,12 +92,14 @@ class Rollout:
         return batch
 
     def sync_weights(self, step: int) -> None:
-        """No-op: the rollout reads the training engine's weights in place (nothing to push)."""
+        """Nothing to push: the rollout reads the training engine's weights in place. Captured decode
+        graphs are keyed by the weights' addresses, so weights that moved are re-captured on the next call."""
         return None
 
     def shutdown(self) -> None:
-        """Release the KV cache."""
+        """Release the KV cache, the decode buffers and the captured CUDA graphs."""
         self._pool.clear()
+        self._decoder = None
 
     def get_last_profile(self) -> dict | None:
         """Per-stage timings of the last ``generate`` call, or None when profiling is off."""
@@ -108,15 +112,21 @@ class Rollout:
         with stage(stages.EXPAND):
             ids, mask = expand_prompts(prompt_ids, prompt_mask, sampling.n_samples_per_prompt)
         with self._inference_mode(), self._generation_weights():
-            with stage(stages.CACHE_ACQUIRE):
-                cache = self._pool.acquire(self._cache_shape(ids.shape[0], ids.shape[1] + sampling.max_new_tokens))
+            decoder, reason = self._fast_decoder()
+            rows = batch_bucket(ids.shape[0]) if decoder is not None else ids.shape[0]
+            capacity = ids.shape[1] + sampling.max_new_tokens
+            with stage(stages.CACHE_ACQUIRE):  # storage for the batch bucket; the prefill writes the live rows
+                cache = self._pool.acquire(self._cache_shape(rows, capacity)).view(
+                    self._cache_shape(ids.shape[0], capacity))
             try:
                 state = generate_ordinary(
                     self.model, cache, ids, mask, sampling, eos_tensor(self.eos_token_ids, device),
-                    self.model.config.vocab_size, self.config.eos_check_interval, self._busy, stage)
+                    self.model.config.vocab_size, self.config.eos_check_interval, self._busy, stage,
+                    decoder=decoder, eos_key=self.eos_token_ids)
             finally:
                 with stage(stages.CACHE_RELEASE):
                     self._pool.release()
+        state.counters["decode_fallback_reason"] = reason
         with stage(stages.POSTPROCESS):
             batch = postprocess(ids, mask, state.generated[:, :state.num_steps], self.eos_token_ids,
                                 self.pad_token_id)
@@ -172,6 +182,21 @@ class Rollout:
     def _unfuse(fuser) -> None:
         with stage(stages.LORA_UNFUSE):
             fuser.unfuse()
+
+    def _fast_decoder(self) -> tuple[FastDecoder | None, str | None]:
+        """The fast decoder for this call, or None and the reason the HF forward decodes instead."""
+        if not self.config.fast_decode:
+            return None, "fast_decode disabled in RolloutConfig"
+        if self.is_zero3 and self.config.gather == "per_forward":
+            return None, "ZeRO-3 per-forward gathering (parameters are not resident)"
+        reason = fast_decode.unsupported_reason(self.model)
+        if reason is not None:
+            return None, reason
+        if self._decoder is None:
+            self._decoder = FastDecoder(self.model, self.config.cuda_graphs, self.config.compile)
+        device = self._device()
+        graph_reason = self._decoder.graph_reason(device)
+        return self._decoder, (f"eager fast step: {graph_reason}" if graph_reason else None)
 
     def _fuser(self):
         if not self.config.fuse_lora or (self.is_zero3 and self.config.gather == "per_forward"):

@@ -43,6 +43,9 @@ def build_profile(summary: dict, counters: dict, batch, request, sampling, elaps
         "response_length": response_len,
         # ours
         "route": "ordinary",
+        "decode_path": ("graph" if counters.get("graph_decode_steps") else
+                        "fast_eager" if counters.get("eager_decode_steps") else "hf"),
+        "decode_fallback_reason": counters.get("decode_fallback_reason"),
         "num_prefill_forwards": counters.get("prefill_forwards", 0),
         "num_useful_tokens": num_useful,
         "useful_tokens_per_second": num_useful / (total_ms / 1000.0) if total_ms > 0 else 0.0,

@@ -16,7 +16,7 @@ from instrumentation import stages
 from rollout import compat, masks
 from rollout.config import SamplingConfig
 from rollout.kv_cache import StaticKVCache
-from rollout.sampling import make_generator, select_next_token
+from rollout.sampling import draw_seed, select_next_token
 
 #: Decides whether another decode step runs (all ranks must agree under ZeRO-3 per-forward gathering).
 BusyFn = Callable[[bool], bool]
@@ -31,32 +31,49 @@ class DecodeState:
     generated: torch.Tensor  # [N, max_new_tokens] raw tokens of every step
     finished: torch.Tensor  # [N] bool: row has produced an EOS
     seen: torch.Tensor | None  # [N, V] bool history for the repetition penalty (None when off)
-    generator: torch.Generator | None
+    seed: torch.Tensor  # scalar int64: keys the sampling noise (see rollout.sampling)
+    rows: torch.Tensor  # [N] int64: each row's sample id
     num_steps: int = 0  # tokens produced so far (prefill produces the first)
     counters: dict = field(default_factory=lambda: {"prefill_forwards": 0, "decode_forwards": 0})
 
 
 def init_state(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig,
-               capacity: int, vocab_size: int) -> DecodeState:
+               capacity: int, vocab_size: int, buffers=None) -> DecodeState:
+    """The call's decode state; views into ``buffers`` (a ``DecodeBuffers``) when the fast decoder runs."""
     num_rows = prompt_ids.shape[0]
     device = prompt_ids.device
-    seen = None
-    if sampling.repetition_penalty != 1.0:
-        # seen: [N, V] — the padded history, padding included (HF semantics)
-        seen = torch.zeros((num_rows, vocab_size), dtype=torch.bool, device=device)
-        seen.scatter_(1, prompt_ids.long(), True)
-    return DecodeState(
-        valid=masks.key_validity(prompt_mask, capacity),
-        next_pos=prompt_mask.long().sum(dim=1),
-        generated=torch.zeros((num_rows, sampling.max_new_tokens), dtype=torch.long, device=device),
-        finished=torch.zeros(num_rows, dtype=torch.bool, device=device),
-        seen=seen,
-        generator=make_generator(sampling, device),
-    )
+    use_seen = sampling.repetition_penalty != 1.0
+    if buffers is None:
+        state = DecodeState(
+            valid=masks.key_validity(prompt_mask, capacity),
+            next_pos=prompt_mask.long().sum(dim=1),
+            generated=torch.zeros((num_rows, sampling.max_new_tokens), dtype=torch.long, device=device),
+            finished=torch.zeros(num_rows, dtype=torch.bool, device=device),
+            # seen: [N, V] — the padded history, padding included (HF semantics)
+            seen=torch.zeros((num_rows, vocab_size), dtype=torch.bool, device=device) if use_seen else None,
+            seed=torch.tensor(draw_seed(sampling), dtype=torch.long, device=device),
+            rows=torch.arange(num_rows, dtype=torch.long, device=device),
+        )
+    else:
+        buffers.valid.fill_(True)
+        buffers.valid[:num_rows, :prompt_ids.shape[1]] = prompt_mask.bool()
+        buffers.finished.zero_()
+        buffers.seed.fill_(draw_seed(sampling))
+        if use_seen:
+            buffers.seen.zero_()
+        state = DecodeState(valid=buffers.valid[:num_rows, :capacity], next_pos=prompt_mask.long().sum(dim=1),
+                            generated=buffers.generated[:num_rows, :sampling.max_new_tokens],
+                            finished=buffers.finished[:num_rows],
+                            seen=buffers.seen[:num_rows] if use_seen else None, seed=buffers.seed,
+                            rows=buffers.rows[:num_rows])
+    if state.seen is not None:
+        state.seen.scatter_(1, prompt_ids.long(), True)
+    return state
 
 
 def _emit(state: DecodeState, logits: torch.Tensor, sampling: SamplingConfig, eos_ids: torch.Tensor | None):
-    tokens = select_next_token(logits, sampling, state.seen, state.generator)  # [N]
+    step = torch.tensor(state.num_steps, dtype=torch.long, device=logits.device)
+    tokens = select_next_token(logits, sampling, state.seen, state.seed, state.rows, step)  # [N]
     state.generated[:, state.num_steps] = tokens
     if state.seen is not None:
         state.seen.scatter_(1, tokens[:, None], True)
@@ -91,25 +108,43 @@ def decode_one_token(model, cache: StaticKVCache, tokens: torch.Tensor, prompt_l
 
 def generate_ordinary(model, cache: StaticKVCache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                       sampling: SamplingConfig, eos_ids: torch.Tensor | None, vocab_size: int,
-                      eos_check_interval: int, busy: BusyFn, stage=None) -> DecodeState:
+                      eos_check_interval: int, busy: BusyFn, stage=None, decoder=None,
+                      eos_key: tuple = ()) -> DecodeState:
     """Prefill then decode until every row has finished (EOS) or the budget is spent.
 
     ``busy(local_busy)`` returns whether any rank still runs; every rank calls it at the same steps, so
     all ranks run the same number of forwards. ``stage(name)`` (a context-manager factory) wraps
-    each prefill/decode call when given.
+    each prefill/decode call when given. ``decoder`` (a ``FastDecoder``) runs the decode steps through
+    our own step function (and CUDA graphs on GPU); None runs them through the HF model.
     """
     stage = stage or _no_stage
     capacity = cache.shape.capacity
-    state = init_state(prompt_ids, prompt_mask, sampling, capacity, vocab_size)
-    prompt_len = prompt_ids.shape[1]
+    num_rows, prompt_len = prompt_ids.shape
+    buffers = None
+    if decoder is not None:
+        buffers = decoder.buffers_for(num_rows, capacity, sampling.max_new_tokens, vocab_size, prompt_ids.device)
+    state = init_state(prompt_ids, prompt_mask, sampling, capacity, vocab_size, buffers)
     with stage(stages.PREFILL):
         tokens = prefill(model, cache, prompt_ids, prompt_mask, state, sampling, eos_ids)
+    step = None
+    if decoder is not None:
+        buffers.tokens[:num_rows] = tokens
+        buffers.positions[:num_rows] = state.next_pos
+        buffers.col.fill_(prompt_len)
+        buffers.step.fill_(1)
+        step = decoder.stepper(cache, num_rows, sampling, eos_ids, eos_key, state.seen is not None)
     while state.num_steps < sampling.max_new_tokens:
         if eos_ids is not None and state.num_steps % eos_check_interval == 0:
             if not busy(not bool(state.finished.all())):
                 break
         with stage(stages.DECODE):
-            tokens = decode_one_token(model, cache, tokens, prompt_len, state, sampling, eos_ids)
+            if step is None:
+                tokens = decode_one_token(model, cache, tokens, prompt_len, state, sampling, eos_ids)
+            else:
+                mode = step(prompt_len + state.num_steps)  # "graph" or "eager"
+                state.counters[f"{mode}_decode_steps"] = state.counters.get(f"{mode}_decode_steps", 0) + 1
+                state.num_steps += 1
+                state.counters["decode_forwards"] += 1
     return state
 
 

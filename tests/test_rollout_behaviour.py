@@ -38,6 +38,9 @@ def test_seeded_sampling_is_reproducible(qwen, sampling):
     assert not torch.equal(first.input_ids, other.input_ids)
     # samples of one prompt differ from each other (sampling is per row, not per prompt)
     assert not torch.equal(first.input_ids[0], first.input_ids[1])
+    # a sample does not depend on its batch neighbours: the first prompt alone gives the same rows
+    alone = ro.generate(RolloutRequest(ids[:1], mask[:1]), cfg)
+    assert torch.equal(alone.input_ids, first.input_ids[:3, :alone.seq_len])
 
 
 def test_top_k_one_equals_greedy(qwen):
@@ -54,11 +57,26 @@ def test_sampling_follows_the_model_distribution():
     from rollout.sampling import select_next_token
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]]).repeat(20000, 1)
     cfg = SamplingConfig(max_new_tokens=1, temperature=0.8, top_k=3, seed=0)
-    tokens = select_next_token(logits, cfg, None, torch.Generator().manual_seed(0))
+    rows = torch.arange(logits.shape[0])
+    tokens = select_next_token(logits, cfg, None, torch.tensor(0), rows, torch.tensor(0))
     freq = torch.bincount(tokens, minlength=5).float() / tokens.numel()
     expected = torch.softmax(logits[0, :3] / 0.8, dim=0)
     assert freq[3:].sum() == 0
     assert torch.allclose(freq[:3], expected, atol=0.015)
+
+
+def test_counter_noise_is_uniform_and_keyed():
+    from rollout.sampling import uniform_noise
+    u = uniform_noise(torch.tensor(7), torch.arange(64), torch.tensor(3), 4096)
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+    hist = torch.histc(u, bins=10, min=0, max=1) / u.numel()
+    assert (hist - 0.1).abs().max() < 0.01
+    # a row's noise depends on (seed, row, step) only, not on which other rows are in the batch
+    alone = uniform_noise(torch.tensor(7), torch.tensor([5]), torch.tensor(3), 4096)
+    assert torch.equal(alone[0], u[5])
+    assert not torch.equal(u[5], uniform_noise(torch.tensor(7), torch.tensor([5]), torch.tensor(4), 4096)[0])
+    assert not torch.equal(u[5], uniform_noise(torch.tensor(8), torch.tensor([5]), torch.tensor(3), 4096)[0])
 
 
 def test_mode_switch_restores_every_submodule_flag(qwen):

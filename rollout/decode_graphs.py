@@ -1,0 +1,178 @@
+"""Fast decode: our own step function (:mod:`rollout.fast_decode`) over static buffers, compiled and
+captured in CUDA graphs per (batch bucket, length bucket), replayed every step.
+
+- Static buffers (tokens, positions, cache column, step, validity mask, generated tokens, finished
+  flags, repetition history) are allocated once per shape and reused across calls; the per-call
+  decode state is made of views into them, so captured graphs stay valid.
+- Batch buckets: the live batch is rounded up to the next bucket; padding rows compute garbage that
+  is never read. Length buckets: attention reads only the first ``L`` cache columns, ``L`` the
+  live length rounded up to ``LENGTH_BUCKET`` (not the whole capacity).
+- A graph is captured once per key (bucket sizes, sampling settings, EOS ids, cache storage, weight
+  addresses) and reused across rollout calls; a changed key (``sync_weights`` moving weights, a new
+  cache) captures anew. Where graphs cannot be used the same step runs eagerly, and the reason is
+  reported in the profile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from rollout import fast_decode
+from rollout.sampling import select_next_token
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+LENGTH_BUCKET = 256
+
+
+def sampling_key(sampling) -> tuple:
+    """The sampling settings a captured step depends on (the seed lives in a buffer)."""
+    if sampling.is_greedy:
+        return ("greedy", sampling.repetition_penalty)
+    return (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty)
+
+
+def batch_bucket(num_rows: int) -> int:
+    for size in BATCH_BUCKETS:
+        if num_rows <= size:
+            return size
+    return -(-num_rows // 128) * 128
+
+
+def length_bucket(live_len: int, capacity: int) -> int:
+    return min(capacity, -(-live_len // LENGTH_BUCKET) * LENGTH_BUCKET)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_step_fns() -> fast_decode.StepFns:
+    """``torch.compile``d pieces (inductor fuses norms, rotary, SiLU and residual adds; no inductor
+    CUDA graphs: ours wrap the whole step). One compiled graph serves every layer."""
+    compile_fn = functools.partial(torch.compile, dynamic=None, fullgraph=True)
+    return fast_decode.StepFns(compile_fn(fast_decode.attention_inputs),
+                               compile_fn(fast_decode.attention_output_and_mlp),
+                               compile_fn(fast_decode.final_logits))
+
+
+class DecodeBuffers:
+    """Persistent static tensors of the decode loop, sized for ``max_rows`` x ``capacity``."""
+
+    def __init__(self, max_rows: int, capacity: int, max_new_tokens: int, vocab_size: int, device):
+        self.shape = (max_rows, capacity, max_new_tokens, vocab_size, torch.device(device))
+        long = dict(dtype=torch.long, device=device)
+        self.tokens = torch.zeros(max_rows, **long)
+        self.positions = torch.zeros(max_rows, **long)
+        self.col = torch.zeros((), **long)
+        self.step = torch.zeros((), **long)
+        self.seed = torch.zeros((), **long)
+        self.rows = torch.arange(max_rows, **long)
+        self.cols = torch.arange(capacity, **long)
+        self.valid = torch.ones((max_rows, capacity), dtype=torch.bool, device=device)
+        self.generated = torch.zeros((max_rows, max_new_tokens), **long)
+        self.finished = torch.zeros(max_rows, dtype=torch.bool, device=device)
+        self.seen = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)
+
+    def fits(self, rows: int, capacity: int, max_new_tokens: int, vocab_size: int, device) -> bool:
+        max_rows, cap, max_new, vocab, dev = self.shape
+        return rows <= max_rows and capacity <= cap and max_new_tokens <= max_new and vocab == vocab_size \
+            and dev == torch.device(device)
+
+    def mutable(self) -> list[torch.Tensor]:
+        return [self.tokens, self.positions, self.col, self.step, self.finished, self.seen]
+
+
+class FastDecoder:
+    """Runs decode steps of one model through the fast step, with CUDA graphs where possible."""
+
+    def __init__(self, model: torch.nn.Module, use_graphs: bool = True, use_compile: bool = True):
+        self.model = model
+        self.use_graphs, self.use_compile = use_graphs, use_compile
+        self.buffers: DecodeBuffers | None = None
+        self._graphs: dict = {}
+        self._pool = None
+        self.num_captures = 0
+
+    def buffers_for(self, rows: int, capacity: int, max_new_tokens: int, vocab_size: int, device) -> DecodeBuffers:
+        bucket = batch_bucket(rows)
+        if self.buffers is None or not self.buffers.fits(bucket, capacity, max_new_tokens, vocab_size, device):
+            self._graphs.clear()
+            self.buffers = None
+            self.buffers = DecodeBuffers(bucket, capacity, max_new_tokens, vocab_size, device)
+        return self.buffers
+
+    def graph_reason(self, device: torch.device) -> str | None:
+        """Why steps run eagerly (None: CUDA graphs)."""
+        if not self.use_graphs:
+            return "cuda_graphs disabled in RolloutConfig"
+        if device.type != "cuda":
+            return f"device {device.type} has no CUDA graphs"
+        return None
+
+    def stepper(self, cache, num_rows: int, sampling, eos_ids: torch.Tensor | None, eos_key: tuple,
+                has_seen: bool):
+        """A function ``step(live_len) -> "graph" | "eager"`` running one decode step for rows
+        ``[0, num_rows)`` (everything looked up once per call, nothing per step but the graph key)."""
+        spec, weights = fast_decode.spec_and_weights(self.model)
+        bufs = self.buffers
+        bucket = batch_bucket(num_rows)
+        device = bufs.tokens.device
+        fns = compiled_step_fns() if (self.use_compile and device.type == "cuda") else fast_decode.StepFns()
+        use_graphs = self.graph_reason(device) is None
+        static_key = (bucket, sampling_key(sampling), eos_key, has_seen, cache.key_storage.data_ptr(),
+                      tuple(cache.key_storage.shape), weights.signature()) if use_graphs else None
+
+        def step(live_len: int) -> str:
+            length = length_bucket(live_len, cache.shape.capacity)
+
+            def work():
+                _decode_step(spec, weights, fns, cache, bufs, bucket, length, sampling, eos_ids, has_seen)
+
+            if not use_graphs:
+                work()
+                return "eager"
+            graph = self._graphs.get((length, static_key))
+            if graph is None:
+                graph = self._graphs[(length, static_key)] = self._capture(work)
+            graph.replay()
+            return "graph"
+
+        return step
+
+    def _capture(self, step) -> "torch.cuda.CUDAGraph":
+        saved = [t.clone() for t in self.buffers.mutable()]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up (compiles on first use); its writes land in columns rewritten later
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        for dst, src in zip(self.buffers.mutable(), saved):
+            dst.copy_(src)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            step()
+        self.num_captures += 1
+        return graph
+
+
+def _decode_step(spec, weights, fns, cache, bufs: DecodeBuffers, bucket: int, length: int, sampling, eos_ids,
+                 has_seen: bool) -> None:
+    """The captured work: logits, token choice, and every buffer update (no host sync)."""
+    keep = (bufs.valid[:bucket, :length] & (bufs.cols[:length] <= bufs.col))[:, None, None, :]
+    key_cache = cache.key_storage[:, :bucket]
+    value_cache = cache.value_storage[:, :bucket]
+    logits = fast_decode.decode_logits(spec, weights, fns, key_cache, value_cache, bufs.tokens[:bucket],
+                                       bufs.positions[:bucket], bufs.col, keep)
+    seen = bufs.seen[:bucket] if has_seen else None
+    tokens = select_next_token(logits, sampling, seen, bufs.seed, bufs.rows[:bucket], bufs.step)
+    bufs.generated[:bucket].index_copy_(1, bufs.step.view(1), tokens[:, None])
+    bufs.tokens[:bucket].copy_(tokens)
+    bufs.positions[:bucket].add_(1)
+    bufs.col.add_(1)
+    bufs.step.add_(1)
+    if eos_ids is not None:
+        bufs.finished[:bucket] |= torch.isin(tokens, eos_ids)
+    if has_seen:
+        bufs.seen[:bucket].scatter_(1, tokens[:, None], True)

@@ -1,0 +1,269 @@
+#!/usr/bin/env python
+"""Rollout benchmarks: decode-step variants, seed 000's smoke matrix, seed 004's workloads.
+
+Runs on the GPU with the random Qwen2.5-3B-shaped model (``--model 3b``) or anywhere with the tiny
+model (``--model tiny``, the default on CPU). Candidates are interleaved (A B C A B C ...) after a
+warm-up; means of ``--repeats``. Every cell prints a markdown row; ``--json`` writes all rows.
+
+  python scripts/bench_rollout.py --suite decode --model 3b
+  python scripts/bench_rollout.py --suite seed004 --model 3b --upstream
+  python scripts/bench_rollout.py --suite smoke000 --cells 0-15
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig  # noqa: E402
+from rollout.testing import QWEN25_3B_SHAPE, TinyTokenizer, tiny_model  # noqa: E402
+
+FILL_TOKEN = 14990  # seed 004: inputs repeat one non-special token id
+
+SEED004 = {
+    "short-similar": [20 - (i % 8) for i in range(32)],
+    "1x512+31x16": [512] + [16] * 31,
+    "1x20+31x1": [20] + [1] * 31,
+    "1x128+31x4": [128] + [4] * 31,
+    "16..512": [16 * (i + 1) for i in range(32)],
+    "1x8192+31x256": [8192] + [256] * 31,
+}
+
+DECODE_VARIANTS = {
+    "hf_forward": dict(fast_decode=False),
+    "fast_eager": dict(cuda_graphs=False, compile=False),
+    "fast_graph": dict(compile=False),
+    "fast_graph_compiled": dict(),
+}
+
+
+@dataclass
+class Row:
+    suite: str
+    cell: str
+    candidate: str
+    e2e_ms: float
+    extra: dict = field(default_factory=dict)
+
+
+def build_model(name: str, dtype: torch.dtype, device: str):
+    if name == "tiny":
+        return tiny_model("qwen2", seed=0, dtype=dtype, device=device, max_position_embeddings=16384)
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(**QWEN25_3B_SHAPE, pad_token_id=0, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.eval()
+
+
+def left_padded(lengths: list[int], vocab: int, device: str, token: int | None = None):
+    width = max(lengths)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        fill = torch.full((length,), token) if token is not None else torch.randint(3, vocab, (length,), generator=gen)
+        ids[row, width - length:] = fill
+        mask[row, width - length:] = 1
+    return ids.to(device), mask.to(device)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - start) * 1000.0
+
+
+def interleave(candidates: dict, device: str, repeats: int) -> dict[str, float]:
+    """Warm up every candidate, then time them A B C A B C ...; returns mean ms per candidate."""
+    for fn in candidates.values():
+        fn()
+    times = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            times[name].append(timed(fn, device))
+    return {name: statistics.mean(v) for name, v in times.items()}
+
+
+def copy_bandwidth_gbps(device: str) -> float:
+    """Measured device copy bandwidth (bytes read + written per second), for the floor."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    ms = statistics.median(timed(lambda: y.copy_(x), device) for _ in range(10))
+    return 2 * x.numel() / (ms / 1000.0) / 1e9
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def suite_decode(model, tok, device, repeats, bandwidth_gbps) -> list[Row]:
+    """Decode step ms at 32 rows, prompt 128: E2E(66 new tokens) - E2E(2) over 64 steps."""
+    ids, mask = left_padded([128] * 32, model.config.vocab_size, device)
+    rows = []
+    candidates = {}
+    for name, cfg in DECODE_VARIANTS.items():
+        ro = Rollout(model, tok, RolloutConfig(**cfg))
+        for new in (2, 66):
+            sampling = SamplingConfig(max_new_tokens=new, temperature=0.0)
+            candidates[(name, new)] = (lambda ro=ro, s=sampling: ro.generate(RolloutRequest(ids, mask), s))
+    means = interleave(candidates, device, repeats)
+    kv_bytes_per_row_col = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
+        (model.config.hidden_size // model.config.num_attention_heads) * next(model.parameters()).element_size()
+    live_kv = 32 * (128 + 34) * kv_bytes_per_row_col  # mean live length over the 64 steps
+    floor_ms = (weight_bytes(model) + live_kv) / (bandwidth_gbps * 1e9 / 2) * 1000.0
+    for name in DECODE_VARIANTS:
+        step_ms = (means[(name, 66)] - means[(name, 2)]) / 64
+        rows.append(Row("decode", "B=32 prompt=128", name, means[(name, 66)],
+                        {"step_ms": step_ms, "floor_ms": floor_ms, "x_floor": step_ms / floor_ms}))
+    return rows
+
+
+def smoke000_cells():
+    cells = []
+    for batch in (1, 4):
+        for n in (1, 4):
+            for prompt in (128, 512):
+                for response in (32, 128):
+                    for mode in ("greedy", "sampling"):
+                        cells.append((batch, n, prompt, response, mode))
+    return cells
+
+
+def suite_smoke000(model, tok, device, repeats, cells) -> list[Row]:
+    ro = Rollout(model, tok)
+    rows = []
+    for index in cells:
+        batch, n, prompt, response, mode = smoke000_cells()[index]
+        ids, mask = left_padded([prompt] * batch, model.config.vocab_size, device)
+        sampling = SamplingConfig(max_new_tokens=response, temperature=0.0 if mode == "greedy" else 1.0,
+                                  top_p=1.0 if mode == "greedy" else 0.9, n_samples_per_prompt=n, seed=0)
+        means = interleave({"ours": lambda: ro.generate(RolloutRequest(ids, mask), sampling)}, device, repeats)
+        tokens = batch * n * response
+        rows.append(Row("smoke000", f"b{batch} n{n} p{prompt} r{response} {mode}", "ours", means["ours"],
+                        {"tokens_per_s": tokens / (means["ours"] / 1000.0)}))
+    return rows
+
+
+def upstream_rollout(model, tok, device, continuous: bool):
+    """DeepSpeed 0.19.8's HybridEngineRollout on a ZeRO-0 engine (single process)."""
+    import deepspeed
+    from deepspeed.runtime.rollout import HybridEngineRollout
+    from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig
+
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29511", RANK="0", WORLD_SIZE="1",
+                           LOCAL_RANK="0").items():
+        os.environ.setdefault(key, value)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
+              "bf16": {"enabled": next(model.parameters()).dtype == torch.bfloat16}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    cfg = HybridEngineRolloutConfig(align_decode_fronts=continuous) if continuous else HybridEngineRolloutConfig()
+    return HybridEngineRollout(engine, tok, cfg)
+
+
+def suite_seed004(model, tok, device, repeats, upstream: bool, names) -> list[Row]:
+    ro = Rollout(model, tok)
+    up = upstream_rollout(model, tok, device, continuous=False) if upstream else None
+    rows = []
+    for name in names:
+        lengths = SEED004[name]
+        ids, mask = left_padded(lengths, model.config.vocab_size, device, token=FILL_TOKEN % model.config.vocab_size)
+        sampling = SamplingConfig(max_new_tokens=16, temperature=0.0)
+        candidates = {"ours_ordinary": lambda: ro.generate(RolloutRequest(ids, mask), sampling)}
+        if up is not None:
+            from deepspeed.runtime.rollout import RolloutRequest as UpRequest
+            from deepspeed.runtime.rollout import SamplingConfig as UpSampling
+            up_sampling = UpSampling(max_new_tokens=16, temperature=0.0)
+            candidates["deepspeed_no_cb"] = lambda: up.generate(UpRequest(ids, mask), up_sampling)
+            cb = UpSampling(max_new_tokens=16, temperature=0.0, continuous_batch_size=32)
+            try:
+                up.generate(UpRequest(ids, mask), cb)
+                candidates["deepspeed_cb"] = lambda: up.generate(UpRequest(ids, mask), cb)
+            except Exception as exc:  # recorded, not hidden: upstream CB fails on transformers 5.x
+                rows.append(Row("seed004", name, "deepspeed_cb", float("nan"), {"error": repr(exc)[:200]}))
+        means = interleave(candidates, device, repeats)
+        best_up = min((v for k, v in means.items() if k.startswith("deepspeed")), default=float("nan"))
+        for cand, ms in means.items():
+            rows.append(Row("seed004", name, cand, ms, {"tokens_per_s": 512 / (ms / 1000.0),
+                                                        "vs_best_upstream": ms / best_up}))
+    return rows
+
+
+def parse_cells(spec: str | None, total: int) -> list[int]:
+    if not spec:
+        return list(range(total))
+    cells = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cells.extend(range(int(lo), int(hi or lo) + 1))
+    return [c for c in cells if c < total]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=["decode", "smoke000", "seed004", "all"], default="all")
+    parser.add_argument("--model", choices=["tiny", "3b"], default=None)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cells", help="smoke000 cells to run, e.g. 0-7,12 (of 32)")
+    parser.add_argument("--workloads", default=None, help="seed004 workloads, comma-separated (default all)")
+    parser.add_argument("--upstream", action="store_true", help="also time DeepSpeed's HybridEngineRollout")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    model_name = args.model or ("3b" if args.device.startswith("cuda") else "tiny")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
+                                                           else torch.float32)
+    model = build_model(model_name, dtype, args.device)
+    tok = TinyTokenizer(pad_token_id=0, eos_token_id=None)
+    import transformers
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    print(f"# {time.strftime('%Y-%m-%d')} {gpu}; torch {torch.__version__}, transformers "
+          f"{transformers.__version__}; model {model_name} {dtype}; repeats {args.repeats}")
+    bandwidth = copy_bandwidth_gbps(args.device)
+    rows: list[Row] = []
+    if args.suite in ("decode", "all"):
+        rows += suite_decode(model, tok, args.device, args.repeats, bandwidth)
+    if args.suite in ("seed004", "all"):
+        names = args.workloads.split(",") if args.workloads else list(SEED004)
+        if model_name == "tiny":
+            names = [n for n in names if n != "1x8192+31x256"]
+        rows += suite_seed004(model, tok, args.device, args.repeats, args.upstream, names)
+    if args.suite in ("smoke000", "all"):
+        rows += suite_smoke000(model, tok, args.device, args.repeats, parse_cells(args.cells, 32))
+    print(f"copy bandwidth {bandwidth:.0f} GB/s")
+    print("| suite | cell | candidate | E2E ms | details |")
+    print("|---|---|---|---:|---|")
+    for r in rows:
+        details = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.extra.items())
+        print(f"| {r.suite} | {r.cell} | {r.candidate} | {r.e2e_ms:.2f} | {details} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The fast decode step (our own Llama-family step; CUDA graphs on GPU) against the HF forward."""
+
+import pytest
+import torch
+
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import fast_decode
+from rollout.decode_graphs import batch_bucket, length_bucket
+from rollout.testing import TinyTokenizer, random_prompts, tiny_model
+
+TOK = TinyTokenizer(pad_token_id=0, eos_token_id=None)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _paths(model, ids, mask, sampling, **cfg):
+    fast = Rollout(model, TOK, RolloutConfig(**cfg)).generate(RolloutRequest(ids, mask), sampling)
+    slow = Rollout(model, TOK, RolloutConfig(fast_decode=False)).generate(RolloutRequest(ids, mask), sampling)
+    return fast, slow
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("sampling", [
+    SamplingConfig(max_new_tokens=12, temperature=0.0),
+    SamplingConfig(max_new_tokens=12, temperature=0.0, repetition_penalty=1.5),
+    SamplingConfig(max_new_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=3, n_samples_per_prompt=2),
+])
+def test_fast_step_tokens_equal_hf_forward_path(arch, sampling):
+    model = tiny_model(arch, seed=2)
+    ids, mask = random_prompts(5, 9, min_len=1, seed=41)
+    fast, slow = _paths(model, ids, mask, sampling)
+    assert torch.equal(fast.input_ids, slow.input_ids)
+    assert torch.equal(fast.attention_mask, slow.attention_mask)
+
+
+def test_fast_step_logits_match_hf_logits():
+    from rollout.kv_cache import CacheShape, StaticKVCache
+    from rollout import compat, masks
+    model = tiny_model("qwen2", seed=3)
+    ids, mask = random_prompts(3, 6, min_len=2, seed=42)
+    layers, heads, dim = compat.kv_geometry(model)
+    shape = CacheShape(3, 8, layers, heads, dim, torch.float32, torch.device("cpu"))
+    hf_cache, fast_cache = StaticKVCache(shape), StaticKVCache(shape)
+    next_tok = torch.tensor([7, 8, 9])
+    pos = mask.sum(1)
+    with torch.no_grad():
+        for cache in (hf_cache, fast_cache):  # identical prefill into both caches
+            cache.set_window(torch.arange(6), 6)
+            compat.forward_last_logits(model, ids, masks.prompt_positions(mask),
+                                       masks.prefill_mask(mask), cache)
+        valid = masks.key_validity(mask, 8)
+        hf_cache.set_window(torch.tensor([6]), 7)
+        expected = compat.forward_last_logits(model, next_tok[:, None], pos[:, None],
+                                              masks.decode_mask(valid, 7), hf_cache)
+        spec, weights = fast_decode.spec_and_weights(model)
+        got = fast_decode.decode_logits(spec, weights, fast_decode.StepFns(), fast_cache.key_storage,
+                                        fast_cache.value_storage, next_tok, pos, torch.tensor(6),
+                                        masks.decode_mask(valid, 7))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_cache.key_storage[:, :, :, 6], hf_cache.key_storage[:, :, :, 6])
+
+
+def test_unsupported_models_fall_back_with_a_reason():
+    model = tiny_model("qwen2", seed=4)
+    model.config.hidden_act = "gelu"
+    assert "hidden_act" in fast_decode.unsupported_reason(model)
+    model.config.hidden_act = "silu"
+    assert fast_decode.unsupported_reason(model) is None
+
+
+def test_buckets():
+    assert [batch_bucket(n) for n in (1, 3, 5, 17, 33, 300)] == [1, 4, 8, 24, 48, 384]
+    assert length_bucket(1, 1000) == 256 and length_bucket(257, 1000) == 512 and length_bucket(900, 1000) == 1000
+
+
+@cuda
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_cuda_graph_replay_equals_eager_fp32(compile_step):
+    model = tiny_model("qwen2", seed=5, device="cuda")
+    ids, mask = random_prompts(6, 10, min_len=2, seed=43, device="cuda")
+    for sampling in (SamplingConfig(max_new_tokens=300, temperature=0.0),
+                     SamplingConfig(max_new_tokens=20, temperature=1.0, top_p=0.8, seed=1, repetition_penalty=1.2)):
+        ro = Rollout(model, TOK, RolloutConfig(compile=compile_step))
+        graph = ro.generate(RolloutRequest(ids, mask), sampling)
+        eager = Rollout(model, TOK, RolloutConfig(cuda_graphs=False, compile=False)).generate(
+            RolloutRequest(ids, mask), sampling)
+        hf = Rollout(model, TOK, RolloutConfig(fast_decode=False)).generate(RolloutRequest(ids, mask), sampling)
+        assert torch.equal(graph.input_ids, eager.input_ids)
+        assert torch.equal(graph.input_ids, hf.input_ids)
+        captures = ro._decoder.num_captures
+        ro.generate(RolloutRequest(ids, mask), sampling)
+        assert ro._decoder.num_captures == captures  # graphs are reused across calls
+
+
+@cuda
+def test_graph_decode_makes_no_host_sync_per_step():
+    model = tiny_model("qwen2", seed=6, device="cuda")
+    ids, mask = random_prompts(4, 8, seed=44, device="cuda")
+    ro = Rollout(model, TOK)
+    sampling = SamplingConfig(max_new_tokens=32, temperature=0.0)
+    ro.generate(RolloutRequest(ids, mask), sampling)  # capture outside the checked region
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        from rollout.decode_graphs import FastDecoder  # noqa: F401
+        step = ro._decoder.stepper(ro._pool._cache, 4, sampling, None, (), False)
+        for k in range(8):
+            step(8 + 1 + k)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

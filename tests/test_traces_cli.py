@@ -1,0 +1,139 @@
+"""CLI round trips for every format and flag, and the one-line errors with exit status 2."""
+
+import csv
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from instrumentation import stages as S
+from traces.cli import main
+from traces.synth import annotation, gpu_op, launch, memory, write_events
+
+STEP, PREFILL, DECODE = (S.range_name(s) for s in (S.STEP, S.PREFILL, S.DECODE))
+
+
+def two_ranks(tmp_path):
+    paths = []
+    for rank, slow in ((0, 1.0), (1, 2.0)):
+        ev = []
+        for k in range(2):
+            t = 1000.0 * k
+            ev += [annotation(STEP, t, 500 * slow), annotation(PREFILL, t + 10, 100 * slow),
+                   annotation(DECODE, t + 200, 50), launch(t + 20, 10 * k + 1),
+                   gpu_op(t + 30, 40, 10 * k + 1), memory(t + 15, (k + 1) << 20, 4 << 20)]
+        paths.append(write_events(str(tmp_path / f"r{rank}.pt.trace.json"), ev, rank=rank))
+    return paths
+
+
+def run_cli(capsys, argv):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_schema_round_trip(tmp_path, capsys):
+    paths = two_ranks(tmp_path)
+    code, out, err = run_cli(capsys, [str(tmp_path), "--format", "json", "--by-rank", "--by-step"])
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    assert doc["schema_version"] == 1 and sorted(doc["sources"]) == sorted(paths)
+    assert doc["ranks"] == [0, 1]
+    stage = {s["name"]: s for s in doc["stages"]}
+    assert set(stage[STEP]) == {"name", "count", "cpu_ms", "gpu_ms", "gpu_span_ms", "self_ms",
+                                "share", "peak_allocated_mib", "peak_reserved_mib"}
+    assert stage[STEP]["count"] == 4 and stage[PREFILL]["cpu_ms"]["max"] == pytest.approx(0.2)
+    assert stage[PREFILL]["gpu_ms"]["total"] == pytest.approx(4 * 0.04)
+    assert stage[STEP]["peak_allocated_mib"] == 2 and stage[STEP]["peak_reserved_mib"] == 4
+    assert doc["straggler"] == {STEP: 1, PREFILL: 1, DECODE: 0}
+    assert set(doc["per_rank"]) == {"0", "1"} and set(doc["per_step"]) == {"0", "1"}
+
+
+@pytest.mark.parametrize("fmt", ["table", "markdown"])
+def test_text_formats(tmp_path, capsys, fmt):
+    two_ranks(tmp_path)
+    code, out, _ = run_cli(capsys, [str(tmp_path), "--format", fmt, "--by-rank"])
+    assert code == 0 and PREFILL in out and "straggler" in out
+    if fmt == "markdown":
+        assert out.count(f"| {PREFILL} |") == 3  # merged + 2 ranks
+
+
+def test_csv_one_row_per_stage_and_rank(tmp_path, capsys):
+    two_ranks(tmp_path)
+    code, out, _ = run_cli(capsys, [str(tmp_path), "--format", "csv", "--by-rank"])
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert code == 0 and len(rows) == 6
+    assert {(r["rank"], r["name"]) for r in rows} == {(str(k), n) for k in (0, 1)
+                                                      for n in (STEP, PREFILL, DECODE)}
+    code, out, _ = run_cli(capsys, [str(tmp_path), "--format", "csv"])
+    assert [r["name"] for r in csv.DictReader(io.StringIO(out))] == [STEP, PREFILL, DECODE]
+
+
+def test_diff_against_saved_report_and_trace(tmp_path, capsys):
+    paths = two_ranks(tmp_path)
+    _, saved, _ = run_cli(capsys, [paths[0], "--format", "json"])
+    (tmp_path / "before.json").write_text(saved)
+    for baseline in (str(tmp_path / "before.json"), paths[0]):
+        code, out, _ = run_cli(capsys, [paths[1], "--format", "json", "--diff", baseline])
+        diff = {d["name"]: d for d in json.loads(out)["diff"]}
+        assert code == 0
+        assert diff[STEP]["cpu_total_ms"]["relative"] == pytest.approx(1.0)  # 2x slower rank
+        assert diff[DECODE]["cpu_total_ms"]["change"] == pytest.approx(0.0)
+
+
+def test_tensorboard_scalars(tmp_path, capsys):
+    two_ranks(tmp_path)
+    logdir = tmp_path / "tb"
+    code, _, err = run_cli(capsys, [str(tmp_path), "--tensorboard", str(logdir)])
+    assert code == 0, err
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    scalars = acc.Scalars(f"{PREFILL}/cpu_ms")
+    assert [s.step for s in scalars] == [0, 1]
+    assert scalars[0].value == pytest.approx(0.1 + 0.2)  # both ranks' prefill in step 0
+
+
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    two_ranks(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, out, err = run_cli(capsys, [str(tmp_path), "--plot", str(tmp_path / "p.png")])
+    assert code == 2 and "matplotlib" in err and PREFILL in out
+
+
+def test_plot_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    two_ranks(tmp_path)
+    for flag in ([], ["--by-step"]):
+        png = tmp_path / f"p{len(flag)}.png"
+        code, _, err = run_cli(capsys, [str(tmp_path), "--plot", str(png)] + flag)
+        assert code == 0, err
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("content,problem", [
+    (None, "no such file"), ("", "empty file"), ('{"x": 1}', "no traceEvents"),
+    ('{"traceEvents": [{"ph": "X"', "truncated JSON"),
+    (json.dumps({"traceEvents": [annotation("foreign", 0, 1)]}), "no user_annotation ranges"),
+])
+def test_bad_input_one_line_exit_2(tmp_path, content, problem):
+    path = tmp_path / "bad.json"
+    if content is not None:
+        path.write_text(content)
+    proc = subprocess.run([sys.executable, "scripts/summarize_trace.py", str(path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and problem in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_multi_rank_set_with_one_bad_file(tmp_path, capsys):
+    two_ranks(tmp_path)
+    bad = tmp_path / "r2.pt.trace.json.gz"
+    bad.write_bytes(b"\x1f\x8b\x08\x00garbage")
+    code, out, err = run_cli(capsys, [str(tmp_path), "--format", "json"])
+    assert code == 2 and json.loads(out)["ranks"] == [0, 1]
+    assert str(bad) in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,330 @@
+"""Streaming reader of Chrome-trace JSON (``.json`` / ``.json.gz``) as written by torch.profiler.
+
+The document is never loaded whole. Decompressed text is read in chunks; one regex search per
+chunk finds the events of the few categories the report needs, and nothing else is decoded. A
+kept event is traced back to its opening brace, trusted when the braces before it balance, and
+read by an anchored regex when it has Kineto's layout (else decoded by the JSON scanner); where a
+start cannot be trusted (unbalanced braces inside strings, the end of the array) events are
+decoded exactly with ``json.JSONDecoder.raw_decode`` up to the next chunk. Results are the tuples
+of :mod:`traces.events`. Top-level keys before and after the array are read as metadata
+(``distributedInfo.rank``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import re
+import zlib
+from typing import Iterator
+
+from traces.events import GPU, LAUNCH, MEMORY, META, RANGE, SPAN, TraceError
+
+#: Characters of decompressed text read per chunk.
+CHUNK_CHARS = 1 << 23
+#: Metadata before ``traceEvents`` larger than this is not kept (only searched for the array).
+MAX_HEADER_CHARS = 64 << 20
+
+_GPU_CATS = frozenset(("kernel", "gpu_memcpy", "gpu_memset"))
+_LAUNCH_CATS = frozenset(("cuda_runtime", "cuda_driver"))
+_BOUNDARY = re.compile(r"\}\s*,\s*\{")
+_EVENTS_KEY = re.compile(r'"traceEvents"\s*:\s*\[')
+_WS = re.compile(r"\s*")
+_decoder = json.JSONDecoder()
+_scan_once = _decoder.scan_once
+
+
+def _open_text(path: str) -> io.TextIOBase:
+    try:
+        raw = open(path, "rb")
+    except FileNotFoundError:
+        raise TraceError(path, "no such file") from None
+    except IsADirectoryError:
+        raise TraceError(path, "is a directory") from None
+    except OSError as exc:
+        raise TraceError(path, f"cannot open ({exc.strerror})") from None
+    magic = raw.peek(2)[:2] if hasattr(raw, "peek") else b""
+    if magic == b"\x1f\x8b":
+        return io.TextIOWrapper(gzip.GzipFile(fileobj=raw), encoding="utf-8", errors="replace")
+    return io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
+
+
+def _chunks(path: str, stream: io.TextIOBase) -> Iterator[str]:
+    try:
+        with stream:
+            while True:
+                chunk = stream.read(CHUNK_CHARS)
+                if not chunk:
+                    return
+                yield chunk
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise TraceError(path, f"truncated or corrupt gzip ({exc})") from None
+    except OSError as exc:
+        raise TraceError(path, f"read error ({exc})") from None
+
+
+def _event_tuple(ev: dict):
+    """The compact tuple of a decoded event, None for events the report does not use."""
+    cat = ev.get("cat")
+    if cat == "user_annotation":
+        if ev.get("ph") == "X":
+            return (RANGE, str(ev["name"]), ev["pid"], ev["tid"], float(ev["ts"]), float(ev["dur"]))
+        return None
+    if cat in _GPU_CATS:
+        args = ev.get("args") or {}
+        return (GPU, int(args["correlation"]), float(ev["ts"]), float(ev["dur"]), args.get("device"))
+    if cat in _LAUNCH_CATS:
+        corr = (ev.get("args") or {}).get("correlation")
+        if corr is None:
+            return None
+        return (LAUNCH, ev["pid"], ev["tid"], float(ev["ts"]), int(corr))
+    if ev.get("name") == "[memory]":
+        args = ev["args"]
+        return (MEMORY, ev["pid"], float(ev["ts"]), int(args.get("Device Type", 0)),
+                int(args.get("Device Id", -1)), int(args.get("Total Allocated", 0)),
+                int(args.get("Total Reserved", 0)))
+    if cat == "Trace" and ev.get("ph") == "X":
+        return (SPAN, float(ev["ts"]), float(ev["dur"]))
+    return None
+
+
+def _metadata(path: str, text: str) -> Iterator[tuple]:
+    """META tuples from a top-level object fragment (``{...}`` text); bad fragments are ignored."""
+    try:
+        meta = json.loads(text)
+    except ValueError:
+        return
+    info = meta.get("distributedInfo") if isinstance(meta, dict) else None
+    if isinstance(info, dict) and isinstance(info.get("rank"), int):
+        yield (META, "rank", info["rank"])
+
+
+def read_chrome_trace(path: str) -> Iterator[tuple]:
+    """Yield the event tuples of a Chrome-trace file (an :class:`~traces.events.EventSource`).
+
+    Raises :class:`TraceError` for an empty file, non-JSON text, a truncated or corrupt gzip, a
+    document without a ``traceEvents`` array, or an array that is not closed.
+    """
+    chunks = _chunks(path, _open_text(path))
+    buf = ""
+    for chunk in chunks:
+        buf += chunk
+        if buf.strip():
+            break
+    head = buf.lstrip()
+    if not head:
+        raise TraceError(path, "empty file")
+    if head[0] == "[":  # the JSON Array Format: a bare list of events
+        yield from _scan_events(path, chunks, head, 1)
+        return
+    if head[0] != "{":
+        raise TraceError(path, "not JSON (expected an object with traceEvents)")
+    buf, pos = yield from _find_events_array(path, chunks, head)
+    trailer = yield from _scan_events(path, chunks, buf, pos)
+    yield from _metadata(path, '{"_": 0' + trailer)
+
+
+def _find_events_array(path, chunks, buf):
+    header_parts: list[str] = []
+    header_len = 0
+    while True:
+        m = _EVENTS_KEY.search(buf)
+        if m is not None:
+            header_parts.append(buf[:m.start()])
+            if header_len <= MAX_HEADER_CHARS:
+                yield from _metadata(path, "".join(header_parts) + '"_": 0}')
+            return buf, m.end()
+        cut = max(0, len(buf) - 64)
+        keep = buf[cut:]
+        if header_len <= MAX_HEADER_CHARS:
+            header_parts.append(buf[:cut])
+        header_len += cut
+        nxt = next(chunks, None)
+        if nxt is None:
+            problem = "no traceEvents array (not a Chrome trace)"
+            if header_len <= MAX_HEADER_CHARS:
+                try:
+                    json.loads("".join(header_parts) + keep)
+                except ValueError:
+                    problem = "not valid JSON (or truncated) and no traceEvents array"
+            raise TraceError(path, problem)
+        buf = keep + nxt
+
+
+#: Categories the report keeps, found by one regex over a chunk (``[memory]`` by name).
+_KEEP_CAT = re.compile(r'"cat":\s*"(?:kernel|gpu_memcpy|gpu_memset|cuda_runtime|cuda_driver|'
+                       r'user_annotation|Trace)"')
+_INT = re.compile(r"\s*(-?\d+)")
+
+
+_NUM = r"(-?[\d.]+(?:[eE][-+]?\d+)?)"
+#: Kineto's exact layout of launches and GPU ops, up to the start of their args.
+_KINETO_OP = re.compile(
+    r'\{\s*"ph":\s*"X",\s*"cat":\s*"(kernel|gpu_memcpy|gpu_memset|cuda_runtime|cuda_driver)",'
+    r'\s*"name":\s*"[^"\\]*+(?:\\.[^"\\]*+)*+",\s*"pid":\s*(-?\d+),\s*"tid":\s*(-?\d+),'
+    r'\s*"ts":\s*' + _NUM + r',\s*"dur":\s*' + _NUM + r'\s*,\s*"args":\s*\{')
+#: Kineto's exact layout of allocator samples, up to the device fields.
+_KINETO_MEMORY = re.compile(
+    r'\{\s*"ph":\s*"i",\s*"cat":\s*"cpu_instant_event",\s*"s":\s*"t",\s*"name":\s*"\[memory\]",'
+    r'\s*"pid":\s*(-?\d+),\s*"tid":\s*-?\d+,\s*"ts":\s*' + _NUM + r'\s*,\s*"args":\s*\{'
+    r'\s*"Total Reserved":\s*(-?\d+),\s*"Total Allocated":\s*(-?\d+),\s*"Bytes":\s*-?\d+,'
+    r'\s*"Device Id":\s*(-?\d+),\s*"Device Type":\s*(-?\d+)')
+
+
+def _fast_tuple(buf: str, s: int):
+    """The tuple of a kineto-layout launch, GPU op or memory sample at ``buf[s]``, else None."""
+    m = _KINETO_OP.match(buf, s)
+    if m is not None:
+        cat, pid, tid, ts, dur = m.groups()
+        c = buf.find('"correlation":', m.end(), buf.find("}", m.end()))
+        corr = _INT.match(buf, c + 14) if c > 0 else None
+        if corr is None:
+            return None
+        corr = corr.group(1)
+        if cat[0] == "c":
+            return (LAUNCH, int(pid), int(tid), float(ts), int(corr))
+        return (GPU, int(corr), float(ts), float(dur), int(pid))
+    m = _KINETO_MEMORY.match(buf, s)
+    if m is not None:
+        pid, ts, reserved, alloc, dev_id, dev_type = m.groups()
+        return (MEMORY, int(pid), float(ts), int(dev_type), int(dev_id), int(alloc), int(reserved))
+    return None
+
+
+def _last_boundary(buf: str, pos: int) -> int:
+    """Start of the last event of ``buf[pos:]`` that follows a ``}, {`` cut (``pos`` if none)."""
+    lo = max(pos, len(buf) - (1 << 16))
+    while True:
+        last = None
+        for last in _BOUNDARY.finditer(buf, lo):
+            pass
+        if last is not None or lo == pos:
+            return last.end() - 1 if last is not None else pos
+        lo = max(pos, lo - (1 << 20))
+
+
+def _fast_pass(buf: str, pos: int):
+    """Kept event tuples of the complete events of ``buf[pos:]``, without cutting skipped events.
+
+    Each kept marker is traced back to the ``{`` that opens its event; that start is trusted when
+    the braces between the previous trusted start and it balance (no unmatched brace inside a
+    string). Returns ``(tuples, next_pos, exact)``: ``next_pos`` is the first event not handled:
+    the last, possibly incomplete one, or, when ``exact``, the first one to decode exactly.
+    """
+    last = _last_boundary(buf, pos)
+    out, checked, prev = [], pos, -1
+    count, append, rfind = buf.count, out.append, buf.rfind
+    for at in _kept_positions(buf, pos, last):
+        s = rfind("{", checked, at)
+        if s <= prev:
+            continue
+        if count("{", checked, s) != count("}", checked, s):
+            return out, _after(buf, checked, prev), True
+        checked = prev = s
+        tup = _fast_tuple(buf, s)
+        if tup is None:
+            try:
+                obj = _scan_once(buf, s)[0]
+                tup = _event_tuple(obj) if isinstance(obj, dict) else None
+            except (StopIteration, ValueError, KeyError, TypeError):
+                return out, s, True
+            if tup is None:
+                continue
+        append(tup)
+    if count("{", checked, last) != count("}", checked, last):
+        return out, _after(buf, checked, prev), True
+    return out, last, False
+
+
+def _after(buf: str, start: int, handled: int) -> int:
+    """Where exact decoding resumes: ``start``, or past the event there when already handled."""
+    return _decoder.raw_decode(buf, start)[1] if start == handled else start
+
+
+def _kept_positions(buf: str, lo: int, hi: int) -> list[int]:
+    """Sorted positions of the kept-category markers in ``buf[lo:hi]``."""
+    found = [m.start() for m in _KEEP_CAT.finditer(buf, lo, hi)]
+    at = buf.find('"[memory]"', lo, hi)
+    if at >= 0:
+        while at >= 0:
+            found.append(at)
+            at = buf.find('"[memory]"', at + 1, hi)
+        found.sort()
+    return found
+
+
+def _scan_events(path, chunks, buf, pos):
+    """Yield tuples of the kept events of the array starting at ``buf[pos:]``; return the trailer.
+
+    Complete events are handled by :func:`_fast_pass`; where a cut cannot be verified (braces in
+    strings, the end of the array) events are decoded exactly, one by one, up to the next chunk.
+    """
+    num_malformed, at_eof, force_exact = 0, False, False
+    while True:
+        pos = _WS.match(buf, pos).end()
+        if buf.startswith(",", pos):
+            pos = _WS.match(buf, pos + 1).end()
+        if buf.startswith("]", pos):
+            if num_malformed:
+                yield (META, "malformed", num_malformed)
+            return buf[pos + 1:] + "".join(chunks)
+        if not at_eof and not force_exact and buf.startswith("{", pos):
+            tuples, nxt, exact = _fast_pass(buf, pos)
+            yield from tuples
+            if not exact and nxt > pos:
+                nxt_chunk = next(chunks, None)
+                at_eof = nxt_chunk is None
+                buf, pos = buf[nxt:] + (nxt_chunk or ""), 0
+                continue
+            pos, force_exact = nxt, True
+            continue
+        force_exact = False
+        pos, num_malformed, buf, at_eof = yield from _exact_pass(path, chunks, buf, pos,
+                                                                  num_malformed, at_eof)
+
+
+def _exact_pass(path, chunks, buf, pos, num_malformed, at_eof):
+    """Decode events exactly from ``buf[pos]`` to the end of ``buf`` (or of the array)."""
+    while True:
+        if buf.startswith("]", pos):
+            return pos, num_malformed, buf, at_eof
+        if pos < len(buf) and buf[pos].isspace():
+            pos = _WS.match(buf, pos).end()
+            continue
+        if not buf.startswith("{", pos):
+            if pos >= len(buf) and not at_eof:
+                nxt = next(chunks, None)
+                at_eof = nxt is None
+                buf, pos = buf[pos:] + (nxt or ""), 0
+                if nxt is not None:
+                    return 0, num_malformed, buf, at_eof
+                continue
+            what = "truncated JSON (traceEvents array not closed)" if pos >= len(buf) \
+                else f"invalid JSON in traceEvents near {buf[pos:pos + 40]!r}"
+            raise TraceError(path, what)
+        try:
+            obj, end = _decoder.raw_decode(buf, pos)
+        except ValueError:
+            obj, end = None, -1
+        if end < 0 or end == len(buf):
+            nxt = None if at_eof else next(chunks, None)
+            if nxt is None:
+                if end < 0:
+                    raise TraceError(path, "truncated JSON (traceEvents array not closed)")
+                at_eof = True
+            else:
+                buf, pos = buf[pos:] + nxt, 0
+                continue
+        if isinstance(obj, dict) and obj.get("ph") != "M":
+            try:
+                tup = _event_tuple(obj)
+            except (ValueError, KeyError, TypeError):
+                tup, num_malformed = None, num_malformed + 1
+            if tup is not None:
+                yield tup
+        pos = _WS.match(buf, end).end()
+        if buf.startswith(",", pos):
+            pos = _WS.match(buf, pos + 1).end()
+            if pos >= len(buf) and not at_eof:
+                continue
