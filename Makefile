@@ -28,7 +28,8 @@ $(VENV_OLDEST)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/python scripts/demo_rollout.py
+	OPSD_PROFILE=1 OPSD_PROFILE_DIR=opsd_traces $(VENV)/bin/python scripts/train_opsd.py
+	$(VENV)/bin/python scripts/summarize_trace.py $$(ls -dt opsd_traces/*/ | head -1)
 
 test: test-newest test-oldest
 

@@ -96,8 +96,10 @@ class FastDecoder:
         bucket = batch_bucket(rows)
         if self.buffers is None or not self.buffers.fits(bucket, capacity, max_new_tokens, vocab_size, device):
             self._graphs.clear()
+            self._pool = None  # a private pool whose graphs are all gone cannot be reused
             self.buffers = None
-            self.buffers = DecodeBuffers(bucket, capacity, max_new_tokens, vocab_size, device)
+            round_up = lambda n: -(-n // LENGTH_BUCKET) * LENGTH_BUCKET  # noqa: E731  (fewer re-allocations)
+            self.buffers = DecodeBuffers(bucket, round_up(capacity), round_up(max_new_tokens), vocab_size, device)
         return self.buffers
 
     def graph_reason(self, device: torch.device) -> str | None:
@@ -139,15 +141,18 @@ class FastDecoder:
         return step
 
     def _capture(self, step) -> "torch.cuda.CUDAGraph":
+        """Warm up (compiling on first use) and capture ``step``. The buffers it mutates are restored after
+        every warm-up run, so the captured step starts from the live state; the cache column a warm-up
+        writes is rewritten by the real step before anything reads it."""
         saved = [t.clone() for t in self.buffers.mutable()]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up (compiles on first use); its writes land in columns rewritten later
+            for _ in range(2):
                 step()
+                for dst, src in zip(self.buffers.mutable(), saved):
+                    dst.copy_(src)
         torch.cuda.current_stream().wait_stream(stream)
-        for dst, src in zip(self.buffers.mutable(), saved):
-            dst.copy_(src)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

@@ -74,6 +74,7 @@ class Rollout:
         self._pool = CachePool(keep=self.config.keep_cache)
         self._last_profile: dict | None = None
         self._decoder: FastDecoder | None = None
+        self.last_stats: dict = {}  # counters of the last call (forwards, decode path), kept even with profiling off
 
     # ---- public interface (DeepSpeed's RolloutEngine) -------------------------------------------
     @torch.no_grad()
@@ -86,6 +87,7 @@ class Rollout:
         start = time.perf_counter()
         with collect_stages() as collector, stage(stages.ROLLOUT):
             batch, counters = self._generate(request, sampling)
+        self.last_stats = counters
         self._last_profile = (build_profile(collector.summary(), counters, batch, request, sampling,
                                             time.perf_counter() - start, self._pool.nbytes)
                               if collector is not None else None)
@@ -202,7 +204,8 @@ class Rollout:
         if not self.config.fuse_lora or (self.is_zero3 and self.config.gather == "per_forward"):
             return None  # per-forward ZeRO-3 has no full weights to merge into; peft's forward stays exact
         if not hasattr(self, "_lora_fuser"):
-            self._lora_fuser = LoraFuser.for_model(self.module)
+            # under ZeRO-3 a kept buffer would hold a full copy of every adapted weight between calls
+            self._lora_fuser = LoraFuser.for_model(self.module, keep_buffers=not self.is_zero3)
         return self._lora_fuser
 
     def _busy(self, local_busy: bool) -> bool:

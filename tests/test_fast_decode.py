@@ -98,11 +98,13 @@ def test_graph_decode_makes_no_host_sync_per_step():
     ro = Rollout(model, TOK)
     sampling = SamplingConfig(max_new_tokens=32, temperature=0.0)
     ro.generate(RolloutRequest(ids, mask), sampling)  # capture outside the checked region
+    bufs = ro._decoder.buffers
+    bufs.step.fill_(1)  # rewind to the first decode step (fill_ with a Python number: no sync)
+    bufs.col.fill_(8)
+    step = ro._decoder.stepper(ro._pool._cache, 4, sampling, None, (), False)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        from rollout.decode_graphs import FastDecoder  # noqa: F401
-        step = ro._decoder.stepper(ro._pool._cache, 4, sampling, None, (), False)
-        for k in range(8):
-            step(8 + 1 + k)
+        modes = [step(8 + 1 + k) for k in range(8)]
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    assert modes == ["graph"] * 8

@@ -45,10 +45,8 @@ def main() -> None:
     engine = make_engine(model, STAGE)
     engine.train()  # as in a training loop: the rollout must restore it
     rollout = Rollout(engine, TinyTokenizer(pad_token_id=0, eos_token_id=eos), RolloutConfig(gather=GATHER))
-    forwards = []
-    handle = rollout.model.register_forward_hook(lambda *_: forwards.append(1))
     batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.0))
-    handle.remove()
+    stats = rollout.last_stats
     got = []
     for row in range(batch.batch_size):
         keep = batch.attention_mask[row, 7:].bool()
@@ -56,7 +54,8 @@ def main() -> None:
     partitioned = None
     if STAGE == 3:  # outside the rollout the parameters are partitioned again
         partitioned = all(p.numel() == 0 for p in engine.module.parameters())
-    emit({"rank": rank(), "expected": expected, "got": got, "num_forwards": len(forwards),
+    emit({"rank": rank(), "expected": expected, "got": got, "num_forwards": stats["prefill_forwards"] + stats["decode_forwards"],
+          "decode_fallback_reason": stats.get("decode_fallback_reason"),
           "is_zero3": rollout.is_zero3, "partitioned_after": partitioned,
           "training_after": engine.module.training})
 

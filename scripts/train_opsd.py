@@ -1,0 +1,389 @@
+#!/usr/bin/env python
+"""The main job: on-policy distillation (OPSD) of a student DeepSpeed engine against a teacher.
+
+Each step: student rollout -> teacher forward + logit cache -> student forward -> generalized JSD
+over the response tokens -> backward -> optimizer step (:class:`rollout.opsd.OPSDStep`). Prints the
+loss, rollout tokens/s and step time per step; with ``OPSD_PROFILE=1`` it also writes torch.profiler
+traces and TensorBoard scalars and ends with the per-stage table and the trace paths.
+
+    python scripts/train_opsd.py                           # embedded tiny random models, CPU, ~seconds
+    OPSD_PROFILE=1 python scripts/train_opsd.py            # + traces under ./opsd_traces
+    torchrun --nproc_per_node 2 scripts/train_opsd.py --zero-stage 3
+    python scripts/train_opsd.py --student Qwen/Qwen2.5-3B-Instruct --teacher Qwen/Qwen2.5-7B-Instruct \\
+        --zero-stage 3 --batch-size 4 --samples-per-prompt 4 --max-new-tokens 512 --teacher-top-k 64
+
+Defaults: student = the embedded tiny Qwen2-shaped model, teacher = a different tiny (Llama-shaped)
+model with the same vocabulary, synthetic random-token prompts (each rank its own), DeepSpeed ZeRO-0
+in one process (gloo on CPU, NCCL on CUDA). ``--teacher self`` distils the student from itself with
+a synthetic context prepended to the teacher's prompt. Every default lives in one place: the
+``JobConfig`` fields below and :class:`rollout.opsd.OPSDConfig`; flags left out keep them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+SELF_TEACHER = "self"
+#: DeepSpeed's CPU shared-memory comm op: its first use JIT-builds C++ for ~60 s; gloo is used instead.
+SHM_COMM_OP_NAME = "deepspeed_shm_comm"
+#: Synthetic "privileged context" tokens prepended to the teacher's prompt with ``--teacher self``.
+SELF_CONTEXT_LEN = 8
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What to train, on what, for how long (loss settings live in ``OPSDConfig``)."""
+
+    student: Optional[str] = None
+    """HF name or local directory of the student; None: the embedded tiny Qwen2-shaped model."""
+    teacher: Optional[str] = None
+    """HF name or local directory of the teacher, ``"self"``; None: an embedded tiny Llama-shaped model."""
+    deepspeed_config: Optional[str] = None
+    """DeepSpeed JSON config; None: a built-in ZeRO-0 config (bf16 on CUDA)."""
+    zero_stage: Optional[int] = None
+    """ZeRO stage (0-3), overriding the DeepSpeed config's; None keeps it."""
+    lora: Optional[int] = None
+    """peft LoRA rank on the attention projections; None trains every weight."""
+    batch_size: int = 2
+    """Prompts per step and rank."""
+    samples_per_prompt: int = 4
+    """Responses sampled per prompt."""
+    max_new_tokens: int = 24
+    """Response budget per sample."""
+    prompt_len: int = 16
+    """Length of the synthetic prompts (left-padded, real lengths in [prompt_len / 2, prompt_len])."""
+    sampling_temperature: float = 1.0
+    """Rollout sampling temperature (<= 0: greedy)."""
+    steps: int = 6
+    """Training steps."""
+    lr: float = 5e-3
+    """AdamW learning rate (ignored when the DeepSpeed config defines an optimizer)."""
+    seed: int = 0
+    """Seed of the models, prompts and sampling (each rank and step derives its own)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "samples_per_prompt", "max_new_tokens", "prompt_len", "steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an int >= 1; got {value!r}")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage: must be 0, 1, 2 or 3; got {self.zero_stage!r}")
+        if self.lora is not None and (isinstance(self.lora, bool) or not isinstance(self.lora, int) or self.lora < 1):
+            raise ValueError(f"lora: must be a LoRA rank >= 1; got {self.lora!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr: must be a finite number > 0; got {self.lr!r}")
+        if self.deepspeed_config is not None and not os.path.isfile(self.deepspeed_config):
+            raise ValueError(f"deepspeed_config: no such file {self.deepspeed_config!r}")
+
+
+#: flag -> (config, field, type, help). Defaults come from the dataclasses, never from argparse.
+FLAGS = {
+    "--student": ("job", "student", str, "student: HF name or local dir"),
+    "--teacher": ("job", "teacher", str, "teacher: HF name, local dir or 'self'"),
+    "--deepspeed-config": ("job", "deepspeed_config", str, "DeepSpeed JSON config file"),
+    "--zero-stage": ("job", "zero_stage", int, "ZeRO stage, overrides the config's"),
+    "--lora": ("job", "lora", int, "peft LoRA rank (train adapters only)"),
+    "--batch-size": ("job", "batch_size", int, "prompts per step and rank"),
+    "--samples-per-prompt": ("job", "samples_per_prompt", int, "responses per prompt"),
+    "--max-new-tokens": ("job", "max_new_tokens", int, "response budget"),
+    "--prompt-len": ("job", "prompt_len", int, "synthetic prompt length"),
+    "--sampling-temperature": ("job", "sampling_temperature", float, "rollout temperature"),
+    "--steps": ("job", "steps", int, "training steps"),
+    "--lr": ("job", "lr", float, "AdamW learning rate"),
+    "--seed": ("job", "seed", int, "seed"),
+    "--beta": ("opsd", "beta", float, "generalized JSD beta (0 forward KL, 1 reverse KL)"),
+    "--temperature": ("opsd", "temperature", float, "loss temperature"),
+    "--teacher-top-k": ("opsd", "teacher_top_k", int, "cache the teacher's top-k logits only"),
+    "--logit-cache": ("opsd", "logit_cache_location", str, "teacher logit cache: device or host"),
+}
+
+
+def parse_args(argv=None):
+    """``(JobConfig, OPSDConfig)`` from the command line; flags left out keep the dataclass defaults."""
+    from rollout.opsd import OPSDConfig
+
+    classes = {"job": JobConfig, "opsd": OPSDConfig}
+    defaults = {key: {f.name: f.default for f in dataclasses.fields(cls)} for key, cls in classes.items()}
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag, (key, name, kind, text) in FLAGS.items():
+        parser.add_argument(flag, dest=f"{key}.{name}", type=kind, default=argparse.SUPPRESS,
+                            help=f"{text} (default: {defaults[key][name]})")
+    values = vars(parser.parse_args(argv))
+    kwargs = {key: {name.split(".", 1)[1]: v for name, v in values.items() if name.startswith(key + ".")}
+              for key in classes}
+    try:
+        return JobConfig(**kwargs["job"]), OPSDConfig(**kwargs["opsd"])
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+# ---- process setup ------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed():
+    """torch.distributed through DeepSpeed (NCCL on CUDA, gloo on CPU); returns ``(rank, world, device)``.
+
+    Outside a launcher the single-process rendezvous variables are set here. Must run before anything
+    imports deepspeed (``DS_ACCELERATOR`` is read at import).
+    """
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    if not cuda:  # what DeepSpeed does where the op cannot be built: plain gloo collectives instead
+        deepspeed.ops.__compatible_ops__[SHM_COMM_OP_NAME] = False
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False, verbose=False)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def deepspeed_config(job: JobConfig, rows_per_step: int, cuda: bool) -> dict:
+    """The DeepSpeed config: the file's (or the built-in one), with ``--zero-stage`` applied."""
+    if job.deepspeed_config is not None:
+        with open(job.deepspeed_config) as handle:
+            config = json.load(handle)
+    else:
+        config = {"zero_optimization": {"stage": 0}, "bf16": {"enabled": cuda}, "gradient_clipping": 1.0,
+                  "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
+                  "steps_per_print": 1 << 30}
+    if job.zero_stage is not None:
+        config.setdefault("zero_optimization", {})["stage"] = job.zero_stage
+    if "train_batch_size" not in config:
+        config.setdefault("train_micro_batch_size_per_gpu", rows_per_step)
+    return config
+
+
+def model_dtype(config: dict):
+    import torch
+
+    if config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    return torch.float16 if config.get("fp16", {}).get("enabled") else torch.float32
+
+
+# ---- models -------------------------------------------------------------------------------------
+def load_tokenizer(path: str, model_config):
+    """``AutoTokenizer`` of ``path``; a directory without tokenizer files falls back to the model
+    config's pad/EOS ids (enough for random-token prompts)."""
+    from transformers import AutoTokenizer
+
+    from rollout.testing import TinyTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"note: no tokenizer loaded from {path!r} ({type(exc).__name__}); using the model config's "
+              "pad/eos ids", file=sys.stderr)
+        return TinyTokenizer(pad_token_id=model_config.pad_token_id, eos_token_id=model_config.eos_token_id,
+                             vocab_size=model_config.vocab_size)
+
+
+def load_model(name: Optional[str], arch: str, seed: int, dtype, device):
+    """``(model, tokenizer)``: a pretrained model, or the embedded tiny ``arch`` model."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout.testing import TinyTokenizer, tiny_model
+
+    if name is None:
+        return tiny_model(arch, seed=seed, dtype=dtype, device=device), TinyTokenizer(pad_token_id=0, eos_token_id=2)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa").to(device)
+    return model, load_tokenizer(name, model.config)
+
+
+def make_student_engine(model, job: JobConfig, config: dict):
+    import deepspeed
+    import torch
+
+    if job.lora is not None:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise SystemExit("--lora needs peft (pip install 'peft>=0.17')") from None
+
+        model = get_peft_model(model, LoraConfig(r=job.lora, lora_alpha=2 * job.lora,
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = None if "optimizer" in config else torch.optim.AdamW(params, lr=job.lr)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                      model_parameters=params if optimizer is None else None)
+    engine.train()
+    return engine
+
+
+# ---- data ---------------------------------------------------------------------------------------
+def make_prompts(job: JobConfig, tokenizer, vocab_size: int, rank: int, device):
+    """This rank's synthetic prompts for every step: ``(ids, mask)`` ``[steps * B, prompt_len]``."""
+    from rollout.engine import token_ids
+    from rollout.testing import random_prompts
+
+    eos_ids, pad = token_ids(tokenizer)
+    special = {pad, *eos_ids, getattr(tokenizer, "bos_token_id", None)} - {None}
+    if hasattr(tokenizer, "__len__"):
+        vocab_size = min(vocab_size, len(tokenizer))
+    return random_prompts(job.steps * job.batch_size, job.prompt_len, min_len=max(1, job.prompt_len // 2),
+                          vocab_size=vocab_size, pad_token_id=pad, seed=job.seed * 7919 + rank,
+                          avoid=tuple(special), device=device)
+
+
+def self_teacher_prompts(ids, mask, vocab_size: int, seed: int):
+    """``[context | prompt]`` left-padded again: the teacher's view with a synthetic privileged context."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    context = torch.randint(3, vocab_size, (SELF_CONTEXT_LEN,), generator=gen).to(ids.device)
+    rows, width = ids.shape[0], ids.shape[1] + SELF_CONTEXT_LEN
+    out_ids = torch.zeros((rows, width), dtype=ids.dtype, device=ids.device)  # out_ids: [B, T_c + T_p]
+    out_mask = torch.zeros_like(out_ids)
+    for row in range(rows):
+        real = torch.cat([context, ids[row][mask[row].bool()]])
+        out_ids[row, width - real.numel():] = real
+        out_mask[row, width - real.numel():] = 1
+    return out_ids, out_mask
+
+
+# ---- output -------------------------------------------------------------------------------------
+class ProgressBar:
+    """A one-line progress bar on stderr; :meth:`write` prints a stdout line above it."""
+
+    def __init__(self, total: int, enabled: bool, width: int = 24):
+        self.total, self.enabled, self.width, self.done = total, enabled, width, 0
+        self.tty = enabled and sys.stderr.isatty()
+        if self.tty:
+            self._draw()
+
+    def write(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            sys.stderr.write("\r\033[K")
+        print(line, flush=True)
+        self._draw()
+
+    def update(self) -> None:
+        self.done += 1
+
+    def _draw(self) -> None:
+        filled = self.width * self.done // self.total
+        bar = f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total}"
+        sys.stderr.write(("\r" + bar) if self.tty else bar + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def summary_line(results) -> str:
+    """Means over the steps after the first (warm-up), or over all when there is only one."""
+    timed = results[1:] or results
+    step_ms = sum(r.step_ms for r in timed) / len(timed)
+    tokens_per_s = sum(r.rollout_tokens_per_s for r in timed) / len(timed)
+    return (f"done: {len(results)} steps, loss {results[0].loss:.6f} -> {results[-1].loss:.6f}, mean step "
+            f"{step_ms:.1f} ms, mean rollout {tokens_per_s:.0f} tok/s (step 1 excluded as warm-up)"
+            if len(results) > 1 else f"done: 1 step, loss {results[0].loss:.6f}, step {step_ms:.1f} ms")
+
+
+def print_profile(prof) -> None:
+    """The per-stage table of the recorded steps and where the traces are."""
+    if not prof.selected:
+        return
+    if prof.recorded_steps:
+        print(prof.stage_table(f"per-stage timers, recorded steps {prof.recorded_steps} (rank {prof.rank})"))
+    else:
+        print("profiling on, but no step was recorded (see OPSD_PROFILE_STEPS)")
+    print(f"run directory: {prof.run_dir}")
+    for path in prof.trace_paths():
+        print(f"trace: {path}")
+
+
+# ---- main ---------------------------------------------------------------------------------------
+def build_step(job: JobConfig, opsd_config, device):
+    """The student engine, the teacher and the :class:`rollout.opsd.OPSDStep` driving them."""
+    import torch
+
+    from rollout.opsd import OPSDStep
+
+    config = deepspeed_config(job, job.batch_size * job.samples_per_prompt, device.type == "cuda")
+    dtype = model_dtype(config)
+    torch.manual_seed(job.seed)
+    student, tokenizer = load_model(job.student, "qwen2", job.seed, dtype, device)
+    teacher, teacher_tokenizer = None, None
+    if job.teacher != SELF_TEACHER:
+        teacher, teacher_tokenizer = load_model(job.teacher, "llama", job.seed + 1, dtype, device)
+        teacher.eval().requires_grad_(False)
+    engine = make_student_engine(student, job, config)
+    return OPSDStep(engine, engine if teacher is None else teacher, tokenizer, opsd_config,
+                    teacher_tokenizer=teacher_tokenizer)
+
+
+def train(step, job: JobConfig, rank: int, device):
+    """The training loop inside a profiler session; returns ``(step results, session)``."""
+    from instrumentation import opsd_profiler
+    from rollout.config import SamplingConfig
+
+    vocab = min(step.student_vocab_size, step.teacher_vocab_size)
+    ids, mask = make_prompts(job, step.rollout.tokenizer, vocab, rank, device)
+    sampling = SamplingConfig(max_new_tokens=job.max_new_tokens, temperature=job.sampling_temperature,
+                              n_samples_per_prompt=job.samples_per_prompt)
+    bar, results = ProgressBar(job.steps, enabled=rank == 0), []
+    with opsd_profiler() as prof:
+        for index in range(job.steps):
+            rows = slice(index * job.batch_size, (index + 1) * job.batch_size)
+            extra = {}
+            if job.teacher == SELF_TEACHER:
+                extra = dict(zip(("teacher_prompt_ids", "teacher_prompt_attention_mask"),
+                                 self_teacher_prompts(ids[rows], mask[rows], vocab, job.seed)))
+            seed = job.seed * 100_003 + rank * 1009 + index  # distinct samples per rank and step
+            result = step.step(ids[rows], mask[rows], dataclasses.replace(sampling, seed=seed), **extra)
+            prof.step()
+            results.append(result)
+            bar.update()
+            bar.write(f"step {index + 1}/{job.steps}  loss {result.loss:.6f}  tokens {result.num_response_tokens}  "
+                      f"rollout {result.rollout_tokens_per_s:.0f} tok/s  step {result.step_ms:.1f} ms")
+    bar.close()
+    return results, prof
+
+
+def main(argv=None) -> None:
+    job, opsd_config = parse_args(argv)
+    rank, world, device = init_distributed()
+    import torch
+
+    step = build_step(job, opsd_config, device)
+    if rank == 0:
+        print(f"OPSD: world {world}, device {device.type}, ZeRO-{step.student.zero_optimization_stage()}, "
+              f"{'LoRA r=' + str(job.lora) if job.lora else 'full weights'}, teacher "
+              f"{job.teacher or 'tiny llama'}, {job.batch_size * job.samples_per_prompt} rows/step, "
+              f"beta {opsd_config.beta}, top-k {opsd_config.teacher_top_k}, cache {opsd_config.logit_cache_location}")
+    results, prof = train(step, job, rank, device)
+    if rank == 0:
+        print(summary_line(results))
+    if rank == 0 or prof.selected:
+        print_profile(prof)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Worker: OPSD training steps through DeepSpeed engines (ZeRO stage and student kinds from argv).
+
+argv: ``ZERO_STAGE KINDS [self]``; KINDS is a comma list of ``full`` (every weight trains) and
+``lora`` (a peft LoRA student: only adapters train), run one after the other in this process. For
+each kind every rank builds the same seeded student and a separate teacher (a different tiny
+model), keeps an unwrapped copy of the student as the oracle, and runs ``NUM_STEPS`` steps on its
+own prompts. Emits ``{kind: observations}``: the losses, the oracle's loss recomputed with
+``generalized_jsd_loss`` on the first step's rollout, which student weights changed (gathered under
+ZeRO-3), whether the teacher changed or got gradients, the data-parallel loss weight of token
+counts 10 + 20 * rank. With ``self``: two more self-distillation steps (teacher = the student
+engine), on the same prompt and with a different teacher prompt.
+"""
+
+import copy
+import sys
+
+import deepspeed
+import torch
+from common import emit, make_engine, rank
+
+from rollout.config import SamplingConfig
+from rollout.losses import generalized_jsd_loss, response_logit_positions
+from rollout.opsd import OPSDConfig, OPSDStep
+from rollout.testing import TinyTokenizer, random_prompts, tiny_model
+
+STAGE, KINDS = int(sys.argv[1]), sys.argv[2].split(",")
+WITH_SELF = "self" in sys.argv[3:]
+NUM_STEPS = 3
+SAMPLING = SamplingConfig(max_new_tokens=6, temperature=1.0, n_samples_per_prompt=2, seed=7)
+CONFIG = OPSDConfig(beta=0.5, temperature=1.0)
+
+
+def make_student(kind: str):
+    model = tiny_model("qwen2", seed=0)
+    if kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    return model
+
+
+def gathered_weights(module) -> dict:
+    """Full copies of every parameter (gathered when ZeRO-3 partitioned)."""
+    params = dict(module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+        return {name: p.detach().clone() for name, p in params.items()}
+
+
+def reference_loss(oracle, teacher, batch) -> float:
+    """The step's loss recomputed from full logits (no logits_to_keep, no cache, one chunk)."""
+    mask = batch.attention_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        student = oracle(input_ids=batch.input_ids, attention_mask=mask, position_ids=positions).logits
+        target = teacher(input_ids=batch.input_ids, attention_mask=mask, position_ids=positions).logits
+    loss_mask = response_logit_positions(mask, batch.response_start_idx)
+    target = target[:, :-1].to(CONFIG.logit_cache_dtype).float()  # the cache stores bf16
+    return generalized_jsd_loss(student[:, :-1], target, loss_mask, CONFIG.beta, CONFIG.temperature,
+                                chunk_size=1 << 20).item()
+
+
+def self_distillation(engine, tokenizer) -> dict:
+    """Teacher = the student engine: 0 on identical inputs, > 0 with a different teacher prompt."""
+    step = OPSDStep(engine, engine, tokenizer, OPSDConfig(logit_cache_dtype=torch.float32))
+    ids, mask = random_prompts(2, 6, min_len=2, seed=300 + rank())
+    same = step.step(ids, mask, SAMPLING)
+    teacher_ids, teacher_mask = random_prompts(2, 9, min_len=4, seed=400 + rank())
+    other = step.step(ids, mask, SAMPLING, teacher_prompt_ids=teacher_ids, teacher_prompt_attention_mask=teacher_mask)
+    return {"same_prompt_loss": same.loss, "teacher_prompt_loss": other.loss, "is_self": step.is_self_distillation}
+
+
+def run(kind: str) -> dict:
+    student = make_student(kind)
+    oracle = copy.deepcopy(student)
+    teacher = tiny_model("llama", seed=1)
+    teacher_before = {n: p.detach().clone() for n, p in teacher.named_parameters()}
+    tokenizer = TinyTokenizer(pad_token_id=0, eos_token_id=2)
+    engine = make_engine(student, STAGE, lr=1e-2)
+    engine.train()
+    module = engine.module
+    before = gathered_weights(module)
+    step = OPSDStep(engine, teacher, tokenizer, CONFIG)
+    results = []
+    for index in range(NUM_STEPS):
+        ids, mask = random_prompts(2, 6, min_len=2, seed=100 + 10 * rank() + index)
+        results.append(step.step(ids, mask, SAMPLING))
+    after = gathered_weights(module)
+    out = {
+        "is_zero3": step.rollout.is_zero3, "losses": [r.loss for r in results],
+        "reference_loss": reference_loss(oracle, teacher, results[0].batch),
+        "num_params": len(before), "trainable": sorted(n for n, p in module.named_parameters() if p.requires_grad),
+        "changed": sorted(n for n in before if not torch.equal(before[n], after[n])),
+        "teacher_changed": [n for n, p in teacher.named_parameters() if not torch.equal(p, teacher_before[n])],
+        "teacher_grads": [n for n, p in teacher.named_parameters() if p.grad is not None],
+        "tokens0": results[0].batch.input_ids.tolist(),
+        "rank_weight": step._rank_weight(10 + 20 * rank(), torch.device("cpu")),
+    }
+    if WITH_SELF:
+        out["self"] = self_distillation(engine, tokenizer)
+    return out
+
+
+def main() -> None:
+    emit({kind: run(kind) for kind in KINDS})
+
+
+if __name__ == "__main__":
+    main()

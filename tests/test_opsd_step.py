@@ -1,0 +1,332 @@
+"""The OPSD step (rollout.opsd) and the main job (scripts/train_opsd.py) on CPU.
+
+In-process tests drive a plain student module with a torch optimizer (fast); the DeepSpeed cases
+(ZeRO-0/3, LoRA, two ranks over gloo) run in subprocess workers (tests/ds_workers/opsd_train.py).
+The loss oracle recomputes ``generalized_jsd_loss`` from *full* logits of unmodified copies of the
+models (no ``logits_to_keep``, no cache, one chunk), with position ids counted independently.
+"""
+
+import copy
+import dataclasses
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from instrumentation import ProfileConfig, collect_stages, configure, reset_for_tests, stages
+from rollout import Rollout, RolloutRequest
+from rollout.config import SamplingConfig
+from rollout.losses import generalized_jsd_loss, response_logit_positions
+from rollout.opsd import OPSDConfig, OPSDStep
+from rollout.request import RolloutBatch
+from rollout.testing import TinyTokenizer, random_prompts, tiny_model
+from tests.ds_util import run_worker
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "train_opsd.py"
+SAMPLING = SamplingConfig(max_new_tokens=6, temperature=1.0, n_samples_per_prompt=2, seed=3)
+PROMPT_LEN = 7
+
+
+def prompts(seed=0, batch=3):
+    return random_prompts(batch, PROMPT_LEN, min_len=2, seed=seed)  # left-padded rows
+
+
+def early_eos(student, ids, mask) -> int:
+    """A token that the seeded rollout emits second in row 0: used as EOS, it ends rows early."""
+    batch = Rollout(student, TinyTokenizer(eos_token_id=None)).generate(RolloutRequest(ids, mask), SAMPLING)
+    return int(batch.input_ids[0, PROMPT_LEN + 1])
+
+
+def make_step(config=OPSDConfig(), *, teacher_vocab=512, teacher="llama", eos=2, lr=1e-2, **kwargs):
+    """(OPSDStep, student, teacher) on fresh seeded tiny models; the teacher's EOS matches ``eos``."""
+    student = tiny_model("qwen2", seed=0).train()
+    teacher_model = student if teacher == "self" else tiny_model(teacher, seed=1, vocab_size=teacher_vocab,
+                                                                 eos_token_id=eos)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=lr)
+    step = OPSDStep(student, teacher_model, TinyTokenizer(eos_token_id=eos), config, optimizer=optimizer, **kwargs)
+    return step, student, teacher_model
+
+
+def full_logits(model, ids, mask):
+    positions = torch.clamp(torch.cumsum(mask, dim=-1) - 1, min=0)  # [N, T]
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits  # [N, T, V]
+
+
+def reference_loss(student, teacher, batch: RolloutBatch, config: OPSDConfig, teacher_ids=None, teacher_mask=None):
+    """The step's loss from full logits of unmodified copies (the teacher rounded to the cache dtype)."""
+    s_logits = full_logits(student, batch.input_ids, batch.attention_mask)[:, :-1]
+    if teacher_ids is None:
+        t_logits = full_logits(teacher, batch.input_ids, batch.attention_mask)[:, :-1]
+    else:  # the teacher saw [its own prompt | response]: keep the response-aligned tail
+        ids = torch.cat([teacher_ids, batch.input_ids[:, PROMPT_LEN:]], dim=1)
+        mask = torch.cat([teacher_mask, batch.attention_mask[:, PROMPT_LEN:]], dim=1)
+        t_logits = full_logits(teacher, ids, mask)[:, -s_logits.shape[1] - 1:-1]
+    t_logits = t_logits[..., :s_logits.shape[-1]]  # the shared-ids rule (teacher ids >= V_s dropped)
+    top_ids = None
+    if config.teacher_top_k is not None:
+        t_logits, top_ids = torch.topk(t_logits, config.teacher_top_k, dim=-1)
+    t_logits = t_logits.to(config.logit_cache_dtype).float()
+    mask = response_logit_positions(batch.attention_mask, batch.response_start_idx)
+    return generalized_jsd_loss(s_logits, t_logits, mask, config.beta, config.temperature, chunk_size=1 << 20,
+                                teacher_top_k_ids=top_ids).item()
+
+
+@pytest.fixture(autouse=True)
+def _profiling_off():
+    reset_for_tests()
+    yield
+    reset_for_tests()
+
+
+# ---- config and errors ------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(beta=-0.1), "beta"), (dict(beta=1.5), "beta"), (dict(beta="0.5"), "beta"),
+    (dict(temperature=0.0), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(teacher_top_k=0), "teacher_top_k"), (dict(teacher_top_k=2.0), "teacher_top_k"),
+    (dict(logit_cache_location="gpu"), "logit_cache_location"),
+    (dict(logit_cache_dtype=torch.int8), "logit_cache_dtype"),
+    (dict(loss_chunk_size=0), "loss_chunk_size"), (dict(max_teacher_rows=0), "max_teacher_rows"),
+])
+def test_config_rejects_bad_fields_by_name(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        OPSDConfig(**kwargs)
+
+
+class VocabTokenizer(TinyTokenizer):
+    def get_vocab(self):
+        return dict(self.extra)
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda s, t: OPSDStep(s, t, TinyTokenizer()), "optimizer"),
+    (lambda s, t: OPSDStep(s, t, TinyTokenizer(), "beta=0", optimizer=_opt(s)), "config"),
+    (lambda s, t: OPSDStep(s, None, TinyTokenizer(), optimizer=_opt(s)), "teacher"),
+    (lambda s, t: OPSDStep(s, t, TinyTokenizer(eos_token_id=5), optimizer=_opt(s)), "eos_token_id"),
+    (lambda s, t: OPSDStep(s, t, TinyTokenizer(), optimizer=_opt(s), teacher_tokenizer=TinyTokenizer(pad_token_id=1)),
+     "pad_token_id"),
+    (lambda s, t: OPSDStep(s, t, TinyTokenizer(), optimizer=_opt(s), teacher_tokenizer=TinyTokenizer(eos_token_id=7)),
+     "eos_token_id"),
+    (lambda s, t: OPSDStep(s, t, VocabTokenizer(extra={"a": 5, "b": 6}), optimizer=_opt(s),
+                           teacher_tokenizer=VocabTokenizer(extra={"a": 6, "b": 5})), "vocabulary"),
+    (lambda s, t: OPSDStep(s, t, TinyTokenizer(), OPSDConfig(teacher_top_k=513), optimizer=_opt(s)), "teacher_top_k"),
+])
+def test_misaligned_teacher_and_bad_arguments_raise_naming_them(qwen, llama, build, match):
+    with pytest.raises(ValueError, match=match):
+        build(qwen, llama)
+
+
+def _opt(model):
+    return torch.optim.SGD(model.parameters(), lr=0.0)
+
+
+def test_teacher_vocab_smaller_than_the_batch_ids_raises():
+    step, student, _ = make_step(teacher_vocab=300)
+    ids, mask = random_prompts(2, PROMPT_LEN, seed=0, vocab_size=512)
+    assert int(ids.max()) >= 300
+    before = copy.deepcopy(student.state_dict())
+    with pytest.raises(ValueError, match="teacher vocab_size"):
+        step.step(ids, mask, SAMPLING)
+    assert all(torch.equal(before[k], v) for k, v in student.state_dict().items())  # no update happened
+
+
+def test_batch_without_response_position_raises_naming_mask():
+    step, _, _ = make_step()
+    ids, mask = prompts()
+    response = torch.full((ids.shape[0], 3), 5)
+    batch = RolloutBatch(torch.cat([ids, response], 1), torch.cat([mask, torch.zeros_like(response)], 1),
+                         torch.full((ids.shape[0],), PROMPT_LEN))
+    with pytest.raises(ValueError, match="^mask: "):
+        step.train_on_batch(batch)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(teacher_prompt_ids=torch.ones(3, 4, dtype=torch.long)), "teacher_prompt_ids"),
+    (dict(teacher_prompt_ids=torch.ones(2, 4, dtype=torch.long),
+          teacher_prompt_attention_mask=torch.ones(2, 4, dtype=torch.long)), "teacher_prompt_ids"),
+    (dict(teacher_prompt_ids=torch.ones(3, 4, dtype=torch.long),
+          teacher_prompt_attention_mask=torch.ones(3, 5, dtype=torch.long)), "teacher_prompt_attention_mask"),
+])
+def test_bad_teacher_prompts_raise_naming_them(kwargs, match):
+    step, _, _ = make_step(teacher="self")
+    ids, mask = prompts()
+    with pytest.raises(ValueError, match=match):
+        step.step(ids, mask, SAMPLING, **kwargs)
+
+
+# ---- the loss of a step ---------------------------------------------------------------------
+@pytest.mark.parametrize("config, teacher_vocab", [
+    (OPSDConfig(beta=0.5), 512),
+    (OPSDConfig(beta=0.0, temperature=2.0, max_teacher_rows=4, loss_chunk_size=5), 512),
+    (OPSDConfig(beta=1.0, teacher_top_k=16, logit_cache_location="host"), 512),
+    (OPSDConfig(beta=0.3, max_teacher_rows=5), 520),  # a larger teacher vocabulary: shared ids compared
+    (OPSDConfig(beta=0.7, teacher_top_k=8, max_teacher_rows=2), 520),
+])
+def test_step_loss_equals_independent_recomputation(config, teacher_vocab):
+    ids, mask = prompts()
+    eos = early_eos(tiny_model("qwen2", seed=0), ids, mask)
+    step, student, teacher = make_step(config, teacher_vocab=teacher_vocab, eos=eos)
+    oracle, teacher_before = copy.deepcopy(student), copy.deepcopy(teacher.state_dict())
+    result = step.step(ids, mask, SAMPLING)
+    batch = result.batch
+    assert not bool(batch.attention_mask[:, PROMPT_LEN:].all())  # some rows ended early (right padding)
+    assert result.num_response_tokens == int(batch.attention_mask[:, PROMPT_LEN:].sum())
+    expected = reference_loss(oracle, teacher, batch, config)
+    assert result.loss == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert result.loss > 0 and result.rollout_tokens_per_s > 0 and result.step_ms >= result.rollout_ms > 0
+    changed = [n for n, p in student.named_parameters() if not torch.equal(p, oracle.get_parameter(n))]
+    assert len(changed) == len(list(student.parameters()))  # one AdamW step moved every weight
+    assert all(torch.equal(p, teacher_before[n]) for n, p in teacher.named_parameters())
+    assert all(p.grad is None for p in teacher.parameters())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="pinned host memory needs CUDA"))])
+@pytest.mark.parametrize("top_k", [None, 8])
+def test_host_and_device_logit_caches_give_the_same_loss(device, top_k):
+    ids, mask = prompts(seed=1)
+    losses, batches = {}, {}
+    for location in ("device", "host"):
+        step, student, _ = make_step(OPSDConfig(teacher_top_k=top_k, logit_cache_location=location))
+        if device == "cuda":
+            student.cuda(), step.teacher.cuda()
+        result = step.step(ids.to(device), mask.to(device), SAMPLING)
+        losses[location], batches[location] = result.loss, result.batch.input_ids.cpu()
+    assert torch.equal(batches["device"], batches["host"])  # same seed: the same rollout
+    assert losses["host"] == losses["device"]
+
+
+def test_self_distillation_zero_on_same_prompt_and_aligned_with_teacher_prompt():
+    config = OPSDConfig(logit_cache_dtype=torch.float32)
+    step, student, _ = make_step(config, teacher="self", lr=0.0)
+    assert step.is_self_distillation
+    ids, mask = prompts(seed=2)
+    same = step.step(ids, mask, SAMPLING)
+    assert abs(same.loss) < 1e-6  # the teacher is the student on identical inputs
+    teacher_ids, teacher_mask = random_prompts(3, 10, min_len=4, seed=5)  # a different (e.g. privileged) prompt
+    oracle = copy.deepcopy(student)
+    other = step.step(ids, mask, SAMPLING, teacher_prompt_ids=teacher_ids, teacher_prompt_attention_mask=teacher_mask)
+    expand = SAMPLING.n_samples_per_prompt
+    expected = reference_loss(oracle, oracle, other.batch, config, teacher_ids.repeat_interleave(expand, 0),
+                              teacher_mask.repeat_interleave(expand, 0))
+    assert other.loss > 1e-4
+    assert other.loss == pytest.approx(expected, rel=1e-5)
+    assert student.training and all(m.training for m in student.modules())  # eval only for the teacher forward
+
+
+def test_every_stage_of_the_step_is_timed_when_profiling(tmp_path):
+    configure(ProfileConfig(mode="1", output_dir=str(tmp_path)))
+    step, _, _ = make_step()
+    ids, mask = prompts()
+    with collect_stages() as collector:
+        result = step.step(ids, mask, SAMPLING)
+    summary = collector.summary()
+    for name in (stages.STEP, stages.ROLLOUT, stages.PREFILL, stages.TEACHER_FORWARD, stages.LOGIT_CACHE,
+                 stages.STUDENT_FORWARD, stages.LOSS, stages.BACKWARD, stages.OPTIMIZER_STEP):
+        assert summary[name]["count"] == 1, name
+    assert result.rollout_profile is not None and result.rollout_profile["num_generated_tokens"] > 0
+
+
+# ---- DeepSpeed engines (subprocess workers, gloo) -------------------------------------------
+@pytest.mark.parametrize("stage, kinds, world_size, extra", [
+    (0, "full,lora", 1, ()),
+    (3, "full", 2, ("self",)),
+    (3, "lora", 2, ()),
+])
+def test_deepspeed_steps_train_the_student_only(stage, kinds, world_size, extra):
+    results = run_worker("opsd_train.py", str(stage), kinds, *extra, world_size=world_size,
+                         env={"OMP_NUM_THREADS": "1"})
+    for kind in kinds.split(","):
+        outs = [r.result[kind] for r in results]
+        for out in outs:
+            assert out["is_zero3"] == (stage == 3)
+            assert len(out["losses"]) == 3 and all(math.isfinite(x) and x > 0 for x in out["losses"])
+            assert out["losses"][0] == pytest.approx(out["reference_loss"], rel=1e-5)
+            assert out["teacher_changed"] == [] and out["teacher_grads"] == []
+            assert out["changed"] == out["trainable"]  # every trainable weight moved, nothing else did
+            if kind == "lora":
+                assert out["trainable"] and all("lora_" in name for name in out["trainable"])
+                assert len(out["trainable"]) < out["num_params"]
+            else:
+                assert len(out["trainable"]) == out["num_params"]
+            if "self" in extra:
+                assert out["self"]["is_self"] and abs(out["self"]["same_prompt_loss"]) < 1e-6
+                assert out["self"]["teacher_prompt_loss"] > 1e-4
+        # token counts 10 and 30 on two ranks: weights n * world / total = 0.5 and 1.5
+        assert [out["rank_weight"] for out in outs] == ([1.0] if world_size == 1 else [0.5, 1.5])
+        if world_size == 2:  # each rank distils its own prompts
+            assert outs[0]["tokens0"] != outs[1]["tokens0"]
+
+
+# ---- the main job -----------------------------------------------------------------------------
+def run_script(*args, env=None, timeout=240):
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    base.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})})
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=base,
+                          cwd=REPO, timeout=timeout)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def step_lines(stdout):
+    return [line for line in stdout.splitlines() if line.startswith("step ") and "loss" in line]
+
+
+def test_script_runs_zero3_lora_self_distillation_without_profiling(tmp_path):
+    out = run_script("--steps", "2", "--zero-stage", "3", "--lora", "4", "--teacher", "self", "--teacher-top-k", "8",
+                     "--logit-cache", "host", "--batch-size", "1", "--max-new-tokens", "6",
+                     env={"OPSD_PROFILE": "0", "OPSD_PROFILE_DIR": str(tmp_path / "traces")})
+    lines = step_lines(out)
+    assert [line.split()[1] for line in lines] == ["1/2", "2/2"]
+    assert all(math.isfinite(float(line.split()[3])) for line in lines)
+    assert "ZeRO-3" in out and "LoRA r=4" in out and "teacher self" in out and "done: 2 steps" in out
+    assert "per-stage" not in out and not (tmp_path / "traces").exists()
+
+
+def test_script_rejects_a_bad_flag_naming_the_field():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--logit-cache", "gpu"], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert proc.returncode == 2 and "logit_cache_location" in proc.stderr
+
+
+def save_tiny(path: Path, arch: str, seed: int, with_tokenizer: bool) -> str:
+    tiny_model(arch, seed=seed).save_pretrained(path)
+    if with_tokenizer:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{f"t{i}": i for i in range(3, 512)}}
+        backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+        backend.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
+                                eos_token="<eos>").save_pretrained(path)
+    return str(path)
+
+
+def test_script_from_saved_models_with_profiling_writes_traces_and_table(tmp_path):
+    student = save_tiny(tmp_path / "student", "qwen2", 0, with_tokenizer=True)
+    teacher = save_tiny(tmp_path / "teacher", "llama", 1, with_tokenizer=False)
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0},
+                                     "zero_allow_untested_optimizer": True, "steps_per_print": 1000}))
+    out = run_script("--student", student, "--teacher", teacher, "--deepspeed-config", str(ds_config),
+                     "--steps", "2", "--batch-size", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6",
+                     env={"OPSD_PROFILE": "1", "OPSD_PROFILE_DIR": str(tmp_path / "traces"),
+                          "OPSD_PROFILE_STEPS": "1"})
+    assert len(step_lines(out)) == 2
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+    for name in (stages.STEP, stages.ROLLOUT, stages.DECODE, stages.TEACHER_FORWARD, stages.LOGIT_CACHE,
+                 stages.STUDENT_FORWARD, stages.LOSS, stages.BACKWARD, stages.OPTIMIZER_STEP):
+        assert name in rows and int(rows[name][1]) >= 1, name  # count column
+    assert rows[stages.STEP][4] == "100.0%"
+    traces = [Path(line.split("trace: ", 1)[1]) for line in out.splitlines() if line.startswith("trace: ")]
+    assert traces and all(p.is_file() and p.parent.parent == tmp_path / "traces" for p in traces)
+    events = json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]
+    assert {f"opsd/{stages.TEACHER_FORWARD}", f"opsd/{stages.LOSS}"} <= {e.get("name") for e in events}
