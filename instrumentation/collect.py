@@ -1,0 +1,140 @@
+"""Summaries of stage records: ``collect_stages()`` per call, and the live per-stage table.
+
+``collect_stages()`` wraps one ``Rollout.generate`` call. With ``OPSD_PROFILE=1`` it yields a
+:class:`StageCollector` (timing every stage inside the block, also outside a profiler session);
+otherwise it yields None through a shared do-nothing context (no allocation, no timers).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from instrumentation import stages
+from instrumentation.state import get_config
+from instrumentation.timers import BYTES_PER_MIB, HUB, StageRecord, StageTimers, TimerBackend
+
+_ORDER = {name: i for i, name in enumerate(stages.ALL_STAGES)}
+
+
+def summarize(records: Iterable[StageRecord], backend: TimerBackend) -> dict[str, dict]:
+    """``{stage: {"count", "host_ms", "device_ms", "peak_allocated_mib"}}`` in stage order.
+
+    Times are totals over the calls; ``device_ms`` equals ``host_ms`` on CPU; the peak is the max over
+    the calls, None where memory was not tracked (CPU, or steps that are not recorded).
+    """
+    out: dict[str, dict] = {}
+    for record in records:
+        entry = out.setdefault(record.stage, {"count": 0, "host_ms": 0.0, "device_ms": 0.0,
+                                              "peak_allocated_mib": None})
+        entry["count"] += 1
+        entry["host_ms"] += record.host_ms
+        entry["device_ms"] += record.device_ms(backend)
+        if record.peak_bytes is not None:
+            peak_mib = record.peak_bytes / BYTES_PER_MIB
+            entry["peak_allocated_mib"] = max(entry["peak_allocated_mib"] or 0.0, peak_mib)
+    return dict(sorted(out.items(), key=lambda item: _ORDER.get(item[0], len(_ORDER))))
+
+
+class StageCollector:
+    """Collects the stage records of one block; ``summary()`` gives the per-stage totals."""
+
+    def __init__(self, hub: StageTimers = HUB):
+        self._hub = hub
+        self._records: list[StageRecord] = []
+        self.allows_reset = False
+        """Peaks are reset only when no profiler session is open (there, only recorded steps reset)."""
+
+    def add(self, record: StageRecord) -> None:
+        self._records.append(record)
+
+    def __enter__(self) -> "StageCollector":
+        self.allows_reset = self._hub.num_sessions == 0
+        self._hub.add_sink(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._hub.remove_sink(self)
+        return False
+
+    @property
+    def records(self) -> list[StageRecord]:
+        return list(self._records)
+
+    def summary(self) -> dict[str, dict]:
+        """Per-stage totals of the stages that ran inside the block (see :func:`summarize`)."""
+        return summarize(self._records, self._hub.backend)
+
+
+class _NoCollect:
+    """The off path of ``collect_stages()``: yields None."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return False
+
+
+_NO_COLLECT = _NoCollect()
+
+
+def collect_stages():
+    """Context manager yielding a :class:`StageCollector` when ``OPSD_PROFILE=1``, else None."""
+    return StageCollector(HUB) if get_config().timing else _NO_COLLECT
+
+
+class StageTable:
+    """Running per-stage totals over the recorded steps of a profiler session."""
+
+    def __init__(self):
+        self._stats: dict[str, dict] = {}
+        self.num_steps = 0
+        self.wall_ms = 0.0
+        """Host wall time of the recorded steps (used when no ``opsd/step`` range was recorded)."""
+
+    def add_step(self, summary: dict[str, dict], wall_ms: float) -> None:
+        self.num_steps += 1
+        self.wall_ms += wall_ms
+        for name, entry in summary.items():
+            stats = self._stats.setdefault(name, {"count": 0, "total_ms": 0.0, "host_ms": 0.0,
+                                                  "peak_mib": None})
+            stats["count"] += entry["count"]
+            stats["total_ms"] += entry["device_ms"]
+            stats["host_ms"] += entry["host_ms"]
+            if entry["peak_allocated_mib"] is not None:
+                stats["peak_mib"] = max(stats["peak_mib"] or 0.0, entry["peak_allocated_mib"])
+
+    def rows(self) -> list[dict]:
+        """Plain rows: stage, count, total_ms, mean_ms, host_total_ms, share_of_step, peak_mib.
+
+        ``total_ms`` is device time (host time on CPU); ``share_of_step`` is ``total_ms`` over the
+        total of ``opsd/step`` (or the recorded steps' wall time when no step range was recorded).
+        Nested stages overlap, so shares do not add up to 1.
+        """
+        step = self._stats.get(stages.STEP)
+        step_ms = step["total_ms"] if step else self.wall_ms
+        rows = []
+        for name in sorted(self._stats, key=lambda n: _ORDER.get(n, len(_ORDER))):
+            stats = self._stats[name]
+            rows.append({
+                "stage": name, "count": stats["count"], "total_ms": stats["total_ms"],
+                "mean_ms": stats["total_ms"] / stats["count"], "host_total_ms": stats["host_ms"],
+                "share_of_step": stats["total_ms"] / step_ms if step_ms > 0 else None,
+                "peak_mib": stats["peak_mib"],
+            })
+        return rows
+
+
+def format_stage_rows(rows: list[dict], title: Optional[str] = None) -> str:
+    """A fixed-width text table of :meth:`StageTable.rows` ("n/a" where a value has no meaning)."""
+    header = f"{'stage':<16} {'count':>6} {'total ms':>10} {'mean ms':>9} {'share':>7} {'peak MiB':>9}"
+    lines = [title] if title else []
+    lines += [header, "-" * len(header)]
+    for row in rows:
+        share = "n/a" if row["share_of_step"] is None else f"{100 * row['share_of_step']:.1f}%"
+        peak = "n/a" if row["peak_mib"] is None else f"{row['peak_mib']:.1f}"
+        lines.append(f"{row['stage']:<16} {row['count']:>6} {row['total_ms']:>10.3f} "
+                     f"{row['mean_ms']:>9.3f} {share:>7} {peak:>9}")
+    return "\n".join(lines)

@@ -1,0 +1,202 @@
+"""``ProfileConfig``: the profiling switches, read once from the environment (no torch).
+
+Precedence is explicit arguments > environment > defaults. Every bad value raises ``ValueError``
+naming the variable (or argument) and the values it accepts.
+
+==========================  =========================================================  ================
+variable                    accepted values                                            default
+==========================  =========================================================  ================
+``OPSD_PROFILE``            unset / ``0`` (off), ``1`` (ranges + timers + traces),      off
+                            ``nvtx`` (ranges only, for ``nsys profile``)
+``OPSD_PROFILE_DIR``        any path; each run writes into its own subdirectory        ``./opsd_traces``
+``OPSD_PROFILE_STEPS``      ``A-B`` (inclusive) or a list such as ``1,3,5-7``          ``1-3``
+``OPSD_PROFILE_RANKS``      ``all`` or a list such as ``0`` / ``0,2`` / ``0-3``        ``0``
+``OPSD_PROFILE_MEMORY``     ``1/0``, ``true/false``, ``yes/no``, ``on/off``            on when ``1``
+``OPSD_PROFILE_RUN_NAME``   a plain name (letters, digits, ``._-``)                    generated
+``OPSD_PROFILE_OOM_SNAPSHOT``  same as ``OPSD_PROFILE_MEMORY``                         off
+==========================  =========================================================  ================
+
+An empty variable counts as unset.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional
+
+MODE_OFF = "0"
+MODE_FULL = "1"
+MODE_NVTX = "nvtx"
+MODES = (MODE_OFF, MODE_FULL, MODE_NVTX)
+
+#: Environment variable of each field.
+ENV_VARS = {
+    "mode": "OPSD_PROFILE",
+    "output_dir": "OPSD_PROFILE_DIR",
+    "steps": "OPSD_PROFILE_STEPS",
+    "ranks": "OPSD_PROFILE_RANKS",
+    "profile_memory": "OPSD_PROFILE_MEMORY",
+    "run_name": "OPSD_PROFILE_RUN_NAME",
+    "oom_snapshot": "OPSD_PROFILE_OOM_SNAPSHOT",
+}
+
+#: Upper bound on the number of steps or ranks a list may name (guards ``0-1000000000``).
+MAX_LIST_ITEMS = 100_000
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_STEPS_ACCEPTED = "'A-B' (inclusive, A <= B) or a comma list such as '1,3,5-7' of integers >= 0"
+_RANKS_ACCEPTED = "'all' or a comma list such as '0', '0,2' or '0-3' of integers >= 0"
+_BOOL_ACCEPTED = "one of " + ", ".join(_TRUE + _FALSE)
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def _bad(source: str, value, accepted: str) -> ValueError:
+    return ValueError(f"{source}={value!r} is not valid; accepted: {accepted}")
+
+
+def parse_mode(value, source: str = "mode") -> str:
+    """``0``/``1``/``nvtx`` (also ints 0/1, any case) -> one of :data:`MODES`."""
+    if isinstance(value, bool):
+        raise _bad(source, value, "'0', '1' or 'nvtx'")
+    text = str(value).strip().lower() if isinstance(value, (str, int)) else None
+    if text == "":
+        return MODE_OFF
+    if text not in MODES:
+        raise _bad(source, value, "'0' (or unset) for off, '1' for ranges + timers + traces, "
+                                  "'nvtx' for NVTX ranges only")
+    return text
+
+
+def parse_int_list(value, source: str, accepted: str = _STEPS_ACCEPTED) -> tuple[int, ...]:
+    """``"1,3,5-7"`` / ``"2-4"`` / an iterable of ints -> sorted tuple of distinct ints >= 0."""
+    if isinstance(value, str):
+        items: set[int] = set()
+        tokens = [token.strip() for token in value.split(",")]
+        if not value.strip() or any(not token for token in tokens):
+            raise _bad(source, value, accepted)
+        for token in tokens:
+            low, sep, high = token.partition("-")
+            low, high = low.strip(), (high.strip() if sep else low.strip())
+            if not (low.isdigit() and high.isdigit()) or int(low) > int(high):
+                raise _bad(source, value, accepted)
+            if int(high) - int(low) + len(items) >= MAX_LIST_ITEMS:
+                raise _bad(source, value, f"{accepted}; at most {MAX_LIST_ITEMS} items")
+            items.update(range(int(low), int(high) + 1))
+        return tuple(sorted(items))
+    try:
+        items_list = list(value)
+    except TypeError:
+        raise _bad(source, value, accepted) from None
+    if not items_list or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in items_list):
+        raise _bad(source, value, accepted)
+    return tuple(sorted(set(items_list)))
+
+
+def parse_ranks(value, source: str = "ranks") -> Optional[tuple[int, ...]]:
+    """``"all"`` / None -> None (every rank); otherwise a sorted tuple of ranks."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    return parse_int_list(value, source, _RANKS_ACCEPTED)
+
+
+def parse_bool(value, source: str) -> bool:
+    """``1/0``, ``true/false``, ``yes/no``, ``on/off`` (any case) or a bool -> bool."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower() if isinstance(value, (str, int)) else None
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise _bad(source, value, _BOOL_ACCEPTED)
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """What to profile; built once per process (see :func:`instrumentation.get_config`)."""
+
+    mode: str = MODE_OFF
+    """``"0"`` off (ranges are a shared do-nothing object), ``"1"`` NVTX + ``record_function``
+    ranges, stage timers and torch.profiler traces on the recorded steps, ``"nvtx"`` ranges only."""
+    output_dir: str = "./opsd_traces"
+    """Root directory of traces and scalars; each run writes into ``<output_dir>/<run_name>/``."""
+    steps: tuple[int, ...] = (1, 2, 3)
+    """Training steps (0-based, counted by ``prof.step()``) that are recorded; consecutive steps form
+    one trace window. The default leaves step 0 to warm up."""
+    ranks: Optional[tuple[int, ...]] = (0,)
+    """Ranks that write traces and scalars (None = all). NVTX ranges are emitted on every rank."""
+    profile_memory: Optional[bool] = None
+    """torch.profiler ``profile_memory`` (``[memory]`` events); None resolves to ``mode == "1"``."""
+    run_name: Optional[str] = None
+    """Subdirectory of this run; None generates ``run-<time>-<pid>-<random>`` (shared by all ranks)."""
+    oom_snapshot: bool = False
+    """On CUDA OOM inside a recorded step, dump ``torch.cuda.memory._dump_snapshot`` and re-raise."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "mode", parse_mode(self.mode, "mode"))
+        if not isinstance(self.output_dir, (str, os.PathLike)) or not str(self.output_dir).strip():
+            raise ValueError(f"output_dir must be a non-empty path; got {self.output_dir!r}")
+        set_(self, "output_dir", os.fspath(self.output_dir))
+        set_(self, "steps", parse_int_list(self.steps, "steps"))
+        set_(self, "ranks", parse_ranks(self.ranks, "ranks"))
+        memory = self.mode == MODE_FULL if self.profile_memory is None else self.profile_memory
+        set_(self, "profile_memory", parse_bool(memory, "profile_memory"))
+        if self.run_name is not None and (not isinstance(self.run_name, str)
+                                          or not _NAME_RE.match(self.run_name)):
+            raise _bad("run_name", self.run_name, "None or a name of letters, digits, '.', '_', '-'")
+        set_(self, "oom_snapshot", parse_bool(self.oom_snapshot, "oom_snapshot"))
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides) -> "ProfileConfig":
+        """Build from ``environ`` (default ``os.environ``); keyword ``overrides`` win over it."""
+        environ = os.environ if environ is None else environ
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise ValueError(f"unknown ProfileConfig argument(s) {unknown}; accepted: {names}")
+        values = dict(overrides)
+        for name in names:
+            raw = environ.get(ENV_VARS[name], "")
+            if name in values or raw.strip() == "":
+                continue
+            values[name] = _parse_env(name, raw)
+        return cls(**values)
+
+    @property
+    def enabled(self) -> bool:
+        """Any instrumentation at all (ranges are emitted)."""
+        return self.mode != MODE_OFF
+
+    @property
+    def timing(self) -> bool:
+        """Stage timers, ``collect_stages`` and torch.profiler sessions (mode ``1``)."""
+        return self.mode == MODE_FULL
+
+    def records_step(self, step: int) -> bool:
+        """Whether training step ``step`` is in the recorded set."""
+        return step in self.steps
+
+    def selects_rank(self, rank: int) -> bool:
+        """Whether ``rank`` writes traces and scalars."""
+        return self.ranks is None or rank in self.ranks
+
+
+def _parse_env(name: str, raw: str):
+    var = ENV_VARS[name]
+    if name == "mode":
+        return parse_mode(raw, var)
+    if name == "steps":
+        return parse_int_list(raw, var)
+    if name == "ranks":
+        return parse_ranks(raw, var)
+    if name in ("profile_memory", "oom_snapshot"):
+        return parse_bool(raw, var)
+    if name == "run_name" and not _NAME_RE.match(raw.strip()):
+        raise _bad(var, raw, "a name of letters, digits, '.', '_', '-'")
+    return raw.strip()
