@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-ROUTES = ("ordinary",)
+ROUTES = ("ordinary", "continuous", "auto")
 GATHER_MODES = ("once", "per_forward")
 
 
@@ -73,7 +73,9 @@ class RolloutConfig:
     """How the rollout runs (our own; DeepSpeed's ``HybridEngineRolloutConfig`` has no equivalent)."""
 
     route: str = "ordinary"
-    """Generation route: ``"ordinary"`` (one padded batch over a static KV cache)."""
+    """``"ordinary"`` (one padded batch over a static KV cache), ``"continuous"`` (aligned-cache continuous
+    batching with ``SamplingConfig.continuous_batch_size`` slots) or ``"auto"`` (chosen per call by the
+    cost model; see :mod:`rollout.routes`)."""
     gather: str = "once"
     """ZeRO-3 only: ``"once"`` gathers all parameters once per ``generate`` call (fast, needs memory for the
     full model); ``"per_forward"`` keeps ZeRO-3's own per-forward gathering (low memory, slow)."""
@@ -92,6 +94,12 @@ class RolloutConfig:
     """On CUDA, capture the fast decode step in CUDA graphs (per batch and length bucket) and replay them."""
     compile: bool = True
     """On CUDA, ``torch.compile`` the fast step's fusable pieces (norms, rotary, MLP activation)."""
+    cost_model: Optional[object] = None
+    """Prefill cost model for planning: a ``planner.CostModel``, the path of a calibration JSON
+    (``scripts/calibrate_prefill.py``), or None for the seed PR's default coefficients with this model's
+    geometry. The defaults are starting estimates: calibrate for your model, GPU and dtype."""
+    max_prefill_tokens: Optional[int] = 65536
+    """Padded tokens (rows x length) per planned prefill forward; None removes the limit."""
 
     def __post_init__(self) -> None:
         _require(self.route in ROUTES, "route", f"must be one of {ROUTES}; got {self.route!r}")
@@ -101,5 +109,10 @@ class RolloutConfig:
             _require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
         _require(_is_int(self.eos_check_interval) and self.eos_check_interval >= 1, "eos_check_interval",
                  f"must be an int >= 1; got {self.eos_check_interval!r}")
+        _require(self.max_prefill_tokens is None or (_is_int(self.max_prefill_tokens) and self.max_prefill_tokens > 0),
+                 "max_prefill_tokens", f"must be None or a positive int; got {self.max_prefill_tokens!r}")
+        from rollout.planner import CostModel  # light, pure Python
+        _require(self.cost_model is None or isinstance(self.cost_model, (CostModel, str)), "cost_model",
+                 f"must be a CostModel, a calibration file path or None; got {type(self.cost_model).__name__}")
         _require(self.max_context is None or (_is_int(self.max_context) and self.max_context > 0),
                  "max_context", f"must be None or a positive int; got {self.max_context!r}")

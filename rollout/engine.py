@@ -22,6 +22,10 @@ from rollout.lora import LoraFuser
 from rollout.postprocess import eos_tensor, postprocess
 from rollout.request import RolloutBatch, RolloutRequest
 from rollout.runner import generate_ordinary
+from rollout import cb_route, routes
+from rollout.aligned_cache import AlignedKVCache, ScratchArena
+from rollout.continuous import cache_shape as aligned_cache_shape, generate_continuous
+from rollout.planner import CostModel
 from rollout.profile import build_profile
 
 
@@ -74,6 +78,10 @@ class Rollout:
         self._pool = CachePool(keep=self.config.keep_cache)
         self._last_profile: dict | None = None
         self._decoder: FastDecoder | None = None
+        self._arena: ScratchArena | None = None
+        self._cost_model: CostModel | None = None
+        if self.config.route != routes.ORDINARY:
+            cb_route.check_gather(self.config.route, self.config.gather, self.is_zero3)
         self.last_stats: dict = {}  # counters of the last call (forwards, decode path), kept even with profiling off
 
     # ---- public interface (DeepSpeed's RolloutEngine) -------------------------------------------
@@ -99,9 +107,12 @@ class Rollout:
         return None
 
     def shutdown(self) -> None:
-        """Release the KV cache, the decode buffers and the captured CUDA graphs."""
+        """Release the KV cache, the prefill scratch, the decode buffers and the captured CUDA graphs."""
         self._pool.clear()
         self._decoder = None
+        if self._arena is not None:
+            self._arena.release()
+            self._arena = None
 
     def get_last_profile(self) -> dict | None:
         """Per-stage timings of the last ``generate`` call, or None when profiling is off."""
@@ -110,35 +121,95 @@ class Rollout:
     # ---- the call, stage by stage ----------------------------------------------------------------
     def _generate(self, request: RolloutRequest, sampling: SamplingConfig):
         device = self._device()
-        prompt_ids, prompt_mask = self._validate(request, sampling, device)
+        prompt_ids, prompt_mask, layout = self._validate(request, sampling, device)
         with stage(stages.EXPAND):
             ids, mask = expand_prompts(prompt_ids, prompt_mask, sampling.n_samples_per_prompt)
+        with stage(stages.PLAN):
+            choice = routes.choose_route(self.config.route, layout, sampling.n_samples_per_prompt,
+                                         sampling.continuous_batch_size, self._costs(),
+                                         self.config.max_prefill_tokens)
         with self._inference_mode(), self._generation_weights():
-            decoder, reason = self._fast_decoder()
-            rows = batch_bucket(ids.shape[0]) if decoder is not None else ids.shape[0]
-            capacity = ids.shape[1] + sampling.max_new_tokens
-            with stage(stages.CACHE_ACQUIRE):  # storage for the batch bucket; the prefill writes the live rows
-                cache = self._pool.acquire(self._cache_shape(rows, capacity)).view(
-                    self._cache_shape(ids.shape[0], capacity))
-            try:
-                state = generate_ordinary(
-                    self.model, cache, ids, mask, sampling, eos_tensor(self.eos_token_ids, device),
-                    self.model.config.vocab_size, self.config.eos_check_interval, self._busy, stage,
-                    decoder=decoder, eos_key=self.eos_token_ids)
-            finally:
-                with stage(stages.CACHE_RELEASE):
-                    self._pool.release()
-        state.counters["decode_fallback_reason"] = reason
+            if choice.route == routes.CONTINUOUS:
+                generated, counters = self._run_continuous(prompt_ids, prompt_mask, layout, sampling, device)
+            else:
+                generated, counters = self._run_ordinary(ids, mask, sampling, device, choice)
+        counters.update(route=choice.route, route_reason=choice.reason, dp_skipped=choice.dp_skipped,
+                        route_estimates_ms=choice.estimates_ms,
+                        prefill_buckets=len(choice.buckets) if choice.buckets else 1)
         with stage(stages.POSTPROCESS):
-            batch = postprocess(ids, mask, state.generated[:, :state.num_steps], self.eos_token_ids,
-                                self.pad_token_id)
-        return batch, dict(state.counters, num_steps=state.num_steps)
+            batch = postprocess(ids, mask, generated, self.eos_token_ids, self.pad_token_id)
+        return batch, counters
+
+    def _run_ordinary(self, ids, mask, sampling, device, choice):
+        decoder, reason = self._fast_decoder()
+        rows = batch_bucket(ids.shape[0]) if decoder is not None else ids.shape[0]
+        capacity = ids.shape[1] + sampling.max_new_tokens
+        with stage(stages.CACHE_ACQUIRE):  # storage for the batch bucket; the prefill writes the live rows
+            cache = self._pool.acquire(self._cache_shape(rows, capacity)).view(
+                self._cache_shape(ids.shape[0], capacity))
+        try:
+            state = generate_ordinary(
+                self.model, cache, ids, mask, sampling, eos_tensor(self.eos_token_ids, device),
+                self.model.config.vocab_size, self.config.eos_check_interval, self._busy, stage,
+                decoder=decoder, eos_key=self.eos_token_ids,
+                buckets=[list(b) for b in choice.buckets] if choice.buckets else None,
+                bucket_lengths=list(choice.bucket_lengths) if choice.bucket_lengths else None)
+        finally:
+            with stage(stages.CACHE_RELEASE):
+                self._pool.release()
+        counters = dict(state.counters, num_steps=state.num_steps, decode_fallback_reason=reason,
+                        cache_capacity=capacity)
+        return state.generated[:, :state.num_steps], counters
+
+    def _run_continuous(self, prompt_ids, prompt_mask, layout, sampling, device):
+        """Continuous batching over an aligned cache whose storage comes from the pool (keep_cache applies)."""
+        num_rows = len(layout.spans) * sampling.n_samples_per_prompt
+        slots = cb_route.resolve_num_slots(sampling.continuous_batch_size, num_rows, sampling.n_samples_per_prompt)
+        capacity = cb_route.checked_capacity(None, layout, sampling.max_new_tokens, slots < num_rows)
+        shape = aligned_cache_shape(self.model, slots, capacity)
+        with stage(stages.CACHE_ACQUIRE):
+            base = self._pool.acquire(shape)
+            cache = AlignedKVCache(shape, storage=(base.key_storage, base.value_storage))
+            if self._arena is None or not self.config.keep_cache:
+                self._arena = ScratchArena.like(shape)
+        try:
+            result = generate_continuous(
+                self.model, prompt_ids, prompt_mask, sampling, eos_tensor(self.eos_token_ids, device),
+                cost_model=self._costs(), num_slots=slots, cache=cache, arena=self._arena, layout=layout,
+                max_prefill_tokens=self.config.max_prefill_tokens, stage=stage)
+        finally:
+            with stage(stages.CACHE_RELEASE):
+                self._pool.release()
+                if not self.config.keep_cache:
+                    self._arena.release()
+                    self._arena = None
+        counters = dict(result.counters, num_steps=result.num_steps,
+                        decode_fallback_reason="continuous route decodes through the HF forward")
+        return result.generated, counters
+
+    def _costs(self) -> CostModel:
+        if self._cost_model is None:
+            cfg = self.config.cost_model
+            if isinstance(cfg, CostModel):
+                self._cost_model = cfg
+            elif isinstance(cfg, str):
+                from rollout.calibration import load_cost_model
+                param = next(self.model.parameters())
+                self._cost_model = load_cost_model(cfg, self.model, param.device, param.dtype)
+            else:
+                self._cost_model = CostModel.from_model(self.model)
+        return self._cost_model
 
     def _validate(self, request: RolloutRequest, sampling: SamplingConfig, device: torch.device):
         ids = request.prompt_ids.to(device, non_blocking=True)
         mask = request.prompt_attention_mask.to(device, non_blocking=True)
-        # one host sync for all value checks: [min row length, mask min, mask max, id min, id max]
-        checks = torch.stack([mask.sum(dim=1).min(), mask.min(), mask.max(), ids.min(), ids.max()]).tolist()
+        # one host sync for all value checks and the layout: [min row length, mask min, mask max, id min,
+        # id max] + first real column per row + real tokens per row
+        counts = (mask != 0).sum(dim=1)
+        first = (mask != 0).int().argmax(dim=1)
+        checks = torch.cat([torch.stack([counts.min(), mask.min(), mask.max(), ids.min(), ids.max()]).long(),
+                            first.long(), counts.long()]).tolist()
+        num_rows = ids.shape[0]
         if checks[1] < 0 or checks[2] > 1:
             raise ValueError("prompt_attention_mask: values must be 0 or 1")
         if checks[0] < 1:
@@ -151,7 +222,9 @@ class Rollout:
         if limit is not None and total > limit:
             raise ValueError(f"max_new_tokens: prompt length {request.prompt_len} + max_new_tokens "
                              f"{sampling.max_new_tokens} = {total} exceeds the model context {limit}")
-        return ids, mask
+        layout = cb_route.PromptLayout(tuple(request.prompt_len - f for f in checks[5:5 + num_rows]),
+                                       tuple(checks[5 + num_rows:]), request.prompt_len)
+        return ids, mask, layout
 
     @contextlib.contextmanager
     def _inference_mode(self):

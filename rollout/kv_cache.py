@@ -89,6 +89,12 @@ class StaticKVCache(Cache):
             raise ValueError(f"cache shape {shape} does not fit in {self.shape}")
         return StaticKVCache(shape, (self.key_storage, self.value_storage))
 
+    def rows(self, start: int, stop: int) -> "StaticKVCache":
+        """A cache over rows ``[start, stop)`` of this one's storage (no allocation): one prefill bucket."""
+        shape = CacheShape(stop - start, self.shape.capacity, self.shape.num_layers, self.shape.num_kv_heads,
+                           self.shape.head_dim, self.shape.dtype, self.shape.device)
+        return StaticKVCache(shape, (self.key_storage[:, start:stop], self.value_storage[:, start:stop]))
+
     def set_window(self, write_cols: torch.Tensor, live_len: int) -> None:
         """Columns the next forward writes (``[q]`` int64 on the cache device) and reads (``[0, live_len)``)."""
         self.write_cols = write_cols

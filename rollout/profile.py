@@ -42,7 +42,15 @@ def build_profile(summary: dict, counters: dict, batch, request, sampling, elaps
         "prompt_length": prompt_len,
         "response_length": response_len,
         # ours
-        "route": "ordinary",
+        "route": counters.get("route", "ordinary"),
+        "route_reason": counters.get("route_reason"),
+        "num_prefill_buckets": counters.get("prefill_buckets", 1),
+        "planner_dp_skipped": counters.get("dp_skipped"),
+        "num_cache_trims": counters.get("trims", 0),
+        "cache_bytes_moved": counters.get("bytes_moved", 0),
+        "cache_capacity": counters.get("capacity", counters.get("cache_capacity")),
+        "plan_ms": _stage_ms(summary, stages.PLAN),
+        "cache_trim_ms": _stage_ms(summary, stages.CACHE_TRIM),
         "decode_path": ("graph" if counters.get("graph_decode_steps") else
                         "fast_eager" if counters.get("eager_decode_steps") else "hf"),
         "decode_fallback_reason": counters.get("decode_fallback_reason"),

@@ -38,7 +38,7 @@ class DecodeState:
 
 
 def init_state(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig,
-               capacity: int, vocab_size: int, buffers=None) -> DecodeState:
+               capacity: int, vocab_size: int, buffers=None, sample_ids: torch.Tensor | None = None) -> DecodeState:
     """The call's decode state; views into ``buffers`` (a ``DecodeBuffers``) when the fast decoder runs."""
     num_rows = prompt_ids.shape[0]
     device = prompt_ids.device
@@ -52,13 +52,17 @@ def init_state(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sa
             # seen: [N, V] — the padded history, padding included (HF semantics)
             seen=torch.zeros((num_rows, vocab_size), dtype=torch.bool, device=device) if use_seen else None,
             seed=torch.tensor(draw_seed(sampling), dtype=torch.long, device=device),
-            rows=torch.arange(num_rows, dtype=torch.long, device=device),
+            rows=torch.arange(num_rows, dtype=torch.long, device=device) if sample_ids is None else sample_ids,
         )
     else:
         buffers.valid.fill_(True)
         buffers.valid[:num_rows, :prompt_ids.shape[1]] = prompt_mask.bool()
         buffers.finished.zero_()
         buffers.seed.fill_(draw_seed(sampling))
+        if sample_ids is not None:
+            buffers.rows[:num_rows] = sample_ids
+        else:
+            buffers.rows.copy_(torch.arange(buffers.rows.shape[0], device=device))
         if use_seen:
             buffers.seen.zero_()
         state = DecodeState(valid=buffers.valid[:num_rows, :capacity], next_pos=prompt_mask.long().sum(dim=1),
@@ -83,15 +87,38 @@ def _emit(state: DecodeState, logits: torch.Tensor, sampling: SamplingConfig, eo
     return tokens
 
 
+def prefill_forward(model, cache: StaticKVCache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                    prompt_len: int) -> torch.Tensor:
+    """One forward writing ``prompt_ids [b, L]`` into prompt columns ``[T_p - L, T_p)`` of ``cache``'s rows;
+    returns the last position's logits ``[b, V]``. Earlier columns of these rows must be padding."""
+    length = prompt_ids.shape[1]
+    start = prompt_len - length
+    cache.set_window(torch.arange(start, start + length, device=prompt_ids.device), start + length)
+    keep = masks.prefill_mask(prompt_mask)
+    if start:  # the padding columns [0, start) are never attended: zero them so stale values cannot leak
+        cache.key_storage[:, :, :, :start].zero_()
+        cache.value_storage[:, :, :, :start].zero_()
+        keep = torch.cat([keep.new_zeros(keep.shape[:3] + (start,)), keep], dim=-1)
+    mask = compat.to_model_mask(keep, model, _mask_dtype(model))
+    return compat.forward_last_logits(model, prompt_ids, masks.prompt_positions(prompt_mask), mask, cache)
+
+
 def prefill(model, cache: StaticKVCache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-            state: DecodeState, sampling: SamplingConfig, eos_ids: torch.Tensor | None) -> torch.Tensor:
-    """Write the prompts into cache columns ``[0, T_p)`` and produce the first token of every row."""
+            state: DecodeState, sampling: SamplingConfig, eos_ids: torch.Tensor | None,
+            buckets: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+    """Write the prompts into cache columns ``[0, T_p)`` and produce the first token of every row.
+
+    ``buckets``: ``(first_row, stop_row, length)`` per prefill forward (rows sorted so each bucket is
+    contiguous; ``length`` covers every real token of its rows); None is one forward over all rows.
+    """
     prompt_len = prompt_ids.shape[1]
-    cache.set_window(torch.arange(prompt_len, device=prompt_ids.device), prompt_len)
-    mask = compat.to_model_mask(masks.prefill_mask(prompt_mask), model, _mask_dtype(model))
-    logits = compat.forward_last_logits(model, prompt_ids, masks.prompt_positions(prompt_mask), mask, cache)
-    state.counters["prefill_forwards"] += 1
-    return _emit(state, logits, sampling, eos_ids)
+    logits = []
+    for first, stop, length in buckets or [(0, prompt_ids.shape[0], prompt_len)]:
+        cols = slice(prompt_len - length, prompt_len)
+        logits.append(prefill_forward(model, cache.rows(first, stop) if buckets else cache,
+                                      prompt_ids[first:stop, cols], prompt_mask[first:stop, cols], prompt_len))
+        state.counters["prefill_forwards"] += 1
+    return _emit(state, logits[0] if len(logits) == 1 else torch.cat(logits), sampling, eos_ids)
 
 
 def decode_one_token(model, cache: StaticKVCache, tokens: torch.Tensor, prompt_len: int, state: DecodeState,
@@ -109,23 +136,35 @@ def decode_one_token(model, cache: StaticKVCache, tokens: torch.Tensor, prompt_l
 def generate_ordinary(model, cache: StaticKVCache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                       sampling: SamplingConfig, eos_ids: torch.Tensor | None, vocab_size: int,
                       eos_check_interval: int, busy: BusyFn, stage=None, decoder=None,
-                      eos_key: tuple = ()) -> DecodeState:
+                      eos_key: tuple = (), buckets: list[list[int]] | None = None,
+                      bucket_lengths: list[int] | None = None) -> DecodeState:
     """Prefill then decode until every row has finished (EOS) or the budget is spent.
 
     ``busy(local_busy)`` returns whether any rank still runs; every rank calls it at the same steps, so
     all ranks run the same number of forwards. ``stage(name)`` (a context-manager factory) wraps
     each prefill/decode call when given. ``decoder`` (a ``FastDecoder``) runs the decode steps through
     our own step function (and CUDA graphs on GPU); None runs them through the HF model.
+
+    ``buckets`` (lists of row indices, from the prefill planner) prefill each group in its own forward,
+    padded only to the group's longest prompt (``bucket_lengths``). Rows are then generated in bucket
+    order and put back in request order at the end; each keeps its sample id, so sampling is unchanged.
     """
     stage = stage or _no_stage
     capacity = cache.shape.capacity
     num_rows, prompt_len = prompt_ids.shape
+    order = sample_ids = spans = None
+    if buckets is not None and len(buckets) > 1:
+        order = torch.tensor([row for bucket in buckets for row in bucket], device=prompt_ids.device)
+        prompt_ids, prompt_mask, sample_ids = prompt_ids[order], prompt_mask[order], order
+        sizes = [len(b) for b in buckets]
+        firsts = [sum(sizes[:k]) for k in range(len(sizes))]
+        spans = [(f, f + n, length) for f, n, length in zip(firsts, sizes, bucket_lengths)]
     buffers = None
     if decoder is not None:
         buffers = decoder.buffers_for(num_rows, capacity, sampling.max_new_tokens, vocab_size, prompt_ids.device)
-    state = init_state(prompt_ids, prompt_mask, sampling, capacity, vocab_size, buffers)
+    state = init_state(prompt_ids, prompt_mask, sampling, capacity, vocab_size, buffers, sample_ids)
     with stage(stages.PREFILL):
-        tokens = prefill(model, cache, prompt_ids, prompt_mask, state, sampling, eos_ids)
+        tokens = prefill(model, cache, prompt_ids, prompt_mask, state, sampling, eos_ids, spans)
     step = None
     if decoder is not None:
         buffers.tokens[:num_rows] = tokens
@@ -145,6 +184,8 @@ def generate_ordinary(model, cache: StaticKVCache, prompt_ids: torch.Tensor, pro
                 state.counters[f"{mode}_decode_steps"] = state.counters.get(f"{mode}_decode_steps", 0) + 1
                 state.num_steps += 1
                 state.counters["decode_forwards"] += 1
+    if order is not None:  # back to request order
+        state.generated = state.generated.index_select(0, torch.argsort(order))
     return state
 
 

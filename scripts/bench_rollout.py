@@ -186,15 +186,17 @@ def upstream_rollout(model, tok, device, continuous: bool):
     return HybridEngineRollout(engine, tok, cfg)
 
 
-def suite_seed004(model, tok, device, repeats, upstream: bool, names) -> list[Row]:
-    ro = Rollout(model, tok)
+def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_config=None) -> list[Row]:
+    ours = {f"ours_{route}": Rollout(model, tok, RolloutConfig(route=route, cost_model=cost_config))
+            for route in ("ordinary", "auto", "continuous")}
     up = upstream_rollout(model, tok, device, continuous=False) if upstream else None
     rows = []
     for name in names:
         lengths = SEED004[name]
         ids, mask = left_padded(lengths, model.config.vocab_size, device, token=FILL_TOKEN % model.config.vocab_size)
         sampling = SamplingConfig(max_new_tokens=16, temperature=0.0)
-        candidates = {"ours_ordinary": lambda: ro.generate(RolloutRequest(ids, mask), sampling)}
+        candidates = {name: (lambda ro=ro: ro.generate(RolloutRequest(ids, mask), sampling))
+                      for name, ro in ours.items()}
         if up is not None:
             from deepspeed.runtime.rollout import RolloutRequest as UpRequest
             from deepspeed.runtime.rollout import SamplingConfig as UpSampling
@@ -207,10 +209,19 @@ def suite_seed004(model, tok, device, repeats, upstream: bool, names) -> list[Ro
             except Exception as exc:  # recorded, not hidden: upstream CB fails on transformers 5.x
                 rows.append(Row("seed004", name, "deepspeed_cb", float("nan"), {"error": repr(exc)[:200]}))
         means = interleave(candidates, device, repeats)
+        outputs = {k: ro.generate(RolloutRequest(ids, mask), sampling).input_ids for k, ro in ours.items()}
+        same = all(torch.equal(v, outputs["ours_ordinary"]) for v in outputs.values())
         best_up = min((v for k, v in means.items() if k.startswith("deepspeed")), default=float("nan"))
+        best_ours = min(means[k] for k in ours if k != "ours_auto")
         for cand, ms in means.items():
-            rows.append(Row("seed004", name, cand, ms, {"tokens_per_s": 512 / (ms / 1000.0),
-                                                        "vs_best_upstream": ms / best_up}))
+            extra = {"tokens_per_s": 512 / (ms / 1000.0), "vs_best_upstream": ms / best_up}
+            if cand in ours:
+                stats = ours[cand].last_stats
+                extra.update(route=stats.get("route"), prefill_forwards=stats.get("prefill_forwards"),
+                             same_tokens_as_ordinary=same)
+            if cand == "ours_auto":
+                extra["auto_vs_best_own"] = ms / best_ours
+            rows.append(Row("seed004", name, cand, ms, extra))
     return rows
 
 
@@ -234,6 +245,7 @@ def main(argv=None) -> None:
     parser.add_argument("--cells", help="smoke000 cells to run, e.g. 0-7,12 (of 32)")
     parser.add_argument("--workloads", default=None, help="seed004 workloads, comma-separated (default all)")
     parser.add_argument("--upstream", action="store_true", help="also time DeepSpeed's HybridEngineRollout")
+    parser.add_argument("--cost-config", help="calibration JSON for route=auto (scripts/calibrate_prefill.py)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     model_name = args.model or ("3b" if args.device.startswith("cuda") else "tiny")
@@ -253,7 +265,7 @@ def main(argv=None) -> None:
         names = args.workloads.split(",") if args.workloads else list(SEED004)
         if model_name == "tiny":
             names = [n for n in names if n != "1x8192+31x256"]
-        rows += suite_seed004(model, tok, args.device, args.repeats, args.upstream, names)
+        rows += suite_seed004(model, tok, args.device, args.repeats, args.upstream, names, args.cost_config)
     if args.suite in ("smoke000", "all"):
         rows += suite_smoke000(model, tok, args.device, args.repeats, parse_cells(args.cells, 32))
     print(f"copy bandwidth {bandwidth:.0f} GB/s")

@@ -1,0 +1,181 @@
+"""Calibrated ``CostModel`` coefficients: the fit, the metadata they are valid for, save and load.
+
+A calibration measures three things on one model/device/dtype/attention backend
+(``scripts/calibrate_prefill.py`` does the measuring):
+
+- prefill forwards of shape ``(B, L)``:  ``ms ~ fixed + token * B*L + attention * GFLOPs(B, L)``;
+- the copy of a bucket's keys/values into the aligned cache:  ``ms ~ kv * MiB(B, L)`` (measured
+  apart from the forward because ``MiB`` is proportional to ``B*L``: one fit could not tell the
+  token and KV coefficients apart);
+- decode: the continuous route's extra milliseconds per decode step over the ordinary route,
+  ``extra_ms ~ decode * steps``.
+
+Each is a non-negative least-squares fit (``scipy.optimize.nnls``). The JSON file records the
+metadata the numbers depend on; ``load_cost_model`` refuses a file whose metadata differs from the
+current run's, naming the first mismatching key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from rollout.planner import CostModel
+
+FORMAT_VERSION = 1
+#: Sources whose behaviour the coefficients describe (relative to the repository root).
+FINGERPRINT_SOURCES = ("rollout/planner.py", "rollout/continuous.py", "rollout/aligned_cache.py",
+                       "rollout/kv_cache.py", "rollout/cb_state.py", "rollout/cb_route.py")
+
+
+@dataclass(frozen=True)
+class PrefillSample:
+    """One measured prefill forward (no KV copy)."""
+
+    batch_size: int
+    length: int
+    forward_ms: float
+
+
+@dataclass(frozen=True)
+class CopySample:
+    """One measured copy of a ``(batch_size, length)`` bucket's keys/values into the aligned cache."""
+
+    batch_size: int
+    length: int
+    copy_ms: float
+
+
+@dataclass(frozen=True)
+class DecodeSample:
+    """Extra milliseconds of the continuous route over the ordinary one across ``num_steps`` decode steps."""
+
+    num_steps: int
+    extra_ms: float
+
+
+def _nnls(columns: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Non-negative least squares with columns scaled to unit max (the columns span many magnitudes)."""
+    from scipy.optimize import nnls
+
+    scale = np.abs(columns).max(axis=0)
+    scale[scale == 0] = 1.0
+    solution, _ = nnls(columns / scale, target)
+    return solution / scale
+
+
+def fit_cost_model(geometry: CostModel, prefill: Sequence[PrefillSample], copies: Sequence[CopySample] = (),
+                   decode: Sequence[DecodeSample] = ()) -> CostModel:
+    """``geometry`` with coefficients fitted to the samples; a term without samples keeps ``geometry``'s value.
+
+    Needs at least 3 prefill samples with distinct ``(B*L, GFLOPs)`` to determine its 3 coefficients.
+    """
+    if len(prefill) < 3:
+        raise ValueError(f"prefill: need at least 3 samples to fit 3 coefficients; got {len(prefill)}")
+    columns = np.array([[1.0, s.batch_size * s.length, geometry.attention_gflops(s.batch_size, s.length)]
+                        for s in prefill])  # [n, 3]
+    fixed, token, attention = _nnls(columns, np.array([s.forward_ms for s in prefill]))
+    values = dict(prefill_fixed_cost_ms=fixed, prefill_token_cost_ms=token, prefill_attention_cost_ms=attention)
+    if copies:
+        mib = np.array([[geometry.kv_mib(s.batch_size, s.length)] for s in copies])
+        values["prefill_kv_cost_ms"] = _nnls(mib, np.array([s.copy_ms for s in copies]))[0]
+    if decode:
+        steps = np.array([[float(s.num_steps)] for s in decode])
+        values["continuous_decode_cost_ms"] = _nnls(steps, np.array([s.extra_ms for s in decode]))[0]
+    data = geometry.to_dict()
+    data.update({name: float(value) for name, value in values.items()})
+    return CostModel.from_dict(data)
+
+
+def source_fingerprint(root: Path | None = None) -> str:
+    """sha256 over ``FINGERPRINT_SOURCES`` (path and bytes of each, in order)."""
+    root = root or Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for name in FINGERPRINT_SOURCES:
+        digest.update(name.encode() + b"\0")
+        path = root / name
+        digest.update(path.read_bytes() if path.exists() else b"<missing>")
+    return digest.hexdigest()
+
+
+def device_name(device) -> str:
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type}:{platform.machine()}:{platform.processor() or 'unknown'}"
+
+
+def calibration_metadata(model, device, dtype) -> dict:
+    """What the coefficients depend on: device, dtype, attention backend, library versions, geometry, sources."""
+    import torch
+    import transformers
+
+    from rollout import compat
+
+    config = model.config
+    geometry = CostModel.from_model(model, dtype=dtype)
+    return {
+        "device_name": device_name(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "attention_implementation": compat.attention_implementation(model),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "geometry": {"model_type": getattr(config, "model_type", None), "hidden_size": config.hidden_size,
+                     "intermediate_size": getattr(config, "intermediate_size", None),
+                     "vocab_size": config.vocab_size,
+                     **{k: getattr(geometry, k) for k in ("num_layers", "num_query_heads", "num_kv_heads",
+                                                          "head_dim", "element_bytes")}},
+        "source_sha256": source_fingerprint(),
+    }
+
+
+def save_calibration(path, cost_model: CostModel, metadata: dict, samples: dict | None = None) -> None:
+    """Write ``{"format", "cost_model", "metadata", "samples"}`` as JSON (samples: lists of sample dataclasses)."""
+    record = {"format": FORMAT_VERSION, "cost_model": cost_model.to_dict(), "metadata": metadata,
+              "samples": {name: [asdict(s) for s in rows] for name, rows in (samples or {}).items()}}
+    Path(path).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def read_calibration(path) -> dict:
+    record = json.loads(Path(path).read_text())
+    if not isinstance(record, dict) or record.get("format") != FORMAT_VERSION:
+        raise ValueError(f"path: {path} is not a calibration file of format {FORMAT_VERSION}")
+    for key in ("cost_model", "metadata"):
+        if not isinstance(record.get(key), dict):
+            raise ValueError(f"path: {path} has no {key!r} object")
+    return record
+
+
+def _mismatches(saved: dict, current: dict, prefix: str = "") -> Iterable[tuple[str, object, object]]:
+    for key in sorted(set(saved) | set(current)):
+        have, want = saved.get(key), current.get(key)
+        if isinstance(have, dict) and isinstance(want, dict):
+            yield from _mismatches(have, want, f"{prefix}{key}.")
+        elif have != want:
+            yield f"{prefix}{key}", have, want
+
+
+def check_metadata(saved: dict, current: dict, ignore: Sequence[str] = ()) -> None:
+    """``ValueError`` naming the first key (dotted for geometry) whose saved value differs from the current one."""
+    for key, have, want in _mismatches(saved, current):
+        if key not in ignore:
+            raise ValueError(f"metadata.{key}: the calibration file has {have!r} but this run has {want!r}; "
+                             "recalibrate (scripts/calibrate_prefill.py) for this configuration")
+
+
+def load_cost_model(path, model, device, dtype, ignore: Sequence[str] = ()) -> CostModel:
+    """The saved ``CostModel``, after checking its metadata against ``(model, device, dtype)``.
+
+    ``ignore``: metadata keys not to compare (e.g. ``("source_sha256",)`` while developing).
+    """
+    record = read_calibration(path)
+    check_metadata(record["metadata"], calibration_metadata(model, device, dtype), ignore)
+    return CostModel.from_dict(record["cost_model"])

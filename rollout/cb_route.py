@@ -1,0 +1,129 @@
+"""Host-side decisions of the continuous-batching route: prompt layout, slots, capacity, Auto routing.
+
+Everything here is plain Python over ints except ``prompt_layout``, which reads the prompt mask
+once (one host sync) so that every later decision is made without touching the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from rollout.planner import (DEFAULT_MAX_TOKENS, ROUTE_CONTINUOUS, ROUTE_ORDINARY, CostModel, RouteDecision,
+                             choose_route, continuous_cost_ms, continuous_lower_bound_ms, plan_prefill_buckets)
+
+ROUTE_AUTO = "auto"
+CONTINUOUS_ROUTES = (ROUTE_CONTINUOUS, ROUTE_AUTO)
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """Where each prompt's real tokens are, read once from the left-padded mask ``[B, T_p]``."""
+
+    spans: tuple[int, ...]
+    """Effective length per prompt: ``T_p`` minus the leading padding (holes inside stay, masked)."""
+    real_counts: tuple[int, ...]
+    """Real tokens per prompt (mask sum): the position id of its first generated token."""
+    padded_len: int
+    """``T_p``, the width the ordinary route pads every row to."""
+
+
+def prompt_layout(prompt_mask: torch.Tensor) -> PromptLayout:
+    """Spans and real-token counts of every prompt, in one host sync."""
+    if prompt_mask.dim() != 2 or prompt_mask.shape[0] == 0 or prompt_mask.shape[1] == 0:
+        raise ValueError(f"prompt_mask: must be a non-empty 2-D tensor [B, T_p]; got {tuple(prompt_mask.shape)}")
+    real = prompt_mask != 0
+    first = real.int().argmax(dim=1)
+    padded_len = prompt_mask.shape[1]
+    first_list, counts = torch.stack([first, real.sum(dim=1)]).tolist()
+    if min(counts) < 1:
+        raise ValueError("prompt_mask: every row needs at least one prompt token (a row is all 0)")
+    return PromptLayout(tuple(padded_len - f for f in first_list), tuple(counts), padded_len)
+
+
+def resolve_num_slots(num_slots: Optional[int], num_rows: int, num_samples: int) -> int:
+    """Slots to use: ``num_slots`` (``SamplingConfig.continuous_batch_size``) or all rows, at most all rows."""
+    if num_slots is None:
+        return num_rows
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < num_samples:
+        raise ValueError(f"continuous_batch_size: must be an int >= n_samples_per_prompt={num_samples} "
+                         f"(a prompt's samples are admitted together); got {num_slots!r}")
+    return min(num_slots, num_rows)
+
+
+def min_capacity(spans: Sequence[int], max_new_tokens: int) -> int:
+    """Fewest columns that can serve every request: its span plus the tokens it feeds back (budget - 1)."""
+    return max(spans) + max_new_tokens - 1
+
+
+def default_capacity(spans: Sequence[int], max_new_tokens: int, has_refills: bool, multiple: int = 64) -> int:
+    """``min_capacity`` without refills (the front only advances: no trim ever); twice that with refills, so
+    a trim (which moves at most the live block) happens at most once per ``min_capacity`` steps.
+    Rounded up to ``multiple`` so caches of nearby calls share one pool allocation."""
+    columns = min_capacity(spans, max_new_tokens) * (2 if has_refills else 1)
+    return -(-columns // multiple) * multiple
+
+
+def check_prefill_limit(layout: PromptLayout, max_prefill_tokens: Optional[int]) -> None:
+    """Every prompt must fit one prefill forward (there is no chunked prefill)."""
+    longest = max(layout.spans)
+    if max_prefill_tokens is not None and longest > max_prefill_tokens:
+        raise ValueError(f"max_prefill_tokens: a prompt of {longest} tokens exceeds the prefill limit "
+                         f"{max_prefill_tokens} (there is no chunked prefill)")
+
+
+def checked_capacity(capacity: Optional[int], layout: PromptLayout, max_new_tokens: int, has_refills: bool) -> int:
+    """``capacity`` validated against ``min_capacity``, or ``default_capacity`` when None."""
+    needed = min_capacity(layout.spans, max_new_tokens)
+    if capacity is None:
+        return default_capacity(layout.spans, max_new_tokens, has_refills)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < needed:
+        raise ValueError(f"capacity: must be an int >= {needed} (longest prompt span {max(layout.spans)} + "
+                         f"max_new_tokens {max_new_tokens} - 1); got {capacity!r}")
+    return capacity
+
+
+def check_gather(route: str, gather: str, is_zero3: bool) -> None:
+    """Continuous batching runs a data-dependent sequence of forwards per rank, which ZeRO-3's per-forward
+    gathering (one collective per forward, all ranks in lockstep) cannot follow: require ``gather="once"``."""
+    if is_zero3 and route in CONTINUOUS_ROUTES and gather == "per_forward":
+        raise ValueError(f"gather: route={route!r} under ZeRO-3 needs gather='once' (each rank runs its own "
+                         "sequence of prefill buckets and decode steps); use gather='once' or route='ordinary'")
+
+
+def choose_route_auto(layout: PromptLayout, cost_model: CostModel, max_new_tokens: int, *,
+                      num_samples: int = 1, num_slots: Optional[int] = None,
+                      max_tokens: Optional[int] = DEFAULT_MAX_TOKENS) -> RouteDecision:
+    """Ordinary or continuous for one call, by estimated cost (the ``route="auto"`` decision).
+
+    - Fewer slots than rows (``continuous_batch_size`` below ``B * n``): continuous, the only route
+      that honours the bound; the plan is made per admission.
+    - ``n == 1`` and no all-padding columns: ``planner.choose_route`` over the spans (it skips the
+      DP when the lengths are uniform or its lower bound decides).
+    - Otherwise the same comparison, with the ordinary route priced as it runs (``B * n`` rows of
+      ``T_p`` columns) and continuous with shared prefill (one row per prompt).
+    """
+    spans = list(layout.spans)
+    num_rows = len(spans) * num_samples
+    if num_slots is not None and num_slots < num_rows:
+        return RouteDecision(ROUTE_CONTINUOUS, None, {}, True,
+                             f"{num_rows} rows exceed continuous_batch_size={num_slots}")
+    if num_samples == 1 and layout.padded_len == max(spans):
+        return choose_route(spans, cost_model, max_new_tokens, max_tokens)
+    estimates: dict = {}
+    eligible = max_tokens is None or num_rows * layout.padded_len <= max_tokens
+    if eligible:
+        estimates[ROUTE_ORDINARY] = cost_model.ordinary_prefill_cost_ms(num_rows, layout.padded_len)
+    bound = continuous_lower_bound_ms(spans, cost_model, max_new_tokens, max_tokens)
+    estimates["continuous_lower_bound"] = bound
+    if eligible and estimates[ROUTE_ORDINARY] <= bound:
+        return RouteDecision(ROUTE_ORDINARY, None, estimates, True, "ordinary <= continuous lower bound")
+    plan = plan_prefill_buckets(spans, cost_model, max_tokens)
+    estimates[ROUTE_CONTINUOUS] = continuous_cost_ms(plan, cost_model, max_new_tokens)
+    if eligible and estimates[ROUTE_ORDINARY] <= estimates[ROUTE_CONTINUOUS]:
+        return RouteDecision(ROUTE_ORDINARY, plan, estimates, False, "ordinary <= continuous estimate")
+    reason = (f"continuous with {len(plan.buckets)} buckets < ordinary estimate" if eligible else
+              f"ordinary batch of {num_rows}x{layout.padded_len} tokens exceeds max_tokens={max_tokens}")
+    return RouteDecision(ROUTE_CONTINUOUS, plan, estimates, False, reason)

@@ -1,0 +1,66 @@
+"""Route choice per ``generate`` call (pure: plain data in, a decision out).
+
+- ``"ordinary"``: one padded batch; one prefill forward over ``[B*n, T_p]``; decode through the fast
+  step (CUDA graphs on GPU).
+- ``"continuous"``: aligned-cache continuous batching (:mod:`rollout.continuous`) with
+  ``continuous_batch_size`` slots, FIFO refills and planner buckets per admission.
+- ``"auto"``: per call, by the cost model:
+
+  * fewer slots than rows -> continuous (the only route that honours the bound);
+  * otherwise every row fits at once, so nothing is ever refilled and continuous batching reduces to
+    bucketed prefill. Auto then keeps the ordinary route's batch and fast decoder and chooses only how
+    to prefill it: one padded forward, or the planner's buckets (each padded to its longest prompt).
+    The DP is skipped when all spans are equal or when a lower bound already shows the single forward
+    is not worse (``fixed + sum of each row's own cost`` is below any plan's cost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rollout.cb_route import PromptLayout
+from rollout.planner import CostModel, plan_prefill_buckets
+
+ORDINARY, CONTINUOUS = "ordinary", "continuous"
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    route: str
+    """``"ordinary"`` or ``"continuous"`` (what actually runs)."""
+    buckets: tuple[tuple[int, ...], ...] | None = None
+    """Ordinary route only: expanded row indices per prefill forward (None: one forward over all rows)."""
+    bucket_lengths: tuple[int, ...] | None = None
+    """Padded length of each bucket (its longest span)."""
+    dp_skipped: bool = True
+    estimates_ms: dict = field(default_factory=dict)
+    reason: str = ""
+
+
+def choose_route(route: str, layout: PromptLayout, num_samples: int, num_slots: int | None,
+                 cost_model: CostModel, max_tokens: int | None) -> RouteChoice:
+    """The route and prefill plan of one call (``route`` is ``RolloutConfig.route``)."""
+    num_rows = len(layout.spans) * num_samples
+    if route == ORDINARY:
+        return RouteChoice(ORDINARY, reason="route=ordinary")
+    if route == CONTINUOUS:
+        return RouteChoice(CONTINUOUS, reason="route=continuous")
+    if num_slots is not None and num_slots < num_rows:
+        return RouteChoice(CONTINUOUS, reason=f"{num_rows} rows exceed continuous_batch_size={num_slots}")
+    spans = layout.spans
+    single = cost_model.ordinary_prefill_cost_ms(num_rows, layout.padded_len)
+    if len(set(spans)) == 1:
+        return RouteChoice(ORDINARY, estimates_ms={"single": single}, reason="all prompts span alike")
+    bound = cost_model.prefill_fixed_cost_ms + num_samples * sum(cost_model.row_cost_ms(s) for s in spans)
+    if single <= bound:
+        return RouteChoice(ORDINARY, estimates_ms={"single": single, "bucketed_lower_bound": bound},
+                           reason="single prefill <= lower bound of any bucketing")
+    plan = plan_prefill_buckets(spans, cost_model, max_tokens)
+    planned = sum(cost_model.ordinary_prefill_cost_ms(len(b) * num_samples, max(spans[i] for i in b))
+                  for b in plan.buckets)
+    estimates = {"single": single, "bucketed": planned, "bucketed_lower_bound": bound}
+    if len(plan.buckets) == 1 or single <= planned:
+        return RouteChoice(ORDINARY, dp_skipped=False, estimates_ms=estimates, reason="single prefill is cheaper")
+    rows = tuple(tuple(p * num_samples + s for p in b for s in range(num_samples)) for b in plan.buckets)
+    lengths = tuple(max(spans[i] for i in b) for b in plan.buckets)
+    return RouteChoice(ORDINARY, rows, lengths, False, estimates, f"{len(rows)} prefill buckets")

@@ -1,0 +1,118 @@
+"""Every route (ordinary, continuous, auto) through ``Rollout``: same tokens, route decisions, errors."""
+
+import pytest
+import torch
+
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout.cb_route import PromptLayout, check_gather
+from rollout.planner import CostModel
+from rollout.routes import choose_route
+from rollout.testing import TinyTokenizer, tiny_model
+from tests.conftest import hf_greedy, response_of
+
+#: Makes bucketing clearly worth it for skewed lengths on the tiny model (fixed cost small, tokens dear).
+CHEAP_FIXED = dict(prefill_fixed_cost_ms=0.1, prefill_token_cost_ms=1.0)
+
+
+def _skewed(lengths, seed=0, width=None):
+    gen = torch.Generator().manual_seed(seed)
+    width = width or max(lengths)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length:] = torch.randint(3, 512, (length,), generator=gen)
+        mask[row, width - length:] = 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2", seed=7)
+
+
+def _eos_for(model, ids, mask):
+    """An EOS id that some rows emit mid-stream (taken from a free run)."""
+    free = Rollout(model, TinyTokenizer(eos_token_id=None)).generate(
+        RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0))
+    return int(free.input_ids[0, ids.shape[1] + 3])
+
+
+@pytest.mark.parametrize("route, slots", [("ordinary", None), ("continuous", None), ("continuous", 2),
+                                          ("auto", None), ("auto", 3)])
+def test_greedy_tokens_equal_hf_per_request_on_every_route(model, route, slots):
+    ids, mask = _skewed([30, 3, 4, 2, 17, 5, 3], seed=1)
+    eos = _eos_for(model, ids, mask)
+    tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
+    cfg = RolloutConfig(route=route, cost_model=CostModel.from_model(model, **CHEAP_FIXED))
+    ro = Rollout(model, tok, cfg)
+    batch = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0,
+                                                                  continuous_batch_size=slots))
+    for row in range(7):
+        expected = hf_greedy(model, ids[row], mask[row], 10, eos=eos)
+        cut = expected.index(eos) + 1 if eos in expected else len(expected)
+        assert response_of(batch, row) == expected[:cut], f"row {row}"
+    stats = ro.last_stats
+    if route == "auto" and slots is None:
+        assert stats["route"] == "ordinary" and stats["prefill_buckets"] >= 2
+        assert stats["prefill_forwards"] == stats["prefill_buckets"]
+    if slots is not None:
+        assert stats["route"] == "continuous"
+
+
+def test_auto_keeps_one_prefill_for_uniform_lengths(model):
+    ids, mask = _skewed([6] * 5, seed=2)
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="auto"))
+    ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=3, temperature=0.0))
+    assert ro.last_stats["route"] == "ordinary" and ro.last_stats["prefill_buckets"] == 1
+    assert ro.last_stats["dp_skipped"] is True
+
+
+@pytest.mark.parametrize("sampling", [
+    dict(temperature=0.0, repetition_penalty=1.4, n_samples_per_prompt=2),
+    dict(temperature=0.9, top_p=0.9, top_k=30, seed=11, n_samples_per_prompt=3),
+])
+def test_routes_agree_on_samples_and_penalties(model, sampling):
+    ids, mask = _skewed([25, 2, 3, 9], seed=3)
+    tok = TinyTokenizer(pad_token_id=0, eos_token_id=None)
+    costs = CostModel.from_model(model, **CHEAP_FIXED)
+    outs = {}
+    for route, slots in (("ordinary", None), ("auto", None), ("continuous", None), ("continuous", 3)):
+        ro = Rollout(model, tok, RolloutConfig(route=route, cost_model=costs))
+        cfg = SamplingConfig(max_new_tokens=8, continuous_batch_size=slots, **sampling)
+        outs[(route, slots)] = ro.generate(RolloutRequest(ids, mask), cfg).input_ids
+    reference = outs[("ordinary", None)]
+    for key, out in outs.items():
+        assert torch.equal(out, reference), key
+
+
+def test_route_decision_table():
+    costs = CostModel(**CHEAP_FIXED)
+    skewed = PromptLayout((512,) + (16,) * 31, (512,) + (16,) * 31, 512)
+    auto = choose_route("auto", skewed, 1, None, costs, 65536)
+    assert auto.route == "ordinary" and len(auto.buckets) == 2 and sorted(auto.bucket_lengths) == [16, 512]
+    assert sorted(len(b) for b in auto.buckets) == [1, 31]
+    assert choose_route("auto", skewed, 1, 8, costs, 65536).route == "continuous"  # 32 rows > 8 slots
+    uniform = PromptLayout((16,) * 8, (16,) * 8, 16)
+    assert choose_route("auto", uniform, 1, None, costs, 65536).buckets is None
+    assert choose_route("ordinary", skewed, 1, None, costs, 65536).buckets is None
+    # n samples: bucket rows are the expanded rows of the bucket's prompts
+    two = choose_route("auto", PromptLayout((100, 2, 2), (100, 2, 2), 100), 2, None, costs, None)
+    assert sorted(sorted(b) for b in two.buckets) == [[0, 1], [2, 3, 4, 5]]
+
+
+def test_continuous_with_per_forward_zero3_is_rejected():
+    with pytest.raises(ValueError, match="gather"):
+        check_gather("continuous", "per_forward", True)
+    check_gather("continuous", "once", True)
+    check_gather("auto", "per_forward", False)
+
+
+def test_mismatched_calibration_file_is_refused(model, tmp_path):
+    from rollout.calibration import calibration_metadata, save_calibration
+    meta = calibration_metadata(model, torch.device("cpu"), torch.bfloat16)  # the model runs in fp32
+    save_calibration(tmp_path / "costs.json", CostModel(), meta)
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None),
+                 RolloutConfig(route="auto", cost_model=str(tmp_path / "costs.json")))
+    ids, mask = _skewed([5, 2], seed=4)
+    with pytest.raises(ValueError, match="dtype"):
+        ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=2))
