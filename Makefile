@@ -18,7 +18,7 @@ COMPAT_TESTS = tests/test_rollout_correctness.py tests/test_rollout_behaviour.py
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
-	$(VENV)/bin/python -m pip install -q -e ".[test]"
+	$(VENV)/bin/python -m pip install -q -e ".[test,clients]"
 	touch $@
 
 $(VENV_OLDEST)/.installed: setup.cfg pyproject.toml

@@ -31,6 +31,8 @@ _LAZY = {
     "collect_stages": "instrumentation.collect",
     "StageCollector": "instrumentation.collect",
     "format_stage_rows": "instrumentation.collect",
+    "instrument_deepspeed": "instrumentation.upstream",
+    "uninstrument_deepspeed": "instrumentation.upstream",
 }
 
 __all__ = ["stages", "ProfileConfig", "ProfilingWarning", "configure", "get_config",

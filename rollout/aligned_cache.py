@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.compat import Cache, CacheLayerMixin
-from rollout.kv_cache import CacheShape, StaticKVCache
+from rollout.compat import Cache
+from rollout.kv_cache import CacheShape, OwnedKVLayer, StaticKVCache
 
 
 def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -44,40 +44,6 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> 
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-
-
-class AlignedKVLayer(CacheLayerMixin):
-    """One layer: writes the forward's keys/values at the owner's write column(s) of the live rows."""
-
-    is_compileable = True
-    is_sliding = False
-
-    def __init__(self, owner: "AlignedKVCache", keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
-        self.owner = owner
-        self.keys, self.values = keys, values  # [num_slots, H_kv, capacity, D]
-        self.device = keys.device
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist from the start
-        return None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        owner = self.owner
-        rows, start, end = owner.num_rows, owner.read_start, owner.read_end
-        keys, values = self.keys[:rows], self.values[:rows]
-        keys.index_copy_(2, owner.write_col, key_states.to(keys.dtype))
-        values.index_copy_(2, owner.write_col, value_states.to(values.dtype))
-        return keys[:, :, start:end], values[:, :, start:end]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.read_end - self.owner.read_start, 0
-
-    def get_seq_length(self) -> int:
-        return self.owner.read_end - self.owner.read_start
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
 
 
 @dataclass
@@ -115,7 +81,7 @@ class AlignedKVCache(Cache):
         self.shape = shape
         self.key_storage = keys[:, :shape.batch_size, :, :shape.capacity]
         self.value_storage = values[:, :shape.batch_size, :, :shape.capacity]
-        super().__init__(layers=[AlignedKVLayer(self, self.key_storage[i], self.value_storage[i])
+        super().__init__(layers=[OwnedKVLayer(self, self.key_storage[i], self.value_storage[i])
                                  for i in range(shape.num_layers)])
         self.valid = torch.zeros((shape.batch_size, shape.capacity), dtype=torch.bool, device=shape.device)
         self.write_col = torch.zeros(1, dtype=torch.long, device=shape.device)
@@ -168,6 +134,10 @@ class AlignedKVCache(Cache):
         self.write_col.fill_(self.front)
         self.valid[:num_rows, self.front] = True
         return self.valid[:num_rows, None, None, self.read_start:self.read_end]
+
+    def layer_window(self) -> tuple[int, torch.Tensor, int, int]:
+        """What each layer's forward writes and reads (see ``OwnedKVLayer``)."""
+        return self.num_rows, self.write_col, self.read_start, self.read_end
 
     def end_decode(self) -> None:
         self.front += 1

@@ -84,9 +84,11 @@ class DecodeBuffers:
 class FastDecoder:
     """Runs decode steps of one model through the fast step, with CUDA graphs where possible."""
 
-    def __init__(self, model: torch.nn.Module, use_graphs: bool = True, use_compile: bool = True):
+    def __init__(self, model: torch.nn.Module, use_graphs: bool = True, use_compile: bool = True,
+                 mirror_weights: bool = False):
         self.model = model
         self.use_graphs, self.use_compile = use_graphs, use_compile
+        self.mirror = fast_decode.WeightMirror() if mirror_weights else None
         self.buffers: DecodeBuffers | None = None
         self._graphs: dict = {}
         self._pool = None
@@ -115,6 +117,9 @@ class FastDecoder:
         """A function ``step(live_len) -> "graph" | "eager"`` running one decode step for rows
         ``[0, num_rows)`` (everything looked up once per call, nothing per step but the graph key)."""
         spec, weights = fast_decode.spec_and_weights(self.model)
+        if self.mirror is not None:  # ZeRO-3: gathered weights move at every gather; the mirror does not
+            weights = self.mirror.refresh(weights)
+        self.last_weight_signature = weights.signature()
         bufs = self.buffers
         bucket = batch_bucket(num_rows)
         device = bufs.tokens.device

@@ -268,7 +268,8 @@ class Rollout:
         if reason is not None:
             return None, reason
         if self._decoder is None:
-            self._decoder = FastDecoder(self.model, self.config.cuda_graphs, self.config.compile)
+            self._decoder = FastDecoder(self.model, self.config.cuda_graphs, self.config.compile,
+                                        mirror_weights=self.is_zero3)
         device = self._device()
         graph_reason = self._decoder.graph_reason(device)
         return self._decoder, (f"eager fast step: {graph_reason}" if graph_reason else None)

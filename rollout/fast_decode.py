@@ -62,6 +62,23 @@ class DecoderWeights:
     lm_head_bias: torch.Tensor | None
     inv_freq: torch.Tensor
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor, in a fixed order (biases that are None skipped)."""
+        out = [self.embed, self.final_norm, self.lm_head, self.inv_freq]
+        if self.lm_head_bias is not None:
+            out.append(self.lm_head_bias)
+        for layer in self.layers:
+            out.extend(t for t in vars(layer).values() if t is not None)
+        return out
+
+    def map(self, fn) -> "DecoderWeights":
+        """The same structure with every tensor ``t`` replaced by ``fn(t)`` (None stays None)."""
+        def f(t):
+            return None if t is None else fn(t)
+        layers = [LayerWeights(**{k: f(v) for k, v in vars(layer).items()}) for layer in self.layers]
+        return DecoderWeights(f(self.embed), layers, f(self.final_norm), f(self.lm_head), f(self.lm_head_bias),
+                              f(self.inv_freq))
+
     def signature(self) -> tuple[int, ...]:
         """Data pointers of every tensor: graphs captured over these weights are valid while it holds."""
         ptrs = [self.embed.data_ptr(), self.final_norm.data_ptr(), self.lm_head.data_ptr()]
@@ -117,6 +134,36 @@ def spec_and_weights(model: torch.nn.Module) -> tuple[DecoderSpec, DecoderWeight
     weights = DecoderWeights(inner.embed_tokens.weight, layers, inner.norm.weight, lm_head, lm_bias,
                              inner.rotary_emb.inv_freq)
     return spec, weights
+
+
+class WeightMirror:
+    """Persistent copies of the decode weights, refreshed in place at every call.
+
+    Under ZeRO-3 the gathered parameters get new addresses at every gather, which would invalidate
+    captured graphs each call; the mirror gives them fixed addresses (one full copy of the model's
+    weights on the device: the memory cost of graphs under ZeRO-3; ``gather="per_forward"`` stays the
+    low-memory option). Refreshing is one device copy per tensor, so new weights (a training step,
+    ``sync_weights``, fused LoRA) are always what the graphs read.
+    """
+
+    def __init__(self):
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def refresh(self, weights: "DecoderWeights") -> "DecoderWeights":
+        def stable(tensor: torch.Tensor) -> torch.Tensor:
+            key = len(seen)
+            seen.append(key)
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype \
+                    or buffer.device != tensor.device:
+                buffer = self._buffers[key] = torch.empty_like(tensor)
+            return buffer.copy_(tensor)
+        seen: list[int] = []
+        return weights.map(stable)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

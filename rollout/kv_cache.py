@@ -16,13 +16,17 @@ import torch
 from rollout.compat import Cache, CacheLayerMixin
 
 
-class StaticKVLayer(CacheLayerMixin):
-    """One layer's keys and values: ``[B, H_kv, capacity, D]`` each, allocated once."""
+class OwnedKVLayer(CacheLayerMixin):
+    """One layer's keys and values in buffers we own (``[rows, H_kv, capacity, D]`` each, allocated once).
+
+    Each forward writes its keys/values at the owner's write columns and returns the columns the
+    owner says to read; ``owner.layer_window()`` gives ``(rows, write_cols, read_start, read_end)``.
+    """
 
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, owner: "StaticKVCache", keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, owner, keys: torch.Tensor, values: torch.Tensor):
         super().__init__()
         self.owner = owner
         self.keys, self.values = keys, values
@@ -33,16 +37,19 @@ class StaticKVLayer(CacheLayerMixin):
         return None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        cols, live = self.owner.write_cols, self.owner.live_len
-        self.keys.index_copy_(2, cols, key_states.to(self.keys.dtype))
-        self.values.index_copy_(2, cols, value_states.to(self.values.dtype))
-        return self.keys[:, :, :live], self.values[:, :, :live]
+        rows, cols, start, end = self.owner.layer_window()
+        keys, values = self.keys[:rows], self.values[:rows]
+        keys.index_copy_(2, cols, key_states.to(keys.dtype))
+        values.index_copy_(2, cols, value_states.to(values.dtype))
+        return keys[:, :, start:end], values[:, :, start:end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.live_len, 0
+        _, _, start, end = self.owner.layer_window()
+        return end - start, 0
 
     def get_seq_length(self) -> int:
-        return self.owner.live_len
+        _, _, start, end = self.owner.layer_window()
+        return end - start
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
@@ -77,7 +84,7 @@ class StaticKVCache(Cache):
         self.shape = shape
         self.key_storage, self.value_storage = storage
         b = shape.batch_size
-        layers = [StaticKVLayer(self, self.key_storage[i, :b], self.value_storage[i, :b])
+        layers = [OwnedKVLayer(self, self.key_storage[i, :b], self.value_storage[i, :b])
                   for i in range(shape.num_layers)]
         super().__init__(layers=layers)
         self.write_cols = torch.zeros(1, dtype=torch.long, device=shape.device)
@@ -94,6 +101,9 @@ class StaticKVCache(Cache):
         shape = CacheShape(stop - start, self.shape.capacity, self.shape.num_layers, self.shape.num_kv_heads,
                            self.shape.head_dim, self.shape.dtype, self.shape.device)
         return StaticKVCache(shape, (self.key_storage[:, start:stop], self.value_storage[:, start:stop]))
+
+    def layer_window(self) -> tuple[int, torch.Tensor, int, int]:
+        return self.shape.batch_size, self.write_cols, 0, self.live_len
 
     def set_window(self, write_cols: torch.Tensor, live_len: int) -> None:
         """Columns the next forward writes (``[q]`` int64 on the cache device) and reads (``[0, live_len)``)."""

@@ -19,6 +19,12 @@ def test_single_process_engine_matches_plain_model(stage, gather):
     if stage == 3:
         assert out["partitioned_after"] is True
     assert out["training_after"] is True  # the engine's train mode is restored
+    assert out["repeat_equal"] is True
+    # gather="once" decodes through the fast step; its weights keep their addresses across calls
+    # (ZeRO-3: a persistent mirror of the gathered weights), so captured CUDA graphs stay valid
+    assert out["fast_decode"] == (gather == "once")
+    if gather == "once":
+        assert out["stable_weight_addresses"] is True
 
 
 @pytest.mark.parametrize("gather", ["per_forward", "once"])

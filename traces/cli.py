@@ -7,13 +7,14 @@ the report of the good files is still printed) or an optional output cannot be p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 
 from instrumentation import stages as S
 from traces.diff import diff_rows, format_diff, row_from_dict
-from traces.load import load
+from traces.load import load, read_trace
 from traces.report import Report, build_report
 from traces.rows import format_table
 
@@ -24,9 +25,11 @@ MAX_REPORT_BYTES = 64 << 20
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="opsd-summarize", description=(
-        "Per-stage CPU/GPU time and peak memory from torch.profiler Chrome traces."))
+        "Per-stage CPU/GPU time and peak memory from torch.profiler Chrome traces or Nsight "
+        "Systems SQLite exports."))
     p.add_argument("paths", nargs="+", metavar="PATH",
-                   help="trace files (.json / .json.gz) or directories of *.pt.trace.json[.gz]")
+                   help="trace files (.json / .json.gz), directories of *.pt.trace.json[.gz], or "
+                        "Nsight Systems exports (nsys export --type sqlite: .sqlite)")
     p.add_argument("--format", choices=FORMATS, default="table")
     p.add_argument("--prefix", default=S.PREFIX,
                    help=f"stage range name prefix (default {S.PREFIX!r}; '' takes every range)")
@@ -36,10 +39,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compare with a baseline: a saved --format json report, or trace path(s)")
     p.add_argument("--plot", metavar="PNG", help="write stacked per-stage bars (needs matplotlib)")
     p.add_argument("--tensorboard", metavar="DIR", help="write per-stage TensorBoard scalars")
+    p.add_argument("--nvtx-domain", metavar="D", default=None,
+                   help=f"Nsight Systems inputs: keep the NVTX ranges of domain D only (ours: "
+                        f"{S.NVTX_DOMAIN!r}; default: every domain)")
     return p.parse_args(argv)
 
 
-def _baseline_rows(path: str, prefix: str, errors: list[str]):
+def _source(args):
+    """The event source for this invocation (the NVTX domain filter of SQLite inputs)."""
+    return functools.partial(read_trace, nvtx_domain=args.nvtx_domain)
+
+
+def _baseline_rows(path: str, prefix: str, errors: list[str], args):
     """Rows of the --diff baseline, or None (with the problem appended to ``errors``)."""
     if os.path.isfile(path) and os.path.getsize(path) < MAX_REPORT_BYTES:
         with open(path, "rb") as f:
@@ -52,7 +63,7 @@ def _baseline_rows(path: str, prefix: str, errors: list[str]):
             except (ValueError, KeyError, TypeError) as exc:
                 errors.append(f"{path}: not a valid report ({exc})")
                 return None
-    loaded = load([path])
+    loaded = load([path], _source(args))
     errors.extend(str(e) for e in loaded.errors)
     rows = build_report(loaded, prefix).stages if loaded.files else []
     if loaded.files and not rows:
@@ -90,7 +101,7 @@ def _render(report: Report, args) -> str:
 def run(args) -> int:
     from traces.plot import OutputError, plot_breakdown, write_tensorboard
 
-    loaded = load(args.paths)
+    loaded = load(args.paths, _source(args))
     errors = [str(e) for e in loaded.errors]
     report = build_report(loaded, args.prefix) if loaded.files else None
     if report is not None and not report.stages:
@@ -98,7 +109,7 @@ def run(args) -> int:
         errors.append(f"{names}: no user_annotation ranges matching prefix {args.prefix!r}")
         report = None
     if report is not None and args.diff:
-        before = _baseline_rows(args.diff, args.prefix, errors)
+        before = _baseline_rows(args.diff, args.prefix, errors, args)
         if before is not None:
             report.diff = diff_rows(before, report.stages)
     for w in (report.warnings if report else loaded.warnings):

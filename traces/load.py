@@ -1,5 +1,7 @@
 """Input handling: expand paths, read each file through an event source, assign ranks.
 
+A file is read as an Nsight Systems SQLite export when it ends in ``.sqlite`` or starts with the
+SQLite header (named explicitly: directories expand to Chrome traces only), else as a Chrome trace.
 Rank of a file: its ``distributedInfo.rank``; else a ``rank{R}`` prefix of the file name; else the
 file's index in the sorted input list. Several files of one rank (profiler windows) are merged;
 ranges found in two files of one rank with identical name, thread and times are true duplicates:
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 
 from traces.chrome import read_chrome_trace
 from traces.events import EventSource, TraceData, TraceError, collect
+from traces.nsys import is_sqlite_file, read_nsys_sqlite
 
 TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
 _RANK_PREFIX = re.compile(r"^rank[_-]?(\d+)")
@@ -55,7 +58,15 @@ def rank_of(data: TraceData, index: int) -> int:
     return int(m.group(1)) if m else index
 
 
-def load(paths: list[str], source: EventSource = read_chrome_trace) -> LoadedSet:
+def read_trace(path: str, nvtx_domain: str | None = None):
+    """The event tuples of ``path``: an Nsight Systems SQLite export (``.sqlite`` or an SQLite
+    header; ``nvtx_domain`` keeps one NVTX domain) or else a Chrome trace."""
+    if path.endswith(".sqlite") or is_sqlite_file(path):
+        return read_nsys_sqlite(path, nvtx_domain)
+    return read_chrome_trace(path)
+
+
+def load(paths: list[str], source: EventSource = read_trace) -> LoadedSet:
     """Read every file of ``paths``; unreadable files become errors, the rest are returned."""
     files, errors = expand_paths(paths)
     result = LoadedSet(errors=errors)

@@ -47,6 +47,10 @@ def main() -> None:
     rollout = Rollout(engine, TinyTokenizer(pad_token_id=0, eos_token_id=eos), RolloutConfig(gather=GATHER))
     batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.0))
     stats = rollout.last_stats
+    decoder = rollout._decoder
+    signature = getattr(decoder, "last_weight_signature", None)
+    again = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.0))
+    stable = signature is not None and decoder.last_weight_signature == signature
     got = []
     for row in range(batch.batch_size):
         keep = batch.attention_mask[row, 7:].bool()
@@ -56,6 +60,8 @@ def main() -> None:
         partitioned = all(p.numel() == 0 for p in engine.module.parameters())
     emit({"rank": rank(), "expected": expected, "got": got, "num_forwards": stats["prefill_forwards"] + stats["decode_forwards"],
           "decode_fallback_reason": stats.get("decode_fallback_reason"),
+          "fast_decode": stats.get("eager_decode_steps", 0) + stats.get("graph_decode_steps", 0) > 0,
+          "stable_weight_addresses": stable, "repeat_equal": torch.equal(again.input_ids, batch.input_ids),
           "is_zero3": rollout.is_zero3, "partitioned_after": partitioned,
           "training_after": engine.module.training})
 
