@@ -17,7 +17,7 @@ import functools
 import inspect
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401  (re-exported for kv_cache)
+from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401  (re-exported for the caches)
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 

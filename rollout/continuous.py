@@ -43,7 +43,7 @@ from rollout import compat, masks
 from rollout.aligned_cache import AlignedKVCache, ScratchArena, to_device
 from rollout.cb_route import (PromptLayout, check_prefill_limit, checked_capacity, min_capacity, prompt_layout,
                               resolve_num_slots)
-from rollout.cb_state import (COUNTERS, RunState, cache_counters, check_args, emit, finished_flags, mask_dtype_of,
+from rollout.cb_state import (COUNTERS, RunState, cache_counters, check_args, emit, finished_flags,
                               new_run_state, row_data)
 from rollout.config import SamplingConfig
 from rollout.kv_cache import CacheShape, StaticKVCache

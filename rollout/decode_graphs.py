@@ -104,6 +104,18 @@ class FastDecoder:
             self.buffers = DecodeBuffers(bucket, round_up(capacity), round_up(max_new_tokens), vocab_size, device)
         return self.buffers
 
+    def release(self) -> None:
+        """Drop the static buffers and the captured graphs (``keep_cache=False``: nothing outlives a call)."""
+        self._graphs.clear()
+        self._pool = None
+        self.buffers = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held between calls: the static buffers and the weight mirror (graph pools not counted)."""
+        held = sum(t.nbytes for t in vars(self.buffers).values() if isinstance(t, torch.Tensor)) if self.buffers else 0
+        return held + (self.mirror.nbytes if self.mirror is not None else 0)
+
     def graph_reason(self, device: torch.device) -> str | None:
         """Why steps run eagerly (None: CUDA graphs)."""
         if not self.use_graphs:

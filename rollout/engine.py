@@ -1,8 +1,9 @@
 """``Rollout``: the public engine, a drop-in for DeepSpeed's ``HybridEngineRollout``.
 
 A ``generate`` call runs these stages (each a function wrapped at its call boundary):
-expand -> mode_switch (eval) -> gather (ZeRO-3) -> lora_fuse -> cache_acquire -> prefill ->
-decode x k -> lora_unfuse -> cache_release -> mode_switch (restore) -> mask_build/postprocess.
+expand -> plan (route, prefill buckets) -> mode_switch (eval) -> gather (ZeRO-3) -> lora_fuse ->
+cache_acquire -> prefill (per bucket) -> decode x k [-> cache_trim, continuous route] ->
+cache_release -> lora_unfuse -> mode_switch (restore) -> mask_build -> postprocess.
 """
 
 from __future__ import annotations
@@ -13,20 +14,20 @@ import time
 import torch
 
 from instrumentation import collect_stages, stage, stages
-from rollout import compat, fast_decode, zero
-from rollout.decode_graphs import FastDecoder, batch_bucket
+from rollout import cb_route, compat, fast_decode, routes, zero
+from rollout.aligned_cache import AlignedKVCache, ScratchArena
 from rollout.config import RolloutConfig, SamplingConfig
+from rollout.continuous import cache_shape as aligned_cache_shape
+from rollout.continuous import generate_continuous
+from rollout.decode_graphs import FastDecoder, batch_bucket
 from rollout.expand import expand_prompts
 from rollout.kv_cache import CachePool, CacheShape
 from rollout.lora import LoraFuser
-from rollout.postprocess import eos_tensor, postprocess
+from rollout.planner import CostModel
+from rollout.postprocess import assemble, eos_tensor, response_mask
+from rollout.profile import build_profile
 from rollout.request import RolloutBatch, RolloutRequest
 from rollout.runner import generate_ordinary
-from rollout import cb_route, routes
-from rollout.aligned_cache import AlignedKVCache, ScratchArena
-from rollout.continuous import cache_shape as aligned_cache_shape, generate_continuous
-from rollout.planner import CostModel
-from rollout.profile import build_profile
 
 
 def token_ids(tokenizer) -> tuple[tuple[int, ...], int]:
@@ -97,7 +98,7 @@ class Rollout:
             batch, counters = self._generate(request, sampling)
         self.last_stats = counters
         self._last_profile = (build_profile(collector.summary(), counters, batch, request, sampling,
-                                            time.perf_counter() - start, self._pool.nbytes)
+                                            time.perf_counter() - start, self._pool.nbytes, self.held_bytes)
                               if collector is not None else None)
         return batch
 
@@ -113,6 +114,13 @@ class Rollout:
         if self._arena is not None:
             self._arena.release()
             self._arena = None
+
+    @property
+    def held_bytes(self) -> int:
+        """Device memory the rollout keeps between calls (KV cache, prefill scratch, decode buffers, weight
+        mirror): what a kept cache adds to the training step's peak. 0 of it is cache with ``keep_cache=False``."""
+        held = self._pool.nbytes + (self._arena.nbytes if self._arena is not None else 0)
+        return held + (self._decoder.nbytes if self._decoder is not None else 0)
 
     def get_last_profile(self) -> dict | None:
         """Per-stage timings of the last ``generate`` call, or None when profiling is off."""
@@ -136,8 +144,10 @@ class Rollout:
         counters.update(route=choice.route, route_reason=choice.reason, dp_skipped=choice.dp_skipped,
                         route_estimates_ms=choice.estimates_ms,
                         prefill_buckets=len(choice.buckets) if choice.buckets else 1)
+        with stage(stages.MASK_BUILD):
+            responses = response_mask(generated, self.eos_token_ids)
         with stage(stages.POSTPROCESS):
-            batch = postprocess(ids, mask, generated, self.eos_token_ids, self.pad_token_id)
+            batch = assemble(ids, mask, generated, responses, self.pad_token_id)
         return batch, counters
 
     def _run_ordinary(self, ids, mask, sampling, device, choice):
@@ -157,6 +167,8 @@ class Rollout:
         finally:
             with stage(stages.CACHE_RELEASE):
                 self._pool.release()
+                if decoder is not None and not self.config.keep_cache:
+                    decoder.release()
         counters = dict(state.counters, num_steps=state.num_steps, decode_fallback_reason=reason,
                         cache_capacity=capacity)
         return state.generated[:, :state.num_steps], counters

@@ -27,22 +27,33 @@ def response_lengths(generated: torch.Tensor, eos_ids: torch.Tensor | None) -> t
     return torch.where(is_eos.any(dim=1), first + 1, width)
 
 
+def response_mask(generated: torch.Tensor, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """``mask [N, T_r]`` bool from positions: True up to and including each row's first EOS, ``T_r``
+    the longest response. One host sync (the output width)."""
+    lengths = response_lengths(generated, eos_tensor(eos_token_ids, generated.device))
+    width = int(lengths.max()) if lengths.numel() else 0  # the one host sync
+    cols = torch.arange(width, device=generated.device)
+    return cols[None, :] < lengths[:, None]  # [N, T_r]
+
+
+def assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generated: torch.Tensor,
+             mask: torch.Tensor, pad_token_id: int) -> RolloutBatch:
+    """``[prompt | response]`` with the response padded where ``mask`` (from :func:`response_mask`) is 0."""
+    response = torch.where(mask, generated[:, :mask.shape[1]], pad_token_id)
+    input_ids = torch.cat([prompt_ids, response.to(prompt_ids.dtype)], dim=1)
+    attention_mask = torch.cat([prompt_mask.long(), mask.long()], dim=1)
+    start = torch.full((prompt_ids.shape[0],), prompt_ids.shape[1], dtype=torch.long, device=prompt_ids.device)
+    return RolloutBatch(input_ids=input_ids, attention_mask=attention_mask, response_start_idx=start)
+
+
 def postprocess(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generated: torch.Tensor,
                 eos_token_ids: tuple[int, ...], pad_token_id: int) -> RolloutBatch:
-    """Batched post-processing.
+    """Batched post-processing: :func:`response_mask` then :func:`assemble`.
 
     ``prompt_ids``/``prompt_mask`` are the expanded prompts ``[N, T_p]``; ``generated [N, S]`` the
     raw tokens of every decode step (whatever came after a row's EOS is discarded here).
     """
-    lengths = response_lengths(generated, eos_tensor(eos_token_ids, generated.device))
-    width = int(lengths.max()) if lengths.numel() else 0  # the one host sync
-    cols = torch.arange(width, device=generated.device)
-    response_mask = cols[None, :] < lengths[:, None]  # [N, T_r]
-    response = torch.where(response_mask, generated[:, :width], pad_token_id)
-    input_ids = torch.cat([prompt_ids, response.to(prompt_ids.dtype)], dim=1)
-    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
-    start = torch.full((prompt_ids.shape[0],), prompt_ids.shape[1], dtype=torch.long, device=prompt_ids.device)
-    return RolloutBatch(input_ids=input_ids, attention_mask=attention_mask, response_start_idx=start)
+    return assemble(prompt_ids, prompt_mask, generated, response_mask(generated, eos_token_ids), pad_token_id)
 
 
 def postprocess_reference(request_prompt_ids: torch.Tensor, request_prompt_mask: torch.Tensor,

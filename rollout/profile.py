@@ -18,7 +18,7 @@ def _stage_ms(summary: dict, name: str) -> float:
 
 
 def build_profile(summary: dict, counters: dict, batch, request, sampling, elapsed_s: float,
-                  cache_bytes: int) -> dict:
+                  cache_bytes: int, held_bytes: int = 0) -> dict:
     """The profile of one call. ``summary``: ``{stage: {count, host_ms, device_ms, peak_allocated_mib}}``."""
     prompt_len = request.prompt_len
     num_rows = batch.batch_size
@@ -58,12 +58,14 @@ def build_profile(summary: dict, counters: dict, batch, request, sampling, elaps
         "num_useful_tokens": num_useful,
         "useful_tokens_per_second": num_useful / (total_ms / 1000.0) if total_ms > 0 else 0.0,
         "mode_switch_ms": _stage_ms(summary, stages.MODE_SWITCH),
+        "mask_build_ms": _stage_ms(summary, stages.MASK_BUILD),
         "gather_ms": _stage_ms(summary, stages.GATHER),
         "lora_fuse_ms": _stage_ms(summary, stages.LORA_FUSE),
         "lora_unfuse_ms": _stage_ms(summary, stages.LORA_UNFUSE),
         "cache_acquire_ms": _stage_ms(summary, stages.CACHE_ACQUIRE),
         "cache_release_ms": _stage_ms(summary, stages.CACHE_RELEASE),
         "cache_bytes": cache_bytes,
+        "held_bytes_after_call": held_bytes,
         "peak_allocated_mib": max(peaks) if peaks else None,
         "stages": summary,
     }

@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=400, help="timed calls per planner cell")
     parser.add_argument("--reference-repeats", type=int, default=40, help="timed calls per reference-DP cell")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--e2e-repeats", type=int, default=15,
+                        help="Rollout ordinary vs auto on 128 short requests (0: skip)")
     args = parser.parse_args()
     cm = CostModel()
 
@@ -83,6 +85,46 @@ def main() -> None:
         note = f"{decision.route}, dp_skipped={decision.dp_skipped}"
         print(f"{name:<26} {len(lengths):>4} {DEFAULT_MAX_TOKENS:>10} {med:>10.4f} {p90:>8.4f} "
               f"{'-':>10} {'-':>10} {buckets:>7}  {note}")
+    if args.e2e_repeats:
+        end_to_end_short(route_cases[0][1], args.e2e_repeats)
+
+
+def end_to_end_short(lengths: list[int], repeats: int) -> None:
+    """The reviewer's case: 128 short requests x 16 new tokens, ``Rollout`` with route ordinary vs auto
+    (planning included), tiny model on this machine; interleaved, median of ``repeats``."""
+    import statistics
+    import time
+
+    import torch
+
+    from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+    from rollout.testing import TinyTokenizer, tiny_model
+
+    model = tiny_model("qwen2", seed=0)
+    width = max(lengths)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length:] = torch.randint(3, 512, (length,))
+        mask[row, width - length:] = 1
+    sampling = SamplingConfig(max_new_tokens=16, temperature=0.0)
+    engines = {route: Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route=route))
+               for route in ("ordinary", "auto")}
+    times = {route: [] for route in engines}
+    for ro in engines.values():
+        ro.generate(RolloutRequest(ids, mask), sampling)
+    for _ in range(repeats):
+        for route, ro in engines.items():
+            start = time.perf_counter()
+            ro.generate(RolloutRequest(ids, mask), sampling)
+            times[route].append((time.perf_counter() - start) * 1000.0)
+    med = {route: statistics.median(v) for route, v in times.items()}
+    stats = engines["auto"].last_stats
+    print(f"\nend to end, 128 short requests x 16 new tokens, tiny model, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, median of {repeats}:")
+    print(f"  ordinary {med['ordinary']:.2f} ms   auto {med['auto']:.2f} ms   auto / ordinary "
+          f"{med['auto'] / med['ordinary']:.3f}   (auto ran {stats['route']}, "
+          f"{stats['prefill_buckets']} prefill forward(s), dp_skipped={stats['dp_skipped']})")
 
 
 if __name__ == "__main__":

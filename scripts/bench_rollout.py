@@ -144,30 +144,21 @@ def suite_decode(model, tok, device, repeats, bandwidth_gbps) -> list[Row]:
     return rows
 
 
-def smoke000_cells():
-    cells = []
-    for batch in (1, 4):
-        for n in (1, 4):
-            for prompt in (128, 512):
-                for response in (32, 128):
-                    for mode in ("greedy", "sampling"):
-                        cells.append((batch, n, prompt, response, mode))
-    return cells
+def suite_smoke000(model_name, dtype, tok, device, repeats, cells, bandwidth_gbps) -> list[Row]:
+    """Seed 000's smoke matrix (see ``scripts/bench_smoke000.py``)."""
+    from scripts.bench_smoke000 import run_cells
 
+    def floor_ms(model, rows, mean_live):
+        if bandwidth_gbps != bandwidth_gbps:  # nan: no GPU
+            return None
+        cfg = model.config
+        kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+        live = rows * mean_live * kv * next(model.parameters()).element_size()
+        return (weight_bytes(model) + live) / (bandwidth_gbps * 1e9) * 1000.0
 
-def suite_smoke000(model, tok, device, repeats, cells) -> list[Row]:
-    ro = Rollout(model, tok)
-    rows = []
-    for index in cells:
-        batch, n, prompt, response, mode = smoke000_cells()[index]
-        ids, mask = left_padded([prompt] * batch, model.config.vocab_size, device)
-        sampling = SamplingConfig(max_new_tokens=response, temperature=0.0 if mode == "greedy" else 1.0,
-                                  top_p=1.0 if mode == "greedy" else 0.9, n_samples_per_prompt=n, seed=0)
-        means = interleave({"ours": lambda: ro.generate(RolloutRequest(ids, mask), sampling)}, device, repeats)
-        tokens = batch * n * response
-        rows.append(Row("smoke000", f"b{batch} n{n} p{prompt} r{response} {mode}", "ours", means["ours"],
-                        {"tokens_per_s": tokens / (means["ours"] / 1000.0)}))
-    return rows
+    results = run_cells(lambda: build_model(model_name, dtype, device), tok, device, repeats, cells,
+                        timed, left_padded, floor_ms)
+    return [Row("smoke000", r.pop("cell"), "ours", r.pop("e2e_ms"), r) for r in results]
 
 
 def upstream_rollout(model, tok, device, continuous: bool):
@@ -225,6 +216,62 @@ def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_confi
     return rows
 
 
+def print_rows(rows: list[Row]) -> None:
+    print("| suite | cell | candidate | E2E ms | details |")
+    print("|---|---|---|---:|---|")
+    for r in rows:
+        details = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.extra.items())
+        print(f"| {r.suite} | {r.cell} | {r.candidate} | {r.e2e_ms:.2f} | {details} |")
+
+
+def plot_rows(rows: list[Row], path: str) -> None:
+    """PNG: per smoke cell, stacked prefill / decode / post-processing / cache / other ms; per seed 004
+    workload, E2E per candidate."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    smoke = [r for r in rows if r.suite == "smoke000" and r.extra.get("prefill_ms") is not None]
+    seed = [r for r in rows if r.suite == "seed004" and r.e2e_ms == r.e2e_ms]
+    panels = [p for p, rows_of in (("smoke", smoke), ("seed", seed)) if rows_of]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, len(smoke) * 0.35), 5 * len(panels)), squeeze=False)
+    axes = {name: ax for name, ax in zip(panels, axes[:, 0])}
+    if smoke:
+        _plot_smoke(axes["smoke"], smoke)
+    if seed:
+        _plot_seed(axes["seed"], seed)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _plot_smoke(ax, smoke: list[Row]) -> None:
+    parts = ("prefill_ms", "decode_ms", "postprocess_ms", "cache_ms")
+    bottom = [0.0] * len(smoke)
+    for part in parts:
+        values = [r.extra.get(part) or 0.0 for r in smoke]
+        ax.bar(range(len(smoke)), values, bottom=bottom, label=part[:-3])
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.bar(range(len(smoke)), [max(r.e2e_ms - b, 0.0) for r, b in zip(smoke, bottom)], bottom=bottom, label="other")
+    ax.set_xticks(range(len(smoke)), [r.cell for r in smoke], rotation=90, fontsize=6)
+    ax.set_ylabel("ms")
+    ax.set_title("seed 000 smoke matrix: stage breakdown per cell")
+    ax.legend()
+
+
+def _plot_seed(ax, seed: list[Row]) -> None:
+    workloads = list(dict.fromkeys(r.cell for r in seed))
+    candidates = list(dict.fromkeys(r.candidate for r in seed))
+    width = 0.8 / max(len(candidates), 1)
+    for k, cand in enumerate(candidates):
+        values = [next((r.e2e_ms for r in seed if r.cell == w and r.candidate == cand), 0.0) for w in workloads]
+        ax.bar([i + k * width for i in range(len(workloads))], values, width, label=cand)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("E2E ms (log)")
+    ax.set_title("seed 004 workloads")
+    ax.legend(fontsize=7)
+
+
 def parse_cells(spec: str | None, total: int) -> list[int]:
     if not spec:
         return list(range(total))
@@ -242,12 +289,20 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cells", help="smoke000 cells to run, e.g. 0-7,12 (of 32)")
+    parser.add_argument("--cells", help="smoke000 cells to run, e.g. 0-7,12 (of 64: ZeRO-0 then ZeRO-3)")
     parser.add_argument("--workloads", default=None, help="seed004 workloads, comma-separated (default all)")
     parser.add_argument("--upstream", action="store_true", help="also time DeepSpeed's HybridEngineRollout")
     parser.add_argument("--cost-config", help="calibration JSON for route=auto (scripts/calibrate_prefill.py)")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge shards' --json files into one table")
+    parser.add_argument("--plot", help="with --merge (or a run): a PNG of the breakdown per workload")
     args = parser.parse_args(argv)
+    if args.merge:
+        rows = [Row(**r) for path in args.merge for r in json.load(open(path))]
+        print_rows(rows)
+        if args.plot:
+            plot_rows(rows, args.plot)
+        return
     model_name = args.model or ("3b" if args.device.startswith("cuda") else "tiny")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
                                                            else torch.float32)
@@ -267,13 +322,13 @@ def main(argv=None) -> None:
             names = [n for n in names if n != "1x8192+31x256"]
         rows += suite_seed004(model, tok, args.device, args.repeats, args.upstream, names, args.cost_config)
     if args.suite in ("smoke000", "all"):
-        rows += suite_smoke000(model, tok, args.device, args.repeats, parse_cells(args.cells, 32))
+        from scripts.bench_smoke000 import CELLS
+        rows += suite_smoke000(model_name, dtype, tok, args.device, args.repeats, parse_cells(args.cells, len(CELLS)),
+                               bandwidth)
     print(f"copy bandwidth {bandwidth:.0f} GB/s")
-    print("| suite | cell | candidate | E2E ms | details |")
-    print("|---|---|---|---:|---|")
-    for r in rows:
-        details = ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.extra.items())
-        print(f"| {r.suite} | {r.cell} | {r.candidate} | {r.e2e_ms:.2f} | {details} |")
+    print_rows(rows)
+    if args.plot:
+        plot_rows(rows, args.plot)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

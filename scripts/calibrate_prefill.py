@@ -8,9 +8,9 @@ off); fits non-negative coefficients (``rollout.calibration.fit_cost_model``) an
 their metadata as JSON. Candidates are timed after a warm-up, synchronised, median of ``--repeats``.
 
 The sweep (``--sweep --cost-config FILE``) loads the coefficients (refusing a file made for another
-device/dtype/backend/version/source) and times, interleaved, the ordinary route (``Rollout``), the
-continuous route (``generate_continuous`` + ``postprocess``) and Auto (layout, decision, chosen
-route), on workloads meant to make Auto pick each route. It prints Auto / best manual route per
+device/dtype/backend/version/source) and times, interleaved, ``Rollout`` with ``route="ordinary"``,
+``"continuous"`` and ``"auto"`` on workloads meant to make Auto pick each route (one more workload
+runs with fewer slots than rows, where Auto must run continuous batching). It prints Auto / best manual route per
 workload and the worst regression, and checks that every route returned the same tokens.
 
   python scripts/calibrate_prefill.py --output calib.json                  # tiny model on the CPU
@@ -38,12 +38,9 @@ from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig  # no
 from rollout.aligned_cache import AlignedKVCache, ScratchArena  # noqa: E402
 from rollout.calibration import (CopySample, DecodeSample, PrefillSample, calibration_metadata,  # noqa: E402
                                  fit_cost_model, load_cost_model, save_calibration)
-from rollout.cb_route import choose_route_auto, prompt_layout  # noqa: E402
-from rollout.continuous import cache_shape, generate_continuous, prefill_forward  # noqa: E402
+from rollout.continuous import cache_shape, prefill_forward  # noqa: E402
 from rollout.cb_state import mask_dtype_of  # noqa: E402
-from rollout.expand import expand_prompts  # noqa: E402
 from rollout.planner import CostModel  # noqa: E402
-from rollout.postprocess import postprocess  # noqa: E402
 from rollout.testing import QWEN25_3B_SHAPE, TinyTokenizer, tiny_config, tiny_model  # noqa: E402
 
 NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
@@ -135,6 +132,7 @@ def measure_copies(model, shapes, repeats: int) -> list[CopySample]:
 def measure_decode(model, shapes, extra_steps: int, repeats: int, cost_model: CostModel) -> list[DecodeSample]:
     device = next(model.parameters()).device
     ordinary = Rollout(model, NO_EOS, RolloutConfig())
+    continuous = Rollout(model, NO_EOS, RolloutConfig(route="continuous", cost_model=cost_model))
     samples = []
     for batch, length in shapes:
         ids, mask = left_padded([length] * batch, model.config.vocab_size, device)
@@ -143,8 +141,8 @@ def measure_decode(model, shapes, extra_steps: int, repeats: int, cost_model: Co
             sampling = SamplingConfig(max_new_tokens=steps, temperature=0.0)
             ms[("ordinary", steps)] = timed_ms(lambda: ordinary.generate(RolloutRequest(ids, mask), sampling),
                                                device, repeats)
-            ms[("continuous", steps)] = timed_ms(
-                lambda: run_continuous(model, ids, mask, sampling, cost_model), device, repeats)
+            ms[("continuous", steps)] = timed_ms(lambda: continuous.generate(RolloutRequest(ids, mask), sampling),
+                                                 device, repeats)
         extra = ((ms[("continuous", 2 + extra_steps)] - ms[("continuous", 2)])
                  - (ms[("ordinary", 2 + extra_steps)] - ms[("ordinary", 2)]))
         samples.append(DecodeSample(extra_steps, extra))
@@ -178,13 +176,6 @@ def calibrate(args, model, device, dtype) -> dict:
 
 
 # ---- sweep -------------------------------------------------------------------------------------
-def run_continuous(model, ids, mask, sampling, cost_model, layout=None):
-    """The continuous route as the engine will run it: generate, then the shared post-processing."""
-    result = generate_continuous(model, ids, mask, sampling, None, cost_model=cost_model, layout=layout)
-    expanded_ids, expanded_mask = expand_prompts(ids, mask, sampling.n_samples_per_prompt)
-    return postprocess(expanded_ids, expanded_mask, result.generated, (), NO_EOS.pad_token_id)
-
-
 @dataclass
 class SweepRow:
     workload: str
@@ -197,32 +188,27 @@ class SweepRow:
     tokens_match: bool
 
 
-def sweep_workload(model, name, lengths, cost_model, args) -> SweepRow:
+def sweep_workload(model, name, lengths, cost_model, args, slots=None) -> SweepRow:
+    """Our three routes through ``Rollout``, interleaved; ``slots`` is ``continuous_batch_size``."""
     device = next(model.parameters()).device
     ids, mask = left_padded(lengths, model.config.vocab_size, device, seed=1)
-    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=0.0)
-    ordinary = Rollout(model, NO_EOS, RolloutConfig())
-    decisions = []
-
-    def auto():
-        layout = prompt_layout(mask)
-        decision = choose_route_auto(layout, cost_model, sampling.max_new_tokens)
-        decisions.append(decision)
-        if decision.route == "ordinary":
-            return ordinary.generate(RolloutRequest(ids, mask), sampling)
-        return run_continuous(model, ids, mask, sampling, cost_model, layout)
-
-    candidates = {"ordinary": lambda: ordinary.generate(RolloutRequest(ids, mask), sampling),
-                  "continuous": lambda: run_continuous(model, ids, mask, sampling, cost_model), "auto": auto}
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, continuous_batch_size=slots)
+    engines = {route: Rollout(model, NO_EOS, RolloutConfig(route=route, cost_model=cost_model))
+               for route in ("ordinary", "continuous", "auto")}
+    candidates = {route: (lambda ro=ro: ro.generate(RolloutRequest(ids, mask), sampling))
+                  for route, ro in engines.items()}
     outputs = {route: fn() for route, fn in candidates.items()}  # warm-up, and the outputs compared
     times = {route: [] for route in candidates}
     for _ in range(args.repeats):  # interleaved: A B C A B C ...
         for route, fn in candidates.items():
             times[route].append(timed_ms(fn, device, 1, warmup=0))
     ms = {route: statistics.mean(values) for route, values in times.items()}
-    plan = decisions[-1].plan
-    return SweepRow(name, decisions[-1].route, len(plan.buckets) if plan else 0, ms["ordinary"], ms["continuous"],
-                    ms["auto"], ms["auto"] / min(ms["ordinary"], ms["continuous"]),
+    stats = engines["auto"].last_stats
+    auto_route = stats["route"] + (f"+{stats['prefill_buckets']} buckets" if stats["prefill_buckets"] > 1 else "")
+    return SweepRow(name + (f" ({slots} slots)" if slots else ""), auto_route, stats["prefill_buckets"],
+                    ms["ordinary"], ms["continuous"], ms["auto"],
+                    # with a slot bound only the continuous route honours it: that is the manual route to beat
+                    ms["auto"] / (ms["continuous"] if slots else min(ms["ordinary"], ms["continuous"])),
                     all(torch.equal(outputs[r].input_ids, outputs["ordinary"].input_ids) for r in outputs))
 
 
@@ -233,7 +219,10 @@ def sweep(args, model, device, dtype) -> list[SweepRow]:
     limit = model.config.max_position_embeddings - args.max_new_tokens
     rows = [sweep_workload(model, name, lengths, cost_model, args) for name, lengths in workloads.items()
             if max(lengths) <= limit]
-    print(f"| workload | Auto route | buckets | ordinary ms | continuous ms | Auto ms | Auto / best | same tokens |")
+    # fewer slots than rows: Auto must take the continuous route (the only one that honours the bound)
+    name, lengths = next((n, l) for n, l in workloads.items() if max(l) <= limit and len(l) > 2)
+    rows.append(sweep_workload(model, name, lengths, cost_model, args, slots=max(1, len(lengths) // 4)))
+    print("| workload | Auto route | buckets | ordinary ms | continuous ms | Auto ms | Auto / best | same tokens |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r.workload} | {r.auto_route} | {r.auto_buckets} | {r.ordinary_ms:.2f} | {r.continuous_ms:.2f} | "
@@ -241,7 +230,7 @@ def sweep(args, model, device, dtype) -> list[SweepRow]:
     worst = max(rows, key=lambda r: r.auto_over_best)
     print(f"worst regression: {100 * (worst.auto_over_best - 1):+.3f}% ({worst.workload}); Auto chose "
           f"{sorted({r.auto_route for r in rows})}")
-    missing = {"ordinary", "continuous"} - {r.auto_route for r in rows}
+    missing = {"ordinary", "continuous"} - {r.auto_route.split("+")[0] for r in rows}
     if missing:
         print(f"note: Auto never chose {sorted(missing)} on these workloads")
     if args.json:

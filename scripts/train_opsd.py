@@ -68,6 +68,10 @@ class JobConfig:
     """AdamW learning rate (ignored when the DeepSpeed config defines an optimizer)."""
     seed: int = 0
     """Seed of the models, prompts and sampling (each rank and step derives its own)."""
+    route: str = "ordinary"
+    """Rollout route: ordinary, continuous or auto (``RolloutConfig.route``)."""
+    keep_cache: int = 1
+    """1 keeps the rollout's KV cache between steps, 0 releases it after each rollout."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "samples_per_prompt", "max_new_tokens", "prompt_len", "steps"):
@@ -80,6 +84,12 @@ class JobConfig:
             raise ValueError(f"lora: must be a LoRA rank >= 1; got {self.lora!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr: must be a finite number > 0; got {self.lr!r}")
+        from rollout.config import ROUTES
+
+        if self.route not in ROUTES:
+            raise ValueError(f"route: must be one of {ROUTES}; got {self.route!r}")
+        if self.keep_cache not in (0, 1):
+            raise ValueError(f"keep_cache: must be 0 or 1; got {self.keep_cache!r}")
         if self.deepspeed_config is not None and not os.path.isfile(self.deepspeed_config):
             raise ValueError(f"deepspeed_config: no such file {self.deepspeed_config!r}")
 
@@ -99,6 +109,8 @@ FLAGS = {
     "--steps": ("job", "steps", int, "training steps"),
     "--lr": ("job", "lr", float, "AdamW learning rate"),
     "--seed": ("job", "seed", int, "seed"),
+    "--route": ("job", "route", str, "rollout route: ordinary, continuous or auto"),
+    "--keep-cache": ("job", "keep_cache", int, "1: keep the KV cache between rollouts, 0: release it"),
     "--beta": ("opsd", "beta", float, "generalized JSD beta (0 forward KL, 1 reverse KL)"),
     "--temperature": ("opsd", "temperature", float, "loss temperature"),
     "--teacher-top-k": ("opsd", "teacher_top_k", int, "cache the teacher's top-k logits only"),
@@ -333,8 +345,11 @@ def build_step(job: JobConfig, opsd_config, device):
         teacher, teacher_tokenizer = load_model(job.teacher, "llama", job.seed + 1, dtype, device)
         teacher.eval().requires_grad_(False)
     engine = make_student_engine(student, job, config)
+    from rollout.config import RolloutConfig
+
+    rollout_config = RolloutConfig(route=job.route, keep_cache=bool(job.keep_cache))
     return OPSDStep(engine, engine if teacher is None else teacher, tokenizer, opsd_config,
-                    teacher_tokenizer=teacher_tokenizer)
+                    teacher_tokenizer=teacher_tokenizer, rollout_config=rollout_config)
 
 
 def train(step, job: JobConfig, rank: int, device):

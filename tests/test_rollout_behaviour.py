@@ -101,6 +101,8 @@ def test_cache_is_reused_when_kept_and_released_otherwise(qwen):
         outs.append((a, b))
     assert kept._pool.num_allocations == 1 and kept._pool.nbytes > 0
     assert dropped._pool.num_allocations == 2 and dropped._pool.nbytes == 0
+    # nothing outlives a call without keep_cache: no cache, no decode buffers
+    assert dropped.held_bytes == 0 and kept.held_bytes >= kept._pool.nbytes
     assert torch.equal(outs[0][0].input_ids, outs[1][0].input_ids)
     assert torch.equal(outs[0][1].input_ids, outs[1][1].input_ids)
     assert torch.equal(outs[0][1].input_ids, outs[0][0].input_ids[:2])

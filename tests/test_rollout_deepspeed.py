@@ -40,3 +40,15 @@ def test_two_ranks_zero3_lockstep(gather):
         assert by_rank[0]["num_forwards"] == by_rank[1]["num_forwards"] == MAX_NEW
     else:  # parameters gathered once: no collective per forward, rank 0 may stop early
         assert by_rank[0]["num_forwards"] < by_rank[1]["num_forwards"] == MAX_NEW
+
+
+def test_two_ranks_zero3_continuous_route():
+    """Continuous batching needs gather="once" (each rank runs its own forwards); with it, ranks whose
+    requests end at different steps finish independently and keep exact tokens."""
+    results = run_worker("rollout_zero.py", "3", "once", "continuous", "1", world_size=2)
+    by_rank = {r.result["rank"]: r.result for r in results}
+    for out in by_rank.values():
+        assert out["route"] == "continuous"
+        assert out["got"] == out["expected"], f"rank {out['rank']}"
+        assert out["partitioned_after"] is True and out["repeat_equal"] is True
+    assert by_rank[0]["num_forwards"] < by_rank[1]["num_forwards"]

@@ -16,6 +16,8 @@ from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 
 STAGE, GATHER = int(sys.argv[1]), sys.argv[2]
+ROUTE = sys.argv[3] if len(sys.argv) > 3 else "ordinary"
+SLOTS = int(sys.argv[4]) if len(sys.argv) > 4 else None
 MAX_NEW = 8
 
 
@@ -44,12 +46,14 @@ def main() -> None:
 
     engine = make_engine(model, STAGE)
     engine.train()  # as in a training loop: the rollout must restore it
-    rollout = Rollout(engine, TinyTokenizer(pad_token_id=0, eos_token_id=eos), RolloutConfig(gather=GATHER))
-    batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.0))
+    rollout = Rollout(engine, TinyTokenizer(pad_token_id=0, eos_token_id=eos), RolloutConfig(gather=GATHER, route=ROUTE))
+    batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.0,
+                                                                           continuous_batch_size=SLOTS))
     stats = rollout.last_stats
     decoder = rollout._decoder
     signature = getattr(decoder, "last_weight_signature", None)
-    again = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.0))
+    again = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.0,
+                                                                       continuous_batch_size=SLOTS))
     stable = signature is not None and decoder.last_weight_signature == signature
     got = []
     for row in range(batch.batch_size):
@@ -62,7 +66,7 @@ def main() -> None:
           "decode_fallback_reason": stats.get("decode_fallback_reason"),
           "fast_decode": stats.get("eager_decode_steps", 0) + stats.get("graph_decode_steps", 0) > 0,
           "stable_weight_addresses": stable, "repeat_equal": torch.equal(again.input_ids, batch.input_ids),
-          "is_zero3": rollout.is_zero3, "partitioned_after": partitioned,
+          "is_zero3": rollout.is_zero3, "route": stats.get("route"), "partitioned_after": partitioned,
           "training_after": engine.module.training})
 
 
