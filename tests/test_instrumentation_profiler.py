@@ -268,6 +268,7 @@ with opsd_profiler() as prof:
             dist.all_reduce(t)
         prof.step()
 print("TRACES", *prof.trace_paths())
+dist.barrier()  # no rank tears gloo down under a peer still using it (that aborts the peer)
 dist.destroy_process_group()
 """
 
