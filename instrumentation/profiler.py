@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from instrumentation import runfiles, schedule, state
+from instrumentation import runfiles, schedule, stages, state
 from instrumentation.collect import StageTable, format_stage_rows, summarize
 from instrumentation.config import ProfileConfig
 from instrumentation.timers import HUB
@@ -186,7 +186,7 @@ class ProfilerSession:
 
                 self._writer = SummaryWriter(log_dir=self.scalars_dir)
             for name, entry in summary.items():
-                prefix = f"opsd/{name}/"
+                prefix = stages.range_name(name) + "/"
                 self._writer.add_scalar(prefix + "device_ms", entry["device_ms"], self.current_step)
                 self._writer.add_scalar(prefix + "host_ms", entry["host_ms"], self.current_step)
                 if entry["peak_allocated_mib"] is not None:

@@ -108,3 +108,30 @@ def test_graph_decode_makes_no_host_sync_per_step():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert modes == ["graph"] * 8
+
+
+@cuda
+def test_fast_step_logits_match_hf_in_bf16_on_gpu():
+    """The compiled step's logits stay within bf16 tolerance of the HF layers' (same cache contents)."""
+    from rollout import compat, masks
+    from rollout.decode_graphs import compiled_step_fns
+    from rollout.kv_cache import CacheShape, StaticKVCache
+    model = tiny_model("qwen2", seed=8, device="cuda", dtype=torch.bfloat16)
+    ids, mask = random_prompts(4, 12, min_len=3, seed=45, device="cuda")
+    layers, heads, dim = compat.kv_geometry(model)
+    shape = CacheShape(4, 16, layers, heads, dim, torch.bfloat16, torch.device("cuda"))
+    hf_cache, fast_cache = StaticKVCache(shape), StaticKVCache(shape)
+    next_tok, pos = torch.tensor([7, 8, 9, 10], device="cuda"), mask.sum(1)
+    with torch.no_grad():
+        for cache in (hf_cache, fast_cache):
+            cache.set_window(torch.arange(12, device="cuda"), 12)
+            compat.forward_last_logits(model, ids, masks.prompt_positions(mask), masks.prefill_mask(mask), cache)
+        valid = masks.key_validity(mask, 16)
+        hf_cache.set_window(torch.tensor([12], device="cuda"), 13)
+        expected = compat.forward_last_logits(model, next_tok[:, None], pos[:, None], masks.decode_mask(valid, 13),
+                                              hf_cache)
+        spec, weights = fast_decode.spec_and_weights(model)
+        got = fast_decode.decode_logits(spec, weights, compiled_step_fns(), fast_cache.key_storage,
+                                        fast_cache.value_storage, next_tok, pos, torch.tensor(12, device="cuda"),
+                                        masks.decode_mask(valid, 13))
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
