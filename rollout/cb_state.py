@@ -46,6 +46,7 @@ class RunState:
     seed: torch.Tensor  # scalar int64 keying the sampling noise
     counters: dict
     mask_dtype: torch.dtype
+    fast: tuple | None = None  # (spec, weights, step fns) of rollout.fast_decode, or None: HF layers decode
     width: int = 0
 
     @property
@@ -73,7 +74,7 @@ def check_args(prompt_ids, prompt_mask, sampling, eos_ids, cost_model) -> None:
 
 def new_run_state(model, cache: AlignedKVCache, arena: ScratchArena, sampling: SamplingConfig, eos_ids,
                   cost_model: CostModel, max_prefill_tokens, stage, prompt_ids, prompt_mask, layout: PromptLayout,
-                  counters: dict) -> RunState:
+                  counters: dict, fast: tuple | None = None) -> RunState:
     device, num_slots = cache.valid.device, cache.num_slots
     spans = layout.spans
     suffix_max = list(spans)
@@ -91,7 +92,7 @@ def new_run_state(model, cache: AlignedKVCache, arena: ScratchArena, sampling: S
         last_tokens=torch.zeros(num_slots, dtype=torch.long, device=device),  # last_tokens: [S]
         generated=torch.zeros((num_rows, sampling.max_new_tokens), dtype=torch.long, device=device),  # [B*n, T_r]
         seed=torch.full((), seed, dtype=torch.long, device=device),  # a fill, not a host->device copy
-        counters=counters, mask_dtype=mask_dtype_of(model))
+        counters=counters, mask_dtype=mask_dtype_of(model), fast=fast)
 
 
 def cache_counters(cache: AlignedKVCache) -> dict:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from instrumentation import stages
-from rollout import compat, masks
+from rollout import compat, fast_decode, masks
 from rollout.aligned_cache import AlignedKVCache, ScratchArena, to_device
 from rollout.cb_route import (PromptLayout, check_prefill_limit, checked_capacity, min_capacity, prompt_layout,
                               resolve_num_slots)
@@ -73,7 +73,8 @@ def generate_continuous(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
                         eos_ids: torch.Tensor | None, *, cost_model: CostModel, num_slots: int | None = None,
                         capacity: int | None = None, cache: AlignedKVCache | None = None,
                         arena: ScratchArena | None = None, layout: PromptLayout | None = None,
-                        max_prefill_tokens: int | None = DEFAULT_MAX_TOKENS, stage=None) -> ContinuousResult:
+                        max_prefill_tokens: int | None = DEFAULT_MAX_TOKENS, stage=None,
+                        fast: tuple | None = None) -> ContinuousResult:
     """Generate ``sampling.n_samples_per_prompt`` responses per prompt by continuous batching.
 
     ``prompt_ids``/``prompt_mask`` are the *unexpanded* request ``[B, T_p]`` (left-padded).
@@ -82,7 +83,9 @@ def generate_continuous(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     ``capacity`` columns (default ``cb_route.default_capacity``) is allocated. ``arena`` (scratch for
     bucket prefills) may be kept by the caller across calls; one made here is released at the end.
     ``layout`` saves the one host sync of ``prompt_layout`` when the caller already has it.
-    ``stage(name)`` wraps each stage call (default: ``instrumentation.stage``).
+    ``stage(name)`` wraps each stage call (default: ``instrumentation.stage``). ``fast``: ``(spec,
+    weights, step fns)`` of :mod:`rollout.fast_decode` to decode through our own step (eagerly: rows
+    and windows change every step, so no CUDA graphs here); None decodes through the HF layers.
     """
     stage = stage or _default_stage()
     check_args(prompt_ids, prompt_mask, sampling, eos_ids, cost_model)
@@ -104,7 +107,7 @@ def generate_continuous(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     own_arena = arena is None
     arena = arena or ScratchArena.like(cache.shape)
     run = new_run_state(model, cache, arena, sampling, eos_ids, cost_model, max_prefill_tokens, stage, prompt_ids,
-                        prompt_mask, layout, counters)
+                        prompt_mask, layout, counters, fast)
     try:
         _loop(run, slots)
     finally:
@@ -185,8 +188,14 @@ def _decode(run: RunState, rows) -> None:
         sample_ids = [r.request_id * run.num_samples + r.sample_index for r in rows]
         packed = row_data(run, sample_ids, [r.num_generated for r in rows], positions)  # [3, n]
         keep = cache.begin_decode(num_rows, max_extent)
-        logits = compat.forward_last_logits(run.model, run.last_tokens[:num_rows, None], packed[2][:, None],
-                                            compat.to_model_mask(keep, run.model, run.mask_dtype), cache)
+        if run.fast is not None:
+            spec, weights, fns = run.fast
+            logits = fast_decode.decode_logits(spec, weights, fns, cache.key_storage[:, :num_rows],
+                                               cache.value_storage[:, :num_rows], run.last_tokens[:num_rows],
+                                               packed[2], cache.write_col, keep, start=cache.read_start)
+        else:
+            logits = compat.forward_last_logits(run.model, run.last_tokens[:num_rows, None], packed[2][:, None],
+                                                compat.to_model_mask(keep, run.model, run.mask_dtype), cache)
         cache.end_decode()
         emit(run, slice(0, num_rows), logits, packed)
     run.counters["decode_forwards"] += 1

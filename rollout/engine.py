@@ -19,7 +19,7 @@ from rollout.aligned_cache import AlignedKVCache, ScratchArena
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.continuous import cache_shape as aligned_cache_shape
 from rollout.continuous import generate_continuous
-from rollout.decode_graphs import FastDecoder, batch_bucket
+from rollout.decode_graphs import FastDecoder, batch_bucket, compiled_step_fns
 from rollout.expand import expand_prompts
 from rollout.kv_cache import CachePool, CacheShape
 from rollout.lora import LoraFuser
@@ -184,20 +184,31 @@ class Rollout:
             cache = AlignedKVCache(shape, storage=(base.key_storage, base.value_storage))
             if self._arena is None or not self.config.keep_cache:
                 self._arena = ScratchArena.like(shape)
+        fast, reason = self._continuous_fast_step(device)
         try:
             result = generate_continuous(
                 self.model, prompt_ids, prompt_mask, sampling, eos_tensor(self.eos_token_ids, device),
                 cost_model=self._costs(), num_slots=slots, cache=cache, arena=self._arena, layout=layout,
-                max_prefill_tokens=self.config.max_prefill_tokens, stage=stage)
+                max_prefill_tokens=self.config.max_prefill_tokens, stage=stage, fast=fast)
         finally:
             with stage(stages.CACHE_RELEASE):
                 self._pool.release()
                 if not self.config.keep_cache:
                     self._arena.release()
                     self._arena = None
-        counters = dict(result.counters, num_steps=result.num_steps,
-                        decode_fallback_reason="continuous route decodes through the HF forward")
+        counters = dict(result.counters, num_steps=result.num_steps, decode_fallback_reason=reason,
+                        decode_path="fast_eager" if fast is not None else "hf")
         return result.generated, counters
+
+    def _continuous_fast_step(self, device) -> tuple[tuple | None, str]:
+        """Our step for the continuous route's decode (eager: its rows and window change every step)."""
+        decoder, reason = self._fast_decoder()
+        if decoder is None:
+            return None, reason
+        spec, weights = fast_decode.spec_and_weights(self.model)
+        use_compile = self.config.compile and device.type == "cuda"
+        fns = compiled_step_fns() if use_compile else fast_decode.StepFns()
+        return (spec, weights, fns), "continuous route: fast step without CUDA graphs"
 
     def _costs(self) -> CostModel:
         if self._cost_model is None:

@@ -219,13 +219,15 @@ class StepFns:
 
 def decode_logits(spec: DecoderSpec, weights: DecoderWeights, fns: StepFns, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, col: torch.Tensor,
-                  keep: torch.Tensor) -> torch.Tensor:
+                  keep: torch.Tensor, start: int = 0) -> torch.Tensor:
     """One decode step: ``logits [B, V]`` for ``tokens [B]`` at ``positions [B]``, written at cache column ``col``.
 
     ``key_cache``/``value_cache``: ``[layers, B, Hkv, capacity, D]`` views; ``keep [B, 1, 1, L]`` bool
-    selects the keys each row may attend among the first ``L`` columns (``L`` = the length bucket).
+    selects the keys each row may attend among columns ``[start, start + L)`` (``L`` = the length
+    bucket; ``start`` > 0 for the aligned cache of the continuous route, whose dead prefix is skipped).
     """
     live = keep.shape[-1]
+    stop = start + live
     h = F.embedding(tokens, weights.embed)  # [B, H]
     cos, sin = rotary(positions, weights.inv_freq, spec.attention_scaling, h.dtype)
     cols = col.view(1)
@@ -235,7 +237,7 @@ def decode_logits(spec: DecoderSpec, weights: DecoderWeights, fns: StepFns, key_
                                        spec.num_heads, spec.num_kv_heads, spec.head_dim)
         key_cache[i].index_copy_(2, cols, k)
         value_cache[i].index_copy_(2, cols, v)
-        attn = F.scaled_dot_product_attention(q, key_cache[i, :, :, :live], value_cache[i, :, :, :live],
+        attn = F.scaled_dot_product_attention(q, key_cache[i, :, :, start:stop], value_cache[i, :, :, start:stop],
                                               attn_mask=keep, scale=spec.head_dim ** -0.5,
                                               enable_gqa=spec.num_heads != spec.num_kv_heads)
         h = fns.attention_output_and_mlp(h, attn, w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down, eps)

@@ -51,7 +51,7 @@ def build_profile(summary: dict, counters: dict, batch, request, sampling, elaps
         "cache_capacity": counters.get("capacity", counters.get("cache_capacity")),
         "plan_ms": _stage_ms(summary, stages.PLAN),
         "cache_trim_ms": _stage_ms(summary, stages.CACHE_TRIM),
-        "decode_path": ("graph" if counters.get("graph_decode_steps") else
+        "decode_path": counters.get("decode_path") or ("graph" if counters.get("graph_decode_steps") else
                         "fast_eager" if counters.get("eager_decode_steps") else "hf"),
         "decode_fallback_reason": counters.get("decode_fallback_reason"),
         "num_prefill_forwards": counters.get("prefill_forwards", 0),

@@ -116,3 +116,13 @@ def test_mismatched_calibration_file_is_refused(model, tmp_path):
     ids, mask = _skewed([5, 2], seed=4)
     with pytest.raises(ValueError, match="dtype"):
         ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=2))
+
+
+def test_continuous_route_decodes_through_the_fast_step_and_reports_it(model):
+    ids, mask = _skewed([9, 3, 5], seed=5)
+    fast = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="continuous"))
+    slow = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="continuous", fast_decode=False))
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, continuous_batch_size=2)
+    assert torch.equal(fast.generate(RolloutRequest(ids, mask), sampling).input_ids,
+                       slow.generate(RolloutRequest(ids, mask), sampling).input_ids)
+    assert fast.last_stats["decode_path"] == "fast_eager" and slow.last_stats["decode_path"] == "hf"
