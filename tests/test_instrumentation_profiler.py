@@ -12,12 +12,13 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from instrumentation import ProfileConfig, ProfilingWarning, configure, get_config, reset_for_tests, stages
+from instrumentation import ProfileConfig, ProfilingWarning, configure, get_config, stages
 from instrumentation.collect import collect_stages
 from instrumentation.config import ENV_VARS
 from instrumentation.profiler import opsd_profiler
 from instrumentation.ranges import stage
 from instrumentation.timers import HUB
+from tests.profiling_env import clean_profiling_env  # noqa: F401  (autouse fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE_NAME = re.compile(r"^rank(\d+)\.\d+\.pt\.trace\.json\.gz$")
@@ -27,13 +28,6 @@ STEP_CHILDREN = (stages.ROLLOUT, *ROLLOUT_CHILDREN, stages.TEACHER_FORWARD, stag
 NUM_DECODE_STEPS = 2
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for var in ENV_VARS.values():
-        monkeypatch.delenv(var, raising=False)
-    reset_for_tests()
-    yield
-    reset_for_tests()
 
 
 def train(prof, num_steps, fail_at_step=None, error=RuntimeError):

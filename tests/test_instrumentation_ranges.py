@@ -7,12 +7,12 @@ import warnings
 import pytest
 import torch
 
-from instrumentation import ProfileConfig, ProfilingWarning, configure, reset_for_tests, stages
+from instrumentation import ProfileConfig, ProfilingWarning, configure, stages
 from instrumentation import ranges
 from instrumentation.collect import collect_stages
-from instrumentation.config import ENV_VARS
 from instrumentation.ranges import NOOP_RANGE, stage, staged
 from instrumentation.timers import HUB
+from tests.profiling_env import clean_profiling_env  # noqa: F401  (autouse fixture)
 
 
 class FakeDomain:
@@ -32,13 +32,6 @@ class FakeDomain:
         self.calls.append(("pop",))
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for var in ENV_VARS.values():
-        monkeypatch.delenv(var, raising=False)
-    reset_for_tests()
-    yield
-    reset_for_tests()
 
 
 @pytest.fixture

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from instrumentation import ProfileConfig, configure, reset_for_tests, stages
+from instrumentation import ProfileConfig, configure, stages
 from instrumentation.collect import StageCollector, StageTable, collect_stages, format_stage_rows, summarize
-from instrumentation.config import ENV_VARS
 from instrumentation.ranges import stage
 from instrumentation.timers import BYTES_PER_MIB, HUB, CpuBackend, StageRecord, StageTimers
+from tests.profiling_env import clean_profiling_env  # noqa: F401  (autouse fixture)
 
 MIB = BYTES_PER_MIB
 
@@ -53,13 +53,6 @@ class ListSink:
         self.records.append(record)
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for var in ENV_VARS.values():
-        monkeypatch.delenv(var, raising=False)
-    reset_for_tests()
-    yield
-    reset_for_tests()
 
 
 def _peaks(records):

@@ -9,26 +9,9 @@ import torch
 from rollout.logit_cache import CachedTeacherLogits, LogitCacheConfig, TeacherLogitCache
 from rollout.losses import generalized_jsd_loss, response_logit_positions
 from rollout.testing import tiny_model
+from tests.oracles import reference_jsd
 
 CUDA = torch.cuda.is_available()
-
-
-def reference_jsd(student, teacher, mask, beta, temperature):
-    """Plain float64 generalized JSD (probability-space mixture), mean over the masked positions."""
-    p_s = torch.softmax(student.double() / temperature, dim=-1)
-    p_t = torch.softmax(teacher.double() / temperature, dim=-1)
-
-    def kl(p, q):
-        return (p * (p.log() - q.log())).sum(-1)
-
-    if beta == 0:
-        per_pos = kl(p_t, p_s)
-    elif beta == 1:
-        per_pos = kl(p_s, p_t)
-    else:
-        mix = beta * p_t + (1 - beta) * p_s
-        per_pos = beta * kl(p_t, mix) + (1 - beta) * kl(p_s, mix)
-    return per_pos[mask.bool()].mean()
 
 
 def make_case(seed, batch=3, seq=10, vocab=41, teacher_vocab=None):
