@@ -1,4 +1,4 @@
-"""Host-side decisions of the continuous-batching route: prompt layout, slots, capacity, Auto routing.
+"""Host-side decisions of the continuous-batching route: prompt layout, slots, capacity, ZeRO-3 check.
 
 Everything here is plain Python over ints except ``prompt_layout``, which reads the prompt mask
 once (one host sync) so that every later decision is made without touching the device.
@@ -11,11 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from rollout.planner import (DEFAULT_MAX_TOKENS, ROUTE_CONTINUOUS, ROUTE_ORDINARY, CostModel, RouteDecision,
-                             choose_route, continuous_cost_ms, continuous_lower_bound_ms, plan_prefill_buckets)
-
-ROUTE_AUTO = "auto"
-CONTINUOUS_ROUTES = (ROUTE_CONTINUOUS, ROUTE_AUTO)
+CONTINUOUS_ROUTES = ("continuous", "auto")
 
 
 @dataclass(frozen=True)
@@ -91,39 +87,3 @@ def check_gather(route: str, gather: str, is_zero3: bool) -> None:
     if is_zero3 and route in CONTINUOUS_ROUTES and gather == "per_forward":
         raise ValueError(f"gather: route={route!r} under ZeRO-3 needs gather='once' (each rank runs its own "
                          "sequence of prefill buckets and decode steps); use gather='once' or route='ordinary'")
-
-
-def choose_route_auto(layout: PromptLayout, cost_model: CostModel, max_new_tokens: int, *,
-                      num_samples: int = 1, num_slots: Optional[int] = None,
-                      max_tokens: Optional[int] = DEFAULT_MAX_TOKENS) -> RouteDecision:
-    """Ordinary or continuous for one call, by estimated cost (the ``route="auto"`` decision).
-
-    - Fewer slots than rows (``continuous_batch_size`` below ``B * n``): continuous, the only route
-      that honours the bound; the plan is made per admission.
-    - ``n == 1`` and no all-padding columns: ``planner.choose_route`` over the spans (it skips the
-      DP when the lengths are uniform or its lower bound decides).
-    - Otherwise the same comparison, with the ordinary route priced as it runs (``B * n`` rows of
-      ``T_p`` columns) and continuous with shared prefill (one row per prompt).
-    """
-    spans = list(layout.spans)
-    num_rows = len(spans) * num_samples
-    if num_slots is not None and num_slots < num_rows:
-        return RouteDecision(ROUTE_CONTINUOUS, None, {}, True,
-                             f"{num_rows} rows exceed continuous_batch_size={num_slots}")
-    if num_samples == 1 and layout.padded_len == max(spans):
-        return choose_route(spans, cost_model, max_new_tokens, max_tokens)
-    estimates: dict = {}
-    eligible = max_tokens is None or num_rows * layout.padded_len <= max_tokens
-    if eligible:
-        estimates[ROUTE_ORDINARY] = cost_model.ordinary_prefill_cost_ms(num_rows, layout.padded_len)
-    bound = continuous_lower_bound_ms(spans, cost_model, max_new_tokens, max_tokens)
-    estimates["continuous_lower_bound"] = bound
-    if eligible and estimates[ROUTE_ORDINARY] <= bound:
-        return RouteDecision(ROUTE_ORDINARY, None, estimates, True, "ordinary <= continuous lower bound")
-    plan = plan_prefill_buckets(spans, cost_model, max_tokens)
-    estimates[ROUTE_CONTINUOUS] = continuous_cost_ms(plan, cost_model, max_new_tokens)
-    if eligible and estimates[ROUTE_ORDINARY] <= estimates[ROUTE_CONTINUOUS]:
-        return RouteDecision(ROUTE_ORDINARY, plan, estimates, False, "ordinary <= continuous estimate")
-    reason = (f"continuous with {len(plan.buckets)} buckets < ordinary estimate" if eligible else
-              f"ordinary batch of {num_rows}x{layout.padded_len} tokens exceeds max_tokens={max_tokens}")
-    return RouteDecision(ROUTE_CONTINUOUS, plan, estimates, False, reason)

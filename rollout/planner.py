@@ -1,4 +1,4 @@
-"""Prefill bucket planning and route choice from an additive cost model (pure Python, no torch).
+"""Prefill bucket planning from an additive cost model (pure Python, no torch).
 
 A prefill *bucket* is one padded forward over some requests: ``B`` rows padded to the longest
 prompt ``L`` of the bucket. ``CostModel.prefill_cost_ms(B, L)`` estimates its time as
@@ -9,10 +9,10 @@ prompt ``L`` of the bucket. ``CostModel.prefill_cost_ms(B, L)`` estimates its ti
 
 which is ``fixed + B * row_cost_ms(L)``: linear in ``B`` for a fixed ``L``. ``plan_prefill_buckets``
 sorts the requests by length and finds the exact minimum-cost partition into contiguous runs of
-that order (an O(n log n) monotone-queue dynamic programme, see ``_last_bucket_starts``);
-``choose_route`` compares that plan against one ordinary padded batch, skipping the DP when a
-lower bound already decides. The coefficients are estimates for one model/GPU/dtype/attention
-backend: calibrate them (``to_dict``/``from_dict`` carry them to and from JSON).
+that order (an O(n log n) monotone-queue dynamic programme, see ``_last_bucket_starts``). The
+route decision that uses it (``route="auto"``) is :mod:`rollout.routes`. The coefficients are
+estimates for one model/GPU/dtype/attention backend: calibrate them (``to_dict``/``from_dict``
+carry them to and from JSON).
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ from typing import Any, Mapping, Optional, Sequence
 
 DEFAULT_MAX_TOKENS = 65536
 """Default cap on padded token positions ``B * L`` of one prefill forward."""
-
-ROUTE_ORDINARY = "ordinary"
-ROUTE_CONTINUOUS = "continuous"
 
 _COEFFICIENTS = ("prefill_fixed_cost_ms", "prefill_token_cost_ms", "prefill_attention_cost_ms",
                  "prefill_kv_cost_ms", "continuous_decode_cost_ms")
@@ -290,97 +287,3 @@ def reference_plan_prefill_buckets(lengths: Sequence[int], cost_model: CostModel
             if cost < best[j + 1]:
                 best[j + 1], start[j] = cost, k
     return _plan_from_starts(order, sorted_lengths, start, cost_model)
-
-
-def ordinary_cost_ms(lengths: Sequence[int], cost_model: CostModel, max_new_tokens: int) -> float:
-    """Estimated ms of the ordinary route's prefill: one padded forward, no KV-copy term.
-
-    Decode is the common baseline of both routes, so ``max_new_tokens`` does not change this figure
-    (it is validated for symmetry with ``continuous_cost_ms``).
-    """
-    _check_max_new_tokens(max_new_tokens)
-    values = _validated_lengths(lengths, None)
-    return cost_model.ordinary_prefill_cost_ms(len(values), max(values)) if values else 0.0
-
-
-def continuous_cost_ms(plan: PrefillPlan, cost_model: CostModel, max_new_tokens: int) -> float:
-    """Estimated ms of the continuous route: the plan's prefill plus its extra cost per remaining decode step."""
-    _check_max_new_tokens(max_new_tokens)
-    return plan.cost_ms + cost_model.continuous_decode_cost_ms * (max_new_tokens - 1)
-
-
-def _check_max_new_tokens(max_new_tokens: int) -> None:
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: must be an int >= 1; got {max_new_tokens!r}")
-
-
-def continuous_lower_bound_ms(lengths: Sequence[int], cost_model: CostModel, max_new_tokens: int,
-                              max_tokens: Optional[int] = DEFAULT_MAX_TOKENS) -> float:
-    """A lower bound on ``continuous_cost_ms`` of the optimal plan, in O(n) and without the DP.
-
-    A bucket costs ``fixed + size * row_cost_ms(longest) >= fixed + sum of row_cost_ms(own length)``
-    over its rows (``row_cost_ms`` does not decrease with length), and every bucket holds at most
-    ``max_tokens`` real tokens, so any plan has at least ``max(1, ceil(sum(lengths) / max_tokens))``
-    buckets. Hence ``fixed * that + sum_r row_cost_ms(L_r) + decode extra`` bounds every plan from
-    below (up to floating-point rounding). ``row_cost_ms`` is ``a L + c L^2``, so the sum needs only
-    the sum of lengths and of squared lengths.
-    """
-    values = _validated_lengths(lengths, max_tokens)
-    if not values:
-        return 0.0
-    total = sum(values)
-    num_buckets = 1 if max_tokens is None else max(1, -(-total // max_tokens))
-    rows_ms = cost_model._linear_ms * total + cost_model._quadratic_ms * sum(v * v for v in values)
-    return (cost_model.prefill_fixed_cost_ms * num_buckets + rows_ms
-            + cost_model.continuous_decode_cost_ms * (max_new_tokens - 1))
-
-
-@dataclass(frozen=True)
-class RouteDecision:
-    """The route ``choose_route`` picked and the estimates behind it."""
-
-    route: str
-    """``"ordinary"`` or ``"continuous"``."""
-    plan: Optional[PrefillPlan]
-    """The DP's prefill plan (None when the DP was skipped)."""
-    estimated_ms: dict
-    """Estimates used: ``"ordinary"`` (if eligible), ``"continuous_lower_bound"`` and ``"continuous"`` (if planned)."""
-    dp_skipped: bool
-    """True when the lower bound or uniform lengths decided without running the DP."""
-    reason: str
-    """One line saying why (for logs and profiles)."""
-
-
-def choose_route(lengths: Sequence[int], cost_model: CostModel, max_new_tokens: int,
-                 max_tokens: Optional[int] = DEFAULT_MAX_TOKENS) -> RouteDecision:
-    """Ordinary padded batch or continuous batching with planned buckets, by estimated cost.
-
-    The ordinary route is one prefill forward of ``n * max(lengths)`` padded tokens, so it is eligible
-    only within ``max_tokens``. It wins ties. The DP is skipped when lengths are all equal (then every
-    plan costs ``k * fixed + n * row_cost_ms(L) >= ordinary``) or when the ordinary estimate is at most
-    ``continuous_lower_bound_ms`` (see there). Empty ``lengths`` choose ordinary at cost 0.
-    """
-    _check_max_new_tokens(max_new_tokens)
-    values = _validated_lengths(lengths, max_tokens)
-    if not values:
-        return RouteDecision(ROUTE_ORDINARY, None, {ROUTE_ORDINARY: 0.0}, True, "no requests")
-    longest = max(values)
-    estimates: dict = {}
-    eligible = max_tokens is None or len(values) * longest <= max_tokens
-    if eligible:
-        estimates[ROUTE_ORDINARY] = cost_model.ordinary_prefill_cost_ms(len(values), longest)
-        if min(values) == longest:
-            return RouteDecision(ROUTE_ORDINARY, None, estimates, True, "uniform lengths")
-    bound = continuous_lower_bound_ms(values, cost_model, max_new_tokens, max_tokens)
-    estimates["continuous_lower_bound"] = bound
-    if eligible and estimates[ROUTE_ORDINARY] <= bound:
-        return RouteDecision(ROUTE_ORDINARY, None, estimates, True, "ordinary <= continuous lower bound")
-    plan = plan_prefill_buckets(values, cost_model, max_tokens)
-    estimates[ROUTE_CONTINUOUS] = continuous_cost_ms(plan, cost_model, max_new_tokens)
-    if not eligible:
-        return RouteDecision(ROUTE_CONTINUOUS, plan, estimates, False,
-                             f"ordinary batch of {len(values)}x{longest} tokens exceeds max_tokens={max_tokens}")
-    if estimates[ROUTE_ORDINARY] <= estimates[ROUTE_CONTINUOUS]:
-        return RouteDecision(ROUTE_ORDINARY, plan, estimates, False, "ordinary <= continuous estimate")
-    return RouteDecision(ROUTE_CONTINUOUS, plan, estimates, False,
-                         f"continuous with {len(plan.buckets)} buckets < ordinary estimate")

@@ -5,7 +5,8 @@
 For 32 / 128 / 256 requests it times ``plan_prefill_buckets`` (O(n log n) monotone queue) next to
 ``reference_plan_prefill_buckets`` (the plain O(n^2) DP the tests use as an oracle) on random
 lengths 1..2048 and on the seed PR's regime of prompts at the 65,536-token limit, with the default
-token limit and with none; then ``choose_route`` on 128 short requests (the seed reviewer's case
+token limit and with none; then the engine's Auto decision (``rollout.routes.choose_route``) on 128
+short requests (the seed reviewer's case
 where planning made Auto 1.82x slower) and on 128 mixed ones. Median and p90 over ``--repeats``
 timed calls after warm-up, with the garbage collector off, default ``CostModel``.
 """
@@ -19,8 +20,10 @@ import statistics
 import time
 from typing import Callable
 
+from rollout.cb_route import PromptLayout
+from rollout.routes import choose_route
 from rollout.planner import (
-    DEFAULT_MAX_TOKENS, CostModel, choose_route, plan_prefill_buckets, reference_plan_prefill_buckets,
+    DEFAULT_MAX_TOKENS, CostModel, plan_prefill_buckets, reference_plan_prefill_buckets,
 )
 
 
@@ -78,11 +81,13 @@ def main() -> None:
     route_cases = [("route 128 short 13..20", [rng.randint(13, 20) for _ in range(128)]),
                    ("route 128 mixed 1..2048", [rng.randint(1, 2048) for _ in range(128)]),
                    ("route 1x512+31x16", [512] + [16] * 31)]
-    for name, lengths in route_cases:
-        decision = choose_route(lengths, cm, max_new_tokens=16)
-        med, p90 = time_ms(lambda: choose_route(lengths, cm, max_new_tokens=16), args.repeats)
-        buckets = len(decision.plan.buckets) if decision.plan else 0
-        note = f"{decision.route}, dp_skipped={decision.dp_skipped}"
+    for name, lengths in route_cases:  # the engine's route="auto" decision (rollout/routes.py)
+        layout = PromptLayout(tuple(lengths), tuple(lengths), max(lengths))
+        decide = lambda: choose_route("auto", layout, 1, None, cm, DEFAULT_MAX_TOKENS)  # noqa: E731
+        decision = decide()
+        med, p90 = time_ms(decide, args.repeats)
+        buckets = len(decision.buckets) if decision.buckets else 1
+        note = f"{decision.reason}, dp_skipped={decision.dp_skipped}"
         print(f"{name:<26} {len(lengths):>4} {DEFAULT_MAX_TOKENS:>10} {med:>10.4f} {p90:>8.4f} "
               f"{'-':>10} {'-':>10} {buckets:>7}  {note}")
     if args.e2e_repeats:

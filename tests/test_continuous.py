@@ -17,7 +17,7 @@ import torch
 from instrumentation import stages
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
 from rollout.aligned_cache import AlignedKVCache, ScratchArena
-from rollout.cb_route import check_gather, choose_route_auto, prompt_layout
+from rollout.cb_route import check_gather, prompt_layout
 from rollout.continuous import cache_shape, generate_continuous
 from rollout.kv_cache import CachePool, CacheShape
 from rollout.planner import CostModel
@@ -210,26 +210,6 @@ def test_seeded_samples_reproduce_and_do_not_depend_on_slots_or_route(qwen):
     assert not torch.equal(run_cb(qwen, ids, mask, other_seed).generated, first)
     samples = first.view(4, 3, 8)
     assert any(len({tuple(s.tolist()) for s in samples[p]}) > 1 for p in range(4))
-
-
-# ----------------------------------------------------------------------------- Auto routing
-
-def _layout(lengths, padded_len=None):
-    ids, mask = make_prompts(lengths, extra_pad=(padded_len or max(lengths)) - max(lengths))
-    return prompt_layout(mask)
-
-
-def test_auto_route_decisions():
-    cost = CostModel()
-    uniform = choose_route_auto(_layout([64] * 8), cost, 16)
-    assert (uniform.route, uniform.dp_skipped) == ("ordinary", True)
-    tail = choose_route_auto(_layout([512] + [16] * 31), cost, 16)
-    assert tail.route == "continuous" and [len(b) for b in tail.plan.buckets] == [31, 1]
-    bounded = choose_route_auto(_layout([64] * 8), cost, 16, num_slots=4)
-    assert bounded.route == "continuous" and bounded.plan is None
-    shared = choose_route_auto(_layout([512] + [16] * 7, padded_len=520), cost, 16, num_samples=4)
-    assert shared.estimated_ms["ordinary"] == pytest.approx(cost.ordinary_prefill_cost_ms(32, 520))
-    assert shared.route == "continuous" and sum(len(b) for b in shared.plan.buckets) == 8
 
 
 # ----------------------------------------------------------------------------- bad configs

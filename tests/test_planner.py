@@ -1,4 +1,5 @@
-"""The prefill planner against exhaustive enumeration, its cost model, and the route decision."""
+"""The prefill planner against exhaustive enumeration, and its cost model (the route decision that
+uses it is tested in tests/test_routes.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,10 @@ import random
 import pytest
 
 from rollout.planner import (
-    DEFAULT_MAX_TOKENS, CostModel, PrefillPlan, choose_route, continuous_cost_ms, continuous_lower_bound_ms,
-    ordinary_cost_ms, plan_prefill_buckets, reference_plan_prefill_buckets,
+    DEFAULT_MAX_TOKENS, CostModel, PrefillPlan, plan_prefill_buckets, reference_plan_prefill_buckets,
 )
 
 QWEN25_3B = dict(num_layers=36, num_query_heads=16, num_kv_heads=2, head_dim=128, element_bytes=2)
-SHORT_SIMILAR = list(range(20, 12, -1)) * 4          # the seed's "20..13 repeated four times"
 LONG_TAIL = [512] + [16] * 31
 
 
@@ -256,76 +255,3 @@ def test_from_model_errors_name_the_argument():
         CostModel.from_model(tiny_config("qwen2"), dtype="float32", prefill_fixd_cost_ms=1.0)
     with pytest.raises(ValueError, match="model_or_config"):
         CostModel.from_model(object(), dtype="float32")
-
-
-# ----------------------------------------------------------------------------- route decision
-
-def test_short_similar_prompts_go_ordinary_without_dp():
-    decision = choose_route(SHORT_SIMILAR, CostModel(), max_new_tokens=16)
-    assert decision.route == "ordinary" and decision.dp_skipped and decision.plan is None
-    assert decision.estimated_ms["ordinary"] == pytest.approx(seed_cost_ms(CostModel(), 32, 20, kv=False))
-
-
-def test_128_short_requests_go_ordinary_without_dp():
-    rng = random.Random(0)
-    decision = choose_route([rng.randint(13, 20) for _ in range(128)], CostModel(), max_new_tokens=16)
-    assert decision.route == "ordinary" and decision.dp_skipped
-
-
-def test_long_tail_goes_continuous_with_two_buckets():
-    decision = choose_route(LONG_TAIL, CostModel(), max_new_tokens=16)
-    assert decision.route == "continuous" and not decision.dp_skipped
-    assert [len(b) for b in decision.plan.buckets] == [31, 1]
-    expected = seed_cost_ms(CostModel(), 31, 16) + seed_cost_ms(CostModel(), 1, 512) + 10.0 * 15
-    assert decision.estimated_ms["continuous"] == pytest.approx(expected)
-
-
-def test_uniform_lengths_go_ordinary_without_dp():
-    decision = choose_route([300] * 64, CostModel(prefill_fixed_cost_ms=0.0, continuous_decode_cost_ms=0.0), 1)
-    assert decision.route == "ordinary" and decision.dp_skipped and decision.reason == "uniform lengths"
-
-
-def test_ordinary_over_the_token_limit_is_not_eligible():
-    decision = choose_route([2048] * 40, CostModel(), max_new_tokens=4)    # 81,920 padded tokens > 65,536
-    assert decision.route == "continuous" and "ordinary" not in decision.estimated_ms
-    assert sorted(len(b) for b in decision.plan.buckets)[-1] <= 32 and len(decision.plan.buckets) == 2
-
-
-def test_empty_route_is_ordinary():
-    assert choose_route([], CostModel(), 8).route == "ordinary"
-
-
-@pytest.mark.parametrize("seed", range(200))
-def test_route_equals_full_comparison_and_bound_is_valid(seed):
-    """Skipping the DP never changes the answer, and the lower bound never exceeds the planned cost."""
-    rng = random.Random(20000 + seed)
-    lengths, cm, max_tokens = random_case(20000 + seed, max_n=60)
-    max_new_tokens = rng.choice([1, 2, 16, 256])
-    decision = choose_route(lengths, cm, max_new_tokens, max_tokens)
-    plan = reference_plan_prefill_buckets(lengths, cm, max_tokens)
-    continuous = continuous_cost_ms(plan, cm, max_new_tokens)
-    assert continuous_lower_bound_ms(lengths, cm, max_new_tokens, max_tokens) <= continuous * (1 + 1e-12) + 1e-9
-    eligible = max_tokens is None or len(lengths) * max(lengths) <= max_tokens
-    ordinary = ordinary_cost_ms(lengths, cm, max_new_tokens)
-    if eligible and not math.isclose(ordinary, continuous, rel_tol=1e-9):
-        assert decision.route == ("ordinary" if ordinary < continuous else "continuous")
-    elif not eligible:
-        assert decision.route == "continuous"
-    if decision.plan is not None:
-        assert decision.plan.cost_ms == pytest.approx(plan.cost_ms, rel=1e-9)
-
-
-def test_cost_helpers_follow_the_seed():
-    cm = CostModel()
-    assert ordinary_cost_ms(LONG_TAIL, cm, 16) == pytest.approx(seed_cost_ms(cm, 32, 512, kv=False))
-    plan = PrefillPlan(buckets=((0,),), cost_ms=100.0)
-    assert continuous_cost_ms(plan, cm, 16) == pytest.approx(100.0 + 10.0 * 15)
-    assert continuous_cost_ms(plan, cm, 1) == pytest.approx(100.0)
-
-
-@pytest.mark.parametrize("value", [0, -1, 2.0, None])
-def test_bad_max_new_tokens_names_the_argument(value):
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        choose_route(LONG_TAIL, CostModel(), value)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        ordinary_cost_ms(LONG_TAIL, CostModel(), value)

@@ -100,6 +100,39 @@ def test_route_decision_table():
     assert sorted(sorted(b) for b in two.buckets) == [[0, 1], [2, 3, 4, 5]]
 
 
+def test_short_similar_prompts_keep_one_prefill():
+    """Seed 004's short-similar workload (20..13 repeated four times): one padded prefill."""
+    spans = tuple(20 - (i % 8) for i in range(32))
+    choice = choose_route("auto", PromptLayout(spans, spans, 20), 1, None, CostModel(), 65536)
+    assert choice.route == "ordinary" and choice.buckets is None
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_auto_equals_the_full_comparison_and_its_bound_is_valid(seed):
+    """Whatever Auto skips, the lower bound never exceeds a plan's cost, and the choice is the cheaper one."""
+    import random
+    rng = random.Random(seed)
+    spans = [rng.randint(1, 600) for _ in range(rng.randint(2, 40))]
+    n = rng.choice([1, 2, 4])
+    costs = CostModel(prefill_fixed_cost_ms=rng.uniform(0, 30), prefill_token_cost_ms=rng.uniform(0, 0.2),
+                      prefill_attention_cost_ms=rng.uniform(0, 0.05), prefill_kv_cost_ms=0.0)
+    layout = PromptLayout(tuple(spans), tuple(spans), max(spans))
+    choice = choose_route("auto", layout, n, None, costs, None)
+    from rollout.planner import plan_prefill_buckets
+    plan = plan_prefill_buckets(spans, costs, None)
+    planned = sum(costs.ordinary_prefill_cost_ms(len(b) * n, max(spans[i] for i in b)) for b in plan.buckets)
+    single = costs.ordinary_prefill_cost_ms(len(spans) * n, max(spans))
+    bound = costs.prefill_fixed_cost_ms + n * sum(costs.row_cost_ms(s) for s in spans)
+    assert bound <= planned * (1 + 1e-12) + 1e-9
+    expect_buckets = len(plan.buckets) > 1 and planned < single
+    assert (choice.buckets is not None) == expect_buckets
+    if choice.buckets is not None:  # every expanded row exactly once, each bucket padded to its longest span
+        rows = sorted(r for b in choice.buckets for r in b)
+        assert rows == list(range(len(spans) * n))
+        for bucket, length in zip(choice.buckets, choice.bucket_lengths):
+            assert length == max(spans[r // n] for r in bucket)
+
+
 def test_continuous_with_per_forward_zero3_is_rejected():
     with pytest.raises(ValueError, match="gather"):
         check_gather("continuous", "per_forward", True)
