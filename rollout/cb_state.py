@@ -54,11 +54,6 @@ class RunState:
         return self.sampling.n_samples_per_prompt
 
 
-def mask_dtype_of(model) -> torch.dtype:
-    """Bool masks for SDPA; the parameter dtype (additive mask) for eager attention."""
-    return next(model.parameters()).dtype if compat.attention_implementation(model) == "eager" else torch.bool
-
-
 def check_args(prompt_ids, prompt_mask, sampling, eos_ids, cost_model) -> None:
     if not isinstance(sampling, SamplingConfig):
         raise ValueError(f"sampling: must be a SamplingConfig; got {type(sampling).__name__}")
@@ -92,7 +87,7 @@ def new_run_state(model, cache: AlignedKVCache, arena: ScratchArena, sampling: S
         last_tokens=torch.zeros(num_slots, dtype=torch.long, device=device),  # last_tokens: [S]
         generated=torch.zeros((num_rows, sampling.max_new_tokens), dtype=torch.long, device=device),  # [B*n, T_r]
         seed=torch.full((), seed, dtype=torch.long, device=device),  # a fill, not a host->device copy
-        counters=counters, mask_dtype=mask_dtype_of(model), fast=fast)
+        counters=counters, mask_dtype=compat.mask_dtype(model), fast=fast)
 
 
 def cache_counters(cache: AlignedKVCache) -> dict:

@@ -72,6 +72,11 @@ def to_model_mask(keep: torch.Tensor, model: torch.nn.Module, dtype: torch.dtype
     return torch.where(keep, zero, torch.finfo(dtype).min)
 
 
+def mask_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype ``to_model_mask`` needs: bool for SDPA, the parameter dtype (additive mask) for eager."""
+    return next(model.parameters()).dtype if attention_implementation(model) == "eager" else torch.bool
+
+
 def forward_last_logits(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                         mask: torch.Tensor, cache: Cache) -> torch.Tensor:
     """Run one forward over ``cache`` and return the last position's logits ``[B, V]``."""

@@ -39,15 +39,16 @@ from dataclasses import dataclass, field
 import torch
 
 from instrumentation import stages
-from rollout import compat, fast_decode, masks
+from rollout import compat, fast_decode
 from rollout.aligned_cache import AlignedKVCache, ScratchArena, to_device
 from rollout.cb_route import (PromptLayout, check_prefill_limit, checked_capacity, min_capacity, prompt_layout,
                               resolve_num_slots)
 from rollout.cb_state import (COUNTERS, RunState, cache_counters, check_args, emit, finished_flags,
                               new_run_state, row_data)
 from rollout.config import SamplingConfig
-from rollout.kv_cache import CacheShape, StaticKVCache
+from rollout.kv_cache import cache_shape
 from rollout.planner import DEFAULT_MAX_TOKENS, CostModel, plan_prefill_buckets
+from rollout.runner import prefill_forward
 from rollout.scheduler import ContinuousScheduler, SchedulerConfig
 
 
@@ -117,24 +118,6 @@ def generate_continuous(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
                 arena.release()
     counters.update(cache_counters(cache), scratch_bytes=scratch_bytes, scratch_allocations=arena.num_allocations)
     return ContinuousResult(run.generated[:, :run.width], run.width, counters)
-
-
-def cache_shape(model, num_slots: int, capacity: int) -> CacheShape:
-    """The aligned cache's shape for ``model`` (its KV geometry, dtype and device)."""
-    num_layers, num_kv_heads, head_dim = compat.kv_geometry(model)
-    param = next(model.parameters())
-    return CacheShape(num_slots, capacity, num_layers, num_kv_heads, head_dim, param.dtype, param.device)
-
-
-def prefill_forward(model, scratch: StaticKVCache, ids: torch.Tensor, mask: torch.Tensor,
-                    mask_dtype: torch.dtype) -> torch.Tensor:
-    """One bucket forward: left-padded ``ids/mask [B_b, L_b]`` into scratch columns ``[0, L_b)``.
-
-    Returns the last position's logits ``[B_b, V]``."""
-    length = ids.shape[1]
-    scratch.set_window(torch.arange(length, device=ids.device), length)
-    keep = compat.to_model_mask(masks.prefill_mask(mask), model, mask_dtype)
-    return compat.forward_last_logits(model, ids, masks.prompt_positions(mask), keep, scratch)
 
 
 # ---- the loop ----------------------------------------------------------------------------------
@@ -233,7 +216,7 @@ def _prefill_bucket(run: RunState, admissions, length: int) -> None:
         cols = slice(run.prompt_ids.shape[1] - length, None)
         ids = run.prompt_ids[:, cols].index_select(0, bucket_prompts)  # [B_b, L_b]
         mask = run.prompt_mask[:, cols].index_select(0, bucket_prompts)  # [B_b, L_b]
-        logits = prefill_forward(run.model, scratch, ids, mask, run.mask_dtype)  # [B_b, V]
+        logits = prefill_forward(run.model, scratch, ids, mask, length, run.mask_dtype)  # [B_b, V]
         run.cache.write_prompts(scratch, src, dst, mask)
         if run.seen is not None:  # the original padded prompt row, pad tokens included
             fresh = torch.zeros((len(rows), run.seen.shape[1]), dtype=torch.bool, device=run.seen.device)

@@ -131,14 +131,14 @@ class FastDecoder:
         spec, weights = fast_decode.spec_and_weights(self.model)
         if self.mirror is not None:  # ZeRO-3: gathered weights move at every gather; the mirror does not
             weights = self.mirror.refresh(weights)
-        self.last_weight_signature = weights.signature()
+        self.last_weight_signature = signature = weights.signature()
         bufs = self.buffers
         bucket = batch_bucket(num_rows)
         device = bufs.tokens.device
         fns = compiled_step_fns() if (self.use_compile and device.type == "cuda") else fast_decode.StepFns()
         use_graphs = self.graph_reason(device) is None
         static_key = (bucket, sampling_key(sampling), eos_key, has_seen, cache.key_storage.data_ptr(),
-                      tuple(cache.key_storage.shape), weights.signature()) if use_graphs else None
+                      tuple(cache.key_storage.shape), signature) if use_graphs else None
 
         def step(live_len: int) -> str:
             length = length_bucket(live_len, cache.shape.capacity)

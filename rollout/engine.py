@@ -17,11 +17,10 @@ from instrumentation import collect_stages, stage, stages
 from rollout import cb_route, compat, fast_decode, routes, zero
 from rollout.aligned_cache import AlignedKVCache, ScratchArena
 from rollout.config import RolloutConfig, SamplingConfig
-from rollout.continuous import cache_shape as aligned_cache_shape
 from rollout.continuous import generate_continuous
 from rollout.decode_graphs import FastDecoder, batch_bucket, compiled_step_fns
 from rollout.expand import expand_prompts
-from rollout.kv_cache import CachePool, CacheShape
+from rollout.kv_cache import CachePool, cache_shape
 from rollout.lora import LoraFuser
 from rollout.planner import CostModel
 from rollout.postprocess import assemble, eos_tensor, response_mask
@@ -155,8 +154,8 @@ class Rollout:
         rows = batch_bucket(ids.shape[0]) if decoder is not None else ids.shape[0]
         capacity = ids.shape[1] + sampling.max_new_tokens
         with stage(stages.CACHE_ACQUIRE):  # storage for the batch bucket; the prefill writes the live rows
-            cache = self._pool.acquire(self._cache_shape(rows, capacity)).view(
-                self._cache_shape(ids.shape[0], capacity))
+            cache = self._pool.acquire(cache_shape(self.model, rows, capacity)).view(
+                cache_shape(self.model, ids.shape[0], capacity))
         try:
             state = generate_ordinary(
                 self.model, cache, ids, mask, sampling, eos_tensor(self.eos_token_ids, device),
@@ -178,7 +177,7 @@ class Rollout:
         num_rows = len(layout.spans) * sampling.n_samples_per_prompt
         slots = cb_route.resolve_num_slots(sampling.continuous_batch_size, num_rows, sampling.n_samples_per_prompt)
         capacity = cb_route.checked_capacity(None, layout, sampling.max_new_tokens, slots < num_rows)
-        shape = aligned_cache_shape(self.model, slots, capacity)
+        shape = cache_shape(self.model, slots, capacity)
         with stage(stages.CACHE_ACQUIRE):
             base = self._pool.acquire(shape)
             cache = AlignedKVCache(shape, storage=(base.key_storage, base.value_storage))
@@ -310,11 +309,6 @@ class Rollout:
         if self.is_zero3 and self.config.gather == "per_forward":
             return zero.any_rank_busy(local_busy, self._device())
         return local_busy
-
-    def _cache_shape(self, batch_size: int, capacity: int) -> CacheShape:
-        num_layers, num_kv_heads, head_dim = compat.kv_geometry(self.model)
-        param = next(self.model.parameters())
-        return CacheShape(batch_size, capacity, num_layers, num_kv_heads, head_dim, param.dtype, param.device)
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout import compat
 from rollout.compat import Cache, CacheLayerMixin
 
 
@@ -71,6 +72,13 @@ class CacheShape:
         return (self.batch_size <= other.batch_size and self.capacity <= other.capacity
                 and (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
                 == (other.num_layers, other.num_kv_heads, other.head_dim, other.dtype, other.device))
+
+
+def cache_shape(model, batch_size: int, capacity: int) -> CacheShape:
+    """The cache shape for ``model``: its KV geometry, parameter dtype and device."""
+    num_layers, num_kv_heads, head_dim = compat.kv_geometry(model)
+    param = next(model.parameters())
+    return CacheShape(batch_size, capacity, num_layers, num_kv_heads, head_dim, param.dtype, param.device)
 
 
 class StaticKVCache(Cache):

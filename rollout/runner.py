@@ -33,6 +33,7 @@ class DecodeState:
     seen: torch.Tensor | None  # [N, V] bool history for the repetition penalty (None when off)
     seed: torch.Tensor  # scalar int64: keys the sampling noise (see rollout.sampling)
     rows: torch.Tensor  # [N] int64: each row's sample id
+    mask_dtype: torch.dtype = torch.bool  # what compat.to_model_mask needs for this model (read once)
     num_steps: int = 0  # tokens produced so far (prefill produces the first)
     counters: dict = field(default_factory=lambda: {"prefill_forwards": 0, "decode_forwards": 0})
 
@@ -88,7 +89,7 @@ def _emit(state: DecodeState, logits: torch.Tensor, sampling: SamplingConfig, eo
 
 
 def prefill_forward(model, cache: StaticKVCache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                    prompt_len: int) -> torch.Tensor:
+                    prompt_len: int, mask_dtype: torch.dtype) -> torch.Tensor:
     """One forward writing ``prompt_ids [b, L]`` into prompt columns ``[T_p - L, T_p)`` of ``cache``'s rows;
     returns the last position's logits ``[b, V]``. Earlier columns of these rows must be padding."""
     length = prompt_ids.shape[1]
@@ -99,7 +100,7 @@ def prefill_forward(model, cache: StaticKVCache, prompt_ids: torch.Tensor, promp
         cache.key_storage[:, :, :, :start].zero_()
         cache.value_storage[:, :, :, :start].zero_()
         keep = torch.cat([keep.new_zeros(keep.shape[:3] + (start,)), keep], dim=-1)
-    mask = compat.to_model_mask(keep, model, _mask_dtype(model))
+    mask = compat.to_model_mask(keep, model, mask_dtype)
     return compat.forward_last_logits(model, prompt_ids, masks.prompt_positions(prompt_mask), mask, cache)
 
 
@@ -116,7 +117,7 @@ def prefill(model, cache: StaticKVCache, prompt_ids: torch.Tensor, prompt_mask: 
     for first, stop, length in buckets or [(0, prompt_ids.shape[0], prompt_len)]:
         cols = slice(prompt_len - length, prompt_len)
         logits.append(prefill_forward(model, cache.rows(first, stop) if buckets else cache,
-                                      prompt_ids[first:stop, cols], prompt_mask[first:stop, cols], prompt_len))
+                                      prompt_ids[first:stop, cols], prompt_mask[first:stop, cols], prompt_len, state.mask_dtype))
         state.counters["prefill_forwards"] += 1
     return _emit(state, logits[0] if len(logits) == 1 else torch.cat(logits), sampling, eos_ids)
 
@@ -126,7 +127,7 @@ def decode_one_token(model, cache: StaticKVCache, tokens: torch.Tensor, prompt_l
     """Feed the last tokens (column ``T_p + k - 1``) and produce token ``k`` of every row."""
     col = prompt_len + state.num_steps - 1
     cache.set_window(torch.full((1,), col, dtype=torch.long, device=tokens.device), col + 1)
-    mask = compat.to_model_mask(masks.decode_mask(state.valid, col + 1), model, _mask_dtype(model))
+    mask = compat.to_model_mask(masks.decode_mask(state.valid, col + 1), model, state.mask_dtype)
     positions = (state.next_pos + (state.num_steps - 1))[:, None]  # [N, 1]
     logits = compat.forward_last_logits(model, tokens[:, None], positions, mask, cache)
     state.counters["decode_forwards"] += 1
@@ -163,6 +164,7 @@ def generate_ordinary(model, cache: StaticKVCache, prompt_ids: torch.Tensor, pro
     if decoder is not None:
         buffers = decoder.buffers_for(num_rows, capacity, sampling.max_new_tokens, vocab_size, prompt_ids.device)
     state = init_state(prompt_ids, prompt_mask, sampling, capacity, vocab_size, buffers, sample_ids)
+    state.mask_dtype = compat.mask_dtype(model)
     with stage(stages.PREFILL):
         tokens = prefill(model, cache, prompt_ids, prompt_mask, state, sampling, eos_ids, spans)
     step = None
@@ -187,10 +189,6 @@ def generate_ordinary(model, cache: StaticKVCache, prompt_ids: torch.Tensor, pro
     if order is not None:  # back to request order
         state.generated = state.generated.index_select(0, torch.argsort(order))
     return state
-
-
-def _mask_dtype(model) -> torch.dtype:
-    return next(model.parameters()).dtype if compat.attention_implementation(model) == "eager" else torch.bool
 
 
 class _NoStage:

@@ -38,8 +38,9 @@ from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig  # no
 from rollout.aligned_cache import AlignedKVCache, ScratchArena  # noqa: E402
 from rollout.calibration import (CopySample, DecodeSample, PrefillSample, calibration_metadata,  # noqa: E402
                                  fit_cost_model, load_cost_model, save_calibration)
-from rollout.continuous import cache_shape, prefill_forward  # noqa: E402
-from rollout.cb_state import mask_dtype_of  # noqa: E402
+from rollout.compat import mask_dtype  # noqa: E402
+from rollout.kv_cache import cache_shape  # noqa: E402
+from rollout.runner import prefill_forward  # noqa: E402
 from rollout.planner import CostModel  # noqa: E402
 from rollout.testing import QWEN25_3B_SHAPE, TinyTokenizer, tiny_config, tiny_model  # noqa: E402
 
@@ -109,7 +110,7 @@ def measure_prefill(model, shapes, repeats: int) -> list[PrefillSample]:
     for batch, length in shapes:
         ids, mask = left_padded([length] * batch, model.config.vocab_size, device)
         scratch = arena.get(batch, length)
-        ms = timed_ms(lambda: prefill_forward(model, scratch, ids, mask, mask_dtype_of(model)), device, repeats)
+        ms = timed_ms(lambda: prefill_forward(model, scratch, ids, mask, length, mask_dtype(model)), device, repeats)
         samples.append(PrefillSample(batch, length, ms))
     return samples
 

@@ -18,7 +18,8 @@ from instrumentation import stages
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
 from rollout.aligned_cache import AlignedKVCache, ScratchArena
 from rollout.cb_route import check_gather, prompt_layout
-from rollout.continuous import cache_shape, generate_continuous
+from rollout.continuous import generate_continuous
+from rollout.kv_cache import cache_shape
 from rollout.kv_cache import CachePool, CacheShape
 from rollout.planner import CostModel
 from rollout.testing import TinyTokenizer, tiny_model
