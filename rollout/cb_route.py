@@ -26,17 +26,25 @@ class PromptLayout:
     """``T_p``, the width the ordinary route pads every row to."""
 
 
+def layout_tensors(prompt_mask: torch.Tensor) -> torch.Tensor:
+    """``[2, B]`` int64 on the device: each row's first real column and its real-token count (no sync)."""
+    real = prompt_mask != 0
+    return torch.stack([real.int().argmax(dim=1), real.sum(dim=1)]).long()
+
+
+def layout_from_lists(first: Sequence[int], counts: Sequence[int], padded_len: int) -> PromptLayout:
+    """The layout from the host copies of :func:`layout_tensors`."""
+    if min(counts) < 1:
+        raise ValueError("prompt_mask: every row needs at least one prompt token (a row is all 0)")
+    return PromptLayout(tuple(padded_len - f for f in first), tuple(counts), padded_len)
+
+
 def prompt_layout(prompt_mask: torch.Tensor) -> PromptLayout:
     """Spans and real-token counts of every prompt, in one host sync."""
     if prompt_mask.dim() != 2 or prompt_mask.shape[0] == 0 or prompt_mask.shape[1] == 0:
         raise ValueError(f"prompt_mask: must be a non-empty 2-D tensor [B, T_p]; got {tuple(prompt_mask.shape)}")
-    real = prompt_mask != 0
-    first = real.int().argmax(dim=1)
-    padded_len = prompt_mask.shape[1]
-    first_list, counts = torch.stack([first, real.sum(dim=1)]).tolist()
-    if min(counts) < 1:
-        raise ValueError("prompt_mask: every row needs at least one prompt token (a row is all 0)")
-    return PromptLayout(tuple(padded_len - f for f in first_list), tuple(counts), padded_len)
+    first, counts = layout_tensors(prompt_mask).tolist()
+    return layout_from_lists(first, counts, prompt_mask.shape[1])
 
 
 def resolve_num_slots(num_slots: Optional[int], num_rows: int, num_samples: int) -> int:

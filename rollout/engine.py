@@ -225,27 +225,25 @@ class Rollout:
     def _validate(self, request: RolloutRequest, sampling: SamplingConfig, device: torch.device):
         ids = request.prompt_ids.to(device, non_blocking=True)
         mask = request.prompt_attention_mask.to(device, non_blocking=True)
-        # one host sync for all value checks and the layout: [min row length, mask min, mask max, id min,
-        # id max] + first real column per row + real tokens per row
-        counts = (mask != 0).sum(dim=1)
-        first = (mask != 0).int().argmax(dim=1)
-        checks = torch.cat([torch.stack([counts.min(), mask.min(), mask.max(), ids.min(), ids.max()]).long(),
-                            first.long(), counts.long()]).tolist()
+        # one host sync for all value checks and the layout: [mask min, mask max, id min, id max] + first
+        # real column per row + real tokens per row
+        layout_rows = cb_route.layout_tensors(mask)  # [2, B]
+        checks = torch.cat([torch.stack([mask.min(), mask.max(), ids.min(), ids.max()]).long(),
+                            layout_rows.flatten()]).tolist()
         num_rows = ids.shape[0]
-        if checks[1] < 0 or checks[2] > 1:
+        if checks[0] < 0 or checks[1] > 1:
             raise ValueError("prompt_attention_mask: values must be 0 or 1")
-        if checks[0] < 1:
+        if min(checks[4 + num_rows:]) < 1:
             raise ValueError("prompt_attention_mask: every row needs at least one prompt token (a row is all 0)")
         vocab = self.model.config.vocab_size
-        if checks[3] < 0 or checks[4] >= vocab:
-            raise ValueError(f"prompt_ids: token ids must be in [0, {vocab}); got [{checks[3]}, {checks[4]}]")
+        if checks[2] < 0 or checks[3] >= vocab:
+            raise ValueError(f"prompt_ids: token ids must be in [0, {vocab}); got [{checks[2]}, {checks[3]}]")
         total = request.prompt_len + sampling.max_new_tokens
         limit = self.config.max_context or compat.context_limit(self.model)
         if limit is not None and total > limit:
             raise ValueError(f"max_new_tokens: prompt length {request.prompt_len} + max_new_tokens "
                              f"{sampling.max_new_tokens} = {total} exceeds the model context {limit}")
-        layout = cb_route.PromptLayout(tuple(request.prompt_len - f for f in checks[5:5 + num_rows]),
-                                       tuple(checks[5 + num_rows:]), request.prompt_len)
+        layout = cb_route.layout_from_lists(checks[4:4 + num_rows], checks[4 + num_rows:], request.prompt_len)
         return ids, mask, layout
 
     @contextlib.contextmanager
