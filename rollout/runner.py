@@ -52,7 +52,7 @@ def init_state(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sa
             finished=torch.zeros(num_rows, dtype=torch.bool, device=device),
             # seen: [N, V] — the padded history, padding included (HF semantics)
             seen=torch.zeros((num_rows, vocab_size), dtype=torch.bool, device=device) if use_seen else None,
-            seed=torch.tensor(draw_seed(sampling), dtype=torch.long, device=device),
+            seed=torch.full((), draw_seed(sampling), dtype=torch.long, device=device),
             rows=torch.arange(num_rows, dtype=torch.long, device=device) if sample_ids is None else sample_ids,
         )
     else:
@@ -77,7 +77,7 @@ def init_state(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sa
 
 
 def _emit(state: DecodeState, logits: torch.Tensor, sampling: SamplingConfig, eos_ids: torch.Tensor | None):
-    step = torch.tensor(state.num_steps, dtype=torch.long, device=logits.device)
+    step = torch.full((), state.num_steps, dtype=torch.long, device=logits.device)  # a fill, no host->device copy
     tokens = select_next_token(logits, sampling, state.seen, state.seed, state.rows, step)  # [N]
     state.generated[:, state.num_steps] = tokens
     if state.seen is not None:
