@@ -8,7 +8,12 @@ A calibration measures three things on one model/device/dtype/attention backend
   apart from the forward because ``MiB`` is proportional to ``B*L``: one fit could not tell the
   token and KV coefficients apart);
 - decode: the continuous route's extra milliseconds per decode step over the ordinary route,
-  ``extra_ms ~ decode * steps``.
+  ``extra_ms ~ decode * steps``;
+- the packed prefill's (:mod:`rollout.fast_prefill`) extra milliseconds when the same rows are split
+  into ``k`` attention groups instead of one: ``extra_ms ~ group * (k - 1)``.
+
+Prefill samples time the path the engine runs for this model (the packed prefill for Llama-family
+models, else the HF forward); the metadata records which.
 
 Each is a non-negative least-squares fit (``scipy.optimize.nnls``). The JSON file records the
 metadata the numbers depend on; ``load_cost_model`` refuses a file whose metadata differs from the
@@ -31,7 +36,7 @@ from rollout.planner import CostModel
 FORMAT_VERSION = 1
 #: Sources whose behaviour the coefficients describe (relative to the repository root).
 FINGERPRINT_SOURCES = ("rollout/planner.py", "rollout/continuous.py", "rollout/aligned_cache.py",
-                       "rollout/kv_cache.py", "rollout/cb_state.py", "rollout/cb_route.py")
+                       "rollout/kv_cache.py", "rollout/cb_state.py", "rollout/cb_route.py", "rollout/fast_prefill.py")
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,14 @@ class DecodeSample:
     extra_ms: float
 
 
+@dataclass(frozen=True)
+class GroupSample:
+    """Extra milliseconds of a packed prefill split into ``num_groups`` attention groups over one group."""
+
+    num_groups: int
+    extra_ms: float
+
+
 def _nnls(columns: np.ndarray, target: np.ndarray) -> np.ndarray:
     """Non-negative least squares with columns scaled to unit max (the columns span many magnitudes)."""
     from scipy.optimize import nnls
@@ -71,7 +84,7 @@ def _nnls(columns: np.ndarray, target: np.ndarray) -> np.ndarray:
 
 
 def fit_cost_model(geometry: CostModel, prefill: Sequence[PrefillSample], copies: Sequence[CopySample] = (),
-                   decode: Sequence[DecodeSample] = ()) -> CostModel:
+                   decode: Sequence[DecodeSample] = (), groups: Sequence[GroupSample] = ()) -> CostModel:
     """``geometry`` with coefficients fitted to the samples; a term without samples keeps ``geometry``'s value.
 
     Needs at least 3 prefill samples with distinct ``(B*L, GFLOPs)`` to determine its 3 coefficients.
@@ -88,6 +101,9 @@ def fit_cost_model(geometry: CostModel, prefill: Sequence[PrefillSample], copies
     if decode:
         steps = np.array([[float(s.num_steps)] for s in decode])
         values["continuous_decode_cost_ms"] = _nnls(steps, np.array([s.extra_ms for s in decode]))[0]
+    if groups:
+        extra = np.array([[float(s.num_groups - 1)] for s in groups])
+        values["prefill_group_cost_ms"] = _nnls(extra, np.array([s.extra_ms for s in groups]))[0]
     data = geometry.to_dict()
     data.update({name: float(value) for name, value in values.items()})
     return CostModel.from_dict(data)
@@ -118,7 +134,7 @@ def calibration_metadata(model, device, dtype) -> dict:
     import torch
     import transformers
 
-    from rollout import compat
+    from rollout import compat, fast_decode
 
     config = model.config
     geometry = CostModel.from_model(model, dtype=dtype)
@@ -126,6 +142,7 @@ def calibration_metadata(model, device, dtype) -> dict:
         "device_name": device_name(device),
         "dtype": str(dtype).removeprefix("torch."),
         "attention_implementation": compat.attention_implementation(model),
+        "prefill_path": "packed" if fast_decode.unsupported_reason(model) is None else "hf",
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "geometry": {"model_type": getattr(config, "model_type", None), "hidden_size": config.hidden_size,

@@ -47,6 +47,7 @@ class RunState:
     counters: dict
     mask_dtype: torch.dtype
     fast: tuple | None = None  # (spec, weights, step fns) of rollout.fast_decode, or None: HF layers decode
+    fast_prefill: tuple | None = None  # the same parts for rollout.fast_prefill, or None: HF layers prefill
     width: int = 0
 
     @property
@@ -69,7 +70,7 @@ def check_args(prompt_ids, prompt_mask, sampling, eos_ids, cost_model) -> None:
 
 def new_run_state(model, cache: AlignedKVCache, arena: ScratchArena, sampling: SamplingConfig, eos_ids,
                   cost_model: CostModel, max_prefill_tokens, stage, prompt_ids, prompt_mask, layout: PromptLayout,
-                  counters: dict, fast: tuple | None = None) -> RunState:
+                  counters: dict, fast: tuple | None = None, fast_prefill: tuple | None = None) -> RunState:
     device, num_slots = cache.valid.device, cache.num_slots
     spans = layout.spans
     suffix_max = list(spans)
@@ -87,7 +88,7 @@ def new_run_state(model, cache: AlignedKVCache, arena: ScratchArena, sampling: S
         last_tokens=torch.zeros(num_slots, dtype=torch.long, device=device),  # last_tokens: [S]
         generated=torch.zeros((num_rows, sampling.max_new_tokens), dtype=torch.long, device=device),  # [B*n, T_r]
         seed=torch.full((), seed, dtype=torch.long, device=device),  # a fill, not a host->device copy
-        counters=counters, mask_dtype=compat.mask_dtype(model), fast=fast)
+        counters=counters, mask_dtype=compat.mask_dtype(model), fast=fast, fast_prefill=fast_prefill)
 
 
 def cache_counters(cache: AlignedKVCache) -> dict:

@@ -90,6 +90,9 @@ class RolloutConfig:
     fast_decode: bool = True
     """Run decode steps through our own fused step (Llama-family models); other models, unfused LoRA and
     ZeRO-3 per-forward gathering use the HF forward, with the reason in the profile."""
+    fast_prefill: bool = True
+    """Prefill through our own pass (:mod:`rollout.fast_prefill`: linear layers over the packed real tokens,
+    attention per planner bucket) wherever the fast decode step runs; False keeps the HF forward."""
     cuda_graphs: bool = True
     """On CUDA, capture the fast decode step in CUDA graphs (per batch and length bucket) and replay them."""
     compile: bool = True
@@ -105,7 +108,7 @@ class RolloutConfig:
         _require(self.route in ROUTES, "route", f"must be one of {ROUTES}; got {self.route!r}")
         _require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
         _require(isinstance(self.keep_cache, bool), "keep_cache", f"must be a bool; got {self.keep_cache!r}")
-        for name in ("fuse_lora", "fast_decode", "cuda_graphs", "compile"):
+        for name in ("fuse_lora", "fast_decode", "fast_prefill", "cuda_graphs", "compile"):
             _require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
         _require(_is_int(self.eos_check_interval) and self.eos_check_interval >= 1, "eos_check_interval",
                  f"must be an int >= 1; got {self.eos_check_interval!r}")

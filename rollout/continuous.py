@@ -75,7 +75,7 @@ def generate_continuous(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
                         capacity: int | None = None, cache: AlignedKVCache | None = None,
                         arena: ScratchArena | None = None, layout: PromptLayout | None = None,
                         max_prefill_tokens: int | None = DEFAULT_MAX_TOKENS, stage=None,
-                        fast: tuple | None = None) -> ContinuousResult:
+                        fast: tuple | None = None, fast_prefill: tuple | None = None) -> ContinuousResult:
     """Generate ``sampling.n_samples_per_prompt`` responses per prompt by continuous batching.
 
     ``prompt_ids``/``prompt_mask`` are the *unexpanded* request ``[B, T_p]`` (left-padded).
@@ -87,6 +87,7 @@ def generate_continuous(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     ``stage(name)`` wraps each stage call (default: ``instrumentation.stage``). ``fast``: ``(spec,
     weights, step fns)`` of :mod:`rollout.fast_decode` to decode through our own step (eagerly: rows
     and windows change every step, so no CUDA graphs here); None decodes through the HF layers.
+    ``fast_prefill``: the same parts to prefill each bucket through :mod:`rollout.fast_prefill`.
     """
     stage = stage or _default_stage()
     check_args(prompt_ids, prompt_mask, sampling, eos_ids, cost_model)
@@ -108,7 +109,7 @@ def generate_continuous(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     own_arena = arena is None
     arena = arena or ScratchArena.like(cache.shape)
     run = new_run_state(model, cache, arena, sampling, eos_ids, cost_model, max_prefill_tokens, stage, prompt_ids,
-                        prompt_mask, layout, counters, fast)
+                        prompt_mask, layout, counters, fast, fast_prefill)
     try:
         _loop(run, slots)
     finally:
@@ -203,6 +204,7 @@ def _admit(run: RunState, admitted, survivors) -> None:
 def _prefill_bucket(run: RunState, admissions, length: int) -> None:
     """Prefill one bucket of admitted requests (left-padded to ``length``) and fill their slots."""
     rows = [row for a in admissions for row in a.rows]
+    spans_of = run.layout.spans
     sources = [j for j, a in enumerate(admissions) for _ in a.rows]
     prompts = [a.request_id for a in admissions for _ in a.rows]
     with run.stage(stages.CACHE_ACQUIRE):
@@ -216,7 +218,10 @@ def _prefill_bucket(run: RunState, admissions, length: int) -> None:
         cols = slice(run.prompt_ids.shape[1] - length, None)
         ids = run.prompt_ids[:, cols].index_select(0, bucket_prompts)  # [B_b, L_b]
         mask = run.prompt_mask[:, cols].index_select(0, bucket_prompts)  # [B_b, L_b]
-        logits = prefill_forward(run.model, scratch, ids, mask, length, run.mask_dtype)  # [B_b, V]
+        host_rows = ([run.layout.real_counts[a.request_id] for a in admissions],
+                     [length - spans_of[a.request_id] for a in admissions])  # bucket-local first real column
+        logits = prefill_forward(run.model, scratch, ids, mask, length, run.mask_dtype, run.fast_prefill,
+                                 host_rows)  # [B_b, V]
         run.cache.write_prompts(scratch, src, dst, mask)
         if run.seen is not None:  # the original padded prompt row, pad tokens included
             fresh = torch.zeros((len(rows), run.seen.shape[1]), dtype=torch.bool, device=run.seen.device)

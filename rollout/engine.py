@@ -132,14 +132,15 @@ class Rollout:
         with stage(stages.EXPAND):
             ids, mask = expand_prompts(prompt_ids, prompt_mask, sampling.n_samples_per_prompt)
         with stage(stages.PLAN):
+            packed = self.config.fast_prefill and self._fast_decoder()[0] is not None
             choice = routes.choose_route(self.config.route, layout, sampling.n_samples_per_prompt,
                                          sampling.continuous_batch_size, self._costs(),
-                                         self.config.max_prefill_tokens)
+                                         self.config.max_prefill_tokens, packed)
         with self._inference_mode(), self._generation_weights():
             if choice.route == routes.CONTINUOUS:
                 generated, counters = self._run_continuous(prompt_ids, prompt_mask, layout, sampling, device)
             else:
-                generated, counters = self._run_ordinary(ids, mask, sampling, device, choice)
+                generated, counters = self._run_ordinary(ids, mask, sampling, device, choice, layout)
         counters.update(route=choice.route, route_reason=choice.reason, dp_skipped=choice.dp_skipped,
                         route_estimates_ms=choice.estimates_ms,
                         prefill_buckets=len(choice.buckets) if choice.buckets else 1)
@@ -149,8 +150,9 @@ class Rollout:
             batch = assemble(ids, mask, generated, responses, self.pad_token_id)
         return batch, counters
 
-    def _run_ordinary(self, ids, mask, sampling, device, choice):
+    def _run_ordinary(self, ids, mask, sampling, device, choice, layout):
         decoder, reason = self._fast_decoder()
+        n = sampling.n_samples_per_prompt
         rows = batch_bucket(ids.shape[0]) if decoder is not None else ids.shape[0]
         capacity = ids.shape[1] + sampling.max_new_tokens
         with stage(stages.CACHE_ACQUIRE):  # storage for the batch bucket; the prefill writes the live rows
@@ -162,7 +164,8 @@ class Rollout:
                 self.model.config.vocab_size, self.config.eos_check_interval, self._busy, stage,
                 decoder=decoder, eos_key=self.eos_token_ids,
                 buckets=[list(b) for b in choice.buckets] if choice.buckets else None,
-                bucket_lengths=list(choice.bucket_lengths) if choice.bucket_lengths else None)
+                bucket_lengths=list(choice.bucket_lengths) if choice.bucket_lengths else None,
+                fast_prefill=self._fast_prefill_parts(decoder, device), host_rows=_expanded_rows(layout, n))
         finally:
             with stage(stages.CACHE_RELEASE):
                 self._pool.release()
@@ -188,7 +191,8 @@ class Rollout:
             result = generate_continuous(
                 self.model, prompt_ids, prompt_mask, sampling, eos_tensor(self.eos_token_ids, device),
                 cost_model=self._costs(), num_slots=slots, cache=cache, arena=self._arena, layout=layout,
-                max_prefill_tokens=self.config.max_prefill_tokens, stage=stage, fast=fast)
+                max_prefill_tokens=self.config.max_prefill_tokens, stage=stage, fast=fast,
+                fast_prefill=fast if self.config.fast_prefill else None)
         finally:
             with stage(stages.CACHE_RELEASE):
                 self._pool.release()
@@ -198,6 +202,15 @@ class Rollout:
         counters = dict(result.counters, num_steps=result.num_steps, decode_fallback_reason=reason,
                         decode_path="fast_eager" if fast is not None else "hf")
         return result.generated, counters
+
+    def _fast_prefill_parts(self, decoder, device) -> tuple | None:
+        """``(spec, weights, step fns)`` for :mod:`rollout.fast_prefill` (None: the HF forward prefills).
+        Prefill is not captured in graphs, so it reads the (gathered) parameters directly."""
+        if decoder is None or not self.config.fast_prefill:
+            return None
+        spec, weights = fast_decode.spec_and_weights(self.model)
+        use_compile = self.config.compile and device.type == "cuda"
+        return spec, weights, compiled_step_fns() if use_compile else fast_decode.StepFns()
 
     def _continuous_fast_step(self, device) -> tuple[tuple | None, str]:
         """Our step for the continuous route's decode (eager: its rows and window change every step)."""
@@ -310,3 +323,10 @@ class Rollout:
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+
+def _expanded_rows(layout, num_samples: int) -> tuple[list[int], list[int]]:
+    """Real-token count and first real column of every expanded row (host ints, from the prompt layout)."""
+    counts = [c for c in layout.real_counts for _ in range(num_samples)]
+    firsts = [layout.padded_len - s for s in layout.spans for _ in range(num_samples)]
+    return counts, firsts

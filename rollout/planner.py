@@ -27,7 +27,7 @@ DEFAULT_MAX_TOKENS = 65536
 """Default cap on padded token positions ``B * L`` of one prefill forward."""
 
 _COEFFICIENTS = ("prefill_fixed_cost_ms", "prefill_token_cost_ms", "prefill_attention_cost_ms",
-                 "prefill_kv_cost_ms", "continuous_decode_cost_ms")
+                 "prefill_kv_cost_ms", "continuous_decode_cost_ms", "prefill_group_cost_ms")
 _GEOMETRY = ("num_layers", "num_query_heads", "num_kv_heads", "head_dim", "element_bytes")
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
                 "float8_e5m2": 1}
@@ -51,6 +51,10 @@ class CostModel:
     """Milliseconds per MiB of KV written into the continuous-batching cache (continuous route only)."""
     continuous_decode_cost_ms: float = 10.0
     """Extra milliseconds per decode step of the continuous route over the ordinary one."""
+    prefill_group_cost_ms: float = 1.0
+    """Milliseconds per extra attention group of a packed prefill (:mod:`rollout.fast_prefill`: the
+    linear layers run once over the real tokens whatever the grouping; each group adds its attention
+    launches per layer). Not one of the seed PR's terms; calibrated by ``scripts/calibrate_prefill.py``."""
     num_layers: int = 36
     """Decoder layers."""
     num_query_heads: int = 16
@@ -119,6 +123,16 @@ class CostModel:
         """Like ``prefill_cost_ms`` without the KV-copy term (the ordinary route writes its own cache)."""
         return (self.prefill_fixed_cost_ms + self.prefill_token_cost_ms * batch_size * length
                 + self.prefill_attention_cost_ms * self.attention_gflops(batch_size, length))
+
+    def packed(self) -> "CostModel":
+        """The model of grouping a *packed* prefill's attention: the token and KV terms do not depend on
+        the grouping (the linear layers see only real tokens, written once), so a group costs
+        ``prefill_group_cost_ms + attention * GFLOPs(B, L)``. ``plan_prefill_buckets`` on this model
+        plans attention groups instead of forwards."""
+        from dataclasses import replace
+
+        return replace(self, prefill_fixed_cost_ms=self.prefill_group_cost_ms, prefill_token_cost_ms=0.0,
+                       prefill_kv_cost_ms=0.0)
 
     def row_cost_ms(self, length: int) -> float:
         """Marginal ms of one more row in a bucket padded to ``length`` (``prefill_cost_ms = fixed + B * this``)."""

@@ -10,6 +10,9 @@
   * otherwise every row fits at once, so nothing is ever refilled and continuous batching reduces to
     bucketed prefill. Auto then keeps the ordinary route's batch and fast decoder and chooses only how
     to prefill it: one padded forward, or the planner's buckets (each padded to its longest prompt).
+    With the packed prefill (``packed=True``, :mod:`rollout.fast_prefill`) there is one pass over the
+    weights either way and the buckets only group attention: the same decision runs on
+    ``CostModel.packed()``, whose per-bucket cost is the group overhead plus attention.
     The DP is skipped when all spans are equal or when a lower bound already shows the single forward
     is not worse (``fixed + sum of each row's own cost`` is below any plan's cost).
 """
@@ -38,8 +41,9 @@ class RouteChoice:
 
 
 def choose_route(route: str, layout: PromptLayout, num_samples: int, num_slots: int | None,
-                 cost_model: CostModel, max_tokens: int | None) -> RouteChoice:
-    """The route and prefill plan of one call (``route`` is ``RolloutConfig.route``)."""
+                 cost_model: CostModel, max_tokens: int | None, packed: bool = False) -> RouteChoice:
+    """The route and prefill plan of one call (``route`` is ``RolloutConfig.route``); ``packed``: the
+    ordinary route prefills through the packed pass (buckets group attention only)."""
     num_rows = len(layout.spans) * num_samples
     if route == ORDINARY:
         return RouteChoice(ORDINARY, reason="route=ordinary")
@@ -48,6 +52,8 @@ def choose_route(route: str, layout: PromptLayout, num_samples: int, num_slots: 
     if num_slots is not None and num_slots < num_rows:
         return RouteChoice(CONTINUOUS, reason=f"{num_rows} rows exceed continuous_batch_size={num_slots}")
     spans = layout.spans
+    if packed:
+        cost_model = cost_model.packed()
     single = cost_model.ordinary_prefill_cost_ms(num_rows, layout.padded_len)
     if len(set(spans)) == 1:
         return RouteChoice(ORDINARY, estimates_ms={"single": single}, reason="all prompts span alike")

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from instrumentation import stages
-from rollout import compat, masks
+from rollout import compat, fast_prefill, masks
 from rollout.config import SamplingConfig
 from rollout.kv_cache import StaticKVCache
 from rollout.sampling import draw_seed, select_next_token
@@ -89,11 +89,19 @@ def _emit(state: DecodeState, logits: torch.Tensor, sampling: SamplingConfig, eo
 
 
 def prefill_forward(model, cache: StaticKVCache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                    prompt_len: int, mask_dtype: torch.dtype) -> torch.Tensor:
+                    prompt_len: int, mask_dtype: torch.dtype, fast: tuple | None = None,
+                    host_rows: tuple | None = None) -> torch.Tensor:
     """One forward writing ``prompt_ids [b, L]`` into prompt columns ``[T_p - L, T_p)`` of ``cache``'s rows;
-    returns the last position's logits ``[b, V]``. Earlier columns of these rows must be padding."""
+    returns the last position's logits ``[b, V]``. Earlier columns of these rows must be padding.
+    ``fast``: ``(spec, weights, step fns)`` to run our own prefill (:mod:`rollout.fast_prefill`), with
+    ``host_rows`` (real-token counts and first real columns of ``prompt_ids``' rows) saving its host sync."""
     length = prompt_ids.shape[1]
     start = prompt_len - length
+    if fast is not None:
+        rows = prompt_ids.shape[0]
+        return fast_prefill.prefill_logits(*fast, cache.key_storage[:, :rows, :, start:],
+                                           cache.value_storage[:, :rows, :, start:], prompt_ids, prompt_mask,
+                                           host_rows=host_rows)
     cache.set_window(torch.arange(start, start + length, device=prompt_ids.device), start + length)
     keep = masks.prefill_mask(prompt_mask)
     if start:  # the padding columns [0, start) are never attended: zero them so stale values cannot leak
@@ -106,13 +114,23 @@ def prefill_forward(model, cache: StaticKVCache, prompt_ids: torch.Tensor, promp
 
 def prefill(model, cache: StaticKVCache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
             state: DecodeState, sampling: SamplingConfig, eos_ids: torch.Tensor | None,
-            buckets: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+            buckets: list[tuple[int, int, int]] | None = None, fast: tuple | None = None,
+            host_rows: tuple | None = None) -> torch.Tensor:
     """Write the prompts into cache columns ``[0, T_p)`` and produce the first token of every row.
 
     ``buckets``: ``(first_row, stop_row, length)`` per prefill forward (rows sorted so each bucket is
     contiguous; ``length`` covers every real token of its rows); None is one forward over all rows.
+    ``fast`` (``(spec, weights, step fns)``): our own prefill, one packed pass over the weights for all
+    buckets, attention per bucket.
     """
     prompt_len = prompt_ids.shape[1]
+    if fast is not None:
+        rows = prompt_ids.shape[0]
+        logits = fast_prefill.prefill_logits(*fast, cache.key_storage[:, :rows], cache.value_storage[:, :rows],
+                                             prompt_ids, prompt_mask, buckets, host_rows)
+        state.counters["prefill_forwards"] += 1
+        state.counters["prefill_attention_groups"] = len(buckets or [None])
+        return _emit(state, logits, sampling, eos_ids)
     logits = []
     for first, stop, length in buckets or [(0, prompt_ids.shape[0], prompt_len)]:
         cols = slice(prompt_len - length, prompt_len)
@@ -138,7 +156,8 @@ def generate_ordinary(model, cache: StaticKVCache, prompt_ids: torch.Tensor, pro
                       sampling: SamplingConfig, eos_ids: torch.Tensor | None, vocab_size: int,
                       eos_check_interval: int, busy: BusyFn, stage=None, decoder=None,
                       eos_key: tuple = (), buckets: list[list[int]] | None = None,
-                      bucket_lengths: list[int] | None = None) -> DecodeState:
+                      bucket_lengths: list[int] | None = None, fast_prefill: tuple | None = None,
+                      host_rows: tuple | None = None) -> DecodeState:
     """Prefill then decode until every row has finished (EOS) or the budget is spent.
 
     ``busy(local_busy)`` returns whether any rank still runs; every rank calls it at the same steps, so
@@ -149,6 +168,9 @@ def generate_ordinary(model, cache: StaticKVCache, prompt_ids: torch.Tensor, pro
     ``buckets`` (lists of row indices, from the prefill planner) prefill each group in its own forward,
     padded only to the group's longest prompt (``bucket_lengths``). Rows are then generated in bucket
     order and put back in request order at the end; each keeps its sample id, so sampling is unchanged.
+    ``fast_prefill`` (``(spec, weights, step fns)``) runs the prefill through :mod:`rollout.fast_prefill`:
+    one packed pass over the weights, attention per bucket; ``host_rows`` (real-token counts and first
+    real columns per row, request order, host ints) spares it a host sync.
     """
     stage = stage or _no_stage
     capacity = cache.shape.capacity
@@ -160,13 +182,17 @@ def generate_ordinary(model, cache: StaticKVCache, prompt_ids: torch.Tensor, pro
         sizes = [len(b) for b in buckets]
         firsts = [sum(sizes[:k]) for k in range(len(sizes))]
         spans = [(f, f + n, length) for f, n, length in zip(firsts, sizes, bucket_lengths)]
+        if host_rows is not None:
+            rows = [row for bucket in buckets for row in bucket]
+            host_rows = tuple([values[row] for row in rows] for values in host_rows)
     buffers = None
     if decoder is not None:
         buffers = decoder.buffers_for(num_rows, capacity, sampling.max_new_tokens, vocab_size, prompt_ids.device)
     state = init_state(prompt_ids, prompt_mask, sampling, capacity, vocab_size, buffers, sample_ids)
     state.mask_dtype = compat.mask_dtype(model)
     with stage(stages.PREFILL):
-        tokens = prefill(model, cache, prompt_ids, prompt_mask, state, sampling, eos_ids, spans)
+        tokens = prefill(model, cache, prompt_ids, prompt_mask, state, sampling, eos_ids, spans, fast_prefill,
+                         host_rows)
     step = None
     if decoder is not None:
         buffers.tokens[:num_rows] = tokens

@@ -180,6 +180,8 @@ def upstream_rollout(model, tok, device, continuous: bool):
 def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_config=None) -> list[Row]:
     ours = {f"ours_{route}": Rollout(model, tok, RolloutConfig(route=route, cost_model=cost_config))
             for route in ("ordinary", "auto", "continuous")}
+    # A/B of the prefill path: the ordinary route with the HF layers' prefill (not a route of its own)
+    ours["ours_ordinary_hf_prefill"] = Rollout(model, tok, RolloutConfig(fast_prefill=False))
     up = upstream_rollout(model, tok, device, continuous=False) if upstream else None
     rows = []
     for name in names:
@@ -203,13 +205,14 @@ def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_confi
         outputs = {k: ro.generate(RolloutRequest(ids, mask), sampling).input_ids for k, ro in ours.items()}
         same = all(torch.equal(v, outputs["ours_ordinary"]) for v in outputs.values())
         best_up = min((v for k, v in means.items() if k.startswith("deepspeed")), default=float("nan"))
-        best_ours = min(means[k] for k in ours if k != "ours_auto")
+        best_ours = min(means[k] for k in ("ours_ordinary", "ours_continuous"))
         for cand, ms in means.items():
             extra = {"tokens_per_s": 512 / (ms / 1000.0), "vs_best_upstream": ms / best_up}
             if cand in ours:
                 stats = ours[cand].last_stats
                 extra.update(route=stats.get("route"), prefill_forwards=stats.get("prefill_forwards"),
-                             same_tokens_as_ordinary=same)
+                             prefill_attention_groups=stats.get("prefill_attention_groups"),
+                             decode_path=stats.get("decode_path"), same_tokens_as_ordinary=same)
             if cand == "ours_auto":
                 extra["auto_vs_best_own"] = ms / best_ours
             rows.append(Row("seed004", name, cand, ms, extra))

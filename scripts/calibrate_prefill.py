@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Calibrate the planner's ``CostModel`` on this model/device/dtype, then check Auto on held-out workloads.
 
-Calibration measures prefill forwards over a grid of (batch, length) shapes, the copy of a bucket's
+Calibration measures prefill forwards over a grid of (batch, length) shapes (through the packed
+prefill of ``rollout.fast_prefill`` where the model supports it, as the engine runs it), the extra cost of
+splitting one packed prefill into attention groups, the copy of a bucket's
 keys/values into the aligned cache over the same grid, and the continuous route's extra decode
 milliseconds per step over the ordinary route (``E2E(short + K tokens) - E2E(short)`` of both, EOS
 off); fits non-negative coefficients (``rollout.calibration.fit_cost_model``) and writes them with
@@ -36,8 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig  # noqa: E402
 from rollout.aligned_cache import AlignedKVCache, ScratchArena  # noqa: E402
-from rollout.calibration import (CopySample, DecodeSample, PrefillSample, calibration_metadata,  # noqa: E402
-                                 fit_cost_model, load_cost_model, save_calibration)
+from rollout import fast_decode, fast_prefill  # noqa: E402
+from rollout.calibration import (CopySample, DecodeSample, GroupSample, PrefillSample,  # noqa: E402
+                                 calibration_metadata, fit_cost_model, load_cost_model, save_calibration)
+from rollout.decode_graphs import compiled_step_fns  # noqa: E402
 from rollout.compat import mask_dtype  # noqa: E402
 from rollout.kv_cache import cache_shape  # noqa: E402
 from rollout.runner import prefill_forward  # noqa: E402
@@ -102,17 +106,49 @@ def left_padded(lengths, vocab: int, device, seed: int = 0):
 
 
 # ---- calibration -------------------------------------------------------------------------------
+def packed_parts(model):
+    """``(spec, weights, step fns)`` of the packed prefill as the engine builds them, or None (HF forward)."""
+    if fast_decode.unsupported_reason(model) is not None:
+        return None
+    spec, weights = fast_decode.spec_and_weights(model)
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    return spec, weights, compiled_step_fns() if on_cuda else fast_decode.StepFns()
+
+
 @torch.no_grad()
 def measure_prefill(model, shapes, repeats: int) -> list[PrefillSample]:
     device = next(model.parameters()).device
     arena = ScratchArena.like(cache_shape(model, 1, 1))
+    fast = packed_parts(model)
     samples = []
     for batch, length in shapes:
         ids, mask = left_padded([length] * batch, model.config.vocab_size, device)
         scratch = arena.get(batch, length)
-        ms = timed_ms(lambda: prefill_forward(model, scratch, ids, mask, length, mask_dtype(model)), device, repeats)
+        ms = timed_ms(lambda: prefill_forward(model, scratch, ids, mask, length, mask_dtype(model), fast),
+                      device, repeats)
         samples.append(PrefillSample(batch, length, ms))
     return samples
+
+
+@torch.no_grad()
+def measure_groups(model, batch: int, length: int, num_groups: int, repeats: int) -> list[GroupSample]:
+    """Packed prefill of ``batch`` rows of ``length`` as one attention group vs ``num_groups`` equal ones
+    (same attention GFLOPs, same tokens): the difference is the per-group overhead. Empty without the
+    packed prefill."""
+    fast = packed_parts(model)
+    if fast is None:
+        return []
+    device = next(model.parameters()).device
+    ids, mask = left_padded([length] * batch, model.config.vocab_size, device)
+    cache = ScratchArena.like(cache_shape(model, 1, 1)).get(batch, length)
+    size = batch // num_groups
+    split = [(g * size, (g + 1) * size if g < num_groups - 1 else batch, length) for g in range(num_groups)]
+    ms = {}
+    for groups in (None, split, None, split):  # interleaved, twice
+        ms.setdefault(groups is None, []).append(timed_ms(
+            lambda: fast_prefill.prefill_logits(*fast, cache.key_storage, cache.value_storage, ids, mask, groups),
+            device, repeats))
+    return [GroupSample(num_groups, statistics.median(ms[False]) - statistics.median(ms[True]))]
 
 
 @torch.no_grad()
@@ -160,9 +196,11 @@ def calibrate(args, model, device, dtype) -> dict:
     copies = measure_copies(model, shapes, args.repeats)
     decode_shapes = [tuple(_ints(s.replace("x", ","))) for s in grid["decode_shapes"].split(",")]
     decode = measure_decode(model, decode_shapes, int(grid["decode_steps"]), args.repeats, geometry)
-    fitted = fit_cost_model(geometry, prefill, copies, decode)
+    batches, lengths = _ints(grid["batches"]), _ints(grid["lengths"])
+    groups = measure_groups(model, max(batches), lengths[len(lengths) // 2], min(8, max(batches)), args.repeats)
+    fitted = fit_cost_model(geometry, prefill, copies, decode, groups)
     save_calibration(args.output, fitted, calibration_metadata(model, device, dtype),
-                     {"prefill": prefill, "copies": copies, "decode": decode})
+                     {"prefill": prefill, "copies": copies, "decode": decode, "groups": groups})
     print(f"{'B':>4} {'L':>6} {'forward ms':>11} {'fit ms':>9} {'copy ms':>9} {'fit ms':>9}")
     for p, c in zip(prefill, copies):
         print(f"{p.batch_size:>4} {p.length:>6} {p.forward_ms:>11.3f} "
@@ -170,10 +208,12 @@ def calibrate(args, model, device, dtype) -> dict:
               f"{fitted.prefill_kv_cost_ms * fitted.kv_mib(c.batch_size, c.length):>9.3f}")
     for (batch, length), d in zip(decode_shapes, decode):
         print(f"decode {batch}x{length}: continuous - ordinary = {d.extra_ms / d.num_steps:.3f} ms/step")
+    for g in groups:
+        print(f"packed prefill in {g.num_groups} attention groups - in 1 = {g.extra_ms:.3f} ms")
     coefficients = {k: v for k, v in fitted.to_dict().items() if k.endswith("_ms")}
     print(json.dumps(coefficients, indent=2))
     print(f"wrote {args.output}")
-    return {"cost_model": fitted, "prefill": prefill, "copies": copies, "decode": decode}
+    return {"cost_model": fitted, "prefill": prefill, "copies": copies, "decode": decode, "groups": groups}
 
 
 # ---- sweep -------------------------------------------------------------------------------------

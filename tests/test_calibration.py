@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.calibration import (FINGERPRINT_SOURCES, CopySample, DecodeSample, PrefillSample,
+from rollout.calibration import (FINGERPRINT_SOURCES, CopySample, DecodeSample, GroupSample, PrefillSample,
                                  calibration_metadata, fit_cost_model, load_cost_model, save_calibration,
                                  source_fingerprint)
 from rollout.planner import CostModel
@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 GRID = [(b, n) for b in (1, 2, 4, 8, 16) for n in (8, 32, 128, 512, 1024)]
 TRUE = {
     "all_terms": dict(prefill_fixed_cost_ms=3.0, prefill_token_cost_ms=0.002, prefill_attention_cost_ms=0.5,
-                      prefill_kv_cost_ms=0.07, continuous_decode_cost_ms=1.5),
+                      prefill_kv_cost_ms=0.07, continuous_decode_cost_ms=1.5, prefill_group_cost_ms=0.8),
     "no_attention_term": dict(prefill_fixed_cost_ms=12.0, prefill_token_cost_ms=0.01, prefill_attention_cost_ms=0.0,
-                              prefill_kv_cost_ms=0.0, continuous_decode_cost_ms=0.25),
+                              prefill_kv_cost_ms=0.0, continuous_decode_cost_ms=0.25, prefill_group_cost_ms=0.0),
 }
 GEOMETRY = CostModel(num_layers=4, num_query_heads=8, num_kv_heads=2, head_dim=32, element_bytes=2)
 
@@ -40,7 +40,8 @@ def synthetic(truth: CostModel, noise: float = 0.0, seed: int = 0):
     prefill = [PrefillSample(b, n, jitter(truth.ordinary_prefill_cost_ms(b, n))) for b, n in GRID]
     copies = [CopySample(b, n, jitter(truth.prefill_kv_cost_ms * truth.kv_mib(b, n))) for b, n in GRID]
     decode = [DecodeSample(k, jitter(truth.continuous_decode_cost_ms * k)) for k in (8, 16, 32)]
-    return prefill, copies, decode
+    groups = [GroupSample(k, jitter(truth.prefill_group_cost_ms * (k - 1))) for k in (4, 8)]
+    return prefill, copies, decode, groups
 
 
 @pytest.mark.parametrize("name", list(TRUE))
@@ -62,10 +63,11 @@ def test_fit_under_noise_stays_close_and_non_negative():
 
 
 def test_fit_keeps_terms_without_samples_and_needs_three_prefill_samples():
-    prefill, _, _ = synthetic(CostModel.from_dict({**GEOMETRY.to_dict(), **TRUE["all_terms"]}))
+    prefill = synthetic(CostModel.from_dict({**GEOMETRY.to_dict(), **TRUE["all_terms"]}))[0]
     fitted = fit_cost_model(GEOMETRY, prefill)
     assert fitted.prefill_kv_cost_ms == GEOMETRY.prefill_kv_cost_ms
     assert fitted.continuous_decode_cost_ms == GEOMETRY.continuous_decode_cost_ms
+    assert fitted.prefill_group_cost_ms == GEOMETRY.prefill_group_cost_ms
     with pytest.raises(ValueError, match="prefill"):
         fit_cost_model(GEOMETRY, prefill[:2])
 
@@ -145,6 +147,9 @@ def test_calibrate_then_sweep_end_to_end_on_the_tiny_model(tmp_path, model, caps
         torch.set_num_threads(threads)  # the script pins CPU threads for stable timings
     assert [(s.batch_size, s.length) for s in result["prefill"]] == [(b, n) for b in (1, 2, 4) for n in (4, 16)]
     assert load_cost_model(out, model, "cpu", torch.float32) == result["cost_model"]
+    # the tiny Qwen2 model prefills through the packed path: one group-overhead sample, 4 rows in 4 groups
+    assert [g.num_groups for g in result["groups"]] == [4]
+    assert result["cost_model"].prefill_group_cost_ms >= 0.0
     names = list(script.WORKLOADS["small"])
     assert [r.workload for r in rows[:-1]] == names
     assert rows[-1].workload.startswith(names[0]) and rows[-1].workload.endswith("slots)")

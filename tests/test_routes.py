@@ -11,7 +11,10 @@ from rollout.testing import TinyTokenizer, tiny_model
 from tests.conftest import hf_greedy, response_of
 
 #: Makes bucketing clearly worth it for skewed lengths on the tiny model (fixed cost small, tokens dear).
-CHEAP_FIXED = dict(prefill_fixed_cost_ms=0.1, prefill_token_cost_ms=1.0)
+#: Costs under which Auto buckets skewed prompts, for the HF prefill (padded tokens dominate) and for
+#: the packed one (its buckets only group attention, so attention must dominate the group overhead).
+CHEAP_FIXED = dict(prefill_fixed_cost_ms=0.1, prefill_token_cost_ms=1.0, prefill_group_cost_ms=0.0,
+                   prefill_attention_cost_ms=1e4)
 
 
 def _skewed(lengths, seed=0, width=None):
@@ -39,11 +42,12 @@ def _eos_for(model, ids, mask):
 
 @pytest.mark.parametrize("route, slots", [("ordinary", None), ("continuous", None), ("continuous", 2),
                                           ("auto", None), ("auto", 3)])
-def test_greedy_tokens_equal_hf_per_request_on_every_route(model, route, slots):
+@pytest.mark.parametrize("fast_prefill", [True, False], ids=["fast_prefill", "hf_prefill"])
+def test_greedy_tokens_equal_hf_per_request_on_every_route(model, route, slots, fast_prefill):
     ids, mask = _skewed([30, 3, 4, 2, 17, 5, 3], seed=1)
     eos = _eos_for(model, ids, mask)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
-    cfg = RolloutConfig(route=route, cost_model=CostModel.from_model(model, **CHEAP_FIXED))
+    cfg = RolloutConfig(route=route, cost_model=CostModel.from_model(model, **CHEAP_FIXED), fast_prefill=fast_prefill)
     ro = Rollout(model, tok, cfg)
     batch = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0,
                                                                   continuous_batch_size=slots))
@@ -54,7 +58,10 @@ def test_greedy_tokens_equal_hf_per_request_on_every_route(model, route, slots):
     stats = ro.last_stats
     if route == "auto" and slots is None:
         assert stats["route"] == "ordinary" and stats["prefill_buckets"] >= 2
-        assert stats["prefill_forwards"] == stats["prefill_buckets"]
+        if fast_prefill:  # one packed pass over the weights; attention per bucket
+            assert stats["prefill_forwards"] == 1 and stats["prefill_attention_groups"] == stats["prefill_buckets"]
+        else:
+            assert stats["prefill_forwards"] == stats["prefill_buckets"]
     if slots is not None:
         assert stats["route"] == "continuous"
 
@@ -98,6 +105,22 @@ def test_route_decision_table():
     # n samples: bucket rows are the expanded rows of the bucket's prompts
     two = choose_route("auto", PromptLayout((100, 2, 2), (100, 2, 2), 100), 2, None, costs, None)
     assert sorted(sorted(b) for b in two.buckets) == [[0, 1], [2, 3, 4, 5]]
+
+
+def test_packed_prefill_buckets_only_for_attention():
+    """Packed: padded tokens cost nothing extra, so only attention GFLOPs against the group overhead
+    decide; the HF prefill pays for padded tokens and buckets the same layout."""
+    skewed = PromptLayout((512,) + (16,) * 31, (512,) + (16,) * 31, 512)
+    token_bound = CostModel(prefill_fixed_cost_ms=5.0, prefill_token_cost_ms=0.01, prefill_attention_cost_ms=0.0,
+                            prefill_group_cost_ms=1.0)
+    assert len(choose_route("auto", skewed, 1, None, token_bound, None).buckets) == 2
+    assert choose_route("auto", skewed, 1, None, token_bound, None, packed=True).buckets is None
+    attention_bound = CostModel(prefill_fixed_cost_ms=50.0, prefill_token_cost_ms=0.0, prefill_attention_cost_ms=1.0,
+                                prefill_group_cost_ms=0.5)
+    packed = choose_route("auto", skewed, 1, None, attention_bound, None, packed=True)
+    assert sorted(packed.bucket_lengths) == [16, 512]
+    # the packed estimate of the single group is its group overhead plus its attention
+    assert packed.estimates_ms["single"] == pytest.approx(0.5 + attention_bound.attention_gflops(32, 512))
 
 
 def test_short_similar_prompts_keep_one_prefill():
