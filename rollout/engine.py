@@ -14,7 +14,7 @@ import time
 import torch
 
 from instrumentation import collect_stages, stage, stages
-from rollout import cb_route, compat, fast_decode, routes, zero
+from rollout import cb_route, compat, fast_decode, fast_prefill, routes, zero
 from rollout.aligned_cache import AlignedKVCache, ScratchArena
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.continuous import generate_continuous
@@ -132,16 +132,16 @@ class Rollout:
         with stage(stages.EXPAND):
             ids, mask = expand_prompts(prompt_ids, prompt_mask, sampling.n_samples_per_prompt)
         with stage(stages.PLAN):
-            packed = self.config.fast_prefill and self._fast_decoder()[0] is not None
             choice = routes.choose_route(self.config.route, layout, sampling.n_samples_per_prompt,
                                          sampling.continuous_batch_size, self._costs(),
-                                         self.config.max_prefill_tokens, packed)
+                                         self.config.max_prefill_tokens, self._prefill_path(device))
         with self._inference_mode(), self._generation_weights():
             if choice.route == routes.CONTINUOUS:
                 generated, counters = self._run_continuous(prompt_ids, prompt_mask, layout, sampling, device)
             else:
                 generated, counters = self._run_ordinary(ids, mask, sampling, device, choice, layout)
         counters.update(route=choice.route, route_reason=choice.reason, dp_skipped=choice.dp_skipped,
+                        prefill_path=self._prefill_path(device),
                         route_estimates_ms=choice.estimates_ms,
                         prefill_buckets=len(choice.buckets) if choice.buckets else 1)
         with stage(stages.MASK_BUILD):
@@ -202,6 +202,13 @@ class Rollout:
         counters = dict(result.counters, num_steps=result.num_steps, decode_fallback_reason=reason,
                         decode_path="fast_eager" if fast is not None else "hf")
         return result.generated, counters
+
+    def _prefill_path(self, device) -> str:
+        """How the ordinary route prefills this call (one of ``routes.PREFILL_PATHS``)."""
+        if not self.config.fast_prefill or self._fast_decoder()[0] is None:
+            return "hf"
+        dtype = next(self.model.parameters()).dtype
+        return "varlen" if fast_prefill.varlen_attention(device, dtype) is not None else "packed"
 
     def _fast_prefill_parts(self, decoder, device) -> tuple | None:
         """``(spec, weights, step fns)`` for :mod:`rollout.fast_prefill` (None: the HF forward prefills).

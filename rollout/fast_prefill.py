@@ -1,13 +1,17 @@
-"""A prefill of our own for Llama-family models: packed projections, per-bucket attention.
+"""A prefill of our own for Llama-family models: packed linear layers, attention per row or per bucket.
 
 Why: through the HF layers a prefill forward of the 3B-shaped model costs ~21 ms before it does any
 work (hundreds of small kernels, Python per module), and a padded batch spends its matmuls on padding.
 Here every linear layer, norm and MLP runs once over the *packed* real tokens of all rows
 (``[T_real, H]``, no padding), using the same fusable pieces as the decode step
-(:mod:`rollout.fast_decode`: a row of the decode step is simply a token here). Only attention needs
-the padded layout: per prefill bucket, the bucket's queries are scattered into ``[rows, L, ...]`` and
-attend over the bucket's cache columns, so the planner's buckets now bound attention work and
-padding, never the number of passes over the weights.
+(:mod:`rollout.fast_decode`: a row of the decode step is simply a token here). Attention:
+
+- on CUDA in fp16/bf16, flash attention's variable-length kernel attends causally within each row of
+  the packed batch (``torch.nn.attention.varlen``): one kernel per layer, no padding at all, so the
+  planner's buckets are not needed (:func:`varlen_attention`);
+- elsewhere (CPU, fp32) per prefill bucket: the bucket's queries are scattered into ``[rows, L, ...]``
+  and attend over the bucket's cache columns with SDPA, so buckets bound attention work and padding,
+  never the number of passes over the weights.
 
 Layout (as :mod:`rollout.masks`): ``prompt_ids [N, T_p]`` left-padded, real tokens of row ``r`` in
 columns ``[T_p - len_r, T_p)``; keys/values go to the same cache columns. Padding columns are never
@@ -16,6 +20,8 @@ written here: they keep the finite values they held (zeros when new), and masked
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Sequence
 
 import torch
@@ -55,6 +61,10 @@ def prefill_logits(spec: DecoderSpec, weights: DecoderWeights, fns: StepFns, key
     positions = masks.prompt_positions(prompt_mask).flatten().index_select(0, flat)
     plans = [_group_plan(prompt_mask, offsets, firsts, row_of, col_of, group, prompt_len) for group in groups]
 
+    varlen = varlen_attention(prompt_ids.device, weights.embed.dtype)
+    if varlen is not None:  # packed causal attention per row: no groups, no dense queries, no mask
+        cu_seq = F.pad(torch.cumsum(real.sum(dim=1), 0, dtype=torch.int32), (1, 0))  # [N + 1], on the device
+        longest = max(lengths)
     h = F.embedding(tokens, weights.embed)  # [T, H]
     cos, sin = rotary(positions, weights.inv_freq, spec.attention_scaling, h.dtype)
     eps, heads, kv_heads, dim = spec.rms_eps, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -63,6 +73,10 @@ def prefill_logits(spec: DecoderSpec, weights: DecoderWeights, fns: StepFns, key
                                        heads, kv_heads, dim)  # q [T, Hq, 1, D], k/v [T, Hkv, 1, D]
         key_cache[i].transpose(1, 2)[row_of, col_of] = k[:, :, 0]
         value_cache[i].transpose(1, 2)[row_of, col_of] = v[:, :, 0]
+        if varlen is not None:
+            attn = varlen(q[:, :, 0], k[:, :, 0], v[:, :, 0], cu_seq, longest, dim ** -0.5).unsqueeze(2)
+            h = fns.attention_output_and_mlp(h, attn, w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down, eps)
+            continue
         attn = torch.empty_like(q)
         for (first, stop, length), (local, span, keep) in zip(groups, plans):
             rows = stop - first
@@ -89,3 +103,44 @@ def _group_plan(prompt_mask, offsets: list[int], firsts: list[int], row_of, col_
     span = slice(offsets[first], offsets[stop])  # rows are contiguous in packed order
     local = (row_of[span] - first) * length + (col_of[span] - start)
     return local, span, masks.prefill_mask(prompt_mask[first:stop, start:])
+
+
+@functools.lru_cache(maxsize=None)
+def _varlen_kernel():
+    """``(varlen_attn, causal keyword, accepts enable_gqa)`` of this torch, or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:  # torch >= 2.11
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:  # torch 2.10
+        causal = {"is_causal": True}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+def varlen_attention(device: torch.device, dtype: torch.dtype):
+    """``attend(q [T, Hq, D], k [T, Hkv, D], v, cu_seq [N + 1] int32, max_len, scale) -> [T, Hq, D]``:
+    causal attention within each row of a packed batch through flash attention's variable-length kernel
+    (``torch.nn.attention.varlen``; CUDA, fp16/bf16), or None where it is unavailable (the caller then
+    attends per group with SDPA). Query heads share KV heads natively where the kernel accepts GQA,
+    else the KV heads are repeated."""
+    kernel = _varlen_kernel()
+    if kernel is None or torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    varlen_attn, causal, native_gqa = kernel
+
+    def attend(q, k, v, cu_seq, max_len: int, scale: float):
+        extra = dict(causal)
+        if k.shape[1] != q.shape[1]:
+            if native_gqa:
+                extra["enable_gqa"] = True
+            else:
+                repeat = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return varlen_attn(q, k, v, cu_seq, cu_seq, max_len, max_len, scale=scale, **extra)
+
+    return attend

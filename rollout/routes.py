@@ -10,9 +10,10 @@
   * otherwise every row fits at once, so nothing is ever refilled and continuous batching reduces to
     bucketed prefill. Auto then keeps the ordinary route's batch and fast decoder and chooses only how
     to prefill it: one padded forward, or the planner's buckets (each padded to its longest prompt).
-    With the packed prefill (``packed=True``, :mod:`rollout.fast_prefill`) there is one pass over the
-    weights either way and the buckets only group attention: the same decision runs on
-    ``CostModel.packed()``, whose per-bucket cost is the group overhead plus attention.
+    With the packed prefill (``prefill="packed"``, :mod:`rollout.fast_prefill`) there is one pass over
+    the weights either way and the buckets only group attention: the same decision runs on
+    ``CostModel.packed()``, whose per-bucket cost is the group overhead plus attention. With
+    ``prefill="varlen"`` attention is exact per row (no padding anywhere), so there is nothing to plan.
     The DP is skipped when all spans are equal or when a lower bound already shows the single forward
     is not worse (``fixed + sum of each row's own cost`` is below any plan's cost).
 """
@@ -25,6 +26,9 @@ from rollout.cb_route import PromptLayout
 from rollout.planner import CostModel, plan_prefill_buckets
 
 ORDINARY, CONTINUOUS = "ordinary", "continuous"
+#: How the ordinary route prefills: HF forwards (one per bucket), the packed pass with attention per
+#: bucket, or the packed pass with variable-length attention per row.
+PREFILL_PATHS = ("hf", "packed", "varlen")
 
 
 @dataclass(frozen=True)
@@ -41,9 +45,11 @@ class RouteChoice:
 
 
 def choose_route(route: str, layout: PromptLayout, num_samples: int, num_slots: int | None,
-                 cost_model: CostModel, max_tokens: int | None, packed: bool = False) -> RouteChoice:
-    """The route and prefill plan of one call (``route`` is ``RolloutConfig.route``); ``packed``: the
-    ordinary route prefills through the packed pass (buckets group attention only)."""
+                 cost_model: CostModel, max_tokens: int | None, prefill: str = "hf") -> RouteChoice:
+    """The route and prefill plan of one call (``route`` is ``RolloutConfig.route``; ``prefill`` one of
+    ``PREFILL_PATHS``: how the ordinary route would prefill)."""
+    if prefill not in PREFILL_PATHS:
+        raise ValueError(f"prefill: must be one of {PREFILL_PATHS}; got {prefill!r}")
     num_rows = len(layout.spans) * num_samples
     if route == ORDINARY:
         return RouteChoice(ORDINARY, reason="route=ordinary")
@@ -51,8 +57,10 @@ def choose_route(route: str, layout: PromptLayout, num_samples: int, num_slots: 
         return RouteChoice(CONTINUOUS, reason="route=continuous")
     if num_slots is not None and num_slots < num_rows:
         return RouteChoice(CONTINUOUS, reason=f"{num_rows} rows exceed continuous_batch_size={num_slots}")
+    if prefill == "varlen":
+        return RouteChoice(ORDINARY, reason="packed prefill, attention per row: no buckets to plan")
     spans = layout.spans
-    if packed:
+    if prefill == "packed":
         cost_model = cost_model.packed()
     single = cost_model.ordinary_prefill_cost_ms(num_rows, layout.padded_len)
     if len(set(spans)) == 1:

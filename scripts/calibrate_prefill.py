@@ -133,12 +133,12 @@ def measure_prefill(model, shapes, repeats: int) -> list[PrefillSample]:
 @torch.no_grad()
 def measure_groups(model, batch: int, length: int, num_groups: int, repeats: int) -> list[GroupSample]:
     """Packed prefill of ``batch`` rows of ``length`` as one attention group vs ``num_groups`` equal ones
-    (same attention GFLOPs, same tokens): the difference is the per-group overhead. Empty without the
-    packed prefill."""
+    (same attention GFLOPs, same tokens): the difference is the per-group overhead. Empty unless the
+    packed prefill attends per group."""
     fast = packed_parts(model)
-    if fast is None:
-        return []
-    device = next(model.parameters()).device
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    if fast is None or fast_prefill.varlen_attention(device, dtype) is not None:
+        return []  # the HF forward has no groups; variable-length attention ignores them
     ids, mask = left_padded([length] * batch, model.config.vocab_size, device)
     cache = ScratchArena.like(cache_shape(model, 1, 1)).get(batch, length)
     size = batch // num_groups

@@ -64,7 +64,10 @@ def staggered_eos(model, ids, mask, max_new):
 
 
 def run_cb(model, ids, mask, sampling, eos=None, **kwargs):
-    eos_ids = torch.tensor(eos, device=ids.device) if eos else None
+    if isinstance(eos, torch.Tensor):  # already on the device (no host->device copy in a checked region)
+        eos_ids = eos
+    else:
+        eos_ids = torch.tensor(eos, device=ids.device) if eos else None
     return generate_continuous(model, ids, mask, sampling, eos_ids, cost_model=CostModel.from_model(model), **kwargs)
 
 
@@ -308,7 +311,7 @@ def test_cuda_sync_debug_mode_sees_one_sync_per_step():
     ids, mask = make_prompts([5, 12, 3, 8, 1, 10, 7], seed=7)
     ids, mask = ids.cuda(), mask.cuda()
     sampling = SamplingConfig(max_new_tokens=8, temperature=0.0)
-    eos = staggered_eos(model, ids, mask, 8)
+    eos = torch.tensor(staggered_eos(model, ids, mask, 8), device="cuda")
     layout = prompt_layout(mask)
     run_cb(model, ids, mask, sampling, eos, num_slots=3, layout=layout)  # warm-up
     torch.cuda.synchronize()

@@ -130,3 +130,21 @@ def test_prefill_with_host_layout_makes_no_host_sync():
                                         ids, mask, [(0, 1, 10), (1, 3, 10)], host_rows)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@cuda
+def test_varlen_attention_matches_the_per_group_path_in_bf16():
+    """On CUDA in bf16 the packed prefill attends per row with flash varlen; it must agree with the
+    SDPA per-group path (and so with HF) to bf16 tolerance, GQA included, holes included."""
+    from unittest import mock
+    if fast_prefill.varlen_attention(torch.device("cuda"), torch.bfloat16) is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    model = tiny_model("qwen2", seed=18, device="cuda", dtype=torch.bfloat16)
+    ids, mask = random_prompts(5, 24, min_len=2, seed=8, device="cuda")
+    mask[2, 20], ids[2, 20] = 0, 0
+    varlen_cache, group_cache = _caches(model, 5, 28, torch.bfloat16, "cuda")
+    got = _fast_prefill(model, varlen_cache, ids, mask).float()
+    with mock.patch.object(fast_prefill, "varlen_attention", return_value=None):
+        expected = _fast_prefill(model, group_cache, ids, mask).float()
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)
+    _real_columns_equal(varlen_cache, group_cache, mask, rtol=0.05, atol=0.05)

@@ -114,13 +114,18 @@ def test_packed_prefill_buckets_only_for_attention():
     token_bound = CostModel(prefill_fixed_cost_ms=5.0, prefill_token_cost_ms=0.01, prefill_attention_cost_ms=0.0,
                             prefill_group_cost_ms=1.0)
     assert len(choose_route("auto", skewed, 1, None, token_bound, None).buckets) == 2
-    assert choose_route("auto", skewed, 1, None, token_bound, None, packed=True).buckets is None
+    assert choose_route("auto", skewed, 1, None, token_bound, None, prefill="packed").buckets is None
     attention_bound = CostModel(prefill_fixed_cost_ms=50.0, prefill_token_cost_ms=0.0, prefill_attention_cost_ms=1.0,
                                 prefill_group_cost_ms=0.5)
-    packed = choose_route("auto", skewed, 1, None, attention_bound, None, packed=True)
+    packed = choose_route("auto", skewed, 1, None, attention_bound, None, prefill="packed")
     assert sorted(packed.bucket_lengths) == [16, 512]
     # the packed estimate of the single group is its group overhead plus its attention
     assert packed.estimates_ms["single"] == pytest.approx(0.5 + attention_bound.attention_gflops(32, 512))
+    # variable-length attention per row: nothing to plan, whatever the costs; slots still decide
+    assert choose_route("auto", skewed, 1, None, attention_bound, None, prefill="varlen").buckets is None
+    assert choose_route("auto", skewed, 1, 8, attention_bound, None, prefill="varlen").route == "continuous"
+    with pytest.raises(ValueError, match="prefill: must be one of"):
+        choose_route("auto", skewed, 1, None, attention_bound, None, prefill="flash")
 
 
 def test_short_similar_prompts_keep_one_prefill():
