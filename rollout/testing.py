@@ -85,3 +85,41 @@ def random_prompts(batch_size: int, max_len: int, *, min_len: int = 1, vocab_siz
         ids[row, max_len - length:] = picks
         mask[row, max_len - length:] = 1
     return ids.to(device), mask.to(device)
+
+
+#: Named random-model shapes for scripts (``--student`` / ``--teacher``): name -> (arch, shape).
+#: Built by :func:`shaped_model` from a config, nothing downloaded.
+MODEL_SHAPES = {
+    "tiny-qwen2": ("qwen2", TINY_SHAPES["qwen2"]),
+    "tiny-llama": ("llama", TINY_SHAPES["llama"]),
+    "qwen25-3b": ("qwen2", QWEN25_3B_SHAPE),
+}
+
+
+def shape_config(name: str, **overrides):
+    """The transformers config of the named shape (``MODEL_SHAPES``); pad 0, bos 1, eos 2, SDPA."""
+    if name not in MODEL_SHAPES:
+        raise ValueError(f"shape must be one of {sorted(MODEL_SHAPES)}; got {name!r}")
+    arch, shape = MODEL_SHAPES[name]
+    return tiny_config(arch, **{**shape, **overrides})
+
+
+def shaped_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", **overrides):
+    """A random causal LM of the named shape (eval mode), built directly on ``device`` in ``dtype``.
+
+    Parameters are allocated and initialised on ``device`` (no CPU copy first: a 3B model is
+    built in about a second on a GPU instead of a minute on the host). Deterministic for a given
+    ``seed``, device type and dtype; the global RNG state is left untouched.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = shape_config(name, **overrides)
+    device = torch.device(device)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation,
+                                                     dtype=dtype)
+    return model.eval()

@@ -11,12 +11,26 @@ traces and TensorBoard scalars and ends with the per-stage table and the trace p
     torchrun --nproc_per_node 2 scripts/train_opsd.py --zero-stage 3
     python scripts/train_opsd.py --student Qwen/Qwen2.5-3B-Instruct --teacher Qwen/Qwen2.5-7B-Instruct \\
         --zero-stage 3 --batch-size 4 --samples-per-prompt 4 --max-new-tokens 512 --teacher-top-k 64
+    deepspeed --num_gpus 2 scripts/train_opsd.py --student qwen25-3b --teacher qwen25-3b \\
+        --zero-stage 3 --gather per_forward --json-out run.json     # random 3B-shaped models, no download
 
 Defaults: student = the embedded tiny Qwen2-shaped model, teacher = a different tiny (Llama-shaped)
 model with the same vocabulary, synthetic random-token prompts (each rank its own), DeepSpeed ZeRO-0
 in one process (gloo on CPU, NCCL on CUDA). ``--teacher self`` distils the student from itself with
 a synthetic context prepended to the teacher's prompt. Every default lives in one place: the
 ``JobConfig`` fields below and :class:`rollout.opsd.OPSDConfig`; flags left out keep them.
+
+Models. ``--student``/``--teacher`` take an HF repo id (``org/name``), a local directory, or a shape
+name of :data:`rollout.testing.MODEL_SHAPES` (``qwen25-3b``, ``tiny-qwen2``, ``tiny-llama``): a random
+model of that geometry built directly on the rank's device in the run's dtype (a local directory
+with such a name is reached as ``./NAME``). ``--teacher-offload 1`` wraps the teacher in an
+inference-only DeepSpeed ZeRO-3 engine with its parameters offloaded to (pinned) host memory.
+
+Launchers. Under ``torchrun`` or the ``deepspeed`` launcher each rank takes ``cuda:LOCAL_RANK``
+and NCCL (gloo on CPU); the launcher's ``--local_rank=N`` argument is accepted and ignored
+(``LOCAL_RANK`` is read from the environment). ``--json-out PATH``: rank 0 writes one JSON with
+every rank's step times, losses, rollout tokens/s and peak memory (``scripts/bench_multigpu.py``
+reads it).
 """
 
 from __future__ import annotations
@@ -27,7 +41,9 @@ import json
 import math
 import os
 import socket
+import statistics
 import sys
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,6 +52,9 @@ SELF_TEACHER = "self"
 SHM_COMM_OP_NAME = "deepspeed_shm_comm"
 #: Synthetic "privileged context" tokens prepended to the teacher's prompt with ``--teacher self``.
 SELF_CONTEXT_LEN = 8
+#: The ``--local_rank`` value a launcher passed (the deepspeed launcher does), None when none was.
+local_rank_arg: Optional[int] = None
+GIB = float(1 << 30)
 
 
 @dataclass(frozen=True)
@@ -43,9 +62,10 @@ class JobConfig:
     """What to train, on what, for how long (loss settings live in ``OPSDConfig``)."""
 
     student: Optional[str] = None
-    """HF name or local directory of the student; None: the embedded tiny Qwen2-shaped model."""
+    """HF repo id, local directory or shape name (``MODEL_SHAPES``) of the student; None: the embedded
+    tiny Qwen2-shaped model."""
     teacher: Optional[str] = None
-    """HF name or local directory of the teacher, ``"self"``; None: an embedded tiny Llama-shaped model."""
+    """HF repo id, local directory, shape name or ``"self"``; None: an embedded tiny Llama-shaped model."""
     deepspeed_config: Optional[str] = None
     """DeepSpeed JSON config; None: a built-in ZeRO-0 config (bf16 on CUDA)."""
     zero_stage: Optional[int] = None
@@ -72,6 +92,17 @@ class JobConfig:
     """Rollout route: ordinary, continuous or auto (``RolloutConfig.route``)."""
     keep_cache: int = 1
     """1 keeps the rollout's KV cache between steps, 0 releases it after each rollout."""
+    gather: str = "once"
+    """ZeRO-3 rollout gathering: once or per_forward (``RolloutConfig.gather``)."""
+    compile: int = 1
+    """1: ``torch.compile`` the fast decode step's pieces on CUDA (``RolloutConfig.compile``)."""
+    cuda_graphs: int = 1
+    """1: replay the fast decode step from CUDA graphs on CUDA (``RolloutConfig.cuda_graphs``)."""
+    teacher_offload: int = 0
+    """1: the teacher runs in an inference-only DeepSpeed ZeRO-3 engine with its parameters offloaded
+    to host memory (for teachers larger than the student)."""
+    json_out: Optional[str] = None
+    """Where rank 0 writes the run's JSON report (every rank's figures); None writes none."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "samples_per_prompt", "max_new_tokens", "prompt_len", "steps"):
@@ -88,10 +119,53 @@ class JobConfig:
 
         if self.route not in ROUTES:
             raise ValueError(f"route: must be one of {ROUTES}; got {self.route!r}")
-        if self.keep_cache not in (0, 1):
-            raise ValueError(f"keep_cache: must be 0 or 1; got {self.keep_cache!r}")
+        for name in ("keep_cache", "compile", "cuda_graphs", "teacher_offload"):
+            if getattr(self, name) not in (0, 1) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be 0 or 1; got {getattr(self, name)!r}")
+        from rollout.config import GATHER_MODES
+
+        if self.gather not in GATHER_MODES:
+            raise ValueError(f"gather: must be one of {GATHER_MODES}; got {self.gather!r}")
         if self.deepspeed_config is not None and not os.path.isfile(self.deepspeed_config):
             raise ValueError(f"deepspeed_config: no such file {self.deepspeed_config!r}")
+        check_model_name("student", self.student)
+        check_model_name("teacher", self.teacher)
+        if self.teacher_offload and self.teacher == SELF_TEACHER:
+            raise ValueError("teacher_offload: the student cannot be offloaded as its own teacher "
+                             "(--teacher self)")
+        student_vocab = shape_vocab_size(self.student or DEFAULT_STUDENT)
+        teacher_vocab = shape_vocab_size(self.teacher or DEFAULT_TEACHER)
+        if student_vocab is not None and teacher_vocab is not None and teacher_vocab < student_vocab:
+            raise ValueError(f"teacher: the vocabulary of {self.teacher or DEFAULT_TEACHER!r} ({teacher_vocab}) "
+                             f"is smaller than the student's ({student_vocab}); it cannot score every "
+                             "token the student samples")
+
+
+#: The embedded models used when ``--student`` / ``--teacher`` are left out (their shape names).
+DEFAULT_STUDENT, DEFAULT_TEACHER = "tiny-qwen2", "tiny-llama"
+
+
+def shape_vocab_size(name: Optional[str]) -> Optional[int]:
+    """The vocabulary size of a shape name (``MODEL_SHAPES``); None for anything else."""
+    from rollout.testing import MODEL_SHAPES
+
+    return MODEL_SHAPES[name][1]["vocab_size"] if name in MODEL_SHAPES else None
+
+
+def check_model_name(field: str, name: Optional[str]) -> None:
+    """ValueError naming ``field`` unless ``name`` is None, a shape name, ``self`` (teacher), an
+    existing path, or an HF repo id (``org/name``)."""
+    from rollout.testing import MODEL_SHAPES
+
+    if name is None or name in MODEL_SHAPES or (field == "teacher" and name == SELF_TEACHER):
+        return
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{field}: must be a model name; got {name!r}")
+    if os.path.exists(name) or "/" in name:
+        return
+    extra = ", 'self'" if field == "teacher" else ""
+    raise ValueError(f"{field}: {name!r} is neither a shape name ({', '.join(sorted(MODEL_SHAPES))}{extra}), "
+                     "an existing local directory, nor an HF repo id 'org/name'")
 
 
 #: flag -> (config, field, type, help). Defaults come from the dataclasses, never from argparse.
@@ -111,6 +185,12 @@ FLAGS = {
     "--seed": ("job", "seed", int, "seed"),
     "--route": ("job", "route", str, "rollout route: ordinary, continuous or auto"),
     "--keep-cache": ("job", "keep_cache", int, "1: keep the KV cache between rollouts, 0: release it"),
+    "--gather": ("job", "gather", str, "ZeRO-3 rollout gathering: once or per_forward"),
+    "--compile": ("job", "compile", int, "1: torch.compile the fast decode step's pieces (CUDA)"),
+    "--cuda-graphs": ("job", "cuda_graphs", int, "1: fast decode step in CUDA graphs (CUDA)"),
+    "--teacher-offload": ("job", "teacher_offload", int,
+                          "1: teacher in an inference-only ZeRO-3 engine, parameters offloaded to host"),
+    "--json-out": ("job", "json_out", str, "rank 0 writes the run's JSON report (all ranks) here"),
     "--beta": ("opsd", "beta", float, "generalized JSD beta (0 forward KL, 1 reverse KL)"),
     "--temperature": ("opsd", "temperature", float, "loss temperature"),
     "--teacher-top-k": ("opsd", "teacher_top_k", int, "cache the teacher's top-k logits only"),
@@ -128,7 +208,12 @@ def parse_args(argv=None):
     for flag, (key, name, kind, text) in FLAGS.items():
         parser.add_argument(flag, dest=f"{key}.{name}", type=kind, default=argparse.SUPPRESS,
                             help=f"{text} (default: {defaults[key][name]})")
+    # The deepspeed launcher appends --local_rank=N; LOCAL_RANK (set by every launcher) is what counts.
+    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                        help=argparse.SUPPRESS)
     values = vars(parser.parse_args(argv))
+    global local_rank_arg
+    local_rank_arg = values.pop("local_rank")
     kwargs = {key: {name.split(".", 1)[1]: v for name, v in values.items() if name.startswith(key + ".")}
               for key in classes}
     try:
@@ -160,13 +245,17 @@ def init_distributed():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cpu")
+    if cuda:  # one GPU per rank, chosen before NCCL starts so its communicator binds to that GPU
+        if local_rank >= torch.cuda.device_count():
+            raise SystemExit(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA device(s) are "
+                             "visible; launch at most that many processes per node")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
     if not cuda:  # what DeepSpeed does where the op cannot be built: plain gloo collectives instead
         deepspeed.ops.__compatible_ops__[SHM_COMM_OP_NAME] = False
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False, verbose=False)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 
@@ -211,16 +300,68 @@ def load_tokenizer(path: str, model_config):
                              vocab_size=model_config.vocab_size)
 
 
-def load_model(name: Optional[str], arch: str, seed: int, dtype, device):
-    """``(model, tokenizer)``: a pretrained model, or the embedded tiny ``arch`` model."""
+def load_model(name: Optional[str], arch: str, seed: int, dtype, device, flag: str = "--student"):
+    """``(model, tokenizer)``: the embedded tiny ``arch`` model (None), a random model of a shape name
+    built on ``device``, or a pretrained model (a load failure names ``flag``)."""
     from transformers import AutoModelForCausalLM
 
-    from rollout.testing import TinyTokenizer, tiny_model
+    from rollout.testing import MODEL_SHAPES, TinyTokenizer, shaped_model, tiny_model
 
     if name is None:
         return tiny_model(arch, seed=seed, dtype=dtype, device=device), TinyTokenizer(pad_token_id=0, eos_token_id=2)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa").to(device)
-    return model, load_tokenizer(name, model.config)
+    if name in MODEL_SHAPES:
+        model = shaped_model(name, seed=seed, dtype=dtype, device=device)
+        config = model.config
+        return model, TinyTokenizer(pad_token_id=config.pad_token_id, eos_token_id=config.eos_token_id,
+                                    vocab_size=config.vocab_size)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{flag} {name!r}: cannot load it as a pretrained model ({type(exc).__name__}: {exc}); "
+                         f"random models of a shape: {', '.join(sorted(MODEL_SHAPES))}") from None
+    return model.to(device), load_tokenizer(name, model.config)
+
+
+def teacher_engine_config(config: dict, rows_per_step: int) -> dict:
+    """Inference-only ZeRO-3 with parameters offloaded to pinned host memory, in the student's precision."""
+    out = {"train_micro_batch_size_per_gpu": rows_per_step, "steps_per_print": 1 << 30,
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                                 "stage3_param_persistence_threshold": 0}}  # every parameter offloaded
+    for key in ("bf16", "fp16"):
+        if key in config:
+            out[key] = dict(config[key])
+    return out
+
+
+def teacher_placement(teacher) -> dict:
+    """Where the teacher's parameters live: total elements, and those held partitioned in host memory
+    (ZeRO-3 partitions on the CPU, not persistent on the device)."""
+    from rollout import compat
+
+    module = compat.unwrap_model(teacher)
+    total = offloaded = 0
+    for param in module.parameters():
+        numel = getattr(param, "ds_numel", param.numel())
+        total += numel
+        part = getattr(param, "ds_tensor", None)
+        if part is not None and not getattr(param, "ds_persist", False) and part.device.type == "cpu":
+            offloaded += numel
+    return {"numel": total, "offloaded_numel": offloaded}
+
+
+def make_offloaded_teacher(model, config: dict, rows_per_step: int):
+    """The teacher in a DeepSpeed ZeRO-3 engine without optimizer: its parameters live partitioned in
+    host memory and are gathered onto the device module by module for each forward.
+
+    ``OPSDStep`` calls the engine's module (the ZeRO-3 fetch/release hooks live on the modules), so
+    its teacher forward stays an ``opsd/teacher_forward`` range. Every rank runs the same number of
+    teacher forwards (same rows per step), as the per-module all-gathers require.
+    """
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, config=teacher_engine_config(config, rows_per_step))
+    engine.eval()
+    return engine
 
 
 def make_student_engine(model, job: JobConfig, config: dict):
@@ -342,18 +483,24 @@ def build_step(job: JobConfig, opsd_config, device):
     student, tokenizer = load_model(job.student, "qwen2", job.seed, dtype, device)
     teacher, teacher_tokenizer = None, None
     if job.teacher != SELF_TEACHER:
-        teacher, teacher_tokenizer = load_model(job.teacher, "llama", job.seed + 1, dtype, device)
+        teacher, teacher_tokenizer = load_model(job.teacher, "llama", job.seed + 1, dtype, device, "--teacher")
         teacher.eval().requires_grad_(False)
+        if job.teacher_offload:
+            teacher = make_offloaded_teacher(teacher, config, job.batch_size * job.samples_per_prompt)
     engine = make_student_engine(student, job, config)
     from rollout.config import RolloutConfig
 
-    rollout_config = RolloutConfig(route=job.route, keep_cache=bool(job.keep_cache))
+    rollout_config = RolloutConfig(route=job.route, keep_cache=bool(job.keep_cache), gather=job.gather,
+                                   compile=bool(job.compile), cuda_graphs=bool(job.cuda_graphs))
     return OPSDStep(engine, engine if teacher is None else teacher, tokenizer, opsd_config,
                     teacher_tokenizer=teacher_tokenizer, rollout_config=rollout_config)
 
 
-def train(step, job: JobConfig, rank: int, device):
-    """The training loop inside a profiler session; returns ``(step results, session)``."""
+def train(step, job: JobConfig, rank: int, device, memory: Optional["PeakMemory"] = None):
+    """The training loop inside a profiler session; returns ``(step results, session)``.
+
+    ``memory`` (optional) reads the device's peak allocation after every step.
+    """
     from instrumentation import opsd_profiler
     from rollout.config import SamplingConfig
 
@@ -371,6 +518,8 @@ def train(step, job: JobConfig, rank: int, device):
                                  self_teacher_prompts(ids[rows], mask[rows], vocab, job.seed)))
             seed = job.seed * 100_003 + rank * 1009 + index  # distinct samples per rank and step
             result = step.step(ids[rows], mask[rows], dataclasses.replace(sampling, seed=seed), **extra)
+            if memory is not None:
+                memory.after_step()
             prof.step()
             results.append(result)
             bar.update()
@@ -380,25 +529,181 @@ def train(step, job: JobConfig, rank: int, device):
     return results, prof
 
 
+class PeakMemory:
+    """Peak memory of this rank: CUDA allocated bytes of the training steps (the build's apart), or
+    the process's peak RSS on the CPU.
+
+    The stage timers reset the CUDA peak at each stage of a profiled step, so the peak is read after
+    every step and combined with the per-stage peaks the profiler session recorded.
+    """
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.build_bytes: Optional[int] = None
+        self.step_bytes = 0
+        if self.cuda:
+            torch.cuda.synchronize(device)
+            self.build_bytes = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def after_step(self) -> None:
+        if self.cuda:
+            import torch
+
+            self.step_bytes = max(self.step_bytes, torch.cuda.max_memory_allocated(self.device))
+
+    def steps_gib(self, prof=None) -> Optional[float]:
+        """Peak GiB allocated during the steps (None on the CPU)."""
+        if not self.cuda:
+            return None
+        recorded = [row["peak_mib"] for row in (prof.stage_rows() if prof is not None and prof.selected else [])
+                    if row.get("peak_mib") is not None]
+        return max([self.step_bytes / GIB] + [mib / 1024.0 for mib in recorded])
+
+    @staticmethod
+    def rss_gib() -> float:
+        """Peak resident set size of this process (GiB)."""
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # ru_maxrss: KiB on Linux
+
+
+def _median_after_warmup(values: list) -> Optional[float]:
+    """Median of the values after the first (warm-up) one; of all when there is only one."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return statistics.median(values[1:] or values)
+
+
+def launcher_name() -> str:
+    """Which launcher started this process, as far as it can tell."""
+    if local_rank_arg is not None:
+        return "deepspeed"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun"
+    return "none" if os.environ.get("WORLD_SIZE", "1") == "1" else "env"
+
+
+def rank_report(results, rank: int, device, memory: PeakMemory, prof, build_s: float) -> dict:
+    """This rank's figures for the JSON report."""
+    import torch
+
+    cuda = device.type == "cuda"
+    step_ms = [r.step_ms for r in results]
+    tokens_per_s = [r.rollout_tokens_per_s for r in results]
+    return {
+        "rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "local_rank_arg": local_rank_arg,
+        "device": str(device), "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "build_s": build_s, "step_ms": step_ms, "median_step_ms": _median_after_warmup(step_ms),
+        "rollout_ms": [r.rollout_ms for r in results],
+        "rollout_tokens_per_s": tokens_per_s,
+        "median_rollout_tokens_per_s": _median_after_warmup(tokens_per_s),
+        "response_tokens": [r.num_response_tokens for r in results],
+        "losses": [r.loss for r in results],
+        "peak_gpu_gib": memory.steps_gib(prof),
+        "build_peak_gpu_gib": None if memory.build_bytes is None else memory.build_bytes / GIB,
+        "reserved_gpu_gib": torch.cuda.memory_reserved(device) / GIB if cuda else None,
+        "peak_rss_gib": memory.rss_gib(),
+    }
+
+
+def run_report(job: JobConfig, opsd_config, step, per_rank: list, world: int) -> dict:
+    """The whole run's JSON report from every rank's :func:`rank_report` (rank order)."""
+    import deepspeed
+    import torch
+    import transformers
+
+    medians = [r["median_step_ms"] for r in per_rank if r["median_step_ms"] is not None]
+    rates = [r["median_rollout_tokens_per_s"] for r in per_rank if r["median_rollout_tokens_per_s"] is not None]
+    peaks = [r["peak_gpu_gib"] for r in per_rank]
+    last = [r["losses"][-1] for r in per_rank if r["losses"]]
+    return {
+        "schema": "opsd-train-report/1",
+        "world_size": world,
+        "launcher": launcher_name(),
+        "zero_stage": step.student.zero_optimization_stage(),
+        "gather": job.gather,
+        "route": job.route,
+        "teacher_offload": bool(job.teacher_offload),
+        "student": job.student or DEFAULT_STUDENT,
+        "teacher": job.teacher or DEFAULT_TEACHER,
+        "dtype": str(next(step.student_module.parameters()).dtype).replace("torch.", ""),
+        "device_name": per_rank[0]["device_name"],
+        "steps": job.steps,
+        "rows_per_step_per_rank": job.batch_size * job.samples_per_prompt,
+        "job": dataclasses.asdict(job),
+        "opsd": {k: (str(v) if not isinstance(v, (int, float, str, type(None))) else v)
+                 for k, v in dataclasses.asdict(opsd_config).items()},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "deepspeed": deepspeed.__version__},
+        "median_step_s": max(medians) / 1e3 if medians else None,
+        "rollout_tokens_per_s": sum(rates) if rates else None,
+        "peak_memory": "cuda_max_allocated" if peaks and peaks[0] is not None else "cpu_peak_rss",
+        "peak_gib_per_rank": peaks if peaks and peaks[0] is not None else [r["peak_rss_gib"] for r in per_rank],
+        "last_loss": sum(last) / len(last) if last else None,
+        "teacher_params": None if step.is_self_distillation else teacher_placement(step.teacher),
+        "ranks": per_rank,
+    }
+
+
+def write_json(path: str, doc: dict) -> None:
+    """Write ``doc`` to ``path`` atomically (a reader never sees half a file)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as handle:
+        json.dump(doc, handle, indent=2, allow_nan=True)
+        handle.write("\n")
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> None:
     job, opsd_config = parse_args(argv)
     rank, world, device = init_distributed()
     import torch
 
+    started = time.perf_counter()
     step = build_step(job, opsd_config, device)
+    build_s = time.perf_counter() - started
+    memory = PeakMemory(device)
     if rank == 0:
-        print(f"OPSD: world {world}, device {device.type}, ZeRO-{step.student.zero_optimization_stage()}, "
-              f"{'LoRA r=' + str(job.lora) if job.lora else 'full weights'}, teacher "
-              f"{job.teacher or 'tiny llama'}, {job.batch_size * job.samples_per_prompt} rows/step, "
-              f"beta {opsd_config.beta}, top-k {opsd_config.teacher_top_k}, cache {opsd_config.logit_cache_location}")
-    results, prof = train(step, job, rank, device)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(f"OPSD: world {world}, device {device.type} ({name}), ZeRO-{step.student.zero_optimization_stage()}, "
+              f"gather {job.gather}, {'LoRA r=' + str(job.lora) if job.lora else 'full weights'}, student "
+              f"{job.student or DEFAULT_STUDENT}, teacher {job.teacher or 'tiny llama'}"
+              f"{' (ZeRO-3, offloaded)' if job.teacher_offload else ''}, "
+              f"{job.batch_size * job.samples_per_prompt} rows/step, beta {opsd_config.beta}, top-k "
+              f"{opsd_config.teacher_top_k}, cache {opsd_config.logit_cache_location}, built in {build_s:.1f} s")
+    results, prof = train(step, job, rank, device, memory)
     if rank == 0:
         print(summary_line(results))
     if rank == 0 or prof.selected:
         print_profile(prof)
+    if job.json_out is not None:
+        mine = rank_report(results, rank, device, memory, prof, build_s)
+        per_rank = [None] * world
+        torch.distributed.all_gather_object(per_rank, mine)  # collective: every rank's figures on rank 0
+        if rank == 0:
+            write_json(job.json_out, run_report(job, opsd_config, step, per_rank, world))
+            print(f"report: {job.json_out}")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # Everything is written, flushed and the process group destroyed: leave without interpreter
+    # finalization. DeepSpeed keeps references to communication objects whose C++ destructors, run
+    # during finalization, can take the GIL from a communication thread and abort the process
+    # ("terminate called without an active exception"; seen once in ~60 two-rank gloo ZeRO-3 runs),
+    # turning a finished run into a failed one.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
