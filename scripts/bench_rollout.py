@@ -117,7 +117,9 @@ def copy_bandwidth_gbps(device: str) -> float:
 
 
 def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the full weights (under ZeRO-3 a parameter's local tensor is a partition: ``ds_numel``
+    is its full size), tied weights counted once."""
+    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
 
 
 def suite_decode(model, tok, device, repeats, bandwidth_gbps) -> list[Row]:
