@@ -69,7 +69,10 @@ class AlignedKVCache(Cache):
     larger in both the batch and the column dimension; this cache uses its leading part.
     """
 
-    def __init__(self, shape: CacheShape, storage: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __init__(self, shape: CacheShape, storage: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 state: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``state``: ``(valid [slots, capacity] bool, write_col [1] int64)`` to use instead of fresh ones
+        (the static buffers of the continuous route's CUDA graphs, :mod:`rollout.cb_graphs`)."""
         dims = (shape.num_layers, shape.batch_size, shape.num_kv_heads, shape.capacity, shape.head_dim)
         if storage is None:
             storage = (torch.zeros(dims, dtype=shape.dtype, device=shape.device),
@@ -83,8 +86,15 @@ class AlignedKVCache(Cache):
         self.value_storage = values[:, :shape.batch_size, :, :shape.capacity]
         super().__init__(layers=[OwnedKVLayer(self, self.key_storage[i], self.value_storage[i])
                                  for i in range(shape.num_layers)])
-        self.valid = torch.zeros((shape.batch_size, shape.capacity), dtype=torch.bool, device=shape.device)
-        self.write_col = torch.zeros(1, dtype=torch.long, device=shape.device)
+        if state is None:
+            self.valid = torch.zeros((shape.batch_size, shape.capacity), dtype=torch.bool, device=shape.device)
+            self.write_col = torch.zeros(1, dtype=torch.long, device=shape.device)
+        else:
+            self.valid, self.write_col = state
+            if tuple(self.valid.shape) != (shape.batch_size, shape.capacity) or tuple(self.write_col.shape) != (1,):
+                raise ValueError(f"state: valid {tuple(self.valid.shape)} / write_col {tuple(self.write_col.shape)} "
+                                 f"do not match {shape.batch_size} slots x {shape.capacity} columns")
+            self.valid.zero_()
         self.front = 0
         self.num_rows = self.read_start = self.read_end = 0
         self.stats = CacheStats()

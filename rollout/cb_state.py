@@ -48,6 +48,7 @@ class RunState:
     mask_dtype: torch.dtype
     fast: tuple | None = None  # (spec, weights, step fns) of rollout.fast_decode, or None: HF layers decode
     fast_prefill: tuple | None = None  # the same parts for rollout.fast_prefill, or None: HF layers prefill
+    graph: tuple | None = None  # (step, CBBuffers) of rollout.cb_graphs: decode from static buffers
     width: int = 0
 
     @property
@@ -70,25 +71,40 @@ def check_args(prompt_ids, prompt_mask, sampling, eos_ids, cost_model) -> None:
 
 def new_run_state(model, cache: AlignedKVCache, arena: ScratchArena, sampling: SamplingConfig, eos_ids,
                   cost_model: CostModel, max_prefill_tokens, stage, prompt_ids, prompt_mask, layout: PromptLayout,
-                  counters: dict, fast: tuple | None = None, fast_prefill: tuple | None = None) -> RunState:
+                  counters: dict, fast: tuple | None = None, fast_prefill: tuple | None = None,
+                  graph: tuple | None = None) -> RunState:
+    """The call's state; with ``graph`` (``(step, CBBuffers)``) its tensors are the static buffers."""
     device, num_slots = cache.valid.device, cache.num_slots
     spans = layout.spans
     suffix_max = list(spans)
     for p in range(len(spans) - 2, -1, -1):
         suffix_max[p] = max(spans[p], suffix_max[p + 1])
-    seen = None
-    if sampling.repetition_penalty != 1.0:
-        seen = torch.zeros((num_slots, model.config.vocab_size), dtype=torch.bool, device=device)  # seen: [S, V]
+    use_seen = sampling.repetition_penalty != 1.0
     num_rows = len(spans) * sampling.n_samples_per_prompt
     seed = 0 if sampling.is_greedy else draw_seed(sampling)
+    if graph is None:
+        seen = torch.zeros((num_slots, model.config.vocab_size), dtype=torch.bool, device=device) \
+            if use_seen else None  # seen: [S, V]
+        last_tokens = torch.zeros(num_slots, dtype=torch.long, device=device)  # last_tokens: [S]
+        generated = torch.zeros((num_rows, sampling.max_new_tokens), dtype=torch.long, device=device)  # [B*n, T_r]
+        seed_t = torch.full((), seed, dtype=torch.long, device=device)  # a fill, not a host->device copy
+    else:  # the static buffers: fills only (their addresses are what the captured graphs read)
+        bufs = graph[1]
+        seen = bufs.seen if use_seen else None
+        if seen is not None:
+            seen.zero_()
+        last_tokens = bufs.last_tokens
+        last_tokens.zero_()
+        generated = bufs.generated  # [>= B*n + 1, >= T_r]: the last row is the padding slots' sink
+        generated.zero_()
+        seed_t = bufs.seed
+        seed_t.fill_(seed)
     return RunState(
         model=model, cache=cache, arena=arena, sampling=sampling, eos_ids=eos_ids, cost_model=cost_model,
         max_prefill_tokens=max_prefill_tokens, stage=stage, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-        layout=layout, suffix_max=suffix_max, seen=seen,
-        last_tokens=torch.zeros(num_slots, dtype=torch.long, device=device),  # last_tokens: [S]
-        generated=torch.zeros((num_rows, sampling.max_new_tokens), dtype=torch.long, device=device),  # [B*n, T_r]
-        seed=torch.full((), seed, dtype=torch.long, device=device),  # a fill, not a host->device copy
-        counters=counters, mask_dtype=compat.mask_dtype(model), fast=fast, fast_prefill=fast_prefill)
+        layout=layout, suffix_max=suffix_max, seen=seen, last_tokens=last_tokens, generated=generated,
+        seed=seed_t, counters=counters, mask_dtype=compat.mask_dtype(model), fast=fast, fast_prefill=fast_prefill,
+        graph=graph)
 
 
 def cache_counters(cache: AlignedKVCache) -> dict:

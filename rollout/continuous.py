@@ -47,6 +47,7 @@ from rollout.cb_state import (COUNTERS, RunState, cache_counters, check_args, em
                               new_run_state, row_data)
 from rollout.config import SamplingConfig
 from rollout.kv_cache import cache_shape
+from rollout.decode_graphs import batch_bucket
 from rollout.planner import DEFAULT_MAX_TOKENS, CostModel, plan_prefill_buckets
 from rollout.runner import prefill_forward
 from rollout.scheduler import ContinuousScheduler, SchedulerConfig
@@ -75,7 +76,8 @@ def generate_continuous(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
                         capacity: int | None = None, cache: AlignedKVCache | None = None,
                         arena: ScratchArena | None = None, layout: PromptLayout | None = None,
                         max_prefill_tokens: int | None = DEFAULT_MAX_TOKENS, stage=None,
-                        fast: tuple | None = None, fast_prefill: tuple | None = None) -> ContinuousResult:
+                        fast: tuple | None = None, fast_prefill: tuple | None = None,
+                        graph: tuple | None = None) -> ContinuousResult:
     """Generate ``sampling.n_samples_per_prompt`` responses per prompt by continuous batching.
 
     ``prompt_ids``/``prompt_mask`` are the *unexpanded* request ``[B, T_p]`` (left-padded).
@@ -88,6 +90,9 @@ def generate_continuous(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     weights, step fns)`` of :mod:`rollout.fast_decode` to decode through our own step (eagerly: rows
     and windows change every step, so no CUDA graphs here); None decodes through the HF layers.
     ``fast_prefill``: the same parts to prefill each bucket through :mod:`rollout.fast_prefill`.
+    ``graph``: ``(step, CBBuffers)`` (``FastDecoder.cb_stepper`` / ``cb_buffers_for``) to decode from
+    static buffers, replayed from CUDA graphs on the GPU (:mod:`rollout.cb_graphs`); ``cache`` must
+    then use the buffers' ``valid``/``write_col`` and have ``batch_bucket(slots)`` slots.
     """
     stage = stage or _default_stage()
     check_args(prompt_ids, prompt_mask, sampling, eos_ids, cost_model)
@@ -109,7 +114,7 @@ def generate_continuous(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     own_arena = arena is None
     arena = arena or ScratchArena.like(cache.shape)
     run = new_run_state(model, cache, arena, sampling, eos_ids, cost_model, max_prefill_tokens, stage, prompt_ids,
-                        prompt_mask, layout, counters, fast, fast_prefill)
+                        prompt_mask, layout, counters, fast, fast_prefill, graph)
     try:
         _loop(run, slots)
     finally:
@@ -118,7 +123,7 @@ def generate_continuous(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
             if own_arena:
                 arena.release()
     counters.update(cache_counters(cache), scratch_bytes=scratch_bytes, scratch_allocations=arena.num_allocations)
-    return ContinuousResult(run.generated[:, :run.width], run.width, counters)
+    return ContinuousResult(run.generated[:num_rows, :run.width], run.width, counters)
 
 
 # ---- the loop ----------------------------------------------------------------------------------
@@ -170,8 +175,21 @@ def _decode(run: RunState, rows) -> None:
     with run.stage(stages.DECODE):
         positions = [run.layout.real_counts[r.request_id] + r.num_generated - 1 for r in rows]
         sample_ids = [r.request_id * run.num_samples + r.sample_index for r in rows]
-        packed = row_data(run, sample_ids, [r.num_generated for r in rows], positions)  # [3, n]
+        steps = [r.num_generated for r in rows]
         keep = cache.begin_decode(num_rows, max_extent)
+        if run.graph is not None:  # static buffers; a CUDA graph per (batch bucket, length bucket) on GPU
+            step, bufs = run.graph
+            bucket = batch_bucket(num_rows)
+            pad = bucket - num_rows  # free slots computed along: their tokens go to the dummy row
+            bufs.rowdata[:, :bucket].copy_(row_data(run, sample_ids + [bufs.dummy_row] * pad, steps + [0] * pad,
+                                                    positions + [0] * pad))
+            mode = step(num_rows, cache.front)
+            run.counters[f"{mode}_decode_steps"] = run.counters.get(f"{mode}_decode_steps", 0) + 1
+            cache.end_decode()
+            run.counters["decode_forwards"] += 1
+            run.counters["decode_rows"] += num_rows
+            return
+        packed = row_data(run, sample_ids, steps, positions)  # [3, n]
         if run.fast is not None:
             spec, weights, fns = run.fast
             logits = fast_decode.decode_logits(spec, weights, fns, cache.key_storage[:, :num_rows],

@@ -20,6 +20,7 @@ import functools
 import torch
 
 from rollout import fast_decode
+from rollout.cb_graphs import CBBuffers, cb_decode_step
 from rollout.sampling import select_next_token
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -93,6 +94,10 @@ class FastDecoder:
         self._graphs: dict = {}
         self._pool = None
         self.num_captures = 0
+        self.cb_buffers: CBBuffers | None = None  # the continuous route's (see rollout.cb_graphs)
+        self._cb_graphs: dict = {}
+        self._cb_pool = None
+        self.cb_fallback_reason: str | None = None
 
     def buffers_for(self, rows: int, capacity: int, max_new_tokens: int, vocab_size: int, device) -> DecodeBuffers:
         bucket = batch_bucket(rows)
@@ -109,11 +114,15 @@ class FastDecoder:
         self._graphs.clear()
         self._pool = None
         self.buffers = None
+        self._cb_graphs.clear()
+        self._cb_pool = None
+        self.cb_buffers = None
 
     @property
     def nbytes(self) -> int:
         """Bytes held between calls: the static buffers and the weight mirror (graph pools not counted)."""
         held = sum(t.nbytes for t in vars(self.buffers).values() if isinstance(t, torch.Tensor)) if self.buffers else 0
+        held += self.cb_buffers.nbytes if self.cb_buffers is not None else 0
         return held + (self.mirror.nbytes if self.mirror is not None else 0)
 
     def graph_reason(self, device: torch.device) -> str | None:
@@ -158,25 +167,91 @@ class FastDecoder:
         return step
 
     def _capture(self, step) -> "torch.cuda.CUDAGraph":
-        """Warm up (compiling on first use) and capture ``step``. The buffers it mutates are restored after
-        every warm-up run, so the captured step starts from the live state; the cache column a warm-up
-        writes is rewritten by the real step before anything reads it."""
-        saved = [t.clone() for t in self.buffers.mutable()]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
-                for dst, src in zip(self.buffers.mutable(), saved):
-                    dst.copy_(src)
-        torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            step()
         self.num_captures += 1
-        return graph
+        return capture_graph(step, self.buffers.mutable(), self._pool)
+
+    # ---- the continuous route ----------------------------------------------------------------------
+    def cb_buffers_for(self, slots: int, capacity: int, rows: int, max_new_tokens: int, vocab_size: int, device,
+                       with_seen: bool) -> CBBuffers:
+        """The continuous route's static buffers for ``slots`` (a batch bucket) x ``capacity``; reused
+        while they fit (the graphs captured over them too), reallocated (graphs dropped) otherwise."""
+        if self.cb_buffers is None or not self.cb_buffers.fits(slots, capacity, rows, max_new_tokens, vocab_size,
+                                                               device, with_seen):
+            self._cb_graphs.clear()
+            self._cb_pool = None
+            self.cb_buffers = None
+            round_up = lambda n: -(-n // LENGTH_BUCKET) * LENGTH_BUCKET  # noqa: E731
+            self.cb_buffers = CBBuffers(slots, capacity, rows, round_up(max_new_tokens), vocab_size, device,
+                                        with_seen)
+        return self.cb_buffers
+
+    def cb_stepper(self, cache, sampling, has_seen: bool):
+        """``step(num_rows, front) -> "graph" | "eager"``: one continuous decode step of live rows
+        ``[0, num_rows)`` whose write column is ``front`` (``cache.begin_decode`` already ran and the
+        rows' data is in ``cb_buffers.rowdata``)."""
+        spec, weights = fast_decode.spec_and_weights(self.model)
+        if self.mirror is not None:
+            weights = self.mirror.refresh(weights)
+        bufs = self.cb_buffers
+        device = bufs.rowdata.device
+        fns = compiled_step_fns() if (self.use_compile and device.type == "cuda") else fast_decode.StepFns()
+        use_graphs = self.graph_reason(device) is None
+        static_key = (sampling_key(sampling), has_seen, cache.key_storage.data_ptr(), tuple(cache.key_storage.shape),
+                      cache.valid.data_ptr(), weights.signature()) if use_graphs else None
+
+        def step(num_rows: int, front: int) -> str:
+            bucket = batch_bucket(num_rows)
+            length = length_bucket(front + 1, cache.capacity)
+
+            def work():
+                cb_decode_step(spec, weights, fns, cache, bufs, bucket, length, sampling, has_seen)
+
+            if not use_graphs:
+                work()
+                return "eager"
+            graph = self._cb_graphs.get((bucket, length, static_key))
+            if graph is None:
+                if self._cb_pool is None:
+                    self._cb_pool = torch.cuda.graph_pool_handle()
+                try:
+                    graph = capture_graph(work, bufs.mutable(), self._cb_pool)
+                except Exception as exc:  # noqa: BLE001 - the step still runs, eagerly, and the profile says why
+                    self.cb_fallback_reason = f"continuous route: CUDA graph capture failed ({exc!r:.200})"
+                    self._cb_graphs[(bucket, length, static_key)] = False
+                    graph = False
+                else:
+                    self._cb_graphs[(bucket, length, static_key)] = graph
+                    self.num_captures += 1
+            if graph is False:
+                work()
+                return "eager"
+            graph.replay()
+            return "graph"
+
+        return step
+
+
+def capture_graph(step, mutable: list[torch.Tensor], pool) -> "torch.cuda.CUDAGraph":
+    """Warm up (compiling on first use) and capture ``step`` in ``pool``. The ``mutable`` tensors it
+    writes are restored after every warm-up run, so the captured step starts from the live state; the
+    cache column a warm-up writes is rewritten by the real step before anything reads it."""
+    saved = [t.clone() for t in mutable]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            try:
+                step()
+            finally:  # restored after every run, also when one fails (the caller then runs it eagerly)
+                for dst, src in zip(mutable, saved):
+                    dst.copy_(src)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        step()
+    return graph
 
 
 def _decode_step(spec, weights, fns, cache, bufs: DecodeBuffers, bucket: int, length: int, sampling, eos_ids,

@@ -18,7 +18,7 @@ from rollout import cb_route, compat, fast_decode, fast_prefill, routes, zero
 from rollout.aligned_cache import AlignedKVCache, ScratchArena
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.continuous import generate_continuous
-from rollout.decode_graphs import FastDecoder, batch_bucket, compiled_step_fns
+from rollout.decode_graphs import LENGTH_BUCKET, FastDecoder, batch_bucket, compiled_step_fns
 from rollout.expand import expand_prompts
 from rollout.kv_cache import CachePool, cache_shape
 from rollout.lora import LoraFuser
@@ -180,27 +180,49 @@ class Rollout:
         num_rows = len(layout.spans) * sampling.n_samples_per_prompt
         slots = cb_route.resolve_num_slots(sampling.continuous_batch_size, num_rows, sampling.n_samples_per_prompt)
         capacity = cb_route.checked_capacity(None, layout, sampling.max_new_tokens, slots < num_rows)
-        shape = cache_shape(self.model, slots, capacity)
+        fast, reason = self._continuous_fast_step(device)
+        static = fast is not None and self.config.cuda_graphs  # decode from static buffers (graphs on CUDA)
+        cache_slots = batch_bucket(slots) if static else slots  # padding slots of the batch buckets
+        if static:  # fewer distinct shapes: buffers and graphs are reused across calls
+            capacity = -(-capacity // LENGTH_BUCKET) * LENGTH_BUCKET
+        shape = cache_shape(self.model, cache_slots, capacity)
+        graph = None
         with stage(stages.CACHE_ACQUIRE):
             base = self._pool.acquire(shape)
-            cache = AlignedKVCache(shape, storage=(base.key_storage, base.value_storage))
+            state = None
+            if static:
+                has_seen = sampling.repetition_penalty != 1.0
+                bufs = self._decoder.cb_buffers_for(cache_slots, capacity, num_rows, sampling.max_new_tokens,
+                                                    self.model.config.vocab_size, device, has_seen)
+                state = (bufs.valid, bufs.write_col)
+            cache = AlignedKVCache(shape, storage=(base.key_storage, base.value_storage), state=state)
+            if static:
+                graph = (self._decoder.cb_stepper(cache, sampling, has_seen), bufs)
             if self._arena is None or not self.config.keep_cache:
                 self._arena = ScratchArena.like(shape)
-        fast, reason = self._continuous_fast_step(device)
         try:
             result = generate_continuous(
                 self.model, prompt_ids, prompt_mask, sampling, eos_tensor(self.eos_token_ids, device),
                 cost_model=self._costs(), num_slots=slots, cache=cache, arena=self._arena, layout=layout,
                 max_prefill_tokens=self.config.max_prefill_tokens, stage=stage, fast=fast,
-                fast_prefill=fast if self.config.fast_prefill else None)
+                fast_prefill=fast if self.config.fast_prefill else None, graph=graph)
         finally:
             with stage(stages.CACHE_RELEASE):
                 self._pool.release()
                 if not self.config.keep_cache:
                     self._arena.release()
                     self._arena = None
-        counters = dict(result.counters, num_steps=result.num_steps, decode_fallback_reason=reason,
-                        decode_path="fast_eager" if fast is not None else "hf")
+                    if static:
+                        self._decoder.release()
+        if fast is None:
+            path = "hf"
+        elif result.counters.get("graph_decode_steps"):
+            path = "graph"
+        else:
+            path = "fast_eager"
+            if static and self._decoder.cb_fallback_reason:
+                reason = self._decoder.cb_fallback_reason
+        counters = dict(result.counters, num_steps=result.num_steps, decode_fallback_reason=reason, decode_path=path)
         return result.generated, counters
 
     def _prefill_path(self, device) -> str:
@@ -227,7 +249,10 @@ class Rollout:
         spec, weights = fast_decode.spec_and_weights(self.model)
         use_compile = self.config.compile and device.type == "cuda"
         fns = compiled_step_fns() if use_compile else fast_decode.StepFns()
-        return (spec, weights, fns), "continuous route: fast step without CUDA graphs"
+        if not self.config.cuda_graphs:
+            return (spec, weights, fns), "continuous route: cuda_graphs disabled in RolloutConfig"
+        graph_reason = decoder.graph_reason(device)
+        return (spec, weights, fns), (f"eager fast step: {graph_reason}" if graph_reason else None)
 
     def _costs(self) -> CostModel:
         if self._cost_model is None:

@@ -19,11 +19,12 @@ from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
 from rollout.aligned_cache import AlignedKVCache, ScratchArena
 from rollout.cb_route import check_gather, prompt_layout
 from rollout.continuous import generate_continuous
+from rollout.decode_graphs import batch_bucket
 from rollout.kv_cache import cache_shape
 from rollout.kv_cache import CachePool, CacheShape
 from rollout.planner import CostModel
 from rollout.testing import TinyTokenizer, tiny_model
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, response_of
 
 NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
 
@@ -347,3 +348,73 @@ def test_engine_owned_cache_and_arena_are_reused_across_calls(qwen, max_new):
 def test_cache_shape_matches_the_model(qwen):
     shape = cache_shape(qwen, 3, 40)
     assert (shape.batch_size, shape.capacity, shape.num_layers, shape.num_kv_heads, shape.head_dim) == (3, 40, 2, 2, 16)
+
+
+# ----------------------------------------------------------------------------- static-buffer decode
+
+@pytest.mark.parametrize("sampling", [
+    SamplingConfig(max_new_tokens=9, temperature=0.0, continuous_batch_size=3),
+    SamplingConfig(max_new_tokens=9, temperature=0.0, repetition_penalty=1.6, continuous_batch_size=5),
+    SamplingConfig(max_new_tokens=7, temperature=0.9, top_p=0.9, top_k=50, n_samples_per_prompt=2, seed=7,
+                   continuous_batch_size=4),
+], ids=["greedy-3slots", "penalty-5slots", "sampled-4slots"])
+def test_static_buffer_decode_equals_the_per_call_path(qwen, sampling):
+    """The graph-ready path (static buffers, batch-bucket padding slots, reads from column 0) gives the
+    per-call eager path's tokens, with refills, EOS and compaction; on the CPU it runs eagerly."""
+    ids, mask = make_prompts([7, 2, 11, 4, 9, 1, 6], seed=12)
+    eos = staggered_eos(qwen, ids, mask, sampling.max_new_tokens)
+    tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
+    static = Rollout(qwen, tok, RolloutConfig(route="continuous"))
+    per_call = Rollout(qwen, tok, RolloutConfig(route="continuous", cuda_graphs=False))
+    got = static.generate(RolloutRequest(ids, mask), sampling)
+    expected = per_call.generate(RolloutRequest(ids, mask), sampling)
+    assert torch.equal(got.input_ids, expected.input_ids)
+    assert torch.equal(got.attention_mask, expected.attention_mask)
+    stats = static.last_stats
+    assert stats["eager_decode_steps"] == stats["decode_forwards"] > 0  # the static path ran (no graphs on CPU)
+    assert stats["num_slots"] == batch_bucket(sampling.continuous_batch_size)  # padding slots of the buckets
+    assert "eager_decode_steps" not in per_call.last_stats
+    if sampling.is_greedy:
+        for row in range(7):
+            assert response_of(got, row) == cut(
+                hf_greedy(qwen, ids[row], mask[row], sampling.max_new_tokens,
+                          repetition_penalty=sampling.repetition_penalty), eos)
+
+
+def test_static_buffers_are_reused_across_calls_and_released_without_keep_cache(qwen):
+    ids, mask = make_prompts([5, 3, 8], seed=13)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, continuous_batch_size=2)
+    ro = Rollout(qwen, NO_EOS, RolloutConfig(route="continuous"))
+    first = ro.generate(RolloutRequest(ids, mask), sampling)
+    bufs = ro._decoder.cb_buffers
+    ids2, mask2 = make_prompts([4, 6, 2], seed=14)
+    ro.generate(RolloutRequest(ids2, mask2), sampling)
+    assert ro._decoder.cb_buffers is bufs  # same shapes: the same static tensors (and graphs on GPU)
+    again = ro.generate(RolloutRequest(ids, mask), sampling)
+    assert torch.equal(again.input_ids, first.input_ids)  # nothing of the previous call leaks in
+    loose = Rollout(qwen, NO_EOS, RolloutConfig(route="continuous", keep_cache=False))
+    assert torch.equal(loose.generate(RolloutRequest(ids, mask), sampling).input_ids, first.input_ids)
+    assert loose._decoder.cb_buffers is None and loose.held_bytes == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_continuous_decode_equals_the_eager_paths_fp32():
+    model = tiny_model("qwen2", seed=3, device="cuda")
+    ids, mask = make_prompts([7, 2, 11, 4, 9, 1, 6], seed=12)
+    ids, mask = ids.cuda(), mask.cuda()
+    eos = staggered_eos(model, ids, mask, 12)
+    tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
+    for sampling in (SamplingConfig(max_new_tokens=12, temperature=0.0, continuous_batch_size=3),
+                     SamplingConfig(max_new_tokens=12, temperature=1.0, top_p=0.8, seed=2, repetition_penalty=1.3,
+                                    n_samples_per_prompt=2, continuous_batch_size=6)):
+        graphs = Rollout(model, tok, RolloutConfig(route="continuous", compile=False))
+        got = graphs.generate(RolloutRequest(ids, mask), sampling)
+        assert graphs.last_stats["decode_path"] == "graph", graphs.last_stats.get("decode_fallback_reason")
+        assert graphs.last_stats["graph_decode_steps"] == graphs.last_stats["decode_forwards"]
+        eager = Rollout(model, tok, RolloutConfig(route="continuous", cuda_graphs=False, compile=False))
+        assert torch.equal(got.input_ids, eager.generate(RolloutRequest(ids, mask), sampling).input_ids)
+        hf = Rollout(model, tok, RolloutConfig(route="continuous", fast_decode=False))
+        assert torch.equal(got.input_ids, hf.generate(RolloutRequest(ids, mask), sampling).input_ids)
+        captures = graphs._decoder.num_captures
+        assert torch.equal(graphs.generate(RolloutRequest(ids, mask), sampling).input_ids, got.input_ids)
+        assert graphs._decoder.num_captures == captures  # graphs are reused across calls
