@@ -134,7 +134,7 @@ def calibration_metadata(model, device, dtype) -> dict:
     import torch
     import transformers
 
-    from rollout import compat, fast_decode
+    from rollout import compat
 
     config = model.config
     geometry = CostModel.from_model(model, dtype=dtype)
@@ -142,7 +142,7 @@ def calibration_metadata(model, device, dtype) -> dict:
         "device_name": device_name(device),
         "dtype": str(dtype).removeprefix("torch."),
         "attention_implementation": compat.attention_implementation(model),
-        "prefill_path": "packed" if fast_decode.unsupported_reason(model) is None else "hf",
+        "prefill_path": _prefill_path(model, device, dtype),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "geometry": {"model_type": getattr(config, "model_type", None), "hidden_size": config.hidden_size,
@@ -152,6 +152,15 @@ def calibration_metadata(model, device, dtype) -> dict:
                                                           "head_dim", "element_bytes")}},
         "source_sha256": source_fingerprint(),
     }
+
+
+def _prefill_path(model, device, dtype) -> str:
+    """The prefill the engine runs for this model by default (``routes.PREFILL_PATHS``)."""
+    from rollout import fast_decode, fast_prefill
+
+    if fast_decode.unsupported_reason(model) is not None:
+        return "hf"
+    return "varlen" if fast_prefill.varlen_attention(device, dtype) is not None else "packed"
 
 
 def save_calibration(path, cost_model: CostModel, metadata: dict, samples: dict | None = None) -> None:

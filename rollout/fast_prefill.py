@@ -59,50 +59,62 @@ def prefill_logits(spec: DecoderSpec, weights: DecoderWeights, fns: StepFns, key
     row_of, col_of = flat // prompt_len, flat % prompt_len
     tokens = prompt_ids.flatten().index_select(0, flat)
     positions = masks.prompt_positions(prompt_mask).flatten().index_select(0, flat)
-    plans = [_group_plan(prompt_mask, offsets, firsts, row_of, col_of, group, prompt_len) for group in groups]
+    for first, stop, length in groups:
+        if min(firsts[first:stop]) < prompt_len - length:
+            raise ValueError(f"prefill group rows [{first}, {stop}) of length {length} misses real prompt tokens")
+    eps, heads, kv_heads, dim = spec.rms_eps, spec.num_heads, spec.num_kv_heads, spec.head_dim
 
     varlen = varlen_attention(prompt_ids.device, weights.embed.dtype)
-    if varlen is not None:  # packed causal attention per row: no groups, no dense queries, no mask
+    if varlen is not None:  # causal attention per row of the packed batch: no groups, no dense queries, no mask
         cu_seq = F.pad(torch.cumsum(real.sum(dim=1), 0, dtype=torch.int32), (1, 0))  # [N + 1], on the device
         longest = max(lengths)
+
+        def attend(layer: int, q, k, v):
+            return varlen(q[:, :, 0], k[:, :, 0], v[:, :, 0], cu_seq, longest, dim ** -0.5).unsqueeze(2)
+    else:
+        plans = [_group_plan(prompt_mask, offsets, row_of, col_of, group, prompt_len) for group in groups]
+
+        def attend(layer: int, q, k, v):
+            return _attend_groups(q, key_cache[layer], value_cache[layer], groups, plans, prompt_len, kv_heads)
+
     h = F.embedding(tokens, weights.embed)  # [T, H]
     cos, sin = rotary(positions, weights.inv_freq, spec.attention_scaling, h.dtype)
-    eps, heads, kv_heads, dim = spec.rms_eps, spec.num_heads, spec.num_kv_heads, spec.head_dim
     for i, w in enumerate(weights.layers):
         q, k, v = fns.attention_inputs(h, w.input_norm, w.q, w.q_bias, w.k, w.k_bias, w.v, w.v_bias, cos, sin, eps,
                                        heads, kv_heads, dim)  # q [T, Hq, 1, D], k/v [T, Hkv, 1, D]
         key_cache[i].transpose(1, 2)[row_of, col_of] = k[:, :, 0]
         value_cache[i].transpose(1, 2)[row_of, col_of] = v[:, :, 0]
-        if varlen is not None:
-            attn = varlen(q[:, :, 0], k[:, :, 0], v[:, :, 0], cu_seq, longest, dim ** -0.5).unsqueeze(2)
-            h = fns.attention_output_and_mlp(h, attn, w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down, eps)
-            continue
-        attn = torch.empty_like(q)
-        for (first, stop, length), (local, span, keep) in zip(groups, plans):
-            rows = stop - first
-            start = prompt_len - length
-            dense = q.new_zeros((rows * length, heads, dim))
-            dense.index_copy_(0, local, q[span, :, 0])
-            out = F.scaled_dot_product_attention(
-                dense.view(rows, length, heads, dim).transpose(1, 2),
-                key_cache[i, first:stop, :, start:prompt_len], value_cache[i, first:stop, :, start:prompt_len],
-                attn_mask=keep, scale=dim ** -0.5, enable_gqa=heads != kv_heads)  # [rows, Hq, L, D]
-            attn[span, :, 0] = out.transpose(1, 2).reshape(rows * length, heads, dim).index_select(0, local)
-        h = fns.attention_output_and_mlp(h, attn, w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down, eps)
+        h = fns.attention_output_and_mlp(h, attend(i, q, k, v), w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down,
+                                          eps)
     last = torch.cumsum(real.sum(dim=1), 0) - 1  # each row's last real token (column T_p - 1); no host copy
     return fns.final_logits(h.index_select(0, last), weights.final_norm, weights.lm_head, weights.lm_head_bias, eps)
 
 
-def _group_plan(prompt_mask, offsets: list[int], firsts: list[int], row_of, col_of, group: Group, prompt_len: int):
+def _group_plan(prompt_mask, offsets: list[int], row_of, col_of, group: Group, prompt_len: int):
     """``(local index [T_g], packed slice, keep [rows, 1, L, L])`` of one group: where its packed tokens
     sit in its dense ``[rows * L]`` query block, and its causal mask over its columns."""
     first, stop, length = group
     start = prompt_len - length
-    if min(firsts[first:stop]) < start:
-        raise ValueError(f"prefill group rows [{first}, {stop}) of length {length} misses real prompt tokens")
     span = slice(offsets[first], offsets[stop])  # rows are contiguous in packed order
     local = (row_of[span] - first) * length + (col_of[span] - start)
     return local, span, masks.prefill_mask(prompt_mask[first:stop, start:])
+
+
+def _attend_groups(q, key_layer, value_layer, groups: list[Group], plans, prompt_len: int, kv_heads: int):
+    """SDPA per group: its queries scattered into ``[rows, Hq, L, D]`` against its cache columns
+    (already written), gathered back to the packed ``[T, Hq, 1, D]``."""
+    _, heads, _, dim = q.shape
+    attn = torch.empty_like(q)
+    for (first, stop, length), (local, span, keep) in zip(groups, plans):
+        rows, start = stop - first, prompt_len - length
+        dense = q.new_zeros((rows * length, heads, dim))
+        dense.index_copy_(0, local, q[span, :, 0])
+        out = F.scaled_dot_product_attention(
+            dense.view(rows, length, heads, dim).transpose(1, 2), key_layer[first:stop, :, start:prompt_len],
+            value_layer[first:stop, :, start:prompt_len], attn_mask=keep, scale=dim ** -0.5,
+            enable_gqa=heads != kv_heads)  # [rows, Hq, L, D]
+        attn[span, :, 0] = out.transpose(1, 2).reshape(rows * length, heads, dim).index_select(0, local)
+    return attn
 
 
 @functools.lru_cache(maxsize=None)
