@@ -59,6 +59,20 @@ def test_fast_step_logits_match_hf_logits():
     torch.testing.assert_close(fast_cache.key_storage[:, :, :, 6], hf_cache.key_storage[:, :, :, 6])
 
 
+def test_weights_are_plain_views_of_the_parameters_like_the_zero3_mirror():
+    """The compiled pieces guard on input types: parameters for prefill and the mirror's plain tensors
+    for decode (ZeRO-3) made them recompile for every new prompt shape (seen on the H200 as a slow
+    second OPSD step). Every weight is a plain tensor sharing the parameter's storage."""
+    model = tiny_model("qwen2", seed=9)
+    _, weights = fast_decode.spec_and_weights(model)
+    mirrored = fast_decode.WeightMirror().refresh(weights)
+    for tensor, copy in zip(weights.tensors(), mirrored.tensors()):
+        assert type(tensor) is torch.Tensor and type(copy) is torch.Tensor
+        assert not tensor.requires_grad
+    assert weights.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert weights.layers[0].q.data_ptr() == model.model.layers[0].self_attn.q_proj.weight.data_ptr()
+
+
 def test_unsupported_models_fall_back_with_a_reason():
     model = tiny_model("qwen2", seed=4)
     model.config.hidden_act = "gelu"
