@@ -49,6 +49,7 @@ class RunState:
     fast: tuple | None = None  # (spec, weights, step fns) of rollout.fast_decode, or None: HF layers decode
     fast_prefill: tuple | None = None  # the same parts for rollout.fast_prefill, or None: HF layers prefill
     graph: tuple | None = None  # (step, CBBuffers) of rollout.cb_graphs: decode from static buffers
+    plan_costs: CostModel | None = None  # what admissions are planned on (the packed view with fast_prefill)
     width: int = 0
 
     @property
@@ -104,7 +105,18 @@ def new_run_state(model, cache: AlignedKVCache, arena: ScratchArena, sampling: S
         max_prefill_tokens=max_prefill_tokens, stage=stage, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
         layout=layout, suffix_max=suffix_max, seen=seen, last_tokens=last_tokens, generated=generated,
         seed=seed_t, counters=counters, mask_dtype=compat.mask_dtype(model), fast=fast, fast_prefill=fast_prefill,
-        graph=graph)
+        graph=graph, plan_costs=_plan_costs(cost_model, fast_prefill, device))
+
+
+def _plan_costs(cost_model: CostModel, fast_prefill: tuple | None, device) -> CostModel:
+    """Admissions prefill in one packed pass when ``fast_prefill`` is given: their buckets then only group
+    attention (none with variable-length attention) and the copies into the cache."""
+    if fast_prefill is None:
+        return cost_model
+    from rollout.fast_prefill import varlen_attention
+
+    varlen = varlen_attention(device, fast_prefill[1].embed.dtype) is not None
+    return cost_model.packed(copy_kv=True, varlen=varlen)
 
 
 def cache_counters(cache: AlignedKVCache) -> dict:

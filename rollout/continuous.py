@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from instrumentation import stages
-from rollout import compat, fast_decode
+from rollout import compat, fast_decode, fast_prefill
 from rollout.aligned_cache import AlignedKVCache, ScratchArena, to_device
 from rollout.cb_route import (PromptLayout, check_prefill_limit, checked_capacity, min_capacity, prompt_layout,
                               resolve_num_slots)
@@ -213,10 +213,15 @@ def _admit(run: RunState, admitted, survivors) -> None:
         with run.stage(stages.CACHE_TRIM):
             cache.realign(len(survivors), max(_extent(run, r, 1) for r in survivors), need)
     with run.stage(stages.PLAN):
-        plan = plan_prefill_buckets([a.prompt_length for a in admitted], run.cost_model, run.max_prefill_tokens)
+        plan = plan_prefill_buckets([a.prompt_length for a in admitted], run.plan_costs, run.max_prefill_tokens)
     run.counters["plans"] += 1
-    for bucket in plan.buckets:
-        _prefill_bucket(run, [admitted[j] for j in bucket], max(spans[admitted[j].request_id] for j in bucket))
+    buckets = [[admitted[j] for j in bucket] for bucket in plan.buckets]
+    lengths = [max(spans[a.request_id] for a in bucket) for bucket in buckets]
+    if run.fast_prefill is not None:  # one packed pass; the buckets group attention and the KV copies
+        _prefill_packed(run, buckets, lengths)
+        return
+    for bucket, length in zip(buckets, lengths):
+        _prefill_bucket(run, bucket, length)
 
 
 def _prefill_bucket(run: RunState, admissions, length: int) -> None:
@@ -251,6 +256,58 @@ def _prefill_bucket(run: RunState, admissions, length: int) -> None:
     run.counters["prefill_forwards"] += 1
     run.counters["prefill_rows"] += len(admissions)
     run.counters["prefill_tokens"] += len(admissions) * length
+
+
+def _prefill_packed(run: RunState, buckets, lengths: list[int]) -> None:
+    """Prefill every admitted request in one packed pass (:mod:`rollout.fast_prefill`) into one scratch
+    of the longest bucket's width, then copy each bucket's columns into its slots and fill them."""
+    admissions = [a for bucket in buckets for a in bucket]
+    width = max(lengths)
+    rows = [row for a in admissions for row in a.rows]
+    spans, counts = run.layout.spans, run.layout.real_counts
+    with run.stage(stages.CACHE_ACQUIRE):
+        scratch = run.arena.get(len(admissions), width)
+    with run.stage(stages.PREFILL):
+        sources = [j for j, a in enumerate(admissions) for _ in a.rows]
+        sample_ids = [a.request_id * run.num_samples + s for a in admissions for s in range(a.num_samples)]
+        packed = row_data(run, sample_ids, [0] * len(rows), rows, sources,
+                          [a.request_id for a in admissions for _ in a.rows], [a.request_id for a in admissions])
+        dst, src, row_prompt = packed[2], packed[3], packed[4]
+        prompts = packed[5][:len(admissions)]
+        ids = run.prompt_ids[:, -width:].index_select(0, prompts)  # [B_a, W]
+        mask = run.prompt_mask[:, -width:].index_select(0, prompts)  # [B_a, W]
+        groups, first = [], 0
+        for bucket, length in zip(buckets, lengths):
+            groups.append((first, first + len(bucket), length))
+            first += len(bucket)
+        host_rows = ([counts[a.request_id] for a in admissions], [width - spans[a.request_id] for a in admissions])
+        logits = fast_prefill.prefill_logits(*run.fast_prefill, scratch.key_storage[:, :len(admissions)],
+                                             scratch.value_storage[:, :len(admissions)], ids, mask, groups,
+                                             host_rows)  # [B_a, V]
+        slot = 0
+        for (start, stop, length), bucket in zip(groups, buckets):  # each bucket's columns only
+            num = sum(a.num_samples for a in bucket)
+            run.cache.write_prompts(_Columns(scratch, width - length), src[slot:slot + num], dst[slot:slot + num],
+                                    mask[:, width - length:])
+            slot += num
+        if run.seen is not None:  # the original padded prompt row, pad tokens included
+            fresh = torch.zeros((len(rows), run.seen.shape[1]), dtype=torch.bool, device=run.seen.device)
+            fresh.scatter_(1, run.prompt_ids.index_select(0, row_prompt).long(), True)
+            run.seen.index_copy_(0, dst, fresh)
+        if run.num_samples > 1:
+            logits = logits.index_select(0, src)
+        emit(run, dst, logits, packed)
+    run.counters["prefill_forwards"] += 1
+    run.counters["prefill_rows"] += len(admissions)
+    run.counters["prefill_tokens"] += sum(len(b) * n for b, n in zip(buckets, lengths))
+
+
+class _Columns:
+    """A scratch cache seen from column ``start`` on (what ``AlignedKVCache.write_prompts`` reads)."""
+
+    def __init__(self, scratch, start: int):
+        self.key_storage = scratch.key_storage[:, :, :, start:]
+        self.value_storage = scratch.value_storage[:, :, :, start:]
 
 
 def _default_stage():

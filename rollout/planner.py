@@ -124,15 +124,18 @@ class CostModel:
         return (self.prefill_fixed_cost_ms + self.prefill_token_cost_ms * batch_size * length
                 + self.prefill_attention_cost_ms * self.attention_gflops(batch_size, length))
 
-    def packed(self) -> "CostModel":
-        """The model of grouping a *packed* prefill's attention: the token and KV terms do not depend on
-        the grouping (the linear layers see only real tokens, written once), so a group costs
-        ``prefill_group_cost_ms + attention * GFLOPs(B, L)``. ``plan_prefill_buckets`` on this model
-        plans attention groups instead of forwards."""
+    def packed(self, copy_kv: bool = False, varlen: bool = False) -> "CostModel":
+        """The model of grouping a *packed* prefill (:mod:`rollout.fast_prefill`): the token term does not
+        depend on the grouping (the linear layers see only real tokens), so a group costs
+        ``prefill_group_cost_ms + attention * GFLOPs(B, L)`` (``varlen``: attention is exact per row,
+        the term goes too) ``+ kv * MiB(B, L)`` when ``copy_kv`` (the continuous route copies each
+        group's padded keys/values into its cache). ``plan_prefill_buckets`` on this model plans the
+        groups of one pass instead of forwards."""
         from dataclasses import replace
 
         return replace(self, prefill_fixed_cost_ms=self.prefill_group_cost_ms, prefill_token_cost_ms=0.0,
-                       prefill_kv_cost_ms=0.0)
+                       prefill_attention_cost_ms=0.0 if varlen else self.prefill_attention_cost_ms,
+                       prefill_kv_cost_ms=self.prefill_kv_cost_ms if copy_kv else 0.0)
 
     def row_cost_ms(self, length: int) -> float:
         """Marginal ms of one more row in a bucket padded to ``length`` (``prefill_cost_ms = fixed + B * this``)."""

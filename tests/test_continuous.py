@@ -69,7 +69,8 @@ def run_cb(model, ids, mask, sampling, eos=None, **kwargs):
         eos_ids = eos
     else:
         eos_ids = torch.tensor(eos, device=ids.device) if eos else None
-    return generate_continuous(model, ids, mask, sampling, eos_ids, cost_model=CostModel.from_model(model), **kwargs)
+    kwargs.setdefault("cost_model", CostModel.from_model(model))
+    return generate_continuous(model, ids, mask, sampling, eos_ids, **kwargs)
 
 
 def ordinary_tokens(model, ids, mask, sampling, tokenizer=NO_EOS):
@@ -418,3 +419,20 @@ def test_cuda_graph_continuous_decode_equals_the_eager_paths_fp32():
         captures = graphs._decoder.num_captures
         assert torch.equal(graphs.generate(RolloutRequest(ids, mask), sampling).input_ids, got.input_ids)
         assert graphs._decoder.num_captures == captures  # graphs are reused across calls
+
+
+def test_packed_prefill_admits_every_bucket_in_one_pass(qwen):
+    """With the packed prefill an admission is one pass whatever its buckets: the buckets (here one per
+    length: free groups, costly attention) only group attention and the copies into the slots."""
+    from rollout import fast_decode
+    ids, mask = make_prompts([9, 2, 12, 3, 1, 7], seed=15)
+    spec, weights = fast_decode.spec_and_weights(qwen)
+    parts = (spec, weights, fast_decode.StepFns())
+    costs = CostModel.from_model(qwen, prefill_group_cost_ms=0.0, prefill_attention_cost_ms=1e4)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, repetition_penalty=1.3)
+    result = run_cb(qwen, ids, mask, sampling, num_slots=4, fast=parts, fast_prefill=parts, cost_model=costs)
+    counters = result.counters
+    assert counters["prefill_forwards"] == counters["plans"] >= 2  # one pass per admission wave
+    assert counters["prefill_tokens"] == sum([9, 2, 12, 3, 1, 7])  # every bucket exactly one length
+    for row in range(6):
+        assert result.generated[row].tolist() == hf_greedy(qwen, ids[row], mask[row], 6, repetition_penalty=1.3)
