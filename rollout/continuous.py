@@ -9,9 +9,13 @@ contract (:mod:`rollout.scheduler`)::
     decode the survivors                 # stage decode: one forward over rows [0, num_survivors)
     make room for the admitted prompts   # stage cache_trim (right shift, only when needed)
     plan their prefill buckets           # stage plan: plan_prefill_buckets over their spans
-    per bucket: scratch                  # stage cache_acquire (a view of the scratch arena)
-                forward + copy + token   # stage prefill: one forward into the scratch, KV copied
-                                         #   right-aligned into the slots, first token selected
+    per pass: scratch                    # stage cache_acquire (a view of the scratch arena)
+              forward + copy + token     # stage prefill: one forward into the scratch, each bucket's
+                                         #   KV copied right-aligned into its slots, first token selected
+
+A pass is one bucket through the HF layers; with the packed prefill (``fast_prefill``) it is the whole
+admission wave, whose buckets then only group attention and the KV copies (planned on
+``CostModel.packed(copy_kv=True, ...)``).
     eos flags of the live rows           # the step's one host sync (none without EOS ids)
 
 Shared prefill: a prompt with ``n`` samples is one row of its bucket; its keys/values are copied
@@ -63,7 +67,7 @@ class ContinuousResult:
     num_steps: int
     """``S``: tokens of the longest row (the first comes from prefill)."""
     counters: dict = field(default_factory=dict)
-    """``steps`` (scheduler iterations), ``host_syncs``, ``plans``, ``prefill_forwards`` (= buckets),
+    """``steps`` (scheduler iterations), ``host_syncs``, ``plans``, ``prefill_forwards`` (= passes),
     ``prefill_rows`` (distinct prompts prefilled), ``prefill_tokens`` (padded B*L summed),
     ``decode_forwards``, ``decode_rows``, ``trims``, ``shifts``, ``row_moves``, ``bytes_moved``
     (compaction + realigns), ``prefill_copy_bytes``, ``capacity``, ``num_slots``, ``cache_bytes``,
@@ -218,49 +222,17 @@ def _admit(run: RunState, admitted, survivors) -> None:
     buckets = [[admitted[j] for j in bucket] for bucket in plan.buckets]
     lengths = [max(spans[a.request_id] for a in bucket) for bucket in buckets]
     if run.fast_prefill is not None:  # one packed pass; the buckets group attention and the KV copies
-        _prefill_packed(run, buckets, lengths)
+        _prefill_pass(run, buckets, lengths)
         return
-    for bucket, length in zip(buckets, lengths):
-        _prefill_bucket(run, bucket, length)
+    for bucket, length in zip(buckets, lengths):  # one HF forward per bucket
+        _prefill_pass(run, [bucket], [length])
 
 
-def _prefill_bucket(run: RunState, admissions, length: int) -> None:
-    """Prefill one bucket of admitted requests (left-padded to ``length``) and fill their slots."""
-    rows = [row for a in admissions for row in a.rows]
-    spans_of = run.layout.spans
-    sources = [j for j, a in enumerate(admissions) for _ in a.rows]
-    prompts = [a.request_id for a in admissions for _ in a.rows]
-    with run.stage(stages.CACHE_ACQUIRE):
-        scratch = run.arena.get(len(admissions), length)
-    with run.stage(stages.PREFILL):
-        sample_ids = [a.request_id * run.num_samples + s for a in admissions for s in range(a.num_samples)]
-        packed = row_data(run, sample_ids, [0] * len(rows), rows, sources, prompts,
-                           [a.request_id for a in admissions])  # [6, n]
-        dst, src, row_prompt = packed[2], packed[3], packed[4]
-        bucket_prompts = packed[5][:len(admissions)]
-        cols = slice(run.prompt_ids.shape[1] - length, None)
-        ids = run.prompt_ids[:, cols].index_select(0, bucket_prompts)  # [B_b, L_b]
-        mask = run.prompt_mask[:, cols].index_select(0, bucket_prompts)  # [B_b, L_b]
-        host_rows = ([run.layout.real_counts[a.request_id] for a in admissions],
-                     [length - spans_of[a.request_id] for a in admissions])  # bucket-local first real column
-        logits = prefill_forward(run.model, scratch, ids, mask, length, run.mask_dtype, run.fast_prefill,
-                                 host_rows)  # [B_b, V]
-        run.cache.write_prompts(scratch, src, dst, mask)
-        if run.seen is not None:  # the original padded prompt row, pad tokens included
-            fresh = torch.zeros((len(rows), run.seen.shape[1]), dtype=torch.bool, device=run.seen.device)
-            fresh.scatter_(1, run.prompt_ids.index_select(0, row_prompt).long(), True)
-            run.seen.index_copy_(0, dst, fresh)
-        if run.num_samples > 1:
-            logits = logits.index_select(0, src)
-        emit(run, dst, logits, packed)
-    run.counters["prefill_forwards"] += 1
-    run.counters["prefill_rows"] += len(admissions)
-    run.counters["prefill_tokens"] += len(admissions) * length
-
-
-def _prefill_packed(run: RunState, buckets, lengths: list[int]) -> None:
-    """Prefill every admitted request in one packed pass (:mod:`rollout.fast_prefill`) into one scratch
-    of the longest bucket's width, then copy each bucket's columns into its slots and fill them."""
+def _prefill_pass(run: RunState, buckets, lengths: list[int]) -> None:
+    """One prefill pass over the admitted requests of ``buckets`` (each left-padded to its ``length``)
+    into one scratch of the widest bucket's width; each bucket's columns are then copied into its
+    slots, and the slots get their first token. With the packed prefill (:mod:`rollout.fast_prefill`)
+    the buckets are attention groups of the one pass; through the HF layers a pass has one bucket."""
     admissions = [a for bucket in buckets for a in bucket]
     width = max(lengths)
     rows = [row for a in admissions for row in a.rows]
@@ -271,21 +243,26 @@ def _prefill_packed(run: RunState, buckets, lengths: list[int]) -> None:
         sources = [j for j, a in enumerate(admissions) for _ in a.rows]
         sample_ids = [a.request_id * run.num_samples + s for a in admissions for s in range(a.num_samples)]
         packed = row_data(run, sample_ids, [0] * len(rows), rows, sources,
-                          [a.request_id for a in admissions for _ in a.rows], [a.request_id for a in admissions])
+                          [a.request_id for a in admissions for _ in a.rows],
+                          [a.request_id for a in admissions])  # [6, n]
         dst, src, row_prompt = packed[2], packed[3], packed[4]
         prompts = packed[5][:len(admissions)]
         ids = run.prompt_ids[:, -width:].index_select(0, prompts)  # [B_a, W]
         mask = run.prompt_mask[:, -width:].index_select(0, prompts)  # [B_a, W]
-        groups, first = [], 0
-        for bucket, length in zip(buckets, lengths):
-            groups.append((first, first + len(bucket), length))
-            first += len(bucket)
-        host_rows = ([counts[a.request_id] for a in admissions], [width - spans[a.request_id] for a in admissions])
-        logits = fast_prefill.prefill_logits(*run.fast_prefill, scratch.key_storage[:, :len(admissions)],
-                                             scratch.value_storage[:, :len(admissions)], ids, mask, groups,
-                                             host_rows)  # [B_a, V]
+        host_rows = ([counts[a.request_id] for a in admissions],
+                     [width - spans[a.request_id] for a in admissions])  # first real column in the scratch
+        if run.fast_prefill is not None:
+            groups, first = [], 0
+            for bucket, length in zip(buckets, lengths):
+                groups.append((first, first + len(bucket), length))
+                first += len(bucket)
+            logits = fast_prefill.prefill_logits(*run.fast_prefill, scratch.key_storage[:, :len(admissions)],
+                                                 scratch.value_storage[:, :len(admissions)], ids, mask, groups,
+                                                 host_rows)  # [B_a, V]
+        else:
+            logits = prefill_forward(run.model, scratch, ids, mask, width, run.mask_dtype)  # [B_a, V]
         slot = 0
-        for (start, stop, length), bucket in zip(groups, buckets):  # each bucket's columns only
+        for bucket, length in zip(buckets, lengths):  # each bucket's own columns only
             num = sum(a.num_samples for a in bucket)
             run.cache.write_prompts(_Columns(scratch, width - length), src[slot:slot + num], dst[slot:slot + num],
                                     mask[:, width - length:])
