@@ -12,7 +12,8 @@ PIP_TORCH_ARGS ?=
 TRANSFORMERS_OLDEST ?= transformers==5.17.0
 PYTEST_ARGS ?=
 COMPAT_TESTS = tests/test_rollout_correctness.py tests/test_rollout_behaviour.py tests/test_compat.py \
-	tests/test_fast_decode.py tests/test_routes.py tests/test_continuous.py tests/test_rollout_lora.py
+	tests/test_fast_decode.py tests/test_fast_prefill.py tests/test_routes.py tests/test_continuous.py \
+	tests/test_rollout_lora.py
 
 .PHONY: demo test test-newest test-oldest bench-postprocess clean
 
