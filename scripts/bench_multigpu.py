@@ -197,7 +197,9 @@ def error_tail(log_path: Path, chars: int = ERROR_TAIL_CHARS) -> str:
 def row_from_report(run: dict, report: dict) -> dict:
     """The table figures of a successful run."""
     peaks = report.get("peak_gib_per_rank") or []
-    return {"median_step_s": report.get("median_step_s"), "rollout_tokens_per_s": report.get("rollout_tokens_per_s"),
+    last_steps = [r["step_ms"][-1] / 1000.0 for r in report.get("ranks", []) if r.get("step_ms")]
+    return {"median_step_s": report.get("median_step_s"), "last_step_s": max(last_steps) if last_steps else None,
+            "rollout_tokens_per_s": report.get("rollout_tokens_per_s"),
             "peak_memory": report.get("peak_memory"), "peak_gib_per_rank": peaks,
             "peak_gib_max": max(peaks) if peaks else None, "last_loss": report.get("last_loss"),
             "last_losses": [r["losses"][-1] for r in report.get("ranks", []) if r.get("losses")],
@@ -282,13 +284,13 @@ def _first_error_line(error: Optional[str]) -> str:
     return text[:200].replace("|", "/")
 
 
-TABLE_HEADER = ("| variant | launcher | GPUs | ZeRO | gather | median s/step | rollout tok/s | peak GiB max | "
-                "peak GiB per rank | last loss | status |")
+TABLE_HEADER = ("| variant | launcher | GPUs | ZeRO | gather | median s/step | last step s | rollout tok/s | "
+                "peak GiB max | peak GiB per rank | last loss | status |")
 
 
 def markdown_table(rows: list[dict]) -> str:
     """One markdown table of the rows (failed ones with their error's last line)."""
-    lines = [TABLE_HEADER, "|---|---|---:|---:|---|---:|---:|---:|---|---:|---|"]
+    lines = [TABLE_HEADER, "|---|---|---:|---:|---|---:|---:|---:|---:|---|---:|---|"]
     for row in rows:
         ok = row.get("status") == "ok"
         peaks = row.get("peak_gib_per_rank") or []
@@ -297,6 +299,7 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append("| " + " | ".join([
             row["variant"], row["launcher"], str(row["gpus"]), str(row["zero_stage"]), row.get("gather") or "-",
             _num(row.get("median_step_s"), ".3f") if ok else "-",
+            _num(row.get("last_step_s"), ".3f") if ok else "-",
             _num(row.get("rollout_tokens_per_s"), ".0f") if ok else "-",
             _num(row.get("peak_gib_max"), ".2f") if ok else "-",
             ", ".join(format(p, ".2f") for p in peaks) if ok and peaks else "-",
@@ -306,8 +309,9 @@ def markdown_table(rows: list[dict]) -> str:
              "cpu_peak_rss": "peak GiB: peak resident set size of each rank's process (CPU run)"}
     devices = sorted({row.get("device_name") for row in rows if row.get("device_name")})
     footer = [notes[k] for k in sorted(k for k in kinds if k in notes)]
-    footer.append("median s/step: median over the steps after the first (warm-up), slowest rank; rollout tok/s: "
-                  "sum over ranks of each rank's median")
+    footer.append("median s/step: median over the steps after the first (warm-up), slowest rank; last step s: the "
+                  "last step, slowest rank (the steady state when warm-up outlasts step 1); rollout tok/s: sum over "
+                  "ranks of each rank's median")
     if devices:
         footer.append("device: " + ", ".join(devices))
     return "\n".join(lines) + "\n\n" + "\n".join(footer)
@@ -390,7 +394,10 @@ def load_rows(paths: list[str]) -> list[dict]:
     rows = []
     for path in paths:
         doc = json.loads(Path(path).read_text())
-        rows.extend(doc.get("rows", []))
+        for row in doc.get("rows", []):
+            if row.get("status") == "ok" and isinstance(row.get("report"), dict):
+                row = {**row, **row_from_report(row, row["report"])}  # figures added since the file was written
+            rows.append(row)
     return rows
 
 

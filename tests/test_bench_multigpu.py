@@ -210,6 +210,7 @@ def check_two_rank_report(row: dict, launcher: str, stage: int, gather) -> dict:
     assert report["peak_memory"] == "cpu_peak_rss" and len(row["peak_gib_per_rank"]) == 2
     assert row["peak_gib_max"] == max(row["peak_gib_per_rank"]) > 0
     assert math.isfinite(row["last_loss"]) and row["median_step_s"] > 0 and row["rollout_tokens_per_s"] > 0
+    assert row["last_step_s"] == max(r["step_ms"][-1] for r in report["ranks"]) / 1000.0  # slowest rank, last step
     assert report["ranks"][0]["losses"] != report["ranks"][1]["losses"]  # each rank distils its own rollout
     return report
 
