@@ -91,8 +91,8 @@ def generate_continuous(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     bucket prefills) may be kept by the caller across calls; one made here is released at the end.
     ``layout`` saves the one host sync of ``prompt_layout`` when the caller already has it.
     ``stage(name)`` wraps each stage call (default: ``instrumentation.stage``). ``fast``: ``(spec,
-    weights, step fns)`` of :mod:`rollout.fast_decode` to decode through our own step (eagerly: rows
-    and windows change every step, so no CUDA graphs here); None decodes through the HF layers.
+    weights, step fns)`` of :mod:`rollout.fast_decode` to decode through our own step, eagerly over the
+    per-call tensors unless ``graph`` is given; None decodes through the HF layers.
     ``fast_prefill``: the same parts to prefill each bucket through :mod:`rollout.fast_prefill`.
     ``graph``: ``(step, CBBuffers)`` (``FastDecoder.cb_stepper`` / ``cb_buffers_for``) to decode from
     static buffers, replayed from CUDA graphs on the GPU (:mod:`rollout.cb_graphs`); ``cache`` must

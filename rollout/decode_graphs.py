@@ -11,6 +11,8 @@ captured in CUDA graphs per (batch bucket, length bucket), replayed every step.
   addresses) and reused across rollout calls; a changed key (``sync_weights`` moving weights, a new
   cache) captures anew. Where graphs cannot be used the same step runs eagerly, and the reason is
   reported in the profile.
+- The continuous route's step (:mod:`rollout.cb_graphs`) is captured the same way, per (batch bucket,
+  length bucket), over its own static buffers (``cb_buffers_for`` / ``cb_stepper``).
 """
 
 from __future__ import annotations
