@@ -2,7 +2,7 @@
 
 The continuous route's live rows change every step (admissions, retirements, compaction) and its
 aligned cache's front moves by one column per step, so the eager step reads a different window each
-time. To replay one CUDA graph per (batch bucket, length bucket), as the ordinary route does, the
+time. To replay one CUDA graph per (batch bucket, read window), as the ordinary route does, the
 captured step reads only static tensors:
 
 - the aligned cache's ``valid [slots, capacity]`` mask and ``write_col`` (set outside the graph by
@@ -12,13 +12,14 @@ captured step reads only static tensors:
 - ``last_tokens``, ``seen``, ``generated`` and ``seed``: the run's state lives here instead of in
   per-call tensors.
 
-Attention reads columns ``[0, L)`` with ``L`` the front rounded up to ``LENGTH_BUCKET`` (the dead
-prefix is masked by ``valid``, whose invariant keeps every column outside a live row's span False),
-so the window no longer depends on ``read_start``. A live batch of ``n`` rows runs in the batch
-bucket ``b >= n``: the ``b - n`` padding slots are free slots (the scheduler keeps live rows a prefix)
-whose results are never read — their KV column is rewritten or masked before any live row uses it,
-their token goes to ``generated``'s extra dummy row, and an admitted row resets its ``seen`` and
-``last_tokens``. The cache therefore needs ``batch_bucket(slots)`` rows.
+Attention reads the live window widened to multiples of ``decode_graphs.LENGTH_BUCKET``
+(:func:`read_window`; the extra columns are masked by ``valid``, whose invariant keeps every column
+outside a live row's span False), so one graph serves every step whose window rounds to the same
+columns. A live batch of ``n`` rows runs in the batch bucket ``b >= n``: the ``b - n`` padding slots
+are free slots (the scheduler keeps live rows a prefix) whose results are never read — their KV
+column is rewritten or masked before any live row uses it, their token goes to ``generated``'s extra
+dummy row, and an admitted row resets its ``seen`` and ``last_tokens``. The cache therefore needs
+``batch_bucket(slots)`` rows.
 """
 
 from __future__ import annotations
@@ -64,15 +65,24 @@ class CBBuffers:
         return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
 
 
-def cb_decode_step(spec, weights, fns, cache, bufs: CBBuffers, bucket: int, length: int, sampling,
+def read_window(read_start: int, front: int, capacity: int, bucket: int) -> tuple[int, int]:
+    """Columns ``[start, stop)`` a captured step reads: the live window ``[read_start, front + 1)`` widened
+    to multiples of ``bucket`` (``stop`` at most ``capacity``), so few distinct windows exist and each
+    reads less than ``2 * bucket`` columns beyond the live ones."""
+    start = read_start // bucket * bucket
+    return start, min(capacity, -(-(front + 1) // bucket) * bucket)
+
+
+def cb_decode_step(spec, weights, fns, cache, bufs: CBBuffers, bucket: int, window: tuple[int, int], sampling,
                    has_seen: bool) -> None:
-    """The captured work of one continuous decode step over slots ``[0, bucket)`` and columns
-    ``[0, length)``: logits, token choice, and the buffer updates (no host sync)."""
-    keep = cache.valid[:bucket, None, None, :length]
+    """The captured work of one continuous decode step over slots ``[0, bucket)`` and the columns of
+    ``window``: logits, token choice, and the buffer updates (no host sync)."""
+    start, stop = window
+    keep = cache.valid[:bucket, None, None, start:stop]
     rowdata = bufs.rowdata[:, :bucket]
     logits = fast_decode.decode_logits(spec, weights, fns, cache.key_storage[:, :bucket],
                                        cache.value_storage[:, :bucket], bufs.last_tokens[:bucket], rowdata[2],
-                                       cache.write_col, keep)
+                                       cache.write_col, keep, start=start)
     seen = bufs.seen[:bucket] if has_seen else None
     tokens = select_next_token(logits, sampling, seen, bufs.seed, rowdata[0], rowdata[1])  # [bucket]
     bufs.last_tokens[:bucket].copy_(tokens)

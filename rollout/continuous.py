@@ -181,13 +181,13 @@ def _decode(run: RunState, rows) -> None:
         sample_ids = [r.request_id * run.num_samples + r.sample_index for r in rows]
         steps = [r.num_generated for r in rows]
         keep = cache.begin_decode(num_rows, max_extent)
-        if run.graph is not None:  # static buffers; a CUDA graph per (batch bucket, length bucket) on GPU
+        if run.graph is not None:  # static buffers; a CUDA graph per (batch bucket, read window) on GPU
             step, bufs = run.graph
             bucket = batch_bucket(num_rows)
             pad = bucket - num_rows  # free slots computed along: their tokens go to the dummy row
             bufs.rowdata[:, :bucket].copy_(row_data(run, sample_ids + [bufs.dummy_row] * pad, steps + [0] * pad,
                                                     positions + [0] * pad))
-            mode = step(num_rows, cache.front)
+            mode = step(num_rows, cache.front, cache.read_start)
             run.counters[f"{mode}_decode_steps"] = run.counters.get(f"{mode}_decode_steps", 0) + 1
             cache.end_decode()
             run.counters["decode_forwards"] += 1

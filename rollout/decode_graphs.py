@@ -12,7 +12,7 @@ captured in CUDA graphs per (batch bucket, length bucket), replayed every step.
   cache) captures anew. Where graphs cannot be used the same step runs eagerly, and the reason is
   reported in the profile.
 - The continuous route's step (:mod:`rollout.cb_graphs`) is captured the same way, per (batch bucket,
-  length bucket), over its own static buffers (``cb_buffers_for`` / ``cb_stepper``).
+  read window), over its own static buffers (``cb_buffers_for`` / ``cb_stepper``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import functools
 import torch
 
 from rollout import fast_decode
-from rollout.cb_graphs import CBBuffers, cb_decode_step
+from rollout.cb_graphs import CBBuffers, cb_decode_step, read_window
 from rollout.sampling import select_next_token
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -190,9 +190,9 @@ class FastDecoder:
         return self.cb_buffers
 
     def cb_stepper(self, cache, sampling, has_seen: bool):
-        """``step(num_rows, front) -> "graph" | "eager"``: one continuous decode step of live rows
-        ``[0, num_rows)`` whose write column is ``front`` (``cache.begin_decode`` already ran and the
-        rows' data is in ``cb_buffers.rowdata``)."""
+        """``step(num_rows, front, read_start) -> "graph" | "eager"``: one continuous decode step of live
+        rows ``[0, num_rows)`` writing column ``front`` and reading from ``read_start`` on
+        (``cache.begin_decode`` already ran and the rows' data is in ``cb_buffers.rowdata``)."""
         spec, weights = fast_decode.spec_and_weights(self.model)
         if self.mirror is not None:
             weights = self.mirror.refresh(weights)
@@ -203,17 +203,17 @@ class FastDecoder:
         static_key = (sampling_key(sampling), has_seen, cache.key_storage.data_ptr(), tuple(cache.key_storage.shape),
                       cache.valid.data_ptr(), weights.signature()) if use_graphs else None
 
-        def step(num_rows: int, front: int) -> str:
+        def step(num_rows: int, front: int, read_start: int) -> str:
             bucket = batch_bucket(num_rows)
-            length = length_bucket(front + 1, cache.capacity)
+            window = read_window(read_start, front, cache.capacity, LENGTH_BUCKET)
 
             def work():
-                cb_decode_step(spec, weights, fns, cache, bufs, bucket, length, sampling, has_seen)
+                cb_decode_step(spec, weights, fns, cache, bufs, bucket, window, sampling, has_seen)
 
             if not use_graphs:
                 work()
                 return "eager"
-            graph = self._cb_graphs.get((bucket, length, static_key))
+            graph = self._cb_graphs.get((bucket, window, static_key))
             if graph is None:
                 if self._cb_pool is None:
                     self._cb_pool = torch.cuda.graph_pool_handle()
@@ -221,10 +221,10 @@ class FastDecoder:
                     graph = capture_graph(work, bufs.mutable(), self._cb_pool)
                 except Exception as exc:  # noqa: BLE001 - the step still runs, eagerly, and the profile says why
                     self.cb_fallback_reason = f"continuous route: CUDA graph capture failed ({exc!r:.200})"
-                    self._cb_graphs[(bucket, length, static_key)] = False
+                    self._cb_graphs[(bucket, window, static_key)] = False
                     graph = False
                 else:
-                    self._cb_graphs[(bucket, length, static_key)] = graph
+                    self._cb_graphs[(bucket, window, static_key)] = graph
                     self.num_captures += 1
             if graph is False:
                 work()

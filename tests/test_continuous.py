@@ -436,3 +436,14 @@ def test_packed_prefill_admits_every_bucket_in_one_pass(qwen):
     assert counters["prefill_tokens"] == sum([9, 2, 12, 3, 1, 7])  # every bucket exactly one length
     for row in range(6):
         assert result.generated[row].tolist() == hf_greedy(qwen, ids[row], mask[row], 6, repetition_penalty=1.3)
+
+
+def test_read_window_covers_the_live_columns_in_few_shapes():
+    from rollout.cb_graphs import read_window
+    assert read_window(0, 10, 1024, 256) == (0, 256)
+    assert read_window(300, 700, 1024, 256) == (256, 768)  # live [300, 701) inside, < 2 buckets extra
+    assert read_window(900, 1023, 1024, 256) == (768, 1024)  # never past the capacity
+    for read_start in range(0, 900, 37):
+        for front in range(read_start, 1024, 53):
+            start, stop = read_window(read_start, front, 1024, 256)
+            assert start <= read_start and front < stop <= 1024 and start % 256 == 0
