@@ -160,7 +160,7 @@ def _prefill_path(model, device, dtype) -> str:
 
     if fast_decode.unsupported_reason(model) is not None:
         return "hf"
-    return "varlen" if fast_prefill.varlen_attention(device, dtype) is not None else "packed"
+    return fast_prefill.attention_path(device, dtype)
 
 
 def save_calibration(path, cost_model: CostModel, metadata: dict, samples: dict | None = None) -> None:

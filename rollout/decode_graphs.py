@@ -43,8 +43,13 @@ def batch_bucket(num_rows: int) -> int:
     return -(-num_rows // 128) * 128
 
 
+def round_up(n: int, multiple: int = LENGTH_BUCKET) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (fewer distinct shapes, fewer re-allocations)."""
+    return -(-n // multiple) * multiple
+
+
 def length_bucket(live_len: int, capacity: int) -> int:
-    return min(capacity, -(-live_len // LENGTH_BUCKET) * LENGTH_BUCKET)
+    return min(capacity, round_up(live_len))
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,6 +88,10 @@ class DecodeBuffers:
     def mutable(self) -> list[torch.Tensor]:
         return [self.tokens, self.positions, self.col, self.step, self.finished, self.seen]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
+
 
 class FastDecoder:
     """Runs decode steps of one model through the fast step, with CUDA graphs where possible."""
@@ -107,7 +116,6 @@ class FastDecoder:
             self._graphs.clear()
             self._pool = None  # a private pool whose graphs are all gone cannot be reused
             self.buffers = None
-            round_up = lambda n: -(-n // LENGTH_BUCKET) * LENGTH_BUCKET  # noqa: E731  (fewer re-allocations)
             self.buffers = DecodeBuffers(bucket, round_up(capacity), round_up(max_new_tokens), vocab_size, device)
         return self.buffers
 
@@ -123,9 +131,18 @@ class FastDecoder:
     @property
     def nbytes(self) -> int:
         """Bytes held between calls: the static buffers and the weight mirror (graph pools not counted)."""
-        held = sum(t.nbytes for t in vars(self.buffers).values() if isinstance(t, torch.Tensor)) if self.buffers else 0
-        held += self.cb_buffers.nbytes if self.cb_buffers is not None else 0
+        held = sum(bufs.nbytes for bufs in (self.buffers, self.cb_buffers) if bufs is not None)
         return held + (self.mirror.nbytes if self.mirror is not None else 0)
+
+    def step_parts(self, device: torch.device, mirrored: bool) -> tuple:
+        """``(spec, weights, step fns)`` of this call: the model's current weights (``mirrored``: through
+        the ZeRO-3 weight mirror, for captured steps, whose weights need fixed addresses) and the
+        ``torch.compile``d pieces on CUDA when compiling is on, else the eager ones."""
+        spec, weights = fast_decode.spec_and_weights(self.model)
+        if mirrored and self.mirror is not None:  # ZeRO-3: gathered weights move at every gather; the mirror does not
+            weights = self.mirror.refresh(weights)
+        fns = compiled_step_fns() if (self.use_compile and device.type == "cuda") else fast_decode.StepFns()
+        return spec, weights, fns
 
     def graph_reason(self, device: torch.device) -> str | None:
         """Why steps run eagerly (None: CUDA graphs)."""
@@ -139,14 +156,11 @@ class FastDecoder:
                 has_seen: bool):
         """A function ``step(live_len) -> "graph" | "eager"`` running one decode step for rows
         ``[0, num_rows)`` (everything looked up once per call, nothing per step but the graph key)."""
-        spec, weights = fast_decode.spec_and_weights(self.model)
-        if self.mirror is not None:  # ZeRO-3: gathered weights move at every gather; the mirror does not
-            weights = self.mirror.refresh(weights)
-        self.last_weight_signature = signature = weights.signature()
         bufs = self.buffers
         bucket = batch_bucket(num_rows)
         device = bufs.tokens.device
-        fns = compiled_step_fns() if (self.use_compile and device.type == "cuda") else fast_decode.StepFns()
+        spec, weights, fns = self.step_parts(device, mirrored=True)
+        self.last_weight_signature = signature = weights.signature()
         use_graphs = self.graph_reason(device) is None
         static_key = (bucket, sampling_key(sampling), eos_key, has_seen, cache.key_storage.data_ptr(),
                       tuple(cache.key_storage.shape), signature) if use_graphs else None
@@ -184,7 +198,6 @@ class FastDecoder:
             self._cb_graphs.clear()
             self._cb_pool = None
             self.cb_buffers = None
-            round_up = lambda n: -(-n // LENGTH_BUCKET) * LENGTH_BUCKET  # noqa: E731
             self.cb_buffers = CBBuffers(slots, capacity, rows, round_up(max_new_tokens), vocab_size, device,
                                         with_seen)
         return self.cb_buffers
@@ -193,12 +206,9 @@ class FastDecoder:
         """``step(num_rows, front, read_start) -> "graph" | "eager"``: one continuous decode step of live
         rows ``[0, num_rows)`` writing column ``front`` and reading from ``read_start`` on
         (``cache.begin_decode`` already ran and the rows' data is in ``cb_buffers.rowdata``)."""
-        spec, weights = fast_decode.spec_and_weights(self.model)
-        if self.mirror is not None:
-            weights = self.mirror.refresh(weights)
         bufs = self.cb_buffers
         device = bufs.rowdata.device
-        fns = compiled_step_fns() if (self.use_compile and device.type == "cuda") else fast_decode.StepFns()
+        spec, weights, fns = self.step_parts(device, mirrored=True)
         use_graphs = self.graph_reason(device) is None
         static_key = (sampling_key(sampling), has_seen, cache.key_storage.data_ptr(), tuple(cache.key_storage.shape),
                       cache.valid.data_ptr(), weights.signature()) if use_graphs else None

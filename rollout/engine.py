@@ -18,7 +18,7 @@ from rollout import cb_route, compat, fast_decode, fast_prefill, routes, zero
 from rollout.aligned_cache import AlignedKVCache, ScratchArena
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.continuous import generate_continuous
-from rollout.decode_graphs import LENGTH_BUCKET, FastDecoder, batch_bucket, compiled_step_fns
+from rollout.decode_graphs import FastDecoder, batch_bucket, round_up
 from rollout.expand import expand_prompts
 from rollout.kv_cache import CachePool, cache_shape
 from rollout.lora import LoraFuser
@@ -131,17 +131,18 @@ class Rollout:
         prompt_ids, prompt_mask, layout = self._validate(request, sampling, device)
         with stage(stages.EXPAND):
             ids, mask = expand_prompts(prompt_ids, prompt_mask, sampling.n_samples_per_prompt)
+        prefill_path = self._prefill_path(device)
         with stage(stages.PLAN):
             choice = routes.choose_route(self.config.route, layout, sampling.n_samples_per_prompt,
                                          sampling.continuous_batch_size, self._costs(),
-                                         self.config.max_prefill_tokens, self._prefill_path(device))
+                                         self.config.max_prefill_tokens, prefill_path)
         with self._inference_mode(), self._generation_weights():
             if choice.route == routes.CONTINUOUS:
                 generated, counters = self._run_continuous(prompt_ids, prompt_mask, layout, sampling, device)
             else:
                 generated, counters = self._run_ordinary(ids, mask, sampling, device, choice, layout)
         counters.update(route=choice.route, route_reason=choice.reason, dp_skipped=choice.dp_skipped,
-                        prefill_path=self._prefill_path(device),
+                        prefill_path=prefill_path,
                         route_estimates_ms=choice.estimates_ms,
                         prefill_buckets=len(choice.buckets) if choice.buckets else 1)
         with stage(stages.MASK_BUILD):
@@ -184,7 +185,7 @@ class Rollout:
         static = fast is not None and self.config.cuda_graphs  # decode from static buffers (graphs on CUDA)
         cache_slots = batch_bucket(slots) if static else slots  # padding slots of the batch buckets
         if static:  # fewer distinct shapes: buffers and graphs are reused across calls
-            capacity = -(-capacity // LENGTH_BUCKET) * LENGTH_BUCKET
+            capacity = round_up(capacity)
         shape = cache_shape(self.model, cache_slots, capacity)
         graph = None
         with stage(stages.CACHE_ACQUIRE):
@@ -229,30 +230,26 @@ class Rollout:
         """How the ordinary route prefills this call (one of ``routes.PREFILL_PATHS``)."""
         if not self.config.fast_prefill or self._fast_decoder()[0] is None:
             return "hf"
-        dtype = next(self.model.parameters()).dtype
-        return "varlen" if fast_prefill.varlen_attention(device, dtype) is not None else "packed"
+        return fast_prefill.attention_path(device, next(self.model.parameters()).dtype)
 
     def _fast_prefill_parts(self, decoder, device) -> tuple | None:
         """``(spec, weights, step fns)`` for :mod:`rollout.fast_prefill` (None: the HF forward prefills).
         Prefill is not captured in graphs, so it reads the (gathered) parameters directly."""
         if decoder is None or not self.config.fast_prefill:
             return None
-        spec, weights = fast_decode.spec_and_weights(self.model)
-        use_compile = self.config.compile and device.type == "cuda"
-        return spec, weights, compiled_step_fns() if use_compile else fast_decode.StepFns()
+        return decoder.step_parts(device, mirrored=False)
 
     def _continuous_fast_step(self, device) -> tuple[tuple | None, str]:
-        """Our step for the continuous route's decode (eager: its rows and window change every step)."""
+        """Our step's parts for the continuous route (its eager decode and its prefill), and why decode
+        steps run eagerly (None: CUDA graphs)."""
         decoder, reason = self._fast_decoder()
         if decoder is None:
             return None, reason
-        spec, weights = fast_decode.spec_and_weights(self.model)
-        use_compile = self.config.compile and device.type == "cuda"
-        fns = compiled_step_fns() if use_compile else fast_decode.StepFns()
+        parts = decoder.step_parts(device, mirrored=False)
         if not self.config.cuda_graphs:
-            return (spec, weights, fns), "continuous route: cuda_graphs disabled in RolloutConfig"
+            return parts, "continuous route: cuda_graphs disabled in RolloutConfig"
         graph_reason = decoder.graph_reason(device)
-        return (spec, weights, fns), (f"eager fast step: {graph_reason}" if graph_reason else None)
+        return parts, (f"eager fast step: {graph_reason}" if graph_reason else None)
 
     def _costs(self) -> CostModel:
         if self._cost_model is None:

@@ -64,9 +64,10 @@ def prefill_logits(spec: DecoderSpec, weights: DecoderWeights, fns: StepFns, key
             raise ValueError(f"prefill group rows [{first}, {stop}) of length {length} misses real prompt tokens")
     eps, heads, kv_heads, dim = spec.rms_eps, spec.num_heads, spec.num_kv_heads, spec.head_dim
 
+    row_lengths = real.sum(dim=1)  # [N], on the device
     varlen = varlen_attention(prompt_ids.device, weights.embed.dtype)
     if varlen is not None:  # causal attention per row of the packed batch: no groups, no dense queries, no mask
-        cu_seq = F.pad(torch.cumsum(real.sum(dim=1), 0, dtype=torch.int32), (1, 0))  # [N + 1], on the device
+        cu_seq = F.pad(torch.cumsum(row_lengths, 0, dtype=torch.int32), (1, 0))  # [N + 1]
         longest = max(lengths)
 
         def attend(layer: int, q, k, v):
@@ -86,7 +87,7 @@ def prefill_logits(spec: DecoderSpec, weights: DecoderWeights, fns: StepFns, key
         value_cache[i].transpose(1, 2)[row_of, col_of] = v[:, :, 0]
         h = fns.attention_output_and_mlp(h, attend(i, q, k, v), w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down,
                                           eps)
-    last = torch.cumsum(real.sum(dim=1), 0) - 1  # each row's last real token (column T_p - 1); no host copy
+    last = torch.cumsum(row_lengths, 0) - 1  # each row's last real token (column T_p - 1); no host copy
     return fns.final_logits(h.index_select(0, last), weights.final_norm, weights.lm_head, weights.lm_head_bias, eps)
 
 
@@ -115,6 +116,12 @@ def _attend_groups(q, key_layer, value_layer, groups: list[Group], plans, prompt
             enable_gqa=heads != kv_heads)  # [rows, Hq, L, D]
         attn[span, :, 0] = out.transpose(1, 2).reshape(rows * length, heads, dim).index_select(0, local)
     return attn
+
+
+def attention_path(device: torch.device, dtype: torch.dtype) -> str:
+    """``"varlen"`` where :func:`varlen_attention` is available for ``device``/``dtype``, else ``"packed"``
+    (attention per group with SDPA): the packed prefill's entry of ``routes.PREFILL_PATHS``."""
+    return "varlen" if varlen_attention(device, dtype) is not None else "packed"
 
 
 @functools.lru_cache(maxsize=None)

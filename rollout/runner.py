@@ -89,19 +89,12 @@ def _emit(state: DecodeState, logits: torch.Tensor, sampling: SamplingConfig, eo
 
 
 def prefill_forward(model, cache: StaticKVCache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                    prompt_len: int, mask_dtype: torch.dtype, fast: tuple | None = None,
-                    host_rows: tuple | None = None) -> torch.Tensor:
-    """One forward writing ``prompt_ids [b, L]`` into prompt columns ``[T_p - L, T_p)`` of ``cache``'s rows;
-    returns the last position's logits ``[b, V]``. Earlier columns of these rows must be padding.
-    ``fast``: ``(spec, weights, step fns)`` to run our own prefill (:mod:`rollout.fast_prefill`), with
-    ``host_rows`` (real-token counts and first real columns of ``prompt_ids``' rows) saving its host sync."""
+                    prompt_len: int, mask_dtype: torch.dtype) -> torch.Tensor:
+    """One HF forward writing ``prompt_ids [b, L]`` into prompt columns ``[T_p - L, T_p)`` of ``cache``'s
+    rows; returns the last position's logits ``[b, V]``. Earlier columns of these rows must be padding.
+    (Our own prefill is :func:`rollout.fast_prefill.prefill_logits`.)"""
     length = prompt_ids.shape[1]
     start = prompt_len - length
-    if fast is not None:
-        rows = prompt_ids.shape[0]
-        return fast_prefill.prefill_logits(*fast, cache.key_storage[:, :rows, :, start:],
-                                           cache.value_storage[:, :rows, :, start:], prompt_ids, prompt_mask,
-                                           host_rows=host_rows)
     cache.set_window(torch.arange(start, start + length, device=prompt_ids.device), start + length)
     keep = masks.prefill_mask(prompt_mask)
     if start:  # the padding columns [0, start) are never attended: zero them so stale values cannot leak

@@ -41,7 +41,7 @@ from rollout.aligned_cache import AlignedKVCache, ScratchArena  # noqa: E402
 from rollout import fast_decode, fast_prefill  # noqa: E402
 from rollout.calibration import (CopySample, DecodeSample, GroupSample, PrefillSample,  # noqa: E402
                                  calibration_metadata, fit_cost_model, load_cost_model, save_calibration)
-from rollout.decode_graphs import compiled_step_fns  # noqa: E402
+from rollout.decode_graphs import FastDecoder  # noqa: E402
 from rollout.compat import mask_dtype  # noqa: E402
 from rollout.kv_cache import cache_shape  # noqa: E402
 from rollout.runner import prefill_forward  # noqa: E402
@@ -110,9 +110,7 @@ def packed_parts(model):
     """``(spec, weights, step fns)`` of the packed prefill as the engine builds them, or None (HF forward)."""
     if fast_decode.unsupported_reason(model) is not None:
         return None
-    spec, weights = fast_decode.spec_and_weights(model)
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    return spec, weights, compiled_step_fns() if on_cuda else fast_decode.StepFns()
+    return FastDecoder(model).step_parts(next(model.parameters()).device, mirrored=False)
 
 
 @torch.no_grad()
@@ -124,8 +122,12 @@ def measure_prefill(model, shapes, repeats: int) -> list[PrefillSample]:
     for batch, length in shapes:
         ids, mask = left_padded([length] * batch, model.config.vocab_size, device)
         scratch = arena.get(batch, length)
-        ms = timed_ms(lambda: prefill_forward(model, scratch, ids, mask, length, mask_dtype(model), fast),
-                      device, repeats)
+        if fast is None:
+            ms = timed_ms(lambda: prefill_forward(model, scratch, ids, mask, length, mask_dtype(model)), device,
+                          repeats)
+        else:
+            ms = timed_ms(lambda: fast_prefill.prefill_logits(*fast, scratch.key_storage, scratch.value_storage,
+                                                              ids, mask), device, repeats)
         samples.append(PrefillSample(batch, length, ms))
     return samples
 
