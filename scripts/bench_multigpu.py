@@ -38,7 +38,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -46,6 +45,10 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from scripts import train_opsd  # noqa: E402  (standard library only at import)
+from scripts.train_opsd import free_port  # noqa: E402
 TRAIN_SCRIPT = REPO / "scripts" / "train_opsd.py"
 SUMMARIZE_SCRIPT = REPO / "scripts" / "summarize_trace.py"
 LAUNCHERS = ("torchrun", "deepspeed")
@@ -97,12 +100,6 @@ def expand_runs(variants: list[str], nprocs: list[int], launchers: list[str]) ->
 
 
 # ---- one run ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def train_args(run: dict, job_args: list[str], json_path: Path) -> list[str]:
     """train_opsd.py's arguments for ``run``."""
     args = [*job_args, "--zero-stage", str(run["zero_stage"])]
@@ -374,9 +371,6 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
 
 def check_job_args(parser: argparse.ArgumentParser, job_args: list[str]) -> None:
     """train_opsd.py's own parser on the passed-through flags: a bad one fails here, before any run."""
-    sys.path.insert(0, str(REPO))
-    from scripts import train_opsd
-
     try:
         import contextlib
         import io

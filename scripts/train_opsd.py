@@ -223,7 +223,8 @@ def parse_args(argv=None):
 
 
 # ---- process setup ------------------------------------------------------------------------------
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -239,7 +240,7 @@ def init_distributed():
 
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -4,7 +4,6 @@ import gzip
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -18,6 +17,7 @@ from instrumentation.config import ENV_VARS
 from instrumentation.profiler import opsd_profiler
 from instrumentation.ranges import stage
 from instrumentation.timers import HUB
+from tests.ds_util import free_port
 from tests.profiling_env import clean_profiling_env  # noqa: F401  (autouse fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -267,19 +267,13 @@ dist.destroy_process_group()
 """
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_gloo_ranks_write_distinct_trace_names(tmp_path):
     out_dir = tmp_path / "traces"
     base = {k: v for k, v in os.environ.items() if k not in ENV_VARS.values()}
     base.update(OPSD_PROFILE="1", OPSD_PROFILE_DIR=str(out_dir), OPSD_PROFILE_STEPS="1",
                 OPSD_PROFILE_RANKS="all", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(_free_port()), PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+                MASTER_PORT=str(free_port()), PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT], env={**base, "RANK": str(rank)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
              for rank in range(2)]
