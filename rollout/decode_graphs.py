@@ -102,19 +102,18 @@ class FastDecoder:
         self.use_graphs, self.use_compile = use_graphs, use_compile
         self.mirror = fast_decode.WeightMirror() if mirror_weights else None
         self.buffers: DecodeBuffers | None = None
-        self._graphs: dict = {}
-        self._pool = None
+        self._graphs: dict = {}  # the ordinary route's graphs
+        self._pools: dict = {}  # route -> the private memory pool its graphs share
         self.num_captures = 0
         self.cb_buffers: CBBuffers | None = None  # the continuous route's (see rollout.cb_graphs)
         self._cb_graphs: dict = {}
-        self._cb_pool = None
-        self.cb_fallback_reason: str | None = None
+        self.fallback_reason: str | None = None  # the last failed capture's (its steps then run eagerly)
 
     def buffers_for(self, rows: int, capacity: int, max_new_tokens: int, vocab_size: int, device) -> DecodeBuffers:
         bucket = batch_bucket(rows)
         if self.buffers is None or not self.buffers.fits(bucket, capacity, max_new_tokens, vocab_size, device):
             self._graphs.clear()
-            self._pool = None  # a private pool whose graphs are all gone cannot be reused
+            self._pools.pop("ordinary", None)  # a private pool whose graphs are all gone cannot be reused
             self.buffers = None
             self.buffers = DecodeBuffers(bucket, round_up(capacity), round_up(max_new_tokens), vocab_size, device)
         return self.buffers
@@ -122,10 +121,9 @@ class FastDecoder:
     def release(self) -> None:
         """Drop the static buffers and the captured graphs (``keep_cache=False``: nothing outlives a call)."""
         self._graphs.clear()
-        self._pool = None
+        self._pools.clear()
         self.buffers = None
         self._cb_graphs.clear()
-        self._cb_pool = None
         self.cb_buffers = None
 
     @property
@@ -174,19 +172,31 @@ class FastDecoder:
             if not use_graphs:
                 work()
                 return "eager"
-            graph = self._graphs.get((length, static_key))
-            if graph is None:
-                graph = self._graphs[(length, static_key)] = self._capture(work)
-            graph.replay()
-            return "graph"
+            return self._replay(self._graphs, (length, static_key), work, bufs.mutable(), "ordinary")
 
         return step
 
-    def _capture(self, step) -> "torch.cuda.CUDAGraph":
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        self.num_captures += 1
-        return capture_graph(step, self.buffers.mutable(), self._pool)
+    def _replay(self, graphs: dict, key, work, mutable: list[torch.Tensor], route: str) -> str:
+        """Replay the graph captured for ``key`` (capturing it on first use) and return ``"graph"``; where
+        the capture fails, run ``work`` eagerly now and for every later step of that key, record the
+        reason in ``fallback_reason`` and return ``"eager"``."""
+        graph = graphs.get(key)
+        if graph is None:
+            if route not in self._pools:
+                self._pools[route] = torch.cuda.graph_pool_handle()
+            try:
+                graph = capture_graph(work, mutable, self._pools[route])
+            except Exception as exc:  # noqa: BLE001 - the step still runs, eagerly, and the profile says why
+                self.fallback_reason = f"{route} route: CUDA graph capture failed ({exc!r:.200})"
+                graph = False
+            else:
+                self.num_captures += 1
+            graphs[key] = graph
+        if graph is False:
+            work()
+            return "eager"
+        graph.replay()
+        return "graph"
 
     # ---- the continuous route ----------------------------------------------------------------------
     def cb_buffers_for(self, slots: int, capacity: int, rows: int, max_new_tokens: int, vocab_size: int, device,
@@ -196,7 +206,7 @@ class FastDecoder:
         if self.cb_buffers is None or not self.cb_buffers.fits(slots, capacity, rows, max_new_tokens, vocab_size,
                                                                device, with_seen):
             self._cb_graphs.clear()
-            self._cb_pool = None
+            self._pools.pop("continuous", None)
             self.cb_buffers = None
             self.cb_buffers = CBBuffers(slots, capacity, rows, round_up(max_new_tokens), vocab_size, device,
                                         with_seen)
@@ -223,24 +233,7 @@ class FastDecoder:
             if not use_graphs:
                 work()
                 return "eager"
-            graph = self._cb_graphs.get((bucket, window, static_key))
-            if graph is None:
-                if self._cb_pool is None:
-                    self._cb_pool = torch.cuda.graph_pool_handle()
-                try:
-                    graph = capture_graph(work, bufs.mutable(), self._cb_pool)
-                except Exception as exc:  # noqa: BLE001 - the step still runs, eagerly, and the profile says why
-                    self.cb_fallback_reason = f"continuous route: CUDA graph capture failed ({exc!r:.200})"
-                    self._cb_graphs[(bucket, window, static_key)] = False
-                    graph = False
-                else:
-                    self._cb_graphs[(bucket, window, static_key)] = graph
-                    self.num_captures += 1
-            if graph is False:
-                work()
-                return "eager"
-            graph.replay()
-            return "graph"
+            return self._replay(self._cb_graphs, (bucket, window, static_key), work, bufs.mutable(), "continuous")
 
         return step
 

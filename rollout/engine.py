@@ -172,6 +172,8 @@ class Rollout:
                 self._pool.release()
                 if decoder is not None and not self.config.keep_cache:
                     decoder.release()
+        if decoder is not None and state.counters.get("eager_decode_steps") and decoder.fallback_reason:
+            reason = decoder.fallback_reason  # graphs were on, but a capture failed
         counters = dict(state.counters, num_steps=state.num_steps, decode_fallback_reason=reason,
                         cache_capacity=capacity)
         return state.generated[:, :state.num_steps], counters
@@ -221,8 +223,8 @@ class Rollout:
             path = "graph"
         else:
             path = "fast_eager"
-            if static and self._decoder.cb_fallback_reason:
-                reason = self._decoder.cb_fallback_reason
+            if static and self._decoder.fallback_reason:
+                reason = self._decoder.fallback_reason
         counters = dict(result.counters, num_steps=result.num_steps, decode_fallback_reason=reason, decode_path=path)
         return result.generated, counters
 

@@ -81,6 +81,43 @@ def test_unsupported_models_fall_back_with_a_reason():
     assert fast_decode.unsupported_reason(model) is None
 
 
+@pytest.mark.parametrize("route", ["ordinary", "continuous"])
+def test_failed_graph_capture_falls_back_to_eager_with_the_reason(route, monkeypatch):
+    """A capture that fails (after its warm-up runs, as a real one can) leaves the step running
+    eagerly, the tokens unchanged, no second attempt for the same key, and the reason in the stats.
+    Run on the CPU by pretending it has graphs and making every capture fail."""
+    from rollout import decode_graphs
+    attempts = []
+
+    def failing_capture(step, mutable, pool):
+        attempts.append(pool)
+        saved = [t.clone() for t in mutable]
+        step()  # a warm-up run writes the buffers; the real capture_graph restores them, so must this
+        for dst, src in zip(mutable, saved):
+            dst.copy_(src)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    model = tiny_model("qwen2", seed=7)
+    ids, mask = random_prompts(5, 9, min_len=1, seed=44)
+    sampling = SamplingConfig(max_new_tokens=10, temperature=0.9, top_p=0.9, seed=5, n_samples_per_prompt=2,
+                              continuous_batch_size=3 if route == "continuous" else None)
+    want = Rollout(model, TOK, RolloutConfig(route=route, cuda_graphs=False)).generate(RolloutRequest(ids, mask),
+                                                                                       sampling)
+    monkeypatch.setattr(decode_graphs.FastDecoder, "graph_reason", lambda self, device: None)
+    monkeypatch.setattr(decode_graphs, "capture_graph", failing_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", route))
+    ro = Rollout(model, TOK, RolloutConfig(route=route))
+    got = ro.generate(RolloutRequest(ids, mask), sampling)
+    assert torch.equal(got.input_ids, want.input_ids)
+    stats = ro.last_stats
+    assert f"{route} route: CUDA graph capture failed" in stats["decode_fallback_reason"]
+    assert "stream is capturing" in stats["decode_fallback_reason"]
+    assert stats["eager_decode_steps"] == stats["decode_forwards"] and not stats.get("graph_decode_steps")
+    keys = len(ro._decoder._graphs if route == "ordinary" else ro._decoder._cb_graphs)
+    assert len(attempts) == keys  # one attempt per graph key, not one per step
+    assert ro._decoder.num_captures == 0
+
+
 def test_buckets():
     assert [batch_bucket(n) for n in (1, 3, 5, 17, 33, 300)] == [1, 4, 8, 24, 48, 384]
     assert length_bucket(1, 1000) == 256 and length_bucket(257, 1000) == 512 and length_bucket(900, 1000) == 1000
