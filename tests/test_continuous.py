@@ -324,7 +324,9 @@ def test_cuda_sync_debug_mode_sees_one_sync_per_step():
             result = run_cb(model, ids, mask, sampling, eos, num_slots=3, layout=layout)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # the sync warnings alone: the first set_sync_debug_mode of a process also warns (once) that the
+    # mode is a prototype, which made this count one too many when this test ran first
+    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) == result.counters["host_syncs"] == result.counters["steps"]
 
 
