@@ -238,12 +238,24 @@ class FastDecoder:
         return step
 
 
+_WARMUP_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _warmup_stream(device_index: int) -> "torch.cuda.Stream":
+    """One side stream per device for every warm-up. The GEMM libraries keep a workspace per stream
+    they ran on for the life of the process; with a new stream per capture, each capture left ~66 MiB
+    allocated for good (measured on the H200: +66 MiB per ``keep_cache=False`` call)."""
+    if device_index not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device_index] = torch.cuda.Stream(device_index)
+    return _WARMUP_STREAMS[device_index]
+
+
 def capture_graph(step, mutable: list[torch.Tensor], pool) -> "torch.cuda.CUDAGraph":
     """Warm up (compiling on first use) and capture ``step`` in ``pool``. The ``mutable`` tensors it
     writes are restored after every warm-up run, so the captured step starts from the live state; the
     cache column a warm-up writes is rewritten by the real step before anything reads it."""
     saved = [t.clone() for t in mutable]
-    stream = torch.cuda.Stream()
+    stream = _warmup_stream(torch.cuda.current_device())
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):

@@ -9,6 +9,7 @@ never change, so decode can later be captured in CUDA graphs.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +30,20 @@ class OwnedKVLayer(CacheLayerMixin):
 
     def __init__(self, owner, keys: torch.Tensor, values: torch.Tensor):
         super().__init__()
-        self.owner = owner
+        # a weak reference: the owner holds its layers, so a strong one would make a reference cycle
+        # and the storage would outlive a keep_cache=False call until the garbage collector ran
+        # (seen on the H200: the whole 3B-shape KV cache, 576 MiB, still allocated after the call)
+        self._owner = weakref.ref(owner)
         self.keys, self.values = keys, values
         self.device = keys.device
         self.is_initialized = True
+
+    @property
+    def owner(self):
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("this cache layer's cache is gone: keep the cache, not its layers")
+        return owner
 
     def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist from the start
         return None

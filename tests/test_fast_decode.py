@@ -143,6 +143,26 @@ def test_cuda_graph_replay_equals_eager_fp32(compile_step):
 
 
 @cuda
+def test_graph_decode_calls_leave_no_memory_behind():
+    """Every capture's warm-up used a new side stream, and the GEMM libraries keep a workspace per
+    stream for the life of the process: each keep_cache=False call left ~66 MiB allocated on the H200.
+    With one warm-up stream per device, repeated calls (new captures each time) hold steady."""
+    import gc
+    model = tiny_model("qwen2", seed=8, device="cuda")
+    ids, mask = random_prompts(4, 10, min_len=2, seed=45, device="cuda")
+    ro = Rollout(model, TOK, RolloutConfig(keep_cache=False))
+    sampling = SamplingConfig(max_new_tokens=300, temperature=0.0)  # two length buckets: two captures a call
+    after = []
+    for _ in range(4):
+        ro.generate(RolloutRequest(ids, mask), sampling)
+        assert ro.last_stats["graph_decode_steps"] > 0
+        torch.cuda.synchronize()
+        gc.collect()
+        after.append(torch.cuda.memory_allocated())
+    assert after[1] == after[2] == after[3], after
+
+
+@cuda
 def test_graph_decode_makes_no_host_sync_per_step():
     model = tiny_model("qwen2", seed=6, device="cuda")
     ids, mask = random_prompts(4, 8, seed=44, device="cuda")
