@@ -250,8 +250,7 @@ class Rollout:
         parts = decoder.step_parts(device, mirrored=False)
         if not self.config.cuda_graphs:
             return parts, "continuous route: cuda_graphs disabled in RolloutConfig"
-        graph_reason = decoder.graph_reason(device)
-        return parts, (f"eager fast step: {graph_reason}" if graph_reason else None)
+        return parts, reason
 
     def _costs(self) -> CostModel:
         if self._cost_model is None:

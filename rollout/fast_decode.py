@@ -13,6 +13,7 @@ forward is not replicated here) and the addresses are part of the graph key.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -158,15 +159,15 @@ class WeightMirror:
         self._buffers: dict[int, torch.Tensor] = {}
 
     def refresh(self, weights: "DecoderWeights") -> "DecoderWeights":
+        keys = itertools.count()  # a tensor's key: its position in the fixed order of ``map``
+
         def stable(tensor: torch.Tensor) -> torch.Tensor:
-            key = len(seen)
-            seen.append(key)
+            key = next(keys)
             buffer = self._buffers.get(key)
             if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype \
                     or buffer.device != tensor.device:
                 buffer = self._buffers[key] = torch.empty_like(tensor)
             return buffer.copy_(tensor)
-        seen: list[int] = []
         return weights.map(stable)
 
     @property

@@ -49,8 +49,9 @@ def prefill_logits(spec: DecoderSpec, weights: DecoderWeights, fns: StepFns, key
     num_rows, prompt_len = prompt_ids.shape
     groups = groups or [(0, num_rows, prompt_len)]
     real = prompt_mask.bool()
+    row_lengths = real.sum(dim=1)  # [N], on the device
     if host_rows is None:  # one host sync: real tokens and first real column per row
-        host_rows = torch.stack([real.sum(dim=1), real.int().argmax(dim=1)]).tolist()
+        host_rows = torch.stack([row_lengths, real.int().argmax(dim=1)]).tolist()
     lengths, firsts = host_rows
     offsets = [0]
     for n in lengths:
@@ -64,7 +65,6 @@ def prefill_logits(spec: DecoderSpec, weights: DecoderWeights, fns: StepFns, key
             raise ValueError(f"prefill group rows [{first}, {stop}) of length {length} misses real prompt tokens")
     eps, heads, kv_heads, dim = spec.rms_eps, spec.num_heads, spec.num_kv_heads, spec.head_dim
 
-    row_lengths = real.sum(dim=1)  # [N], on the device
     varlen = varlen_attention(prompt_ids.device, weights.embed.dtype)
     if varlen is not None:  # causal attention per row of the packed batch: no groups, no dense queries, no mask
         cu_seq = F.pad(torch.cumsum(row_lengths, 0, dtype=torch.int32), (1, 0))  # [N + 1]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from numbers import Integral
 from typing import Any, Mapping, Optional, Sequence
 
@@ -131,8 +131,6 @@ class CostModel:
         the term goes too) ``+ kv * MiB(B, L)`` when ``copy_kv`` (the continuous route copies each
         group's padded keys/values into its cache). ``plan_prefill_buckets`` on this model plans the
         groups of one pass instead of forwards."""
-        from dataclasses import replace
-
         return replace(self, prefill_fixed_cost_ms=self.prefill_group_cost_ms, prefill_token_cost_ms=0.0,
                        prefill_attention_cost_ms=0.0 if varlen else self.prefill_attention_cost_ms,
                        prefill_kv_cost_ms=self.prefill_kv_cost_ms if copy_kv else 0.0)

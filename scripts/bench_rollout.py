@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig  # noqa: E402
-from rollout.testing import QWEN25_3B_SHAPE, TinyTokenizer, tiny_model  # noqa: E402
+from rollout.testing import TinyTokenizer, shaped_model, tiny_model  # noqa: E402
 
 FILL_TOKEN = 14990  # seed 004: inputs repeat one non-special token id
 
@@ -59,13 +59,7 @@ class Row:
 def build_model(name: str, dtype: torch.dtype, device: str):
     if name == "tiny":
         return tiny_model("qwen2", seed=0, dtype=dtype, device=device, max_position_embeddings=16384)
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(**QWEN25_3B_SHAPE, pad_token_id=0, eos_token_id=2)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    return model.eval()
+    return shaped_model("qwen25-3b", seed=0, dtype=dtype, device=device)
 
 
 def left_padded(lengths: list[int], vocab: int, device: str, token: int | None = None):

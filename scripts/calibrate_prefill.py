@@ -46,7 +46,7 @@ from rollout.compat import mask_dtype  # noqa: E402
 from rollout.kv_cache import cache_shape  # noqa: E402
 from rollout.runner import prefill_forward  # noqa: E402
 from rollout.planner import CostModel  # noqa: E402
-from rollout.testing import QWEN25_3B_SHAPE, TinyTokenizer, tiny_config, tiny_model  # noqa: E402
+from rollout.testing import TinyTokenizer, shaped_model, tiny_model  # noqa: E402
 
 NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
 #: Calibration grids per model: batches, lengths, decode shapes (batch x length), decode extra steps.
@@ -68,13 +68,7 @@ WORKLOADS = {
 def build_model(name: str, device: str, dtype: torch.dtype, attn: str):
     if name == "tiny":
         return tiny_model("qwen2", seed=0, dtype=dtype, device=device, attn_implementation=attn)
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config("qwen2", **QWEN25_3B_SHAPE, attn_implementation=attn)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
-    return model.eval()
+    return shaped_model("qwen25-3b", seed=0, dtype=dtype, device=device, attn_implementation=attn)
 
 
 def timed_ms(fn, device: torch.device, repeats: int, warmup: int = 1) -> float:

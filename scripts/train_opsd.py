@@ -115,15 +115,13 @@ class JobConfig:
             raise ValueError(f"lora: must be a LoRA rank >= 1; got {self.lora!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr: must be a finite number > 0; got {self.lr!r}")
-        from rollout.config import ROUTES
+        from rollout.config import GATHER_MODES, ROUTES
 
         if self.route not in ROUTES:
             raise ValueError(f"route: must be one of {ROUTES}; got {self.route!r}")
         for name in ("keep_cache", "compile", "cuda_graphs", "teacher_offload"):
             if getattr(self, name) not in (0, 1) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be 0 or 1; got {getattr(self, name)!r}")
-        from rollout.config import GATHER_MODES
-
         if self.gather not in GATHER_MODES:
             raise ValueError(f"gather: must be one of {GATHER_MODES}; got {self.gather!r}")
         if self.deepspeed_config is not None and not os.path.isfile(self.deepspeed_config):
