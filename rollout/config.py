@@ -11,17 +11,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from rollout.checks import is_int, require
+
 ROUTES = ("ordinary", "continuous", "auto")
 GATHER_MODES = ("once", "per_forward")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _require(condition: bool, field: str, message: str) -> None:
-    if not condition:
-        raise ValueError(f"{field}: {message}")
 
 
 @dataclass(frozen=True)
@@ -46,22 +39,22 @@ class SamplingConfig:
     """Same inputs + same seed -> same samples. None uses torch's global RNG."""
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
+        require(is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
                  f"must be a positive int; got {self.max_new_tokens!r}")
-        _require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature),
+        require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature),
                  "temperature", f"must be a finite number; got {self.temperature!r}")
-        _require(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0, "top_p",
+        require(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0, "top_p",
                  f"must be in (0, 1]; got {self.top_p!r}")
-        _require(_is_int(self.top_k), "top_k", f"must be an int (<= 0 disables); got {self.top_k!r}")
-        _require(_is_int(self.n_samples_per_prompt) and self.n_samples_per_prompt >= 1,
+        require(is_int(self.top_k), "top_k", f"must be an int (<= 0 disables); got {self.top_k!r}")
+        require(is_int(self.n_samples_per_prompt) and self.n_samples_per_prompt >= 1,
                  "n_samples_per_prompt", f"must be an int >= 1; got {self.n_samples_per_prompt!r}")
-        _require(self.continuous_batch_size is None
-                 or (_is_int(self.continuous_batch_size) and self.continuous_batch_size >= 1),
+        require(self.continuous_batch_size is None
+                 or (is_int(self.continuous_batch_size) and self.continuous_batch_size >= 1),
                  "continuous_batch_size", f"must be None or an int >= 1; got {self.continuous_batch_size!r}")
-        _require(isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
+        require(isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
                  and self.repetition_penalty > 0, "repetition_penalty",
                  f"must be a finite number > 0; got {self.repetition_penalty!r}")
-        _require(self.seed is None or _is_int(self.seed), "seed", f"must be None or an int; got {self.seed!r}")
+        require(self.seed is None or is_int(self.seed), "seed", f"must be None or an int; got {self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -105,17 +98,17 @@ class RolloutConfig:
     """Padded tokens (rows x length) per planned prefill forward; None removes the limit."""
 
     def __post_init__(self) -> None:
-        _require(self.route in ROUTES, "route", f"must be one of {ROUTES}; got {self.route!r}")
-        _require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
-        _require(isinstance(self.keep_cache, bool), "keep_cache", f"must be a bool; got {self.keep_cache!r}")
+        require(self.route in ROUTES, "route", f"must be one of {ROUTES}; got {self.route!r}")
+        require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
+        require(isinstance(self.keep_cache, bool), "keep_cache", f"must be a bool; got {self.keep_cache!r}")
         for name in ("fuse_lora", "fast_decode", "fast_prefill", "cuda_graphs", "compile"):
-            _require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
-        _require(_is_int(self.eos_check_interval) and self.eos_check_interval >= 1, "eos_check_interval",
+            require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
+        require(is_int(self.eos_check_interval) and self.eos_check_interval >= 1, "eos_check_interval",
                  f"must be an int >= 1; got {self.eos_check_interval!r}")
-        _require(self.max_prefill_tokens is None or (_is_int(self.max_prefill_tokens) and self.max_prefill_tokens > 0),
+        require(self.max_prefill_tokens is None or (is_int(self.max_prefill_tokens) and self.max_prefill_tokens > 0),
                  "max_prefill_tokens", f"must be None or a positive int; got {self.max_prefill_tokens!r}")
-        from rollout.planner import CostModel  # light, pure Python
-        _require(self.cost_model is None or isinstance(self.cost_model, (CostModel, str)), "cost_model",
+        from rollout.plan.planner import CostModel  # light, pure Python
+        require(self.cost_model is None or isinstance(self.cost_model, (CostModel, str)), "cost_model",
                  f"must be a CostModel, a calibration file path or None; got {type(self.cost_model).__name__}")
-        _require(self.max_context is None or (_is_int(self.max_context) and self.max_context > 0),
+        require(self.max_context is None or (is_int(self.max_context) and self.max_context > 0),
                  "max_context", f"must be None or a positive int; got {self.max_context!r}")

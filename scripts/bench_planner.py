@@ -20,9 +20,9 @@ import statistics
 import time
 from typing import Callable
 
-from rollout.cb_route import PromptLayout
-from rollout.routes import choose_route
-from rollout.planner import (
+from rollout.plan.layout import PromptLayout
+from rollout.plan.routes import choose_route
+from rollout.plan.planner import (
     DEFAULT_MAX_TOKENS, CostModel, plan_prefill_buckets, reference_plan_prefill_buckets,
 )
 

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from rollout.expand import expand_prompts
-from rollout.postprocess import postprocess, postprocess_reference
+from rollout.ops.expand import expand_prompts
+from rollout.ops.postprocess import postprocess, postprocess_reference
 
 EOS, PAD, N_SAMPLES = (2,), 0, 4
 

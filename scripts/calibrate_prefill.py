@@ -37,15 +37,18 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig  # noqa: E402
-from rollout.aligned_cache import AlignedKVCache, ScratchArena  # noqa: E402
-from rollout import fast_decode, fast_prefill  # noqa: E402
-from rollout.calibration import (CopySample, DecodeSample, GroupSample, PrefillSample,  # noqa: E402
-                                 calibration_metadata, fit_cost_model, load_cost_model, save_calibration)
-from rollout.decode_graphs import FastDecoder  # noqa: E402
-from rollout.compat import mask_dtype  # noqa: E402
-from rollout.kv_cache import cache_shape  # noqa: E402
-from rollout.runner import prefill_forward  # noqa: E402
-from rollout.planner import CostModel  # noqa: E402
+from rollout.cache.aligned import AlignedKVCache  # noqa: E402
+from rollout.cache.pool import ScratchArena  # noqa: E402
+from rollout.executors.decode import FastStep  # noqa: E402
+from rollout.model import prefill as fast_prefill  # noqa: E402
+from rollout.model import step as fast_decode  # noqa: E402
+from rollout.model.costs import calibration_metadata, load_cost_model  # noqa: E402
+from rollout.plan.calibration import (CopySample, DecodeSample, GroupSample, PrefillSample,  # noqa: E402
+                                      fit_cost_model, save_calibration)
+from rollout.model.compat import mask_dtype  # noqa: E402
+from rollout.cache.static import cache_shape  # noqa: E402
+from rollout.model.hf import prefill_forward  # noqa: E402
+from rollout.plan.planner import CostModel  # noqa: E402
 from rollout.testing import TinyTokenizer, shaped_model, tiny_model  # noqa: E402
 
 NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
@@ -101,10 +104,11 @@ def left_padded(lengths, vocab: int, device, seed: int = 0):
 
 # ---- calibration -------------------------------------------------------------------------------
 def packed_parts(model):
-    """``(spec, weights, step fns)`` of the packed prefill as the engine builds them, or None (HF forward)."""
+    """``StepParts`` of the packed prefill as the engine builds them, or None (HF forward)."""
     if fast_decode.unsupported_reason(model) is not None:
         return None
-    return FastDecoder(model).step_parts(next(model.parameters()).device, mirrored=False)
+    return FastStep(model, use_compile=True, mirror_weights=False).parts(next(model.parameters()).device,
+                                                                       mirrored=False)
 
 
 @torch.no_grad()
@@ -120,7 +124,7 @@ def measure_prefill(model, shapes, repeats: int) -> list[PrefillSample]:
             ms = timed_ms(lambda: prefill_forward(model, scratch, ids, mask, length, mask_dtype(model)), device,
                           repeats)
         else:
-            ms = timed_ms(lambda: fast_prefill.prefill_logits(*fast, scratch.key_storage, scratch.value_storage,
+            ms = timed_ms(lambda: fast_prefill.prefill_logits(fast, scratch.key_storage, scratch.value_storage,
                                                               ids, mask), device, repeats)
         samples.append(PrefillSample(batch, length, ms))
     return samples
@@ -142,7 +146,7 @@ def measure_groups(model, batch: int, length: int, num_groups: int, repeats: int
     ms = {}
     for groups in (None, split, None, split):  # interleaved, twice
         ms.setdefault(groups is None, []).append(timed_ms(
-            lambda: fast_prefill.prefill_logits(*fast, cache.key_storage, cache.value_storage, ids, mask, groups),
+            lambda: fast_prefill.prefill_logits(fast, cache.key_storage, cache.value_storage, ids, mask, groups),
             device, repeats))
     return [GroupSample(num_groups, statistics.median(ms[False]) - statistics.median(ms[True]))]
 

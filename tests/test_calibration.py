@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.calibration import (FINGERPRINT_SOURCES, CopySample, DecodeSample, GroupSample, PrefillSample,
-                                 calibration_metadata, fit_cost_model, load_cost_model, save_calibration,
-                                 source_fingerprint)
-from rollout.planner import CostModel
+from rollout.model.costs import calibration_metadata, load_cost_model
+from rollout.plan.calibration import (FINGERPRINT_SOURCES, CopySample, DecodeSample, GroupSample, PrefillSample,
+                                      fit_cost_model, save_calibration, source_fingerprint)
+from rollout.plan.planner import CostModel
 from rollout.testing import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,9 +125,23 @@ def test_source_fingerprint_follows_the_sources(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     assert source_fingerprint(tmp_path) == source_fingerprint()
-    with open(tmp_path / "rollout/continuous.py", "a") as f:
+    with open(tmp_path / "rollout/executors/continuous/loop.py", "a") as f:
         f.write("\n# edited\n")
     assert source_fingerprint(tmp_path) != source_fingerprint()
+
+
+@pytest.mark.parametrize("name", FINGERPRINT_SOURCES)
+def test_every_fingerprinted_source_exists(name):
+    assert (ROOT / name).is_file(), f"FINGERPRINT_SOURCES lists {name}, which does not exist"
+
+
+def test_a_missing_fingerprinted_source_is_an_error_not_a_constant(tmp_path):
+    """A listed file that moved must not hash to a constant (the old code hashed b"<missing>")."""
+    for name in FINGERPRINT_SOURCES[1:]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
+    with pytest.raises(FileNotFoundError, match="FINGERPRINT_SOURCES"):
+        source_fingerprint(tmp_path)
 
 
 def _script():

@@ -1,4 +1,4 @@
-"""The transformers-facing layer (rollout/compat.py, rollout/kv_cache.py) and the package-name guard.
+"""The transformers-facing layer (rollout/model/compat.py, rollout/cache/static.py) and the package-name guard.
 
 `make test` runs this file on both ends of the tested transformers range.
 """
@@ -12,8 +12,10 @@ import torch
 import transformers
 from transformers.cache_utils import Cache
 
-from rollout import compat, masks
-from rollout.kv_cache import CachePool, CacheShape, StaticKVCache
+from rollout.cache.pool import CachePool
+from rollout.cache.static import CacheShape, StaticKVCache
+from rollout.model import compat
+from rollout.ops import masks
 from rollout.testing import random_prompts, tiny_model
 
 

@@ -16,13 +16,15 @@ import torch
 
 from instrumentation import stages
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
-from rollout.aligned_cache import AlignedKVCache, ScratchArena
-from rollout.cb_route import check_gather, prompt_layout
-from rollout.continuous import generate_continuous
-from rollout.decode_graphs import batch_bucket
-from rollout.kv_cache import cache_shape
-from rollout.kv_cache import CachePool, CacheShape
-from rollout.planner import CostModel
+from rollout.cache.aligned import AlignedKVCache
+from rollout.cache.pool import CachePool, ScratchArena
+from rollout.cache.static import CacheShape, cache_shape
+from rollout.executors.context import CallContext, EosIds, no_stage
+from rollout.executors.continuous.loop import SlotSpec, generate_continuous
+from rollout.ops.masks import layout_tensors
+from rollout.plan.buckets import batch_bucket
+from rollout.plan.layout import check_gather, layout_from_lists
+from rollout.plan.planner import DEFAULT_MAX_TOKENS, CostModel
 from rollout.testing import TinyTokenizer, tiny_model
 from tests.conftest import hf_greedy, response_of
 
@@ -65,12 +67,20 @@ def staggered_eos(model, ids, mask, max_new):
 
 
 def run_cb(model, ids, mask, sampling, eos=None, **kwargs):
-    if isinstance(eos, torch.Tensor):  # already on the device (no host->device copy in a checked region)
-        eos_ids = eos
-    else:
-        eos_ids = torch.tensor(eos, device=ids.device) if eos else None
-    kwargs.setdefault("cost_model", CostModel.from_model(model))
-    return generate_continuous(model, ids, mask, sampling, eos_ids, **kwargs)
+    """``generate_continuous`` with the old keyword interface of these tests: the call context from
+    ``cost_model``, ``max_prefill_tokens``, ``stage``, ``fast``, ``fast_prefill``; the slot spec from
+    ``num_slots``, ``capacity``, ``cache``, ``arena``; ``layout`` as is. ``eos``: ids, or an ``EosIds``
+    made beforehand (no host->device copy inside a checked region)."""
+    eos_ids = eos if isinstance(eos, EosIds) else EosIds.on(tuple(eos or ()), ids.device)
+    ctx = CallContext(model, sampling, eos_ids, kwargs.pop("cost_model", CostModel.from_model(model)),
+                      kwargs.pop("max_prefill_tokens", DEFAULT_MAX_TOKENS), stage=kwargs.pop("stage", no_stage),
+                      fast=kwargs.pop("fast", None), fast_prefill=kwargs.pop("fast_prefill", None))
+    layout = kwargs.pop("layout", None)
+    return generate_continuous(ctx, ids, mask, layout, SlotSpec(**kwargs))
+
+
+def prompt_layout(mask):
+    return layout_from_lists(*layout_tensors(mask).tolist(), mask.shape[1])
 
 
 def ordinary_tokens(model, ids, mask, sampling, tokenizer=NO_EOS):
@@ -170,7 +180,7 @@ def test_greedy_tokens_equal_hf_generate_per_request(request, case):
         assert cut(result.generated[row].tolist(), eos) == expected, f"row {row}"
     ended = [r for r in range(len(lengths)) if any(t in eos for t in result.generated[r].tolist())]
     assert 0 < len(ended) < len(lengths), "the case needs EOS mid-stream and rows that run to the budget"
-    counters = result.counters
+    counters = result.stats
     assert (counters["trims"] >= trims, counters["shifts"] >= shifts, counters["row_moves"] >= moves) == \
         (True, True, True), counters
     assert result.num_steps == max_new == result.generated.shape[1]
@@ -184,8 +194,8 @@ def test_shared_prefill_gives_every_sample_the_hf_tokens(qwen):
     assert result.generated.shape == (3 * n, 6)
     for row in range(3 * n):
         assert result.generated[row].tolist() == hf_greedy(qwen, ids[row // n], mask[row // n], 6), f"row {row}"
-    assert result.counters["prefill_rows"] == 3  # each distinct prompt prefilled once
-    assert result.counters["decode_rows"] == 3 * n * 5
+    assert result.stats["prefill_rows"] == 3  # each distinct prompt prefilled once
+    assert result.stats["decode_rows"] == 3 * n * 5
 
 
 def test_repetition_penalty_equals_hf_and_the_ordinary_route(qwen):
@@ -228,7 +238,7 @@ def test_seeded_samples_reproduce_and_do_not_depend_on_slots_or_route(qwen):
     (dict(max_prefill_tokens=4), "max_prefill_tokens"),
     (dict(sampling={"max_new_tokens": 4}), "sampling"),
     (dict(cache=AlignedKVCache(CacheShape(1, 20, 2, 2, 16, torch.float32, torch.device("cpu")))), "cache"),
-    (dict(prompt_mask=torch.tensor([[0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])), "prompt_mask"),
+    (dict(prompt_mask=torch.tensor([[0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])), "prompt_(attention_)?mask"),
 ])
 def test_bad_configs_raise_naming_the_field(qwen, change, match):
     ids, mask = make_prompts([6, 3])
@@ -237,7 +247,7 @@ def test_bad_configs_raise_naming_the_field(qwen, change, match):
     kwargs.update(change)
     sampling, mask = kwargs.pop("sampling"), kwargs.pop("prompt_mask")
     with pytest.raises(ValueError, match=match):
-        generate_continuous(qwen, ids, mask, sampling, None, **kwargs)
+        run_cb(qwen, ids, mask, sampling, None, **kwargs)
 
 
 @pytest.mark.parametrize("route, gather, is_zero3, raises", [
@@ -274,7 +284,7 @@ def test_stages_wrap_every_plan_prefill_decode_and_cache_operation(qwen):
     eos = staggered_eos(qwen, ids, mask, 8)
     result = run_cb(qwen, ids, mask, SamplingConfig(max_new_tokens=8, temperature=0.0), eos, num_slots=2,
                     capacity=19, stage=Record)
-    counts, counters = Counter(names), result.counters
+    counts, counters = Counter(names), result.stats
     assert counts[stages.PREFILL] == counters["prefill_forwards"] == counts[stages.CACHE_ACQUIRE] - 1
     assert counts[stages.DECODE] == counters["decode_forwards"] and counts[stages.PLAN] == counters["plans"]
     assert counts[stages.CACHE_TRIM] >= counters["trims"] + counters["shifts"] > 0
@@ -300,7 +310,7 @@ def test_at_most_one_host_sync_per_step(qwen, monkeypatch, with_eos):
         monkeypatch.setattr(torch.Tensor, name, counted)
     result = run_cb(qwen, ids, mask, sampling, eos, num_slots=3, capacity=19)
     monkeypatch.undo()
-    counters = result.counters
+    counters = result.stats
     assert sum(calls.values()) == counters["host_syncs"], calls
     # one for the prompt layout, then one per step (the EOS flags) - none at all without EOS ids
     assert counters["host_syncs"] == 1 + (counters["steps"] if with_eos else 0)
@@ -313,7 +323,7 @@ def test_cuda_sync_debug_mode_sees_one_sync_per_step():
     ids, mask = make_prompts([5, 12, 3, 8, 1, 10, 7], seed=7)
     ids, mask = ids.cuda(), mask.cuda()
     sampling = SamplingConfig(max_new_tokens=8, temperature=0.0)
-    eos = torch.tensor(staggered_eos(model, ids, mask, 8), device="cuda")
+    eos = EosIds.on(tuple(staggered_eos(model, ids, mask, 8)), "cuda")
     layout = prompt_layout(mask)
     run_cb(model, ids, mask, sampling, eos, num_slots=3, layout=layout)  # warm-up
     torch.cuda.synchronize()
@@ -327,7 +337,7 @@ def test_cuda_sync_debug_mode_sees_one_sync_per_step():
     # the sync warnings alone: the first set_sync_debug_mode of a process also warns (once) that the
     # mode is a prototype, which made this count one too many when this test ran first
     syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
-    assert len(syncs) == result.counters["host_syncs"] == result.counters["steps"]
+    assert len(syncs) == result.stats["host_syncs"] == result.stats["steps"]
 
 
 @pytest.mark.parametrize("max_new", [1, 5])
@@ -344,8 +354,8 @@ def test_engine_owned_cache_and_arena_are_reused_across_calls(qwen, max_new):
     for row in range(4):
         assert results[1].generated[row].tolist() == hf_greedy(qwen, ids[row], mask[row], max_new), f"row {row}"
     assert torch.equal(results[0].generated, results[1].generated)
-    assert results[1].counters["scratch_allocations"] == results[0].counters["scratch_allocations"]  # reused
-    assert results[1].counters["decode_forwards"] == (0 if max_new == 1 else 2 * (max_new - 1))
+    assert results[1].stats["scratch_allocations"] == results[0].stats["scratch_allocations"]  # reused
+    assert results[1].stats["decode_forwards"] == (0 if max_new == 1 else 2 * (max_new - 1))
 
 
 def test_cache_shape_matches_the_model(qwen):
@@ -376,7 +386,7 @@ def test_static_buffer_decode_equals_the_per_call_path(qwen, sampling):
     stats = static.last_stats
     assert stats["eager_decode_steps"] == stats["decode_forwards"] > 0  # the static path ran (no graphs on CPU)
     assert stats["num_slots"] == batch_bucket(sampling.continuous_batch_size)  # padding slots of the buckets
-    assert "eager_decode_steps" not in per_call.last_stats
+    assert per_call.last_stats["eager_decode_steps"] == 0  # per-call tensors, not the static buffers
     if sampling.is_greedy:
         for row in range(7):
             assert response_of(got, row) == cut(
@@ -389,15 +399,15 @@ def test_static_buffers_are_reused_across_calls_and_released_without_keep_cache(
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, continuous_batch_size=2)
     ro = Rollout(qwen, NO_EOS, RolloutConfig(route="continuous"))
     first = ro.generate(RolloutRequest(ids, mask), sampling)
-    bufs = ro._decoder.cb_buffers
+    bufs = ro._continuous.buffers
     ids2, mask2 = make_prompts([4, 6, 2], seed=14)
     ro.generate(RolloutRequest(ids2, mask2), sampling)
-    assert ro._decoder.cb_buffers is bufs  # same shapes: the same static tensors (and graphs on GPU)
+    assert ro._continuous.buffers is bufs  # same shapes: the same static tensors (and graphs on GPU)
     again = ro.generate(RolloutRequest(ids, mask), sampling)
     assert torch.equal(again.input_ids, first.input_ids)  # nothing of the previous call leaks in
     loose = Rollout(qwen, NO_EOS, RolloutConfig(route="continuous", keep_cache=False))
     assert torch.equal(loose.generate(RolloutRequest(ids, mask), sampling).input_ids, first.input_ids)
-    assert loose._decoder.cb_buffers is None and loose.held_bytes == 0
+    assert loose._continuous.buffers is None and loose.held_bytes == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -418,22 +428,22 @@ def test_cuda_graph_continuous_decode_equals_the_eager_paths_fp32():
         assert torch.equal(got.input_ids, eager.generate(RolloutRequest(ids, mask), sampling).input_ids)
         hf = Rollout(model, tok, RolloutConfig(route="continuous", fast_decode=False))
         assert torch.equal(got.input_ids, hf.generate(RolloutRequest(ids, mask), sampling).input_ids)
-        captures = graphs._decoder.num_captures
+        captures = graphs._continuous.graphs.num_captures
         assert torch.equal(graphs.generate(RolloutRequest(ids, mask), sampling).input_ids, got.input_ids)
-        assert graphs._decoder.num_captures == captures  # graphs are reused across calls
+        assert graphs._continuous.graphs.num_captures == captures  # graphs are reused across calls
 
 
 def test_packed_prefill_admits_every_bucket_in_one_pass(qwen):
     """With the packed prefill an admission is one pass whatever its buckets: the buckets (here one per
     length: free groups, costly attention) only group attention and the copies into the slots."""
-    from rollout import fast_decode
+    from rollout.model import step as fast_decode
     ids, mask = make_prompts([9, 2, 12, 3, 1, 7], seed=15)
     spec, weights = fast_decode.spec_and_weights(qwen)
-    parts = (spec, weights, fast_decode.StepFns())
+    parts = fast_decode.StepParts(spec, weights, fast_decode.StepFns())
     costs = CostModel.from_model(qwen, prefill_group_cost_ms=0.0, prefill_attention_cost_ms=1e4)
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, repetition_penalty=1.3)
     result = run_cb(qwen, ids, mask, sampling, num_slots=4, fast=parts, fast_prefill=parts, cost_model=costs)
-    counters = result.counters
+    counters = result.stats
     assert counters["prefill_forwards"] == counters["plans"] >= 2  # one pass per admission wave
     assert counters["prefill_tokens"] == sum([9, 2, 12, 3, 1, 7])  # every bucket exactly one length
     for row in range(6):
@@ -441,7 +451,7 @@ def test_packed_prefill_admits_every_bucket_in_one_pass(qwen):
 
 
 def test_read_window_covers_the_live_columns_in_few_shapes():
-    from rollout.cb_graphs import read_window
+    from rollout.plan.buckets import read_window
     assert read_window(0, 10, 1024, 256) == (0, 256)
     assert read_window(300, 700, 1024, 256) == (256, 768)  # live [300, 701) inside, < 2 buckets extra
     assert read_window(900, 1023, 1024, 256) == (768, 1024)  # never past the capacity

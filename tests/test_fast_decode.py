@@ -4,12 +4,17 @@ import pytest
 import torch
 
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
-from rollout import fast_decode
-from rollout.decode_graphs import batch_bucket, length_bucket
+from rollout.model import step as fast_decode
+from rollout.plan.buckets import batch_bucket, length_bucket
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 
 TOK = TinyTokenizer(pad_token_id=0, eos_token_id=None)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _parts(model, fns=None):
+    spec, weights = fast_decode.spec_and_weights(model)
+    return fast_decode.StepParts(spec, weights, fns or fast_decode.StepFns())
 
 
 def _paths(model, ids, mask, sampling, **cfg):
@@ -33,8 +38,9 @@ def test_fast_step_tokens_equal_hf_forward_path(arch, sampling):
 
 
 def test_fast_step_logits_match_hf_logits():
-    from rollout.kv_cache import CacheShape, StaticKVCache
-    from rollout import compat, masks
+    from rollout.cache.static import CacheShape, StaticKVCache
+    from rollout.model import compat
+    from rollout.ops import masks
     model = tiny_model("qwen2", seed=3)
     ids, mask = random_prompts(3, 6, min_len=2, seed=42)
     layers, heads, dim = compat.kv_geometry(model)
@@ -51,10 +57,8 @@ def test_fast_step_logits_match_hf_logits():
         hf_cache.set_window(torch.tensor([6]), 7)
         expected = compat.forward_last_logits(model, next_tok[:, None], pos[:, None],
                                               masks.decode_mask(valid, 7), hf_cache)
-        spec, weights = fast_decode.spec_and_weights(model)
-        got = fast_decode.decode_logits(spec, weights, fast_decode.StepFns(), fast_cache.key_storage,
-                                        fast_cache.value_storage, next_tok, pos, torch.tensor(6),
-                                        masks.decode_mask(valid, 7))
+        got = fast_decode.decode_logits(_parts(model), fast_cache.key_storage, fast_cache.value_storage, next_tok,
+                                        pos, torch.tensor(6), masks.decode_mask(valid, 7))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_cache.key_storage[:, :, :, 6], hf_cache.key_storage[:, :, :, 6])
 
@@ -86,7 +90,7 @@ def test_failed_graph_capture_falls_back_to_eager_with_the_reason(route, monkeyp
     """A capture that fails (after its warm-up runs, as a real one can) leaves the step running
     eagerly, the tokens unchanged, no second attempt for the same key, and the reason in the stats.
     Run on the CPU by pretending it has graphs and making every capture fail."""
-    from rollout import decode_graphs
+    from rollout.executors import decode, graphs
     attempts = []
 
     def failing_capture(step, mutable, pool):
@@ -103,8 +107,14 @@ def test_failed_graph_capture_falls_back_to_eager_with_the_reason(route, monkeyp
                               continuous_batch_size=3 if route == "continuous" else None)
     want = Rollout(model, TOK, RolloutConfig(route=route, cuda_graphs=False)).generate(RolloutRequest(ids, mask),
                                                                                        sampling)
-    monkeypatch.setattr(decode_graphs.FastDecoder, "graph_reason", lambda self, device: None)
-    monkeypatch.setattr(decode_graphs, "capture_graph", failing_capture)
+    real_choose = decode.choose_decode
+
+    def pretend_cuda(config, model, is_zero3, device):  # graphs chosen as on a GPU
+        choice = real_choose(config, model, is_zero3, device)
+        return decode.DecodeChoice("graph", None, choice.prefill_path)
+    from rollout import engine
+    monkeypatch.setattr(engine, "choose_decode", pretend_cuda)
+    monkeypatch.setattr(graphs, "capture_graph", failing_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", route))
     ro = Rollout(model, TOK, RolloutConfig(route=route))
     got = ro.generate(RolloutRequest(ids, mask), sampling)
@@ -113,9 +123,9 @@ def test_failed_graph_capture_falls_back_to_eager_with_the_reason(route, monkeyp
     assert f"{route} route: CUDA graph capture failed" in stats["decode_fallback_reason"]
     assert "stream is capturing" in stats["decode_fallback_reason"]
     assert stats["eager_decode_steps"] == stats["decode_forwards"] and not stats.get("graph_decode_steps")
-    keys = len(ro._decoder._graphs if route == "ordinary" else ro._decoder._cb_graphs)
-    assert len(attempts) == keys  # one attempt per graph key, not one per step
-    assert ro._decoder.num_captures == 0
+    graph_set = ro._ordinary.graphs if route == "ordinary" else ro._continuous.graphs
+    assert len(attempts) == len(graph_set._graphs) > 0  # one attempt per graph key, not one per step
+    assert graph_set.num_captures == 0
 
 
 def test_buckets():
@@ -137,9 +147,9 @@ def test_cuda_graph_replay_equals_eager_fp32(compile_step):
         hf = Rollout(model, TOK, RolloutConfig(fast_decode=False)).generate(RolloutRequest(ids, mask), sampling)
         assert torch.equal(graph.input_ids, eager.input_ids)
         assert torch.equal(graph.input_ids, hf.input_ids)
-        captures = ro._decoder.num_captures
+        captures = ro._ordinary.graphs.num_captures
         ro.generate(RolloutRequest(ids, mask), sampling)
-        assert ro._decoder.num_captures == captures  # graphs are reused across calls
+        assert ro._ordinary.graphs.num_captures == captures  # graphs are reused across calls
 
 
 @cuda
@@ -169,10 +179,15 @@ def test_graph_decode_makes_no_host_sync_per_step():
     ro = Rollout(model, TOK)
     sampling = SamplingConfig(max_new_tokens=32, temperature=0.0)
     ro.generate(RolloutRequest(ids, mask), sampling)  # capture outside the checked region
-    bufs = ro._decoder.buffers
+    from rollout.executors.context import CallContext, EosIds
+    from rollout.executors.decode import choose_decode
+    from rollout.plan.planner import CostModel
+    ctx = CallContext(model, sampling, EosIds.on((), "cuda"), CostModel.from_model(model))
+    choice = choose_decode(ro.config, model, False, torch.device("cuda"))
+    static = ro._ordinary.static_decode(ctx, choice, ro._pool._cache, 4)
+    bufs, step = static.buffers, static.step
     bufs.step.fill_(1)  # rewind to the first decode step (fill_ with a Python number: no sync)
     bufs.col.fill_(8)
-    step = ro._decoder.stepper(ro._pool._cache, 4, sampling, None, (), False)
     torch.cuda.set_sync_debug_mode("error")
     try:
         modes = [step(8 + 1 + k) for k in range(8)]
@@ -184,9 +199,10 @@ def test_graph_decode_makes_no_host_sync_per_step():
 @cuda
 def test_fast_step_logits_match_hf_in_bf16_on_gpu():
     """The compiled step's logits stay within bf16 tolerance of the HF layers' (same cache contents)."""
-    from rollout import compat, masks
-    from rollout.decode_graphs import compiled_step_fns
-    from rollout.kv_cache import CacheShape, StaticKVCache
+    from rollout.cache.static import CacheShape, StaticKVCache
+    from rollout.model import compat
+    from rollout.model.step import compiled_step_fns
+    from rollout.ops import masks
     model = tiny_model("qwen2", seed=8, device="cuda", dtype=torch.bfloat16)
     ids, mask = random_prompts(4, 12, min_len=3, seed=45, device="cuda")
     layers, heads, dim = compat.kv_geometry(model)
@@ -201,8 +217,7 @@ def test_fast_step_logits_match_hf_in_bf16_on_gpu():
         hf_cache.set_window(torch.tensor([12], device="cuda"), 13)
         expected = compat.forward_last_logits(model, next_tok[:, None], pos[:, None], masks.decode_mask(valid, 13),
                                               hf_cache)
-        spec, weights = fast_decode.spec_and_weights(model)
-        got = fast_decode.decode_logits(spec, weights, compiled_step_fns(), fast_cache.key_storage,
+        got = fast_decode.decode_logits(_parts(model, compiled_step_fns()), fast_cache.key_storage,
                                         fast_cache.value_storage, next_tok, pos, torch.tensor(12, device="cuda"),
                                         masks.decode_mask(valid, 13))
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)

@@ -3,9 +3,13 @@
 import pytest
 import torch
 
-from rollout import compat, fast_decode, fast_prefill, masks
-from rollout.kv_cache import CacheShape, StaticKVCache
-from rollout.runner import prefill_forward
+from rollout.model import compat
+from rollout.model import prefill as fast_prefill
+from rollout.model import step as fast_decode
+from rollout.ops import masks
+from rollout.plan.layout import RowSpans
+from rollout.cache.static import CacheShape, StaticKVCache
+from rollout.model.hf import prefill_forward
 from rollout.testing import random_prompts, tiny_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -23,10 +27,14 @@ def _hf_prefill(model, cache, ids, mask):
 
 
 def _fast_prefill(model, cache, ids, mask, groups=None, fns=None):
-    spec, weights = fast_decode.spec_and_weights(model)
     with torch.no_grad():
-        return fast_prefill.prefill_logits(spec, weights, fns or fast_decode.StepFns(), cache.key_storage,
-                                           cache.value_storage, ids, mask, groups)
+        return fast_prefill.prefill_logits(_parts(model, fns), cache.key_storage, cache.value_storage, ids, mask,
+                                           groups)
+
+
+def _parts(model, fns=None):
+    spec, weights = fast_decode.spec_and_weights(model)
+    return fast_decode.StepParts(spec, weights, fns or fast_decode.StepFns())
 
 
 def _real_columns_equal(got: StaticKVCache, expected: StaticKVCache, mask, **tol):
@@ -83,10 +91,9 @@ def test_host_layout_gives_the_same_result_without_reading_the_mask():
     first, second = _caches(model, 4, 12)
     counts = mask.sum(1).tolist()
     firsts = [9 - c for c in counts]
-    spec, weights = fast_decode.spec_and_weights(model)
     with torch.no_grad():
-        got = fast_prefill.prefill_logits(spec, weights, fast_decode.StepFns(), first.key_storage,
-                                          first.value_storage, ids, mask, None, (counts, firsts))
+        got = fast_prefill.prefill_logits(_parts(model), first.key_storage, first.value_storage, ids, mask, None,
+                                          RowSpans(tuple(counts), tuple(firsts)))
     assert torch.equal(got, _fast_prefill(model, second, ids, mask))
     assert torch.equal(first.key_storage, second.key_storage)
 
@@ -103,7 +110,7 @@ def test_a_group_too_short_for_its_rows_is_an_error():
 def test_compiled_fast_prefill_matches_hf_in_bf16_on_gpu():
     """Compiled pieces on the GPU, bf16: logits within bf16 tolerance of the HF layers', same argmax
     on (almost) every row, across two distinct token counts (the compiled graphs go dynamic)."""
-    from rollout.decode_graphs import compiled_step_fns
+    from rollout.model.step import compiled_step_fns
     model = tiny_model("qwen2", seed=15, device="cuda", dtype=torch.bfloat16)
     for rows, width in ((4, 12), (6, 20)):
         ids, mask = random_prompts(rows, width, min_len=3, seed=rows, device="cuda")
@@ -119,15 +126,14 @@ def test_prefill_with_host_layout_makes_no_host_sync():
     model = tiny_model("qwen2", seed=17, device="cuda")
     ids, mask = random_prompts(3, 10, min_len=2, seed=7, device="cuda")
     counts = mask.sum(1).tolist()
-    host_rows = (counts, [10 - c for c in counts])
+    host_rows = RowSpans(tuple(counts), tuple(10 - c for c in counts))
     _, cache = _caches(model, 3, 12, device="cuda")
-    spec, weights = fast_decode.spec_and_weights(model)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.no_grad():
-            fast_prefill.prefill_logits(spec, weights, fast_decode.StepFns(), cache.key_storage, cache.value_storage,
-                                        ids, mask, [(0, 1, 10), (1, 3, 10)], host_rows)
+            fast_prefill.prefill_logits(_parts(model), cache.key_storage, cache.value_storage, ids, mask,
+                                        [(0, 1, 10), (1, 3, 10)], host_rows)
     finally:
         torch.cuda.set_sync_debug_mode(0)
 

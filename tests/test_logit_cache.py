@@ -6,8 +6,8 @@ import weakref
 import pytest
 import torch
 
-from rollout.logit_cache import CachedTeacherLogits, LogitCacheConfig, TeacherLogitCache
-from rollout.losses import generalized_jsd_loss, response_logit_positions
+from rollout.opsd.logit_cache import CachedTeacherLogits, LogitCacheConfig, TeacherLogitCache
+from rollout.opsd.losses import generalized_jsd_loss, response_logit_positions
 from rollout.testing import tiny_model
 from tests.oracles import reference_jsd
 

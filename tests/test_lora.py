@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from rollout import lora as lora_module
-from rollout.lora import LoraFuser
+from rollout.model import lora as lora_module
+from rollout.model.lora import LoraFuser
 from rollout.testing import tiny_model
 from tests.ds_util import run_worker
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rollout.losses import align_vocab, generalized_jsd_loss, response_logit_positions
+from rollout.opsd.losses import align_vocab, generalized_jsd_loss, response_logit_positions
 from tests.oracles import reference_jsd
 
 

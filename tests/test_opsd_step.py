@@ -22,7 +22,7 @@ import torch
 from instrumentation import ProfileConfig, collect_stages, configure, reset_for_tests, stages
 from rollout import Rollout, RolloutRequest
 from rollout.config import SamplingConfig
-from rollout.losses import generalized_jsd_loss, response_logit_positions
+from rollout.opsd.losses import generalized_jsd_loss, response_logit_positions
 from rollout.opsd import OPSDConfig, OPSDStep
 from rollout.request import RolloutBatch
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from rollout.planner import (
+from rollout.plan.planner import (
     DEFAULT_MAX_TOKENS, CostModel, PrefillPlan, plan_prefill_buckets, reference_plan_prefill_buckets,
 )
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from rollout.expand import expand_prompts
-from rollout.postprocess import postprocess, postprocess_reference
+from rollout.ops.expand import expand_prompts
+from rollout.ops.postprocess import postprocess, postprocess_reference
 
 
 def _random_case(seed, batch, n, prompt_len, width, vocab, eos_ids, pad):

@@ -56,7 +56,7 @@ def test_top_k_one_equals_greedy(qwen):
 
 def test_sampling_follows_the_model_distribution():
     """One decode step's samples follow softmax(logits / T) restricted to the top-k set."""
-    from rollout.sampling import select_next_token
+    from rollout.ops.sampling import select_next_token
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]]).repeat(20000, 1)
     cfg = SamplingConfig(max_new_tokens=1, temperature=0.8, top_k=3, seed=0)
     rows = torch.arange(logits.shape[0])
@@ -68,7 +68,7 @@ def test_sampling_follows_the_model_distribution():
 
 
 def test_counter_noise_is_uniform_and_keyed():
-    from rollout.sampling import uniform_noise
+    from rollout.ops.sampling import uniform_noise
     u = uniform_noise(torch.tensor(7), torch.arange(64), torch.tensor(3), 4096)
     assert 0 < u.min() and u.max() < 1
     assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
@@ -127,7 +127,8 @@ def test_dropped_cache_is_freed_when_the_call_returns_not_at_the_next_gc(qwen, r
     (each cache layer pointing back at its cache) kept the whole cache alive until the garbage
     collector ran: on the H200 the 3B shape's 576 MiB cache was still allocated when the training
     forward that follows the rollout began."""
-    from rollout import aligned_cache, kv_cache
+    from rollout.cache import aligned as aligned_cache
+    from rollout.cache import static as kv_cache
     storages = []
     for cls in (kv_cache.StaticKVCache, aligned_cache.AlignedKVCache):
         init = cls.__init__

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
-from rollout.cb_route import PromptLayout, check_gather
-from rollout.planner import CostModel
-from rollout.routes import choose_route
+from rollout.plan.layout import PromptLayout, check_gather
+from rollout.plan.planner import CostModel
+from rollout.plan.routes import choose_route
 from rollout.testing import TinyTokenizer, tiny_model
 from tests.conftest import hf_greedy, response_of
 
@@ -146,7 +146,7 @@ def test_auto_equals_the_full_comparison_and_its_bound_is_valid(seed):
                       prefill_attention_cost_ms=rng.uniform(0, 0.05), prefill_kv_cost_ms=0.0)
     layout = PromptLayout(tuple(spans), tuple(spans), max(spans))
     choice = choose_route("auto", layout, n, None, costs, None)
-    from rollout.planner import plan_prefill_buckets
+    from rollout.plan.planner import plan_prefill_buckets
     plan = plan_prefill_buckets(spans, costs, None)
     planned = sum(costs.ordinary_prefill_cost_ms(len(b) * n, max(spans[i] for i in b)) for b in plan.buckets)
     single = costs.ordinary_prefill_cost_ms(len(spans) * n, max(spans))
@@ -169,7 +169,8 @@ def test_continuous_with_per_forward_zero3_is_rejected():
 
 
 def test_mismatched_calibration_file_is_refused(model, tmp_path):
-    from rollout.calibration import calibration_metadata, save_calibration
+    from rollout.model.costs import calibration_metadata
+    from rollout.plan.calibration import save_calibration
     meta = calibration_metadata(model, torch.device("cpu"), torch.bfloat16)  # the model runs in fp32
     save_calibration(tmp_path / "costs.json", CostModel(), meta)
     ro = Rollout(model, TinyTokenizer(eos_token_id=None),

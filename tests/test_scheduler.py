@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from rollout.scheduler import Admission, ContinuousScheduler, SchedulerConfig, compaction
+from rollout.plan.scheduler import Admission, ContinuousScheduler, SchedulerConfig, compaction
 
 T, F = True, False
 

@@ -9,7 +9,7 @@ import torch
 from tests.ds_util import run_worker
 
 from rollout.testing import tiny_model
-from rollout.zero import (GATHER_MODES, any_rank_busy, check_gather_mode, gathered, is_zero3, rank,
+from rollout.model.zero import (GATHER_MODES, any_rank_busy, check_gather_mode, gathered, is_zero3, rank,
                           world_size)
 
 WORLD_SIZE = 2

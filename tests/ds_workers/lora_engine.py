@@ -11,9 +11,9 @@ import sys
 import torch
 from common import emit, make_engine
 
-from rollout.lora import LoraFuser
+from rollout.model.lora import LoraFuser
 from rollout.testing import tiny_model
-from rollout.zero import gathered
+from rollout.model.zero import gathered
 
 STAGE = int(sys.argv[1])
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

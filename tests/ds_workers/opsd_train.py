@@ -19,7 +19,7 @@ import torch
 from common import emit, make_engine, rank
 
 from rollout.config import SamplingConfig
-from rollout.losses import generalized_jsd_loss, response_logit_positions
+from rollout.opsd.losses import generalized_jsd_loss, response_logit_positions
 from rollout.opsd import OPSDConfig, OPSDStep
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 

@@ -50,8 +50,8 @@ def main() -> None:
     batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.0,
                                                                            continuous_batch_size=SLOTS))
     stats = rollout.last_stats
-    decoder = rollout._decoder
-    signature = getattr(decoder, "last_weight_signature", None)
+    decoder = rollout._fast_step
+    signature = decoder.last_weight_signature
     again = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.0,
                                                                        continuous_batch_size=SLOTS))
     stable = signature is not None and decoder.last_weight_signature == signature

@@ -11,7 +11,7 @@ import torch
 from common import emit, make_engine, rank, world_size
 
 from rollout.testing import tiny_model
-from rollout.zero import any_rank_busy, gathered, is_zero3
+from rollout.model.zero import any_rank_busy, gathered, is_zero3
 
 
 def partition_state(params) -> dict:

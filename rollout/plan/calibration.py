@@ -13,7 +13,8 @@ A calibration measures three things on one model/device/dtype/attention backend
   into ``k`` attention groups instead of one: ``extra_ms ~ group * (k - 1)``.
 
 Prefill samples time the path the engine runs for this model (the packed prefill for Llama-family
-models, else the HF forward); the metadata records which.
+models, else the HF forward); the metadata records which (read from the model by
+:mod:`rollout.model.costs`; this module is pure: fits, files and their checks).
 
 Each is a non-negative least-squares fit (``scipy.optimize.nnls``). The JSON file records the
 metadata the numbers depend on; ``load_cost_model`` refuses a file whose metadata differs from the
@@ -24,19 +25,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
-from rollout.planner import CostModel
+from rollout.plan.planner import CostModel
 
 FORMAT_VERSION = 1
 #: Sources whose behaviour the coefficients describe (relative to the repository root).
-FINGERPRINT_SOURCES = ("rollout/planner.py", "rollout/continuous.py", "rollout/aligned_cache.py",
-                       "rollout/kv_cache.py", "rollout/cb_state.py", "rollout/cb_route.py", "rollout/fast_prefill.py")
+FINGERPRINT_SOURCES = ("rollout/plan/planner.py", "rollout/plan/layout.py", "rollout/cache/aligned.py",
+                       "rollout/cache/static.py", "rollout/model/prefill.py",
+                       "rollout/executors/continuous/loop.py", "rollout/executors/continuous/state.py",
+                       "rollout/executors/continuous/prefill.py")
 
 
 @dataclass(frozen=True)
@@ -109,58 +111,18 @@ def fit_cost_model(geometry: CostModel, prefill: Sequence[PrefillSample], copies
     return CostModel.from_dict(data)
 
 
-def source_fingerprint(root: Path | None = None) -> str:
-    """sha256 over ``FINGERPRINT_SOURCES`` (path and bytes of each, in order)."""
-    root = root or Path(__file__).resolve().parent.parent
+def source_fingerprint(root: Path | None = None, sources: Sequence[str] = FINGERPRINT_SOURCES) -> str:
+    """sha256 over ``sources`` (path and bytes of each, in order), relative to the repository root.
+    A listed file that does not exist raises ``FileNotFoundError``: it must never hash to a constant."""
+    root = root or Path(__file__).resolve().parents[2]
     digest = hashlib.sha256()
-    for name in FINGERPRINT_SOURCES:
-        digest.update(name.encode() + b"\0")
+    for name in sources:
         path = root / name
-        digest.update(path.read_bytes() if path.exists() else b"<missing>")
+        if not path.is_file():
+            raise FileNotFoundError(f"FINGERPRINT_SOURCES: {name} does not exist under {root}; update the list")
+        digest.update(name.encode() + b"\0")
+        digest.update(path.read_bytes())
     return digest.hexdigest()
-
-
-def device_name(device) -> str:
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{device.type}:{platform.machine()}:{platform.processor() or 'unknown'}"
-
-
-def calibration_metadata(model, device, dtype) -> dict:
-    """What the coefficients depend on: device, dtype, attention backend, library versions, geometry, sources."""
-    import torch
-    import transformers
-
-    from rollout import compat
-
-    config = model.config
-    geometry = CostModel.from_model(model, dtype=dtype)
-    return {
-        "device_name": device_name(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "attention_implementation": compat.attention_implementation(model),
-        "prefill_path": _prefill_path(model, device, dtype),
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "geometry": {"model_type": getattr(config, "model_type", None), "hidden_size": config.hidden_size,
-                     "intermediate_size": getattr(config, "intermediate_size", None),
-                     "vocab_size": config.vocab_size,
-                     **{k: getattr(geometry, k) for k in ("num_layers", "num_query_heads", "num_kv_heads",
-                                                          "head_dim", "element_bytes")}},
-        "source_sha256": source_fingerprint(),
-    }
-
-
-def _prefill_path(model, device, dtype) -> str:
-    """The prefill the engine runs for this model by default (``routes.PREFILL_PATHS``)."""
-    from rollout import fast_decode, fast_prefill
-
-    if fast_decode.unsupported_reason(model) is not None:
-        return "hf"
-    return fast_prefill.attention_path(device, dtype)
 
 
 def save_calibration(path, cost_model: CostModel, metadata: dict, samples: dict | None = None) -> None:
@@ -195,13 +157,3 @@ def check_metadata(saved: dict, current: dict, ignore: Sequence[str] = ()) -> No
         if key not in ignore:
             raise ValueError(f"metadata.{key}: the calibration file has {have!r} but this run has {want!r}; "
                              "recalibrate (scripts/calibrate_prefill.py) for this configuration")
-
-
-def load_cost_model(path, model, device, dtype, ignore: Sequence[str] = ()) -> CostModel:
-    """The saved ``CostModel``, after checking its metadata against ``(model, device, dtype)``.
-
-    ``ignore``: metadata keys not to compare (e.g. ``("source_sha256",)`` while developing).
-    """
-    record = read_calibration(path)
-    check_metadata(record["metadata"], calibration_metadata(model, device, dtype), ignore)
-    return CostModel.from_dict(record["cost_model"])

@@ -4,7 +4,7 @@ Why: through the HF layers a prefill forward of the 3B-shaped model costs ~21 ms
 work (hundreds of small kernels, Python per module), and a padded batch spends its matmuls on padding.
 Here every linear layer, norm and MLP runs once over the *packed* real tokens of all rows
 (``[T_real, H]``, no padding), using the same fusable pieces as the decode step
-(:mod:`rollout.fast_decode`: a row of the decode step is simply a token here). Attention:
+(:mod:`rollout.model.step`: a row of the decode step is simply a token here). Attention:
 
 - on CUDA in fp16/bf16, flash attention's variable-length kernel attends causally within each row of
   the packed batch (``torch.nn.attention.varlen``): one kernel per layer, no padding at all, so the
@@ -13,7 +13,7 @@ Here every linear layer, norm and MLP runs once over the *packed* real tokens of
   and attend over the bucket's cache columns with SDPA, so buckets bound attention work and padding,
   never the number of passes over the weights.
 
-Layout (as :mod:`rollout.masks`): ``prompt_ids [N, T_p]`` left-padded, real tokens of row ``r`` in
+Layout (as :mod:`rollout.ops.masks`): ``prompt_ids [N, T_p]`` left-padded, real tokens of row ``r`` in
 columns ``[T_p - len_r, T_p)``; keys/values go to the same cache columns. Padding columns are never
 written here: they keep the finite values they held (zeros when new), and masked keys weigh exactly 0.
 """
@@ -22,82 +22,108 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from rollout import masks
-from rollout.fast_decode import DecoderSpec, DecoderWeights, StepFns, rotary
+from rollout.model.step import StepParts, rotary
+from rollout.ops import masks
+from rollout.plan.layout import RowSpans
 
 #: ``(first_row, stop_row, length)``: rows ``[first, stop)`` attend within the last ``length`` columns.
 Group = tuple[int, int, int]
 
 
-def prefill_logits(spec: DecoderSpec, weights: DecoderWeights, fns: StepFns, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                   groups: list[Group] | None = None,
-                   host_rows: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
+def prefill_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.Tensor, prompt_ids: torch.Tensor,
+                   prompt_mask: torch.Tensor, groups: list[Group] | None = None,
+                   rows: RowSpans | None = None) -> torch.Tensor:
     """Write keys/values of every real prompt token into the cache; return the last column's logits ``[N, V]``.
 
     ``key_cache``/``value_cache``: ``[layers, N, Hkv, capacity, D]`` (rows of this prefill; columns
     ``[0, T_p)`` are the prompt's). ``groups`` must cover rows ``[0, N)`` in order, each ``length``
     reaching every real token of its rows; None is one group over all rows and columns.
-    ``host_rows``: ``(real-token count, first real column)`` per row, as host ints (the caller's prompt
+    ``rows``: each row's real-token count and first real column as host ints (the caller's prompt
     layout); without it they are read from ``prompt_mask`` in one host sync.
     """
     num_rows, prompt_len = prompt_ids.shape
     groups = groups or [(0, num_rows, prompt_len)]
-    real = prompt_mask.bool()
-    row_lengths = real.sum(dim=1)  # [N], on the device
-    if host_rows is None:  # one host sync: real tokens and first real column per row
-        host_rows = torch.stack([row_lengths, real.int().argmax(dim=1)]).tolist()
-    lengths, firsts = host_rows
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
-    flat = torch.nonzero_static(real.flatten(), size=offsets[-1]).squeeze(1)  # [T] packed -> dense index
-    row_of, col_of = flat // prompt_len, flat % prompt_len
-    tokens = prompt_ids.flatten().index_select(0, flat)
-    positions = masks.prompt_positions(prompt_mask).flatten().index_select(0, flat)
+    packed = _pack(prompt_ids, prompt_mask, rows)
     for first, stop, length in groups:
-        if min(firsts[first:stop]) < prompt_len - length:
+        if min(packed.rows.first_cols[first:stop]) < prompt_len - length:
             raise ValueError(f"prefill group rows [{first}, {stop}) of length {length} misses real prompt tokens")
+    attend = _attention(parts, key_cache, value_cache, packed, prompt_mask, groups)
+    spec, weights, fns = parts.spec, parts.weights, parts.fns
     eps, heads, kv_heads, dim = spec.rms_eps, spec.num_heads, spec.num_kv_heads, spec.head_dim
-
-    varlen = varlen_attention(prompt_ids.device, weights.embed.dtype)
-    if varlen is not None:  # causal attention per row of the packed batch: no groups, no dense queries, no mask
-        cu_seq = F.pad(torch.cumsum(row_lengths, 0, dtype=torch.int32), (1, 0))  # [N + 1]
-        longest = max(lengths)
-
-        def attend(layer: int, q, k, v):
-            return varlen(q[:, :, 0], k[:, :, 0], v[:, :, 0], cu_seq, longest, dim ** -0.5).unsqueeze(2)
-    else:
-        plans = [_group_plan(prompt_mask, offsets, row_of, col_of, group, prompt_len) for group in groups]
-
-        def attend(layer: int, q, k, v):
-            return _attend_groups(q, key_cache[layer], value_cache[layer], groups, plans, prompt_len, kv_heads)
-
-    h = F.embedding(tokens, weights.embed)  # [T, H]
-    cos, sin = rotary(positions, weights.inv_freq, spec.attention_scaling, h.dtype)
+    h = F.embedding(packed.tokens, weights.embed)  # [T, H]
+    cos, sin = rotary(packed.positions, weights.inv_freq, spec.attention_scaling, h.dtype)
     for i, w in enumerate(weights.layers):
         q, k, v = fns.attention_inputs(h, w.input_norm, w.q, w.q_bias, w.k, w.k_bias, w.v, w.v_bias, cos, sin, eps,
                                        heads, kv_heads, dim)  # q [T, Hq, 1, D], k/v [T, Hkv, 1, D]
-        key_cache[i].transpose(1, 2)[row_of, col_of] = k[:, :, 0]
-        value_cache[i].transpose(1, 2)[row_of, col_of] = v[:, :, 0]
+        key_cache[i].transpose(1, 2)[packed.row_of, packed.col_of] = k[:, :, 0]
+        value_cache[i].transpose(1, 2)[packed.row_of, packed.col_of] = v[:, :, 0]
         h = fns.attention_output_and_mlp(h, attend(i, q, k, v), w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down,
                                           eps)
-    last = torch.cumsum(row_lengths, 0) - 1  # each row's last real token (column T_p - 1); no host copy
+    last = torch.cumsum(packed.row_lengths, 0) - 1  # each row's last real token (column T_p - 1); no host copy
     return fns.final_logits(h.index_select(0, last), weights.final_norm, weights.lm_head, weights.lm_head_bias, eps)
 
 
-def _group_plan(prompt_mask, offsets: list[int], row_of, col_of, group: Group, prompt_len: int):
+@dataclass(frozen=True)
+class _Packed:
+    """The real prompt tokens of a left-padded block, packed row after row (``T`` tokens in all)."""
+
+    rows: RowSpans
+    offsets: list[int]  # [N + 1] first packed index of each row
+    row_lengths: torch.Tensor  # [N] real tokens per row, on the device
+    row_of: torch.Tensor  # [T] row of each packed token
+    col_of: torch.Tensor  # [T] column of each packed token
+    tokens: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] position ids (real-token count - 1)
+
+
+def _pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: RowSpans | None) -> _Packed:
+    prompt_len = prompt_ids.shape[1]
+    real = prompt_mask.bool()
+    row_lengths = real.sum(dim=1)  # [N], on the device
+    if rows is None:  # one host sync: real tokens and first real column per row
+        counts, firsts = torch.stack([row_lengths, real.int().argmax(dim=1)]).tolist()
+        rows = RowSpans(tuple(counts), tuple(firsts))
+    offsets = [0]
+    for n in rows.real_counts:
+        offsets.append(offsets[-1] + n)
+    flat = torch.nonzero_static(real.flatten(), size=offsets[-1]).squeeze(1)  # [T] packed -> dense index
+    positions = masks.prompt_positions(prompt_mask).flatten().index_select(0, flat)
+    return _Packed(rows, offsets, row_lengths, flat // prompt_len, flat % prompt_len,
+                   prompt_ids.flatten().index_select(0, flat), positions)
+
+
+def _attention(parts: StepParts, key_cache, value_cache, packed: _Packed, prompt_mask, groups: list[Group]):
+    """``attend(layer, q, k, v) -> [T, Hq, 1, D]``: variable-length flash attention where available, else
+    SDPA per group over the cache columns already written."""
+    dim, kv_heads = parts.spec.head_dim, parts.spec.num_kv_heads
+    varlen = varlen_attention(prompt_mask.device, parts.weights.embed.dtype)
+    if varlen is not None:  # causal attention per row of the packed batch: no groups, no dense queries, no mask
+        cu_seq = F.pad(torch.cumsum(packed.row_lengths, 0, dtype=torch.int32), (1, 0))  # [N + 1]
+        longest = max(packed.rows.real_counts)
+
+        def attend(layer: int, q, k, v):
+            return varlen(q[:, :, 0], k[:, :, 0], v[:, :, 0], cu_seq, longest, dim ** -0.5).unsqueeze(2)
+        return attend
+    prompt_len = prompt_mask.shape[1]
+    plans = [_group_plan(prompt_mask, packed, group, prompt_len) for group in groups]
+
+    def attend(layer: int, q, k, v):
+        return _attend_groups(q, key_cache[layer], value_cache[layer], groups, plans, prompt_len, kv_heads)
+    return attend
+
+
+def _group_plan(prompt_mask, packed: _Packed, group: Group, prompt_len: int):
     """``(local index [T_g], packed slice, keep [rows, 1, L, L])`` of one group: where its packed tokens
     sit in its dense ``[rows * L]`` query block, and its causal mask over its columns."""
     first, stop, length = group
     start = prompt_len - length
-    span = slice(offsets[first], offsets[stop])  # rows are contiguous in packed order
-    local = (row_of[span] - first) * length + (col_of[span] - start)
+    span = slice(packed.offsets[first], packed.offsets[stop])  # rows are contiguous in packed order
+    local = (packed.row_of[span] - first) * length + (packed.col_of[span] - start)
     return local, span, masks.prefill_mask(prompt_mask[first:stop, start:])
 
 

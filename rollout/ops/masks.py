@@ -44,3 +44,10 @@ def prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
 def decode_mask(valid: torch.Tensor, live_len: int) -> torch.Tensor:
     """``keep [B, 1, 1, live_len]`` for the single query at column ``live_len - 1``."""
     return valid[:, None, None, :live_len]
+
+
+def layout_tensors(prompt_mask: torch.Tensor) -> torch.Tensor:
+    """``[2, B]`` int64 on the device: each row's real-token count and its first real column (no sync;
+    :func:`rollout.plan.layout.layout_from_lists` takes their host copies, in this order)."""
+    real = prompt_mask != 0
+    return torch.stack([real.sum(dim=1), real.int().argmax(dim=1)]).long()

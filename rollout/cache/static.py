@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout import compat
-from rollout.compat import Cache, CacheLayerMixin
+from rollout.model import compat
+from rollout.model.compat import Cache, CacheLayerMixin
 
 
 class OwnedKVLayer(CacheLayerMixin):
@@ -132,33 +132,3 @@ class StaticKVCache(Cache):
     @property
     def nbytes(self) -> int:
         return self.key_storage.nbytes + self.value_storage.nbytes
-
-
-class CachePool:
-    """Acquire/release policy: with ``keep`` the storage outlives a call and serves every later request
-    that fits; without it the storage is dropped at release (no ``empty_cache``: the caching allocator
-    reuses the blocks)."""
-
-    def __init__(self, keep: bool):
-        self.keep = keep
-        self._cache: StaticKVCache | None = None
-        self.num_allocations = 0
-
-    def acquire(self, shape: CacheShape) -> StaticKVCache:
-        if self._cache is not None and shape.fits_in(self._cache.shape):
-            return self._cache.view(shape)
-        self._cache = None  # drop the old storage before allocating the new one
-        self._cache = StaticKVCache(shape)
-        self.num_allocations += 1
-        return self._cache.view(shape)
-
-    def release(self) -> None:
-        if not self.keep:
-            self._cache = None
-
-    def clear(self) -> None:
-        self._cache = None
-
-    @property
-    def nbytes(self) -> int:
-        return self._cache.nbytes if self._cache is not None else 0

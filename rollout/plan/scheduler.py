@@ -25,12 +25,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
+from rollout.checks import is_int
+
 REASON_EOS = "eos"
 REASON_BUDGET = "budget"
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -45,11 +43,11 @@ class SchedulerConfig:
     """Refill only once at least this many rows are free (1..num_slots): fewer, larger prefill batches."""
 
     def __post_init__(self) -> None:
-        if not _is_int(self.num_slots) or self.num_slots <= 0:
+        if not is_int(self.num_slots) or self.num_slots <= 0:
             raise ValueError(f"num_slots: must be an int > 0; got {self.num_slots!r}")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be an int >= 1; got {self.max_new_tokens!r}")
-        if not _is_int(self.min_free_slots) or not 1 <= self.min_free_slots <= self.num_slots:
+        if not is_int(self.min_free_slots) or not 1 <= self.min_free_slots <= self.num_slots:
             raise ValueError(f"min_free_slots: must be an int in [1, num_slots={self.num_slots}]; "
                              f"got {self.min_free_slots!r}")
 
@@ -170,13 +168,13 @@ class ContinuousScheduler:
         """Queue a request (FIFO). Its id must not belong to a request that is still pending or live."""
         if request_id in self._samples_left:
             raise ValueError(f"request_id: {request_id!r} is already pending or live")
-        if not _is_int(prompt_length) or prompt_length <= 0:
+        if not is_int(prompt_length) or prompt_length <= 0:
             raise ValueError(f"prompt_length: must be an int > 0; got {prompt_length!r}")
-        if not _is_int(num_samples) or not 1 <= num_samples <= self.config.num_slots:
+        if not is_int(num_samples) or not 1 <= num_samples <= self.config.num_slots:
             raise ValueError(f"num_samples: must be an int in [1, num_slots={self.config.num_slots}]; "
                              f"got {num_samples!r}")
         budget = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if not _is_int(budget) or budget < 1:
+        if not is_int(budget) or budget < 1:
             raise ValueError(f"max_new_tokens: must be None or an int >= 1; got {max_new_tokens!r}")
         self._budgets[request_id] = budget
         self._samples_left[request_id] = num_samples

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollout.cb_route import PromptLayout
-from rollout.planner import CostModel, plan_prefill_buckets
+from rollout.plan.layout import PromptLayout
+from rollout.plan.planner import CostModel, plan_prefill_buckets
 
 ORDINARY, CONTINUOUS = "ordinary", "continuous"
 #: How the ordinary route prefills: HF forwards (one per bucket), the packed pass with attention per

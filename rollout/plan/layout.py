@@ -1,7 +1,8 @@
-"""Host-side decisions of the continuous-batching route: prompt layout, slots, capacity, ZeRO-3 check.
+"""Where the prompts' real tokens are, and the host-side decisions that follow from it (pure Python).
 
-Everything here is plain Python over ints except ``prompt_layout``, which reads the prompt mask
-once (one host sync) so that every later decision is made without touching the device.
+The layout is read from the left-padded prompt mask once per call, in the same host sync as the
+input checks (:func:`rollout.ops.masks.layout_tensors`); every later decision (route, prefill
+buckets, slots, capacity) is made from it without touching the device.
 """
 
 from __future__ import annotations
@@ -9,9 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import torch
+from rollout.checks import is_int, round_up
 
 CONTINUOUS_ROUTES = ("continuous", "auto")
+
+
+@dataclass(frozen=True)
+class RowSpans:
+    """Real tokens of each row of a left-padded block: host ints, in row order."""
+
+    real_counts: tuple[int, ...]
+    """Real (mask 1) tokens per row: the position id of the row's first generated token."""
+    first_cols: tuple[int, ...]
+    """Column of the row's first real token in the block."""
 
 
 @dataclass(frozen=True)
@@ -25,33 +36,29 @@ class PromptLayout:
     padded_len: int
     """``T_p``, the width the ordinary route pads every row to."""
 
+    @property
+    def num_prompts(self) -> int:
+        return len(self.spans)
 
-def layout_tensors(prompt_mask: torch.Tensor) -> torch.Tensor:
-    """``[2, B]`` int64 on the device: each row's first real column and its real-token count (no sync)."""
-    real = prompt_mask != 0
-    return torch.stack([real.int().argmax(dim=1), real.sum(dim=1)]).long()
+    def expanded(self, num_samples: int) -> RowSpans:
+        """The rows of the expanded batch (row ``i`` is prompt ``i // num_samples``) in ``[B*n, T_p]``."""
+        counts = tuple(c for c in self.real_counts for _ in range(num_samples))
+        firsts = tuple(self.padded_len - s for s in self.spans for _ in range(num_samples))
+        return RowSpans(counts, firsts)
 
 
-def layout_from_lists(first: Sequence[int], counts: Sequence[int], padded_len: int) -> PromptLayout:
-    """The layout from the host copies of :func:`layout_tensors`."""
+def layout_from_lists(counts: Sequence[int], firsts: Sequence[int], padded_len: int) -> PromptLayout:
+    """The layout from host copies of each row's real-token count and first real column."""
     if min(counts) < 1:
-        raise ValueError("prompt_mask: every row needs at least one prompt token (a row is all 0)")
-    return PromptLayout(tuple(padded_len - f for f in first), tuple(counts), padded_len)
-
-
-def prompt_layout(prompt_mask: torch.Tensor) -> PromptLayout:
-    """Spans and real-token counts of every prompt, in one host sync."""
-    if prompt_mask.dim() != 2 or prompt_mask.shape[0] == 0 or prompt_mask.shape[1] == 0:
-        raise ValueError(f"prompt_mask: must be a non-empty 2-D tensor [B, T_p]; got {tuple(prompt_mask.shape)}")
-    first, counts = layout_tensors(prompt_mask).tolist()
-    return layout_from_lists(first, counts, prompt_mask.shape[1])
+        raise ValueError("prompt_attention_mask: every row needs at least one prompt token (a row is all 0)")
+    return PromptLayout(tuple(padded_len - f for f in firsts), tuple(counts), padded_len)
 
 
 def resolve_num_slots(num_slots: Optional[int], num_rows: int, num_samples: int) -> int:
     """Slots to use: ``num_slots`` (``SamplingConfig.continuous_batch_size``) or all rows, at most all rows."""
     if num_slots is None:
         return num_rows
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < num_samples:
+    if not is_int(num_slots) or num_slots < num_samples:
         raise ValueError(f"continuous_batch_size: must be an int >= n_samples_per_prompt={num_samples} "
                          f"(a prompt's samples are admitted together); got {num_slots!r}")
     return min(num_slots, num_rows)
@@ -66,8 +73,7 @@ def default_capacity(spans: Sequence[int], max_new_tokens: int, has_refills: boo
     """``min_capacity`` without refills (the front only advances: no trim ever); twice that with refills, so
     a trim (which moves at most the live block) happens at most once per ``min_capacity`` steps.
     Rounded up to ``multiple`` so caches of nearby calls share one pool allocation."""
-    columns = min_capacity(spans, max_new_tokens) * (2 if has_refills else 1)
-    return -(-columns // multiple) * multiple
+    return round_up(min_capacity(spans, max_new_tokens) * (2 if has_refills else 1), multiple)
 
 
 def check_prefill_limit(layout: PromptLayout, max_prefill_tokens: Optional[int]) -> None:
@@ -83,7 +89,7 @@ def checked_capacity(capacity: Optional[int], layout: PromptLayout, max_new_toke
     needed = min_capacity(layout.spans, max_new_tokens)
     if capacity is None:
         return default_capacity(layout.spans, max_new_tokens, has_refills)
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < needed:
+    if not is_int(capacity) or capacity < needed:
         raise ValueError(f"capacity: must be an int >= {needed} (longest prompt span {max(layout.spans)} + "
                          f"max_new_tokens {max_new_tokens} - 1); got {capacity!r}")
     return capacity

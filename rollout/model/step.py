@@ -4,8 +4,8 @@ Why: HF's layer code launches dozens of small kernels per layer; even replayed f
 3B-shaped decode step stays ~6x the memory-bandwidth floor. This step computes exactly what the HF
 layers compute (RMSNorm, rotary, grouped-query attention over our static cache, SiLU MLP) with two
 fusable pieces per layer (``attention_inputs``, ``attention_output_and_mlp``) that
-:mod:`rollout.decode_graphs` compiles with ``torch.compile`` and captures in CUDA graphs. On the CPU
-it runs eagerly and is checked against HF ``generate`` in the tests.
+``compiled_step_fns`` compiles with ``torch.compile`` and :mod:`rollout.executors.graphs` captures in
+CUDA graphs. On the CPU it runs eagerly and is checked against HF ``generate`` in the tests.
 
 The weights are the model's own parameter tensors (no copy), so LoRA must be fused (peft's unmerged
 forward is not replicated here) and the addresses are part of the graph key.
@@ -13,6 +13,7 @@ forward is not replicated here) and the addresses are part of the graph key.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -216,7 +217,7 @@ def final_logits(h, norm, lm_head, lm_bias, eps: float):
     return F.linear(rms_norm(h, norm, eps), lm_head, lm_bias)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepFns:
     """The fusable pieces (eager functions, or their ``torch.compile``d versions). They take tensors and
     constants only, so one compiled graph serves every layer."""
@@ -226,15 +227,34 @@ class StepFns:
     final_logits: object = final_logits
 
 
-def decode_logits(spec: DecoderSpec, weights: DecoderWeights, fns: StepFns, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, col: torch.Tensor,
-                  keep: torch.Tensor, start: int = 0) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def compiled_step_fns() -> StepFns:
+    """``torch.compile``d pieces (inductor fuses norms, rotary, SiLU and residual adds; no inductor
+    CUDA graphs: ours wrap the whole step). One compiled graph serves every layer."""
+    compile_fn = functools.partial(torch.compile, dynamic=None, fullgraph=True)
+    return StepFns(compile_fn(attention_inputs), compile_fn(attention_output_and_mlp), compile_fn(final_logits))
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """Everything our step functions read besides the cache and the tokens: geometry, weights, pieces."""
+
+    spec: DecoderSpec
+    weights: DecoderWeights
+    """The model's own tensors (plain views) or, under ZeRO-3 with graphs, the weight mirror's copies."""
+    fns: StepFns
+    """Eager or ``torch.compile``d pieces (``compiled_step_fns``)."""
+
+
+def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.Tensor, tokens: torch.Tensor,
+                  positions: torch.Tensor, col: torch.Tensor, keep: torch.Tensor, start: int = 0) -> torch.Tensor:
     """One decode step: ``logits [B, V]`` for ``tokens [B]`` at ``positions [B]``, written at cache column ``col``.
 
     ``key_cache``/``value_cache``: ``[layers, B, Hkv, capacity, D]`` views; ``keep [B, 1, 1, L]`` bool
     selects the keys each row may attend among columns ``[start, start + L)`` (``L`` = the length
     bucket; ``start`` > 0 for the aligned cache of the continuous route, whose dead prefix is skipped).
     """
+    spec, weights, fns = parts.spec, parts.weights, parts.fns
     live = keep.shape[-1]
     stop = start + live
     h = F.embedding(tokens, weights.embed)  # [B, H]

@@ -13,8 +13,10 @@ handled here:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from typing import Callable, Iterator
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401  (re-exported for the caches)
@@ -97,3 +99,24 @@ def kv_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
 
 def context_limit(model: torch.nn.Module) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
+
+
+def switch_to_eval(module: torch.nn.Module) -> Callable[[], None]:
+    """Put ``module`` in eval mode; returns the function restoring every submodule's own ``training`` flag."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+
+    def restore() -> None:
+        for m, was_training in flags:
+            m.training = was_training
+    return restore
+
+
+@contextlib.contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """Eval mode for the duration; every submodule's own flag is restored afterwards."""
+    restore = switch_to_eval(module)
+    try:
+        yield
+    finally:
+        restore()

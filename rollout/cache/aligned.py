@@ -30,20 +30,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from rollout.compat import Cache
-from rollout.kv_cache import CacheShape, OwnedKVLayer, StaticKVCache
-
-
-def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A host list/array as a device tensor without a host sync (pinned + non-blocking on CUDA)."""
-    host = torch.from_numpy(np.ascontiguousarray(values)) if isinstance(values, np.ndarray) \
-        else torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+from rollout.cache.static import CacheShape, OwnedKVLayer, StaticKVCache
+from rollout.model.compat import Cache
 
 
 @dataclass
@@ -72,7 +62,7 @@ class AlignedKVCache(Cache):
     def __init__(self, shape: CacheShape, storage: tuple[torch.Tensor, torch.Tensor] | None = None,
                  state: tuple[torch.Tensor, torch.Tensor] | None = None):
         """``state``: ``(valid [slots, capacity] bool, write_col [1] int64)`` to use instead of fresh ones
-        (the static buffers of the continuous route's CUDA graphs, :mod:`rollout.cb_graphs`)."""
+        (the static buffers of the continuous route's CUDA graphs, :mod:`rollout.executors.continuous.buffers`)."""
         dims = (shape.num_layers, shape.batch_size, shape.num_kv_heads, shape.capacity, shape.head_dim)
         if storage is None:
             storage = (torch.zeros(dims, dtype=shape.dtype, device=shape.device),
@@ -211,42 +201,3 @@ class AlignedKVCache(Cache):
     def _check_front(self, front: int) -> None:
         if not 0 <= front <= self.capacity:
             raise ValueError(f"capacity: front column {front} is outside [0, {self.capacity}]")
-
-
-class ScratchArena:
-    """Flat key/value buffers for bucket prefills, grown to the largest bucket seen and reused.
-
-    ``get(B, L)`` returns a ``StaticKVCache`` viewing the first ``L * B * H_kv * L * D`` elements as
-    ``[num_layers, B, H_kv, L, D]``: one allocation serves buckets of any shape with ``B * L`` within it.
-    """
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.dtype, self.device = dtype, device
-        self._keys: torch.Tensor | None = None
-        self._values: torch.Tensor | None = None
-        self.num_allocations = 0
-
-    @classmethod
-    def like(cls, shape: CacheShape) -> "ScratchArena":
-        return cls(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype, shape.device)
-
-    def get(self, batch_size: int, length: int) -> StaticKVCache:
-        numel = self.num_layers * batch_size * self.num_kv_heads * length * self.head_dim
-        if self._keys is None or self._keys.numel() < numel:
-            self._keys = self._values = None  # drop the old buffers before allocating the new ones
-            self._keys = torch.zeros(numel, dtype=self.dtype, device=self.device)  # flat [L*B*H*T*D]
-            self._values = torch.zeros(numel, dtype=self.dtype, device=self.device)
-            self.num_allocations += 1
-        dims = (self.num_layers, batch_size, self.num_kv_heads, length, self.head_dim)
-        shape = CacheShape(batch_size, length, self.num_layers, self.num_kv_heads, self.head_dim,
-                           self.dtype, self.device)
-        return StaticKVCache(shape, (self._keys[:numel].view(dims), self._values[:numel].view(dims)))
-
-    def release(self) -> None:
-        self._keys = self._values = None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self._keys is None else 2 * self._keys.nbytes

@@ -12,8 +12,8 @@ captured step reads only static tensors:
 - ``last_tokens``, ``seen``, ``generated`` and ``seed``: the run's state lives here instead of in
   per-call tensors.
 
-Attention reads the live window widened to multiples of ``decode_graphs.LENGTH_BUCKET``
-(:func:`read_window`; the extra columns are masked by ``valid``, whose invariant keeps every column
+Attention reads the live window widened to multiples of ``plan.buckets.LENGTH_BUCKET``
+(:func:`rollout.plan.buckets.read_window`; the extra columns are masked by ``valid``, whose invariant keeps every column
 outside a live row's span False), so one graph serves every step whose window rounds to the same
 columns. A live batch of ``n`` rows runs in the batch bucket ``b >= n``: the ``b - n`` padding slots
 are free slots (the scheduler keeps live rows a prefix) whose results are never read — their KV
@@ -24,10 +24,12 @@ dummy row, and an admitted row resets its ``seen`` and ``last_tokens``. The cach
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from rollout import fast_decode
-from rollout.sampling import select_next_token
+from rollout.model.step import StepParts, decode_logits
+from rollout.ops.sampling import select_next_token
 
 
 class CBBuffers:
@@ -56,6 +58,16 @@ class CBBuffers:
     def dummy_row(self) -> int:
         return self.generated.shape[0] - 1
 
+    def start(self, seed: int, use_seen: bool) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A call starts from clean buffers: ``(seen or None, last_tokens, generated, seed)``, filled in place."""
+        seen = self.seen if use_seen else None
+        if seen is not None:
+            seen.zero_()
+        self.last_tokens.zero_()
+        self.generated.zero_()  # [>= B*n + 1, >= T_r]: the last row is the padding slots' sink
+        self.seed.fill_(seed)
+        return seen, self.last_tokens, self.generated, self.seed
+
     def mutable(self) -> list[torch.Tensor]:
         """What one step writes (saved and restored around a capture's warm-up runs)."""
         return [t for t in (self.last_tokens, self.seen, self.generated) if t is not None]
@@ -65,24 +77,15 @@ class CBBuffers:
         return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
 
 
-def read_window(read_start: int, front: int, capacity: int, bucket: int) -> tuple[int, int]:
-    """Columns ``[start, stop)`` a captured step reads: the live window ``[read_start, front + 1)`` widened
-    to multiples of ``bucket`` (``stop`` at most ``capacity``), so few distinct windows exist and each
-    reads less than ``2 * bucket`` columns beyond the live ones."""
-    start = read_start // bucket * bucket
-    return start, min(capacity, -(-(front + 1) // bucket) * bucket)
-
-
-def cb_decode_step(spec, weights, fns, cache, bufs: CBBuffers, bucket: int, window: tuple[int, int], sampling,
+def cb_decode_step(parts: StepParts, cache, bufs: CBBuffers, bucket: int, window: tuple[int, int], sampling,
                    has_seen: bool) -> None:
     """The captured work of one continuous decode step over slots ``[0, bucket)`` and the columns of
     ``window``: logits, token choice, and the buffer updates (no host sync)."""
     start, stop = window
     keep = cache.valid[:bucket, None, None, start:stop]
     rowdata = bufs.rowdata[:, :bucket]
-    logits = fast_decode.decode_logits(spec, weights, fns, cache.key_storage[:, :bucket],
-                                       cache.value_storage[:, :bucket], bufs.last_tokens[:bucket], rowdata[2],
-                                       cache.write_col, keep, start=start)
+    logits = decode_logits(parts, cache.key_storage[:, :bucket], cache.value_storage[:, :bucket],
+                           bufs.last_tokens[:bucket], rowdata[2], cache.write_col, keep, start=start)
     seen = bufs.seen[:bucket] if has_seen else None
     tokens = select_next_token(logits, sampling, seen, bufs.seed, rowdata[0], rowdata[1])  # [bucket]
     bufs.last_tokens[:bucket].copy_(tokens)

@@ -1,0 +1,26 @@
+"""Argument checks shared by every layer (pure Python, no imports beyond the standard library)."""
+
+from __future__ import annotations
+
+from numbers import Integral
+
+
+def is_int(value) -> bool:
+    """An integer that is not a bool (``True`` is an ``int`` in Python, never a count here)."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def require(condition: bool, field: str, message: str) -> None:
+    """``ValueError("<field>: <message>")`` unless ``condition`` holds."""
+    if not condition:
+        raise ValueError(f"{field}: {message}")
+
+
+def ceil_div(numerator: int, denominator: int) -> int:
+    """``ceil(numerator / denominator)`` for ints (no float rounding)."""
+    return -(-numerator // denominator)
+
+
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``."""
+    return ceil_div(value, multiple) * multiple

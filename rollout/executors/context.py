@@ -1,0 +1,80 @@
+"""What one ``generate`` call hands a route executor (frozen, typed), and what it gets back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from instrumentation import NOOP_RANGE
+from rollout.config import SamplingConfig
+from rollout.model.step import StepParts
+from rollout.plan.planner import DEFAULT_MAX_TOKENS, CostModel
+
+#: ``stage(name)`` -> a context manager wrapping one stage call (``instrumentation.stage`` in the engine).
+StageFn = Callable[[str], object]
+#: Decides whether another decode step runs (all ranks must agree under ZeRO-3 per-forward gathering).
+BusyFn = Callable[[bool], bool]
+
+
+def no_stage(name: str):
+    """A stage function that records nothing (tests and direct callers)."""
+    return NOOP_RANGE
+
+
+def local_busy(busy: bool) -> bool:
+    """The busy function of a single rank: its own flag."""
+    return busy
+
+
+@dataclass(frozen=True)
+class EosIds:
+    """The end-of-sequence ids of a call, as the host key of captured graphs and as a device tensor."""
+
+    ids: tuple[int, ...]
+    """Empty: no EOS, every row runs to the budget."""
+    tensor: Optional[torch.Tensor]
+    """``[len(ids)]`` int64 on the model's device, or None when ``ids`` is empty."""
+
+    @classmethod
+    def on(cls, ids: tuple[int, ...], device) -> "EosIds":
+        return cls(tuple(ids), torch.tensor(ids, dtype=torch.long, device=device) if ids else None)
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """One generation as a route executor sees it."""
+
+    model: torch.nn.Module
+    """The HF ``*ForCausalLM`` (LoRA fused, ZeRO-3 parameters gathered where asked)."""
+    sampling: SamplingConfig
+    eos: EosIds
+    cost_model: CostModel
+    """What prefill buckets are planned on (``rollout.model.costs.cost_model_for``)."""
+    max_prefill_tokens: Optional[int] = DEFAULT_MAX_TOKENS
+    """Padded tokens per planned prefill forward (``RolloutConfig.max_prefill_tokens``)."""
+    eos_check_interval: int = 1
+    """Ordinary route: decode steps between the "anyone still running?" checks (one host sync each)."""
+    stage: StageFn = no_stage
+    busy: BusyFn = local_busy
+    fast: Optional[StepParts] = None
+    """Our step's parts for eager decode steps (None: the HF layers decode)."""
+    fast_prefill: Optional[StepParts] = None
+    """Our step's parts for the packed prefill (None: the HF layers prefill)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingConfig):
+            raise ValueError(f"sampling: must be a SamplingConfig; got {type(self.sampling).__name__}")
+        if not isinstance(self.cost_model, CostModel):
+            raise ValueError(f"cost_model: must be a planner.CostModel; got {type(self.cost_model).__name__}")
+        if not isinstance(self.eos, EosIds):
+            raise ValueError(f"eos: must be an EosIds; got {type(self.eos).__name__}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device

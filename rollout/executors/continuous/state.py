@@ -1,0 +1,145 @@
+"""Per-call state of the continuous-batching route and the per-row operations on it.
+
+The host keeps the bookkeeping (the scheduler's rows, prompt spans); the device keeps what the
+forwards read and write: each slot's newest token, its repetition history and the output buffer.
+Per-row data a step needs on the device (sample ids, token indices, positions, row maps) goes in
+one host-to-device copy (pinned and non-blocking on CUDA: no host sync).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from rollout.cache.aligned import AlignedKVCache
+from rollout.cache.pool import ScratchArena
+from rollout.executors.context import CallContext
+from rollout.executors.continuous.buffers import CBBuffers
+from rollout.model import compat
+from rollout.model.prefill import varlen_attention
+from rollout.ops.host import to_device
+from rollout.ops.sampling import draw_seed, select_next_token
+from rollout.plan.layout import PromptLayout
+from rollout.plan.planner import CostModel
+from rollout.stats import CallStats
+
+
+@dataclass(frozen=True)
+class GraphDecode:
+    """Decode from the executor's static buffers (replayed from CUDA graphs on the GPU)."""
+
+    buffers: CBBuffers
+    step: Callable[[int, int, int], str]
+    """``step(num_rows, front, read_start) -> "graph" | "eager"`` (``cache.begin_decode`` already ran and
+    the rows' data is in ``buffers.rowdata``)."""
+
+
+@dataclass
+class RunState:
+    """Per-call state: host bookkeeping plus the device buffers the loop updates in place."""
+
+    ctx: CallContext
+    cache: AlignedKVCache
+    arena: ScratchArena
+    prompt_ids: torch.Tensor  # [B, T_p] left-padded, as requested
+    prompt_mask: torch.Tensor  # [B, T_p]
+    layout: PromptLayout
+    suffix_max: list  # suffix_max[p]: longest span among prompts p.. (FIFO order)
+    seen: Optional[torch.Tensor]  # [num_slots, V] bool repetition history per slot
+    last_tokens: torch.Tensor  # [num_slots] newest token per slot (the next decode input)
+    generated: torch.Tensor  # [B*n, max_new_tokens]
+    seed: torch.Tensor  # scalar int64 keying the sampling noise
+    stats: CallStats
+    mask_dtype: torch.dtype
+    plan_costs: CostModel  # what admissions are planned on (the packed view with the packed prefill)
+    graph: Optional[GraphDecode] = None
+    width: int = 0
+
+    @property
+    def num_samples(self) -> int:
+        return self.ctx.sampling.n_samples_per_prompt
+
+
+def new_run_state(ctx: CallContext, cache: AlignedKVCache, arena: ScratchArena, prompt_ids, prompt_mask,
+                  layout: PromptLayout, graph: Optional[GraphDecode]) -> RunState:
+    """The call's state; with ``graph`` its tensors are the static buffers (fills only: their addresses
+    are what the captured graphs read)."""
+    device, num_slots, sampling = cache.valid.device, cache.num_slots, ctx.sampling
+    suffix_max = list(layout.spans)
+    for p in range(len(suffix_max) - 2, -1, -1):
+        suffix_max[p] = max(suffix_max[p], suffix_max[p + 1])
+    use_seen = sampling.repetition_penalty != 1.0
+    seed = 0 if sampling.is_greedy else draw_seed(sampling)
+    if graph is None:
+        num_rows = layout.num_prompts * sampling.n_samples_per_prompt
+        seen = torch.zeros((num_slots, ctx.vocab_size), dtype=torch.bool, device=device) if use_seen else None
+        last_tokens = torch.zeros(num_slots, dtype=torch.long, device=device)  # last_tokens: [S]
+        generated = torch.zeros((num_rows, sampling.max_new_tokens), dtype=torch.long, device=device)  # [B*n, T_r]
+        seed_t = torch.full((), seed, dtype=torch.long, device=device)  # a fill, not a host->device copy
+    else:
+        seen, last_tokens, generated, seed_t = graph.buffers.start(seed, use_seen)
+    return RunState(ctx, cache, arena, prompt_ids, prompt_mask, layout, suffix_max, seen, last_tokens, generated,
+                    seed_t, CallStats(route="continuous"), compat.mask_dtype(ctx.model),
+                    _plan_costs(ctx, device), graph)
+
+
+def _plan_costs(ctx: CallContext, device) -> CostModel:
+    """Admissions prefill in one packed pass with the packed prefill: their buckets then only group
+    attention (none with variable-length attention) and the copies into the cache."""
+    if ctx.fast_prefill is None:
+        return ctx.cost_model
+    varlen = varlen_attention(device, ctx.fast_prefill.weights.embed.dtype) is not None
+    return ctx.cost_model.packed(copy_kv=True, varlen=varlen)
+
+
+def extent(run: RunState, row, fed_this_step: int = 0) -> int:
+    """Columns a live row uses: its span plus the tokens it has fed back (all produced but the newest)."""
+    return run.layout.spans[row.request_id] + row.num_generated - 1 + fed_this_step
+
+
+def record_cache(stats: CallStats, cache: AlignedKVCache, arena: ScratchArena) -> None:
+    """What the aligned cache and the scratch arena did, into the call's stats."""
+    moved = cache.stats
+    stats.trims, stats.shifts, stats.row_moves = moved.num_trims, moved.num_shifts, moved.num_row_moves
+    stats.bytes_moved, stats.prefill_copy_bytes = moved.move_bytes, moved.prefill_copy_bytes
+    stats.capacity, stats.num_slots, stats.cache_bytes = cache.capacity, cache.num_slots, cache.nbytes
+    stats.scratch_bytes, stats.scratch_allocations = arena.nbytes, arena.num_allocations
+
+
+def row_data(run: RunState, sample_ids, steps, *extra) -> torch.Tensor:
+    """One host->device copy of per-row data, ``packed [2 + len(extra), n]`` int64: sample ids (the
+    row in the expanded output), token indices, then the ``extra`` rows (a shorter one is zero-padded)."""
+    host = np.zeros((2 + len(extra), len(sample_ids)), dtype=np.int64)
+    host[0] = sample_ids
+    host[1] = steps
+    for k, values in enumerate(extra):
+        host[2 + k, :len(values)] = values
+    return to_device(host, run.last_tokens.device)
+
+
+def emit(run: RunState, rows, logits: torch.Tensor, packed: torch.Tensor) -> None:
+    """Select each row's next token and record it. ``rows``: a slice of slots or a slot index tensor;
+    ``packed``: ``row_data`` of these rows (sample ids and token indices key the sampling noise)."""
+    is_slice = isinstance(rows, slice)
+    seen = None if run.seen is None else (run.seen[rows] if is_slice else run.seen.index_select(0, rows))
+    tokens = select_next_token(logits, run.ctx.sampling, seen, run.seed, packed[0], packed[1])  # [n]
+    if is_slice:
+        run.last_tokens[rows] = tokens
+        if seen is not None:
+            seen.scatter_(1, tokens[:, None], True)  # seen is a view of run.seen
+    else:
+        run.last_tokens.index_copy_(0, rows, tokens)
+        if seen is not None:
+            run.seen.index_put_((rows, tokens), torch.ones((), dtype=torch.bool, device=tokens.device))
+    run.generated.index_put_((packed[0], packed[1]), tokens)
+
+
+def finished_flags(run: RunState, num_live: int):
+    """EOS flag of every live row's newest token: the step's one host sync (none without EOS ids)."""
+    if run.ctx.eos.tensor is None:
+        return (False,) * num_live
+    run.stats.host_syncs += 1
+    return torch.isin(run.last_tokens[:num_live], run.ctx.eos.tensor).tolist()

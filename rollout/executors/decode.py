@@ -1,0 +1,96 @@
+"""The decode-path choice, made once per call for both routes: CUDA graph, fast eager, or HF layers.
+
+- ``"graph"``: our fused step (:mod:`rollout.model.step`) over static buffers, captured in CUDA graphs
+  per shape bucket and replayed (:mod:`rollout.executors.graphs`);
+- ``"fast_eager"``: the same step run eagerly (no CUDA, ``cuda_graphs=False``, or a failed capture);
+- ``"hf"``: the model's own layers (unsupported models, ``fast_decode=False``, unfused LoRA, ZeRO-3
+  per-forward gathering).
+
+``FastStep`` is what both routes share: the model's current weights as ``StepParts`` (through a
+persistent weight mirror under ZeRO-3, so captured graphs keep valid addresses across gathers) and the
+compiled or eager step pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from rollout.config import RolloutConfig
+from rollout.model import prefill
+from rollout.model.step import StepFns, StepParts, WeightMirror, compiled_step_fns, spec_and_weights, \
+    unsupported_reason
+
+DECODE_PATHS = ("graph", "fast_eager", "hf")
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    """How this call decodes and prefills (before any capture has been tried)."""
+
+    path: str
+    """One of ``DECODE_PATHS``: what the call's decode steps are meant to run."""
+    reason: Optional[str]
+    """Why the path is not ``"graph"`` (None when it is): what the profile reports."""
+    prefill_path: str
+    """``"hf"``, ``"packed"`` or ``"varlen"`` (``routes.PREFILL_PATHS``): how prompts are prefilled."""
+    cuda_graphs: bool = True
+    """``RolloutConfig.cuda_graphs``: with it off the continuous route decodes from per-call tensors
+    (nothing kept between calls) instead of its graph-ready static buffers."""
+
+    @property
+    def is_fast(self) -> bool:
+        return self.path != "hf"
+
+
+class FastStep:
+    """Our fused step for one model: ``StepParts`` read at each call (weights may move between calls)."""
+
+    def __init__(self, model: torch.nn.Module, use_compile: bool, mirror_weights: bool):
+        self.model = model
+        self.use_compile = use_compile
+        self.mirror = WeightMirror() if mirror_weights else None
+        self.last_weight_signature: Optional[tuple[int, ...]] = None
+        """Addresses of the weights the last captured-step parts read (stable across calls under ZeRO-3)."""
+
+    def parts(self, device: torch.device, mirrored: bool) -> StepParts:
+        """This call's parts: the model's current weights (``mirrored``: through the ZeRO-3 weight mirror,
+        for captured steps, whose weights need fixed addresses) and the ``torch.compile``d pieces on CUDA
+        when compiling is on, else the eager ones."""
+        spec, weights = spec_and_weights(self.model)
+        if mirrored and self.mirror is not None:
+            weights = self.mirror.refresh(weights)
+        if mirrored:
+            self.last_weight_signature = weights.signature()
+        fns = compiled_step_fns() if (self.use_compile and device.type == "cuda") else StepFns()
+        return StepParts(spec, weights, fns)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held between calls: the weight mirror (ZeRO-3 only)."""
+        return self.mirror.nbytes if self.mirror is not None else 0
+
+
+def choose_decode(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool, device: torch.device) -> DecodeChoice:
+    """The decode and prefill paths of a call (one place for both routes)."""
+    reason = _hf_reason(config, model, is_zero3)
+    if reason is not None:
+        return DecodeChoice("hf", reason, "hf", config.cuda_graphs)
+    prefill_path = prefill.attention_path(device, next(model.parameters()).dtype) if config.fast_prefill else "hf"
+    if not config.cuda_graphs:
+        return DecodeChoice("fast_eager", "eager fast step: cuda_graphs disabled in RolloutConfig", prefill_path,
+                            cuda_graphs=False)
+    if device.type != "cuda":
+        return DecodeChoice("fast_eager", f"eager fast step: device {device.type} has no CUDA graphs", prefill_path)
+    return DecodeChoice("graph", None, prefill_path)
+
+
+def _hf_reason(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool) -> Optional[str]:
+    """Why the HF layers decode (None: our step can)."""
+    if not config.fast_decode:
+        return "fast_decode disabled in RolloutConfig"
+    if is_zero3 and config.gather == "per_forward":
+        return "ZeRO-3 per-forward gathering (parameters are not resident)"
+    return unsupported_reason(model)

@@ -1,0 +1,92 @@
+"""The ordinary route's static decode buffers and the step captured over them.
+
+The buffers (tokens, positions, cache column, step, validity mask, generated tokens, finished flags,
+repetition history) are allocated once per shape and reused across calls; the per-call decode state
+is made of views into them, so captured graphs stay valid. A live batch of ``n`` rows runs in the
+batch bucket ``b >= n`` (padding rows compute values nobody reads); attention reads only the first
+``length_bucket`` cache columns.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rollout.model.step import StepParts, decode_logits
+from rollout.ops.sampling import select_next_token
+
+
+class DecodeBuffers:
+    """Persistent static tensors of the decode loop, sized for ``max_rows`` x ``capacity``."""
+
+    def __init__(self, max_rows: int, capacity: int, max_new_tokens: int, vocab_size: int, device):
+        self.shape = (max_rows, capacity, max_new_tokens, vocab_size, torch.device(device))
+        long = dict(dtype=torch.long, device=device)
+        self.tokens = torch.zeros(max_rows, **long)
+        self.positions = torch.zeros(max_rows, **long)
+        self.col = torch.zeros((), **long)
+        self.step = torch.zeros((), **long)
+        self.seed = torch.zeros((), **long)
+        self.rows = torch.arange(max_rows, **long)
+        self.cols = torch.arange(capacity, **long)
+        self.valid = torch.ones((max_rows, capacity), dtype=torch.bool, device=device)
+        self.generated = torch.zeros((max_rows, max_new_tokens), **long)
+        self.finished = torch.zeros(max_rows, dtype=torch.bool, device=device)
+        self.seen = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)
+
+    def fits(self, rows: int, capacity: int, max_new_tokens: int, vocab_size: int, device) -> bool:
+        max_rows, cap, max_new, vocab, dev = self.shape
+        return rows <= max_rows and capacity <= cap and max_new_tokens <= max_new and vocab == vocab_size \
+            and dev == torch.device(device)
+
+    def reset(self, prompt_mask: torch.Tensor, seed: int, sample_ids: Optional[torch.Tensor], use_seen: bool) -> None:
+        """Start a call: validity from the prompt mask, no row finished, the seed, each row's sample id."""
+        num_rows, prompt_len = prompt_mask.shape
+        self.valid.fill_(True)
+        self.valid[:num_rows, :prompt_len] = prompt_mask.bool()
+        self.finished.zero_()
+        self.seed.fill_(seed)
+        if sample_ids is not None:
+            self.rows[:num_rows] = sample_ids
+        else:
+            self.rows.copy_(torch.arange(self.rows.shape[0], device=self.rows.device))
+        if use_seen:
+            self.seen.zero_()
+
+    def start(self, tokens: torch.Tensor, positions: torch.Tensor, prompt_len: int) -> None:
+        """After prefill: the first tokens, their positions, decode from column ``T_p``, token index 1."""
+        num_rows = tokens.shape[0]
+        self.tokens[:num_rows] = tokens
+        self.positions[:num_rows] = positions
+        self.col.fill_(prompt_len)
+        self.step.fill_(1)
+
+    def mutable(self) -> list[torch.Tensor]:
+        """What one step writes (saved and restored around a capture's warm-up runs)."""
+        return [self.tokens, self.positions, self.col, self.step, self.finished, self.seen]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
+
+
+def decode_step(parts: StepParts, cache, bufs: DecodeBuffers, shape: tuple[int, int], sampling,
+                eos_ids: Optional[torch.Tensor], has_seen: bool) -> None:
+    """The captured work of one step over ``shape = (batch bucket, length bucket)``: logits, token choice,
+    and every buffer update (no host sync)."""
+    bucket, length = shape
+    keep = (bufs.valid[:bucket, :length] & (bufs.cols[:length] <= bufs.col))[:, None, None, :]
+    logits = decode_logits(parts, cache.key_storage[:, :bucket], cache.value_storage[:, :bucket],
+                           bufs.tokens[:bucket], bufs.positions[:bucket], bufs.col, keep)
+    seen = bufs.seen[:bucket] if has_seen else None
+    tokens = select_next_token(logits, sampling, seen, bufs.seed, bufs.rows[:bucket], bufs.step)
+    bufs.generated[:bucket].index_copy_(1, bufs.step.view(1), tokens[:, None])
+    bufs.tokens[:bucket].copy_(tokens)
+    bufs.positions[:bucket].add_(1)
+    bufs.col.add_(1)
+    bufs.step.add_(1)
+    if eos_ids is not None:
+        bufs.finished[:bucket] |= torch.isin(tokens, eos_ids)
+    if has_seen:
+        bufs.seen[:bucket].scatter_(1, tokens[:, None], True)

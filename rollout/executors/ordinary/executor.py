@@ -1,0 +1,97 @@
+"""``OrdinaryExecutor``: the ordinary route's owner of its static decode buffers and CUDA graphs."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from instrumentation import stages
+from rollout.cache.pool import CachePool
+from rollout.cache.static import cache_shape
+from rollout.executors.context import CallContext
+from rollout.executors.decode import DecodeChoice, FastStep
+from rollout.executors.graphs import EAGER, GraphSet
+from rollout.executors.ordinary.buffers import DecodeBuffers, decode_step
+from rollout.executors.ordinary.loop import RowOrder, StaticDecode, generate_ordinary
+from rollout.plan.buckets import batch_bucket, length_bucket, length_round
+from rollout.stats import CallStats
+
+
+def sampling_key(sampling) -> tuple:
+    """The sampling settings a captured step depends on (the seed lives in a buffer)."""
+    if sampling.is_greedy:
+        return ("greedy", sampling.repetition_penalty)
+    return (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty)
+
+
+class OrdinaryExecutor:
+    """Runs the ordinary route: one batch over the pool's static cache, decode from static buffers."""
+
+    def __init__(self, pool: CachePool, fast_step: Optional[FastStep]):
+        self.pool = pool
+        self.fast_step = fast_step
+        self.buffers: Optional[DecodeBuffers] = None
+        self.graphs = GraphSet("ordinary")
+
+    def run(self, ctx: CallContext, choice: DecodeChoice, ids: torch.Tensor, mask: torch.Tensor,
+            order: RowOrder) -> tuple[torch.Tensor, CallStats]:
+        """``(generated [N, S], stats)`` for the expanded prompts ``ids``/``mask`` ``[N, T_p]``."""
+        num_rows = ids.shape[0]
+        rows = batch_bucket(num_rows) if choice.is_fast else num_rows
+        capacity = ids.shape[1] + ctx.sampling.max_new_tokens
+        with ctx.stage(stages.CACHE_ACQUIRE):  # storage for the batch bucket; the prefill writes the live rows
+            cache = self.pool.acquire(cache_shape(ctx.model, rows, capacity)).view(
+                cache_shape(ctx.model, num_rows, capacity))
+        try:
+            static = self.static_decode(ctx, choice, cache, num_rows) if choice.is_fast else None
+            state = generate_ordinary(ctx, cache, ids, mask, order, static)
+        finally:
+            with ctx.stage(stages.CACHE_RELEASE):
+                self.pool.release()
+                if not self.pool.keep:
+                    self.release()
+        stats = state.stats
+        stats.settle_decode_path(choice.path, choice.reason, self.graphs.fallback_reason)
+        stats.num_steps = stats.steps = state.num_steps
+        stats.num_slots, stats.capacity, stats.cache_bytes = rows, capacity, cache.nbytes
+        return state.generated[:, :state.num_steps], stats
+
+    def static_decode(self, ctx: CallContext, choice: DecodeChoice, cache, num_rows: int) -> StaticDecode:
+        """Buffers for this call (reused while they fit) and its step function (graphs keyed per call)."""
+        sampling, device = ctx.sampling, ctx.device
+        bucket = batch_bucket(num_rows)
+        if self.buffers is None or not self.buffers.fits(bucket, cache.shape.capacity, sampling.max_new_tokens,
+                                                         ctx.vocab_size, device):
+            self.graphs.clear()
+            self.buffers = None
+            self.buffers = DecodeBuffers(bucket, length_round(cache.shape.capacity),
+                                         length_round(sampling.max_new_tokens), ctx.vocab_size, device)
+        bufs, has_seen = self.buffers, sampling.repetition_penalty != 1.0
+        parts = self.fast_step.parts(device, mirrored=True)
+        use_graphs = choice.path == "graph"
+        key = (bucket, sampling_key(sampling), ctx.eos.ids, has_seen, cache.key_storage.data_ptr(),
+               tuple(cache.key_storage.shape), parts.weights.signature())
+
+        def step(live_len: int) -> str:
+            length = length_bucket(live_len, cache.shape.capacity)
+
+            def work():
+                decode_step(parts, cache, bufs, (bucket, length), sampling, ctx.eos.tensor, has_seen)
+
+            if not use_graphs:
+                work()
+                return EAGER
+            return self.graphs.replay((length, key), work, bufs.mutable())
+
+        return StaticDecode(bufs, step)
+
+    def release(self) -> None:
+        """Drop the static buffers and the captured graphs (``keep_cache=False``: nothing outlives a call)."""
+        self.graphs.clear()
+        self.buffers = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held between calls: the static buffers (graph pools not counted)."""
+        return self.buffers.nbytes if self.buffers is not None else 0

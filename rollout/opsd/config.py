@@ -1,0 +1,83 @@
+"""Settings and result records of the OPSD step."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from rollout.checks import is_int, require
+from rollout.opsd.logit_cache import LOCATIONS, LogitCacheConfig
+from rollout.opsd.losses import DEFAULT_CHUNK_SIZE
+from rollout.request import RolloutBatch
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_count(value) -> bool:
+    return is_int(value) and value >= 1
+
+
+@dataclass(frozen=True)
+class OPSDConfig:
+    """Loss and teacher-cache settings of the OPSD step (sampling is passed to each ``step``)."""
+
+    beta: float = 0.5
+    """Generalized JSD interpolation in [0, 1]: 0 forward KL(teacher||student), 1 reverse KL."""
+    temperature: float = 1.0
+    """Loss temperature (> 0): both logits are divided by it before the softmax."""
+    teacher_top_k: Optional[int] = None
+    """Cache only the teacher's top-k logits per position (both distributions renormalised over
+    those ids); None caches the full (shared) vocabulary."""
+    logit_cache_location: str = "device"
+    """``"device"``: the cache stays on the teacher's device; ``"host"``: host memory (pinned when
+    CUDA is available, copied with ``non_blocking=True``)."""
+    logit_cache_dtype: torch.dtype = torch.bfloat16
+    """Storage dtype of the cached teacher logits (the loss computes in float32)."""
+    loss_chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Response positions per loss chunk (bounds the float32 temporaries of the loss)."""
+    max_teacher_rows: Optional[int] = None
+    """Rows per teacher forward (bounds the teacher's ``[rows, k, V]`` logits); None: all at once."""
+
+    def __post_init__(self) -> None:
+        require(_is_number(self.beta) and 0.0 <= self.beta <= 1.0, "beta", f"must be in [0, 1]; got {self.beta!r}")
+        require(_is_number(self.temperature) and self.temperature > 0, "temperature",
+                 f"must be a finite number > 0; got {self.temperature!r}")
+        require(self.teacher_top_k is None or _is_count(self.teacher_top_k), "teacher_top_k",
+                 f"must be None or an int >= 1; got {self.teacher_top_k!r}")
+        require(self.logit_cache_location in LOCATIONS, "logit_cache_location",
+                 f"must be one of {LOCATIONS}; got {self.logit_cache_location!r}")
+        require(isinstance(self.logit_cache_dtype, torch.dtype) and self.logit_cache_dtype.is_floating_point,
+                 "logit_cache_dtype", f"must be a floating torch.dtype; got {self.logit_cache_dtype!r}")
+        require(_is_count(self.loss_chunk_size), "loss_chunk_size",
+                 f"must be an int >= 1; got {self.loss_chunk_size!r}")
+        require(self.max_teacher_rows is None or _is_count(self.max_teacher_rows), "max_teacher_rows",
+                 f"must be None or an int >= 1; got {self.max_teacher_rows!r}")
+
+    def cache_config(self) -> LogitCacheConfig:
+        """The teacher logit cache settings."""
+        return LogitCacheConfig(self.teacher_top_k, self.logit_cache_location, self.logit_cache_dtype)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did (host values; one sync per step produces them)."""
+
+    loss: float
+    """This rank's loss: the mean divergence over its response positions."""
+    num_response_tokens: int
+    """Response positions in this rank's loss (generated tokens with mask 1)."""
+    step_ms: float
+    """Wall time of the whole step on the host."""
+    rollout_ms: Optional[float]
+    """Wall time of the rollout (None for :meth:`OPSDStep.train_on_batch`)."""
+    rollout_tokens_per_s: Optional[float]
+    """Response tokens (mask 1, padding excluded) generated per second of rollout wall time."""
+    rollout_profile: Optional[dict]
+    """``Rollout.get_last_profile()`` of this step's rollout (None when profiling is off)."""
+    batch: RolloutBatch
+    """The rollout the step trained on (prompt + response ids and masks)."""
