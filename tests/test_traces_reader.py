@@ -6,6 +6,7 @@ import json
 import pytest
 
 import traces.chrome as chrome
+import traces.textfile as textfile
 from traces.events import GPU, LAUNCH, MEMORY, RANGE, TraceError
 from traces.synth import SynthConfig, annotation, gpu_op, launch, memory, write_events, \
     write_synthetic_trace
@@ -35,7 +36,7 @@ def read(path):
 @pytest.mark.parametrize("chunk_chars", [1 << 23, 997])
 @pytest.mark.parametrize("compress", [False, True])
 def test_synthetic_trace_matches_json_load(tmp_path, monkeypatch, chunk_chars, compress):
-    monkeypatch.setattr(chrome, "CHUNK_CHARS", chunk_chars)
+    monkeypatch.setattr(textfile, "CHUNK_CHARS", chunk_chars)
     path = str(tmp_path / ("s.json.gz" if compress else "s.json"))
     write_synthetic_trace(path, SynthConfig(target_bytes=150_000, num_decode_steps=2,
                                             ops_per_stage=4, rank=1, world_size=2), compress=compress)
@@ -56,7 +57,7 @@ EVENTS = [annotation("opsd/step", 0, 100), annotation("opsd/a}, {b", 5, 10),
 @pytest.mark.parametrize("indent", [None, 2])
 @pytest.mark.parametrize("chunk_chars", [1 << 23, 7, 64])
 def test_odd_layouts_braces_in_strings_and_chunking(tmp_path, monkeypatch, indent, chunk_chars):
-    monkeypatch.setattr(chrome, "CHUNK_CHARS", chunk_chars)
+    monkeypatch.setattr(textfile, "CHUNK_CHARS", chunk_chars)
     path = write_events(str(tmp_path / "o.json"), EVENTS, rank=4, indent=indent)
     assert read(path) == reference_tuples({"traceEvents": EVENTS})
     assert (5, "rank", 4) in list(chrome.read_chrome_trace(path))

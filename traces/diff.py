@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from traces.rows import StageRow, Stats
+from traces.table import Column, fixed, percent, render
 
 
 def _change(before: float | None, after: float | None) -> dict:
@@ -44,21 +45,20 @@ def row_from_dict(d: dict) -> StageRow:
         raise ValueError(f"stage entry {d.get('name', '?')!r} is not a report row ({exc})") from None
 
 
-def format_diff(diff: list[dict]) -> str:
-    """The diff as an aligned text table (ms and %)."""
-    def cell(v, pct=False):
-        if v is None:
-            return "-"
-        return f"{100 * v:+.1f}%" if pct else f"{v:.3f}"
-    head = ["stage", "cpu before", "cpu after", "cpu change", "cpu rel", "gpu before", "gpu after",
-            "gpu change", "gpu rel"]
+def format_diff(diff: list[dict], fmt: str = "table") -> str:
+    """The diff as a table (ms and %) in ``fmt`` (see :func:`traces.table.render`)."""
+    ms, rel = fixed(3), percent(1, signed=True)
+    columns = [Column("name", "stage", left=True)]
+    for side in ("cpu", "gpu"):
+        columns += [Column(f"{side}_before_ms", f"{side} before", ms),
+                    Column(f"{side}_after_ms", f"{side} after", ms),
+                    Column(f"{side}_change_ms", f"{side} change", ms),
+                    Column(f"{side}_relative", f"{side} rel", rel)]
     rows = []
     for d in diff:
-        c, g = d["cpu_total_ms"], d["gpu_total_ms"] or {}
-        rows.append([d["name"], cell(c["before"]), cell(c["after"]), cell(c["change"]),
-                     cell(c["relative"], True), cell(g.get("before")), cell(g.get("after")),
-                     cell(g.get("change")), cell(g.get("relative"), True)])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    line = lambda r: "  ".join(x.ljust(w) if i == 0 else x.rjust(w)
-                               for i, (x, w) in enumerate(zip(r, widths)))
-    return "\n".join([line(head), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]) + "\n"
+        row = [d["name"]]
+        for key in ("cpu_total_ms", "gpu_total_ms"):
+            c = d[key] or {}
+            row += [c.get("before"), c.get("after"), c.get("change"), c.get("relative")]
+        rows.append(row)
+    return render(columns, rows, fmt)

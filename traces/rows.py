@@ -7,12 +7,10 @@ print them with :func:`format_table`.
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 from dataclasses import dataclass
 
-FORMATS = ("table", "markdown", "csv")
+from traces.table import FORMATS, Column, fixed, percent, render
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -100,44 +98,44 @@ class StageRow:
                 "peak_reserved_mib": self.peak_reserved_mib}
 
 
-_CSV_FIELDS = ("rank", "step", "name", "count", "cpu_total_ms", "cpu_mean_ms", "cpu_p50_ms",
-               "cpu_p90_ms", "cpu_max_ms", "gpu_total_ms", "gpu_mean_ms", "gpu_p50_ms",
-               "gpu_p90_ms", "gpu_max_ms", "gpu_span_ms", "self_ms", "share",
-               "peak_allocated_mib", "peak_reserved_mib")
+_STATS = ("total", "mean", "p50", "p90", "max")
+_MS, _MIB = fixed(3), fixed(1)
 
 
-def _flat(row: StageRow) -> dict:
-    d = {"rank": row.rank, "step": row.step, "name": row.name, "count": row.count}
-    for prefix, stats in (("cpu", row.cpu_ms), ("gpu", row.gpu_ms)):
-        for key in ("total", "mean", "p50", "p90", "max"):
-            d[f"{prefix}_{key}_ms"] = getattr(stats, key) if stats else None
-    d.update(gpu_span_ms=row.gpu_span_ms, self_ms=row.self_ms, share=row.share,
-             peak_allocated_mib=row.peak_allocated_mib, peak_reserved_mib=row.peak_reserved_mib)
-    return d
+def _csv_columns() -> list[Column]:
+    cols = [Column("rank", "rank"), Column("step", "step"), Column("name", "stage"),
+            Column("count", "count")]
+    cols += [Column(f"{side}_{k}_ms", f"{side} {k}") for side in ("cpu", "gpu") for k in _STATS]
+    return cols + [Column(k, k) for k in ("gpu_span_ms", "self_ms", "share", "peak_allocated_mib",
+                                          "peak_reserved_mib")]
 
 
-def _cell(value, decimals: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{decimals}f}"
-    return str(value)
+def _csv_values(row: StageRow) -> list:
+    values = [row.rank, row.step, row.name, row.count]
+    for stats in (row.cpu_ms, row.gpu_ms):
+        values += [getattr(stats, k) if stats else None for k in _STATS]
+    return values + [row.gpu_span_ms, row.self_ms, row.share, row.peak_allocated_mib,
+                     row.peak_reserved_mib]
 
 
-def _text_columns(rows: list[StageRow]) -> tuple[list[str], list[list[str]]]:
-    head = ["stage", "count", "cpu total", "mean", "p50", "p90", "max", "gpu total", "gpu span",
-            "self", "share", "peak alloc MiB", "peak rsv MiB"]
-    extra = [("rank", "rank")] if any(r.rank is not None for r in rows) else []
-    extra += [("step", "step")] if any(r.step is not None for r in rows) else []
-    cells = []
-    for r in rows:
-        c = [r.name, str(r.count)] + [_cell(getattr(r.cpu_ms, k)) for k in
-                                      ("total", "mean", "p50", "p90", "max")]
-        c += [_cell(r.gpu_ms.total if r.gpu_ms else None), _cell(r.gpu_span_ms),
-              _cell(r.self_ms), "-" if r.share is None else f"{100 * r.share:.1f}%",
-              _cell(r.peak_allocated_mib, 1), _cell(r.peak_reserved_mib, 1)]
-        cells.append([_cell(getattr(r, attr)) for _, attr in extra] + c)
-    return [h for h, _ in extra] + head, cells
+def _text_columns(rows: list[StageRow]) -> list[Column]:
+    cols = [Column("rank", "rank")] if any(r.rank is not None for r in rows) else []
+    cols += [Column("step", "step")] if any(r.step is not None for r in rows) else []
+    cols += [Column("name", "stage", left=True), Column("count", "count")]
+    cols += [Column(f"cpu_{k}_ms", "cpu total" if k == "total" else k, _MS) for k in _STATS]
+    return cols + [Column("gpu_total_ms", "gpu total", _MS), Column("gpu_span_ms", "gpu span", _MS),
+                   Column("self_ms", "self", _MS), Column("share", "share", percent(1)),
+                   Column("peak_allocated_mib", "peak alloc MiB", _MIB),
+                   Column("peak_reserved_mib", "peak rsv MiB", _MIB)]
+
+
+def _text_values(row: StageRow, columns: list[Column]) -> list:
+    values = {"rank": row.rank, "step": row.step, "name": row.name, "count": row.count,
+              "gpu_total_ms": row.gpu_ms.total if row.gpu_ms else None,
+              "gpu_span_ms": row.gpu_span_ms, "self_ms": row.self_ms, "share": row.share,
+              "peak_allocated_mib": row.peak_allocated_mib, "peak_reserved_mib": row.peak_reserved_mib}
+    values.update({f"cpu_{k}_ms": getattr(row.cpu_ms, k) for k in _STATS})
+    return [values[c.key] for c in columns]
 
 
 def format_table(rows: list[StageRow], fmt: str = "table") -> str:
@@ -145,23 +143,6 @@ def format_table(rows: list[StageRow], fmt: str = "table") -> str:
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     if fmt == "csv":
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=_CSV_FIELDS, lineterminator="\n")
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: ("" if v is None else v) for k, v in _flat(r).items()})
-        return out.getvalue()
-    head, cells = _text_columns(rows)
-    if fmt == "markdown":
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join(
-            " --- " if head[i] == "stage" else " ---: "
-            for i in range(len(head))) + "|"]
-        lines += ["| " + " | ".join(c) + " |" for c in cells]
-        return "\n".join(lines) + "\n"
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
-              for i, h in enumerate(head)]
-    name_col = head.index("stage")
-    fmt_row = lambda c: "  ".join(x.ljust(w) if i == name_col else x.rjust(w)
-                                  for i, (x, w) in enumerate(zip(c, widths)))
-    lines = [fmt_row(head), "  ".join("-" * w for w in widths)] + [fmt_row(c) for c in cells]
-    return "\n".join(lines) + "\n"
+        return render(_csv_columns(), [_csv_values(r) for r in rows], "csv")
+    columns = _text_columns(rows)
+    return render(columns, [_text_values(r, columns) for r in rows], fmt)
