@@ -7,8 +7,8 @@ import pytest
 
 import traces.chrome as chrome
 import traces.textfile as textfile
-from traces.events import GPU, LAUNCH, MEMORY, RANGE, TraceError
-from traces.synth import SynthConfig, annotation, gpu_op, launch, memory, write_events, \
+from traces.events import GPU, LAUNCH, MEMORY, RANGE, SYNC, TraceError
+from traces.synth import SynthConfig, annotation, gpu_op, launch, memory, sync, write_events, \
     write_synthetic_trace
 
 
@@ -20,7 +20,10 @@ def reference_tuples(doc: dict) -> list[tuple]:
         if cat == "user_annotation":
             out.append((RANGE, e["name"], e["pid"], e["tid"], e["ts"], e["dur"]))
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
-            out.append((GPU, args["correlation"], e["ts"], e["dur"], args["device"]))
+            out.append((GPU, args["correlation"], e["ts"], e["dur"], args["device"], e["name"],
+                        args.get("stream", -1)))
+        elif cat in ("cuda_runtime", "cuda_driver") and e["name"].endswith("Synchronize"):
+            out.append((SYNC, e["pid"], e["tid"], e["ts"], e["dur"]))
         elif cat in ("cuda_runtime", "cuda_driver"):
             out.append((LAUNCH, e["pid"], e["tid"], e["ts"], args["correlation"]))
         elif e.get("name") == "[memory]":
@@ -30,7 +33,7 @@ def reference_tuples(doc: dict) -> list[tuple]:
 
 
 def read(path):
-    return [t for t in chrome.read_chrome_trace(path) if t[0] in (RANGE, GPU, LAUNCH, MEMORY)]
+    return [t for t in chrome.read_chrome_trace(path) if t[0] in (RANGE, GPU, LAUNCH, MEMORY, SYNC)]
 
 
 @pytest.mark.parametrize("chunk_chars", [1 << 23, 997])
@@ -51,7 +54,8 @@ EVENTS = [annotation("opsd/step", 0, 100), annotation("opsd/a}, {b", 5, 10),
           annotation('quote " and \\ and {', 20, 5), launch(30, 7, driver=True), gpu_op(40, 5, 7),
           memory(50, 1024, 2048), {"ph": "X", "cat": "cpu_op", "name": "x}, {y", "pid": 1,
                                    "tid": 1, "ts": 1, "dur": 1, "args": {"l": [{"a": 1}, {"b": 2}]}},
-          launch(60, 8), gpu_op(70, 1, 8, cat="gpu_memset")]
+          launch(60, 8), gpu_op(70, 1, 8, cat="gpu_memset"), sync(80, 30),
+          gpu_op(85, 2, 9, name='void k<\\"a\\">(int)', stream=13), launch(75, 9)]
 
 
 @pytest.mark.parametrize("indent", [None, 2])

@@ -11,7 +11,7 @@ import json
 import re
 from typing import Iterator
 
-from traces.events import GPU, LAUNCH, MEMORY, META, RANGE, SPAN
+from traces.events import GPU, LAUNCH, MEMORY, META, RANGE, SPAN, SYNC, SYNC_CALLS, is_sync_call
 
 _GPU_CATS = frozenset(("kernel", "gpu_memcpy", "gpu_memset"))
 _LAUNCH_CATS = frozenset(("cuda_runtime", "cuda_driver"))
@@ -26,8 +26,12 @@ def event_tuple(ev: dict):
         return None
     if cat in _GPU_CATS:
         args = ev.get("args") or {}
-        return (GPU, int(args["correlation"]), float(ev["ts"]), float(ev["dur"]), args.get("device"))
+        stream = args.get("stream")
+        return (GPU, int(args["correlation"]), float(ev["ts"]), float(ev["dur"]), args.get("device"),
+                str(ev.get("name", "")), int(stream) if stream is not None else -1)
     if cat in _LAUNCH_CATS:
+        if is_sync_call(ev.get("name")):
+            return (SYNC, ev["pid"], ev["tid"], float(ev["ts"]), float(ev["dur"]))
         corr = (ev.get("args") or {}).get("correlation")
         if corr is None:
             return None
@@ -56,11 +60,18 @@ def metadata(path: str, text: str) -> Iterator[tuple]:
 _INT = re.compile(r"\s*(-?\d+)")
 
 
+def _int_arg(buf: str, key: str, lo: int, hi: int):
+    """The integer value of ``key`` (``'"name":'``) inside ``buf[lo:hi]``, else None."""
+    at = buf.find(key, lo, hi)
+    m = _INT.match(buf, at + len(key)) if at > 0 else None
+    return int(m.group(1)) if m is not None else None
+
+
 _NUM = r"(-?[\d.]+(?:[eE][-+]?\d+)?)"
 #: Kineto's exact layout of launches and GPU ops, up to the start of their args.
 _KINETO_OP = re.compile(
     r'\{\s*"ph":\s*"X",\s*"cat":\s*"(kernel|gpu_memcpy|gpu_memset|cuda_runtime|cuda_driver)",'
-    r'\s*"name":\s*"[^"\\]*+(?:\\.[^"\\]*+)*+",\s*"pid":\s*(-?\d+),\s*"tid":\s*(-?\d+),'
+    r'\s*"name":\s*"([^"\\]*+(?:\\.[^"\\]*+)*+)",\s*"pid":\s*(-?\d+),\s*"tid":\s*(-?\d+),'
     r'\s*"ts":\s*' + _NUM + r',\s*"dur":\s*' + _NUM + r'\s*,\s*"args":\s*\{')
 #: Kineto's exact layout of allocator samples, up to the device fields.
 _KINETO_MEMORY = re.compile(
@@ -74,15 +85,19 @@ def fast_tuple(buf: str, s: int):
     """The tuple of a kineto-layout launch, GPU op or memory sample at ``buf[s]``, else None."""
     m = _KINETO_OP.match(buf, s)
     if m is not None:
-        cat, pid, tid, ts, dur = m.groups()
-        c = buf.find('"correlation":', m.end(), buf.find("}", m.end()))
-        corr = _INT.match(buf, c + 14) if c > 0 else None
+        cat, name, pid, tid, ts, dur = m.groups()
+        if "\\" in name:
+            name = json.loads('"' + name + '"')
+        if cat[0] == "c" and name in SYNC_CALLS:
+            return (SYNC, int(pid), int(tid), float(ts), float(dur))
+        args_end = buf.find("}", m.end())
+        corr = _int_arg(buf, '"correlation":', m.end(), args_end)
         if corr is None:
             return None
-        corr = corr.group(1)
         if cat[0] == "c":
-            return (LAUNCH, int(pid), int(tid), float(ts), int(corr))
-        return (GPU, int(corr), float(ts), float(dur), int(pid))
+            return (LAUNCH, int(pid), int(tid), float(ts), corr)
+        stream = _int_arg(buf, '"stream":', m.end(), args_end)
+        return (GPU, corr, float(ts), float(dur), int(pid), name, -1 if stream is None else stream)
     m = _KINETO_MEMORY.match(buf, s)
     if m is not None:
         pid, ts, reserved, alloc, dev_id, dev_type = m.groups()
