@@ -1,7 +1,8 @@
 """Per-stage instrumentation (NVTX + torch.profiler ranges, stage timers), switched by ``OPSD_PROFILE``.
 
 Importing this package does not import torch: :mod:`instrumentation.stages` (the stage-name
-contract), :class:`ProfileConfig` and the config functions are torch-free; ``stage``, ``staged``,
+contract), :class:`ProfileConfig`, the config functions and :data:`NOOP` (the one do-nothing
+object of the off path; ``NOOP_RANGE`` is the same object) are torch-free; ``stage``, ``staged``,
 ``opsd_profiler``, ``collect_stages`` and friends are loaded on first access.
 
     from instrumentation import stage, staged, stages, opsd_profiler, collect_stages
@@ -17,6 +18,7 @@ __opsd_rollout_package__ = "instrumentation"
 
 from instrumentation import stages  # noqa: F401  (light: no torch)
 from instrumentation.config import ProfileConfig  # noqa: F401
+from instrumentation.noop import NOOP, NOOP_RANGE, Noop  # noqa: F401
 from instrumentation.state import (  # noqa: F401
     ProfilingWarning, configure, get_config, reset_for_tests, warn_once,
 )
@@ -25,7 +27,6 @@ from instrumentation.state import (  # noqa: F401
 _LAZY = {
     "stage": "instrumentation.ranges",
     "staged": "instrumentation.ranges",
-    "NOOP_RANGE": "instrumentation.ranges",
     "opsd_profiler": "instrumentation.profiler",
     "ProfilerSession": "instrumentation.profiler",
     "collect_stages": "instrumentation.collect",
@@ -36,7 +37,7 @@ _LAZY = {
 }
 
 __all__ = ["stages", "ProfileConfig", "ProfilingWarning", "configure", "get_config",
-           "reset_for_tests", "warn_once", *_LAZY]
+           "reset_for_tests", "warn_once", "NOOP", "NOOP_RANGE", "Noop", *_LAZY]
 
 
 def __getattr__(name: str):

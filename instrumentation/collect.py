@@ -2,7 +2,7 @@
 
 ``collect_stages()`` wraps one ``Rollout.generate`` call. With ``OPSD_PROFILE=1`` it yields a
 :class:`StageCollector` (timing every stage inside the block, also outside a profiler session);
-otherwise it yields None through a shared do-nothing context (no allocation, no timers).
+otherwise it yields None through the shared :data:`instrumentation.NOOP` (no allocation, no timers).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from instrumentation import stages
+from instrumentation.noop import NOOP
 from instrumentation.state import get_config
 from instrumentation.timers import BYTES_PER_MIB, HUB, StageRecord, StageTimers, TimerBackend
 
@@ -65,24 +66,10 @@ class StageCollector:
         return summarize(self._records, self._hub.backend)
 
 
-class _NoCollect:
-    """The off path of ``collect_stages()``: yields None."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        return False
-
-
-_NO_COLLECT = _NoCollect()
-
-
 def collect_stages():
-    """Context manager yielding a :class:`StageCollector` when ``OPSD_PROFILE=1``, else None."""
-    return StageCollector(HUB) if get_config().timing else _NO_COLLECT
+    """Context manager yielding a :class:`StageCollector` when ``OPSD_PROFILE=1``, else None
+    (through the shared :data:`instrumentation.NOOP`)."""
+    return StageCollector(HUB) if get_config().timing else NOOP
 
 
 class StageTable:
@@ -128,13 +115,10 @@ class StageTable:
 
 
 def format_stage_rows(rows: list[dict], title: Optional[str] = None) -> str:
-    """A fixed-width text table of :meth:`StageTable.rows` ("n/a" where a value has no meaning)."""
-    header = f"{'stage':<16} {'count':>6} {'total ms':>10} {'mean ms':>9} {'share':>7} {'peak MiB':>9}"
-    lines = [title] if title else []
-    lines += [header, "-" * len(header)]
-    for row in rows:
-        share = "n/a" if row["share_of_step"] is None else f"{100 * row['share_of_step']:.1f}%"
-        peak = "n/a" if row["peak_mib"] is None else f"{row['peak_mib']:.1f}"
-        lines.append(f"{row['stage']:<16} {row['count']:>6} {row['total_ms']:>10.3f} "
-                     f"{row['mean_ms']:>9.3f} {share:>7} {peak:>9}")
-    return "\n".join(lines)
+    """:meth:`StageTable.rows` as an aligned text table (``traces.table.render``; ``-`` = no value)."""
+    from traces.table import Column, fixed, percent, render
+
+    columns = [Column("stage", "stage", left=True), Column("count", "count"),
+               Column("total_ms", "total ms", fixed(3)), Column("mean_ms", "mean ms", fixed(3)),
+               Column("share_of_step", "share", percent(1)), Column("peak_mib", "peak MiB", fixed(1))]
+    return render(columns, [[row[c.key] for c in columns] for row in rows], "table", title)

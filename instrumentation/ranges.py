@@ -4,7 +4,7 @@ The implementation is picked once, when the config is first read (or re-set by `
 and bound to a module global; ``stage()`` itself never tests the mode:
 
 * off (``OPSD_PROFILE`` unset/``0``): ``stage(name)`` is a dict lookup returning one shared
-  do-nothing context manager (the lookup also rejects unknown stage names).
+  do-nothing :data:`instrumentation.NOOP` (the lookup also rejects unknown stage names).
 * ``nvtx`` / ``1``: a small per-call object that pushes the stage's NVTX range (domain ``opsd``,
   message ``opsd/<stage>``, the stage colour), opens a ``record_function``-equivalent user annotation
   ``opsd/<stage>`` **only while a torch profiler is enabled** (``torch.autograd._profiler_enabled()``;
@@ -29,6 +29,7 @@ import torch
 
 from instrumentation import stages, state
 from instrumentation.config import MODE_FULL, MODE_OFF, ProfileConfig
+from instrumentation.noop import NOOP, NOOP_RANGE  # noqa: F401  (NOOP_RANGE: the former name)
 from instrumentation.timers import HUB
 
 try:  # the bindings torch.profiler itself uses: ~4x cheaper than the record_function ops
@@ -52,20 +53,7 @@ class _StageMap(dict):
                          "(use the constants of instrumentation.stages)")
 
 
-class _NoopRange:
-    """The shared do-nothing range of the off path."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        return False
-
-
-NOOP_RANGE = _NoopRange()
-_OFF = _StageMap({name: NOOP_RANGE for name in stages.ALL_STAGES})
+_OFF = _StageMap({name: NOOP for name in stages.ALL_STAGES})
 
 
 def _noop() -> None:

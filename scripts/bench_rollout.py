@@ -8,6 +8,7 @@ warm-up; means of ``--repeats``. Every cell prints a markdown row; ``--json`` wr
   python scripts/bench_rollout.py --suite decode --model 3b
   python scripts/bench_rollout.py --suite seed004 --model 3b --upstream
   python scripts/bench_rollout.py --suite smoke000 --cells 0-15
+  python scripts/bench_rollout.py --suite rl --cells wide-greedy --json rl.json   # see scripts/bench_rl.py
 """
 
 from __future__ import annotations
@@ -282,8 +283,16 @@ def parse_cells(spec: str | None, total: int) -> list[int]:
 
 
 def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--suite")
+    known, rest = pre.parse_known_args(argv)
+    if known.suite == "rl":  # the RL-scale suite has its own options: scripts/bench_rl.py --help
+        from scripts.bench_rl import main as rl_main
+        return rl_main(rest)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["decode", "smoke000", "seed004", "all"], default="all")
+    parser.add_argument("--suite", choices=["decode", "smoke000", "seed004", "rl", "all"], default="all",
+                        help="rl: RL-scale cells (scripts/bench_rl.py; its own options)")
     parser.add_argument("--model", choices=["tiny", "3b"], default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")

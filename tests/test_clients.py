@@ -261,10 +261,53 @@ def test_hta_user_annotation_breakdown_has_our_stages_and_cpu_totals(profiled_ru
         use_gpu_annotation=False, visualize=False, duration_ratio=1.0, num_kernels=1 << 20)
     assert frame is not None
     sum_column = next(c for c in frame.columns if c.startswith("sum"))  # "sum (us)" in HTA 0.5
-    for rank, rows in ours.items():
+    for rank, entry in ours.items():
+        rows = entry["stages"]
         hta_rows = frame[(frame["rank"] == int(rank)) & frame["name"].str.startswith(S.PREFIX)]
         hta_total_ms = {name: total_us / 1000.0 for name, total_us in zip(hta_rows["name"], hta_rows[sum_column])}
         assert set(hta_total_ms) == {row["name"] for row in rows}
         for row in rows:  # HTA rounds each start up and end down to whole us: < 2 us per range
             tolerance_ms = 2e-3 * row["count"] + 1e-3
             assert hta_total_ms[row["name"]] == pytest.approx(row["cpu_ms"]["total"], abs=tolerance_ms)
+
+
+# ---- HTA's idle-time breakdown against our headline ----------------------------------------------
+
+def hta_figures(trace_dir: Path, rank: int = 0) -> dict:
+    """HTA's busy time (temporal breakdown) and idle split (idle-time breakdown, all streams), in us."""
+    from hta.trace_analysis import TraceAnalysis
+
+    analysis = TraceAnalysis(trace_dir=str(trace_dir))
+    temporal = analysis.get_temporal_breakdown(visualize=False)
+    row = temporal[temporal["rank"] == rank].iloc[0]
+    idle, _ = analysis.get_idle_time_breakdown(ranks=[rank], visualize=False)
+    by_category = idle.groupby("idle_category")["idle_time"].sum().to_dict()
+    return {"busy_us": float(row["kernel_time(us)"] - row["idle_time(us)"]),
+            "kernel_span_us": float(row["kernel_time(us)"]), "streams": idle["stream"].nunique(),
+            **{k: float(v) for k, v in by_category.items()}}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore:.*inplace")
+def test_headline_matches_hta_idle_time_breakdown(tmp_path):
+    pytest.importorskip("hta", reason="holistictraceanalysis is not installed (test-only, optional)")
+    from tests.test_traces_gpu import graph_step_events
+    from traces.synth import write_events
+
+    events = graph_step_events(corr_base=1_000_000)  # HTA's parser needs ids that do not fit int8
+    write_events(str(tmp_path / "rank0.pt.trace.json"), events, rank=0)
+    summary = subprocess.run([sys.executable, str(REPO / "scripts" / "summarize_trace.py"), str(tmp_path),
+                              "--format", "json"], capture_output=True, text=True, timeout=120)
+    assert summary.returncode == 0, summary.stderr
+    head = json.loads(summary.stdout)["headline"]
+    hta = hta_figures(tmp_path)
+    assert hta["streams"] == 1  # HTA splits idle time per stream; on one stream it is the device's
+    step = next(e for e in events if e["name"] == S.range_name(S.STEP))
+    kernels = [e for e in events if e["cat"] == "kernel"]
+    before_first = min(k["ts"] for k in kernels) - step["ts"]
+    after_last = step["ts"] + step["dur"] - max(k["ts"] + k["dur"] for k in kernels)
+    assert head["gpu_busy_ms"] * 1e3 == pytest.approx(hta["busy_us"])
+    # HTA counts the gaps between kernels; ours also the step's edges before the first / after the last
+    idle = head["idle"]
+    assert (idle["host_launch_ms"] + idle["host_sync_ms"]) * 1e3 == pytest.approx(
+        hta["host_wait"] + before_first + after_last)
+    assert idle["other_ms"] * 1e3 == pytest.approx(hta.get("kernel_wait", 0.0) + hta.get("other", 0.0))

@@ -39,11 +39,18 @@ def test_json_schema_round_trip(tmp_path, capsys):
     code, out, err = run_cli(capsys, [str(tmp_path), "--format", "json", "--by-rank", "--by-step"])
     assert code == 0 and err == ""
     doc = json.loads(out)
-    assert doc["schema_version"] == 1 and sorted(doc["sources"]) == sorted(paths)
+    assert doc["schema_version"] == 2 and sorted(doc["sources"]) == sorted(paths)
     assert doc["ranks"] == [0, 1]
     stage = {s["name"]: s for s in doc["stages"]}
-    assert set(stage[STEP]) == {"name", "count", "cpu_ms", "gpu_ms", "gpu_span_ms", "self_ms",
-                                "share", "peak_allocated_mib", "peak_reserved_mib"}
+    assert set(stage[STEP]) == {"name", "parent", "count", "cpu_ms", "gpu_ms", "gpu_span_ms", "self_ms",
+                                "share", "gpu_share", "launches", "sync_ms", "wait_ms", "bound",
+                                "comm_ms", "comm_overlap", "peak_allocated_mib", "peak_reserved_mib",
+                                "per_step"}
+    assert set(doc["headline"]) == {"stage", "wall_ms", "gpu_busy_pct", "gpu_busy_ms", "idle"}
+    assert doc["headline"]["stage"] == STEP and doc["headline"]["wall_ms"] == pytest.approx(2 * 1.5)
+    assert set(doc["per_rank"]["1"]) == {"headline", "stages"}
+    assert doc["per_rank"]["1"]["headline"]["wall_ms"] == pytest.approx(2.0)
+    assert stage[PREFILL]["parent"] == STEP and stage[STEP]["parent"] is None
     assert stage[STEP]["count"] == 4 and stage[PREFILL]["cpu_ms"]["max"] == pytest.approx(0.2)
     assert stage[PREFILL]["gpu_ms"]["total"] == pytest.approx(4 * 0.04)
     assert stage[STEP]["peak_allocated_mib"] == 2 and stage[STEP]["peak_reserved_mib"] == 4
@@ -56,8 +63,8 @@ def test_text_formats(tmp_path, capsys, fmt):
     two_ranks(tmp_path)
     code, out, _ = run_cli(capsys, [str(tmp_path), "--format", fmt, "--by-rank"])
     assert code == 0 and PREFILL in out and "straggler" in out
-    if fmt == "markdown":
-        assert out.count(f"| {PREFILL} |") == 3  # merged + 2 ranks
+    if fmt == "markdown":  # the tree: prefill under step; overview + details merged, overview per rank
+        assert out.count(f"| &emsp;{PREFILL} |") == 4 and out.count(f"| {STEP} |") == 4
 
 
 def test_csv_one_row_per_stage_and_rank(tmp_path, capsys):
@@ -89,11 +96,14 @@ def test_tensorboard_scalars(tmp_path, capsys):
     code, _, err = run_cli(capsys, [str(tmp_path), "--tensorboard", str(logdir)])
     assert code == 0, err
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    acc = EventAccumulator(str(logdir))
-    acc.Reload()
-    scalars = acc.Scalars(f"{PREFILL}/cpu_ms")
-    assert [s.step for s in scalars] == [0, 1]
-    assert scalars[0].value == pytest.approx(0.1 + 0.2)  # both ranks' prefill in step 0
+    for rank, prefill_ms in ((0, 0.1), (1, 0.2)):  # one run per rank, as the live scalars
+        acc = EventAccumulator(str(logdir / f"rank{rank}"))
+        acc.Reload()
+        scalars = acc.Scalars(f"{PREFILL}/cpu_ms")
+        assert [s.step for s in scalars] == [0, 1]
+        assert scalars[0].value == pytest.approx(prefill_ms)
+        assert {f"{PREFILL}/{k}" for k in ("cpu_ms", "gpu_ms", "self_ms", "peak_allocated_mib")} \
+            <= set(acc.Tags()["scalars"])
 
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch):

@@ -6,8 +6,9 @@ import json
 import pytest
 
 import traces.chrome as chrome
-from traces.events import GPU, LAUNCH, MEMORY, RANGE, TraceError
-from traces.synth import SynthConfig, annotation, gpu_op, launch, memory, write_events, \
+import traces.textfile as textfile
+from traces.events import GPU, LAUNCH, MEMORY, RANGE, SYNC, TraceError
+from traces.synth import SynthConfig, annotation, gpu_op, launch, memory, sync, write_events, \
     write_synthetic_trace
 
 
@@ -19,7 +20,10 @@ def reference_tuples(doc: dict) -> list[tuple]:
         if cat == "user_annotation":
             out.append((RANGE, e["name"], e["pid"], e["tid"], e["ts"], e["dur"]))
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
-            out.append((GPU, args["correlation"], e["ts"], e["dur"], args["device"]))
+            out.append((GPU, args["correlation"], e["ts"], e["dur"], args["device"], e["name"],
+                        args.get("stream", -1)))
+        elif cat in ("cuda_runtime", "cuda_driver") and e["name"].endswith("Synchronize"):
+            out.append((SYNC, e["pid"], e["tid"], e["ts"], e["dur"]))
         elif cat in ("cuda_runtime", "cuda_driver"):
             out.append((LAUNCH, e["pid"], e["tid"], e["ts"], args["correlation"]))
         elif e.get("name") == "[memory]":
@@ -29,13 +33,13 @@ def reference_tuples(doc: dict) -> list[tuple]:
 
 
 def read(path):
-    return [t for t in chrome.read_chrome_trace(path) if t[0] in (RANGE, GPU, LAUNCH, MEMORY)]
+    return [t for t in chrome.read_chrome_trace(path) if t[0] in (RANGE, GPU, LAUNCH, MEMORY, SYNC)]
 
 
 @pytest.mark.parametrize("chunk_chars", [1 << 23, 997])
 @pytest.mark.parametrize("compress", [False, True])
 def test_synthetic_trace_matches_json_load(tmp_path, monkeypatch, chunk_chars, compress):
-    monkeypatch.setattr(chrome, "CHUNK_CHARS", chunk_chars)
+    monkeypatch.setattr(textfile, "CHUNK_CHARS", chunk_chars)
     path = str(tmp_path / ("s.json.gz" if compress else "s.json"))
     write_synthetic_trace(path, SynthConfig(target_bytes=150_000, num_decode_steps=2,
                                             ops_per_stage=4, rank=1, world_size=2), compress=compress)
@@ -50,13 +54,14 @@ EVENTS = [annotation("opsd/step", 0, 100), annotation("opsd/a}, {b", 5, 10),
           annotation('quote " and \\ and {', 20, 5), launch(30, 7, driver=True), gpu_op(40, 5, 7),
           memory(50, 1024, 2048), {"ph": "X", "cat": "cpu_op", "name": "x}, {y", "pid": 1,
                                    "tid": 1, "ts": 1, "dur": 1, "args": {"l": [{"a": 1}, {"b": 2}]}},
-          launch(60, 8), gpu_op(70, 1, 8, cat="gpu_memset")]
+          launch(60, 8), gpu_op(70, 1, 8, cat="gpu_memset"), sync(80, 30),
+          gpu_op(85, 2, 9, name='void k<\\"a\\">(int)', stream=13), launch(75, 9)]
 
 
 @pytest.mark.parametrize("indent", [None, 2])
 @pytest.mark.parametrize("chunk_chars", [1 << 23, 7, 64])
 def test_odd_layouts_braces_in_strings_and_chunking(tmp_path, monkeypatch, indent, chunk_chars):
-    monkeypatch.setattr(chrome, "CHUNK_CHARS", chunk_chars)
+    monkeypatch.setattr(textfile, "CHUNK_CHARS", chunk_chars)
     path = write_events(str(tmp_path / "o.json"), EVENTS, rank=4, indent=indent)
     assert read(path) == reference_tuples({"traceEvents": EVENTS})
     assert (5, "rank", 4) in list(chrome.read_chrome_trace(path))

@@ -12,92 +12,25 @@ of :mod:`traces.events`. Top-level keys before and after the array are read as m
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
 import re
-import zlib
 from typing import Iterator
 
-from traces.events import GPU, LAUNCH, MEMORY, META, RANGE, SPAN, TraceError
+from traces import textfile
+from traces.chrome_event import event_tuple, fast_tuple, metadata
+from traces.events import META, TraceError
 
-#: Characters of decompressed text read per chunk.
-CHUNK_CHARS = 1 << 23
 #: Metadata before ``traceEvents`` larger than this is not kept (only searched for the array).
 MAX_HEADER_CHARS = 64 << 20
 
-_GPU_CATS = frozenset(("kernel", "gpu_memcpy", "gpu_memset"))
-_LAUNCH_CATS = frozenset(("cuda_runtime", "cuda_driver"))
 _BOUNDARY = re.compile(r"\}\s*,\s*\{")
 _EVENTS_KEY = re.compile(r'"traceEvents"\s*:\s*\[')
 _WS = re.compile(r"\s*")
 _decoder = json.JSONDecoder()
 _scan_once = _decoder.scan_once
-
-
-def _open_text(path: str) -> io.TextIOBase:
-    try:
-        raw = open(path, "rb")
-    except FileNotFoundError:
-        raise TraceError(path, "no such file") from None
-    except IsADirectoryError:
-        raise TraceError(path, "is a directory") from None
-    except OSError as exc:
-        raise TraceError(path, f"cannot open ({exc.strerror})") from None
-    magic = raw.peek(2)[:2] if hasattr(raw, "peek") else b""
-    if magic == b"\x1f\x8b":
-        return io.TextIOWrapper(gzip.GzipFile(fileobj=raw), encoding="utf-8", errors="replace")
-    return io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
-
-
-def _chunks(path: str, stream: io.TextIOBase) -> Iterator[str]:
-    try:
-        with stream:
-            while True:
-                chunk = stream.read(CHUNK_CHARS)
-                if not chunk:
-                    return
-                yield chunk
-    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
-        raise TraceError(path, f"truncated or corrupt gzip ({exc})") from None
-    except OSError as exc:
-        raise TraceError(path, f"read error ({exc})") from None
-
-
-def _event_tuple(ev: dict):
-    """The compact tuple of a decoded event, None for events the report does not use."""
-    cat = ev.get("cat")
-    if cat == "user_annotation":
-        if ev.get("ph") == "X":
-            return (RANGE, str(ev["name"]), ev["pid"], ev["tid"], float(ev["ts"]), float(ev["dur"]))
-        return None
-    if cat in _GPU_CATS:
-        args = ev.get("args") or {}
-        return (GPU, int(args["correlation"]), float(ev["ts"]), float(ev["dur"]), args.get("device"))
-    if cat in _LAUNCH_CATS:
-        corr = (ev.get("args") or {}).get("correlation")
-        if corr is None:
-            return None
-        return (LAUNCH, ev["pid"], ev["tid"], float(ev["ts"]), int(corr))
-    if ev.get("name") == "[memory]":
-        args = ev["args"]
-        return (MEMORY, ev["pid"], float(ev["ts"]), int(args.get("Device Type", 0)),
-                int(args.get("Device Id", -1)), int(args.get("Total Allocated", 0)),
-                int(args.get("Total Reserved", 0)))
-    if cat == "Trace" and ev.get("ph") == "X":
-        return (SPAN, float(ev["ts"]), float(ev["dur"]))
-    return None
-
-
-def _metadata(path: str, text: str) -> Iterator[tuple]:
-    """META tuples from a top-level object fragment (``{...}`` text); bad fragments are ignored."""
-    try:
-        meta = json.loads(text)
-    except ValueError:
-        return
-    info = meta.get("distributedInfo") if isinstance(meta, dict) else None
-    if isinstance(info, dict) and isinstance(info.get("rank"), int):
-        yield (META, "rank", info["rank"])
+#: Categories the report keeps, found by one regex over a chunk (``[memory]`` by name).
+_KEEP_CAT = re.compile(r'"cat":\s*"(?:kernel|gpu_memcpy|gpu_memset|cuda_runtime|cuda_driver|'
+                       r'user_annotation|Trace)"')
 
 
 def read_chrome_trace(path: str) -> Iterator[tuple]:
@@ -106,7 +39,7 @@ def read_chrome_trace(path: str) -> Iterator[tuple]:
     Raises :class:`TraceError` for an empty file, non-JSON text, a truncated or corrupt gzip, a
     document without a ``traceEvents`` array, or an array that is not closed.
     """
-    chunks = _chunks(path, _open_text(path))
+    chunks = textfile.chunks(path, textfile.open_text(path))
     buf = ""
     for chunk in chunks:
         buf += chunk
@@ -122,7 +55,7 @@ def read_chrome_trace(path: str) -> Iterator[tuple]:
         raise TraceError(path, "not JSON (expected an object with traceEvents)")
     buf, pos = yield from _find_events_array(path, chunks, head)
     trailer = yield from _scan_events(path, chunks, buf, pos)
-    yield from _metadata(path, '{"_": 0' + trailer)
+    yield from metadata(path, '{"_": 0' + trailer)
 
 
 def _find_events_array(path, chunks, buf):
@@ -133,7 +66,7 @@ def _find_events_array(path, chunks, buf):
         if m is not None:
             header_parts.append(buf[:m.start()])
             if header_len <= MAX_HEADER_CHARS:
-                yield from _metadata(path, "".join(header_parts) + '"_": 0}')
+                yield from metadata(path, "".join(header_parts) + '"_": 0}')
             return buf, m.end()
         cut = max(0, len(buf) - 64)
         keep = buf[cut:]
@@ -150,46 +83,6 @@ def _find_events_array(path, chunks, buf):
                     problem = "not valid JSON (or truncated) and no traceEvents array"
             raise TraceError(path, problem)
         buf = keep + nxt
-
-
-#: Categories the report keeps, found by one regex over a chunk (``[memory]`` by name).
-_KEEP_CAT = re.compile(r'"cat":\s*"(?:kernel|gpu_memcpy|gpu_memset|cuda_runtime|cuda_driver|'
-                       r'user_annotation|Trace)"')
-_INT = re.compile(r"\s*(-?\d+)")
-
-
-_NUM = r"(-?[\d.]+(?:[eE][-+]?\d+)?)"
-#: Kineto's exact layout of launches and GPU ops, up to the start of their args.
-_KINETO_OP = re.compile(
-    r'\{\s*"ph":\s*"X",\s*"cat":\s*"(kernel|gpu_memcpy|gpu_memset|cuda_runtime|cuda_driver)",'
-    r'\s*"name":\s*"[^"\\]*+(?:\\.[^"\\]*+)*+",\s*"pid":\s*(-?\d+),\s*"tid":\s*(-?\d+),'
-    r'\s*"ts":\s*' + _NUM + r',\s*"dur":\s*' + _NUM + r'\s*,\s*"args":\s*\{')
-#: Kineto's exact layout of allocator samples, up to the device fields.
-_KINETO_MEMORY = re.compile(
-    r'\{\s*"ph":\s*"i",\s*"cat":\s*"cpu_instant_event",\s*"s":\s*"t",\s*"name":\s*"\[memory\]",'
-    r'\s*"pid":\s*(-?\d+),\s*"tid":\s*-?\d+,\s*"ts":\s*' + _NUM + r'\s*,\s*"args":\s*\{'
-    r'\s*"Total Reserved":\s*(-?\d+),\s*"Total Allocated":\s*(-?\d+),\s*"Bytes":\s*-?\d+,'
-    r'\s*"Device Id":\s*(-?\d+),\s*"Device Type":\s*(-?\d+)')
-
-
-def _fast_tuple(buf: str, s: int):
-    """The tuple of a kineto-layout launch, GPU op or memory sample at ``buf[s]``, else None."""
-    m = _KINETO_OP.match(buf, s)
-    if m is not None:
-        cat, pid, tid, ts, dur = m.groups()
-        c = buf.find('"correlation":', m.end(), buf.find("}", m.end()))
-        corr = _INT.match(buf, c + 14) if c > 0 else None
-        if corr is None:
-            return None
-        corr = corr.group(1)
-        if cat[0] == "c":
-            return (LAUNCH, int(pid), int(tid), float(ts), int(corr))
-        return (GPU, int(corr), float(ts), float(dur), int(pid))
-    m = _KINETO_MEMORY.match(buf, s)
-    if m is not None:
-        pid, ts, reserved, alloc, dev_id, dev_type = m.groups()
-        return (MEMORY, int(pid), float(ts), int(dev_type), int(dev_id), int(alloc), int(reserved))
-    return None
 
 
 def _last_boundary(buf: str, pos: int) -> int:
@@ -222,11 +115,11 @@ def _fast_pass(buf: str, pos: int):
         if count("{", checked, s) != count("}", checked, s):
             return out, _after(buf, checked, prev), True
         checked = prev = s
-        tup = _fast_tuple(buf, s)
+        tup = fast_tuple(buf, s)
         if tup is None:
             try:
                 obj = _scan_once(buf, s)[0]
-                tup = _event_tuple(obj) if isinstance(obj, dict) else None
+                tup = event_tuple(obj) if isinstance(obj, dict) else None
             except (StopIteration, ValueError, KeyError, TypeError):
                 return out, s, True
             if tup is None:
@@ -318,7 +211,7 @@ def _exact_pass(path, chunks, buf, pos, num_malformed, at_eof):
                 continue
         if isinstance(obj, dict) and obj.get("ph") != "M":
             try:
-                tup = _event_tuple(obj)
+                tup = event_tuple(obj)
             except (ValueError, KeyError, TypeError):
                 tup, num_malformed = None, num_malformed + 1
             if tup is not None:

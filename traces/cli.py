@@ -13,10 +13,12 @@ import os
 import sys
 
 from instrumentation import stages as S
-from traces.diff import diff_rows, format_diff, row_from_dict
+from traces.diff import diff_columns, diff_rows, diff_values, format_diff
+from traces.format import csv_rows, format_headline, format_kernels, format_overview, format_table
 from traces.load import load, read_trace
 from traces.report import Report, build_report
-from traces.rows import format_table
+from traces.rows import row_from_dict
+from traces.table import Column, render
 
 FORMATS = ("table", "markdown", "json", "csv")
 #: A --diff baseline smaller than this is first tried as a saved JSON report.
@@ -39,10 +41,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compare with a baseline: a saved --format json report, or trace path(s)")
     p.add_argument("--plot", metavar="PNG", help="write stacked per-stage bars (needs matplotlib)")
     p.add_argument("--tensorboard", metavar="DIR", help="write per-stage TensorBoard scalars")
+    p.add_argument("--kernels", metavar="N", type=_kernels_arg, default=0,
+                   help="list the top N kernels (and copies) of each stage by GPU time, and the "
+                        "start of each stage's slowest call")
     p.add_argument("--nvtx-domain", metavar="D", default=None,
                    help=f"Nsight Systems inputs: keep the NVTX ranges of domain D only (ours: "
                         f"{S.NVTX_DOMAIN!r}; default: every domain)")
     return p.parse_args(argv)
+
+
+def _kernels_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--kernels must be an integer >= 0; got {text!r}")
+    return value
 
 
 def _source(args):
@@ -71,20 +86,40 @@ def _baseline_rows(path: str, prefix: str, errors: list[str], args):
     return rows or None
 
 
+def _csv(report: Report, args) -> str:
+    rows = list(report.stages)
+    if args.by_rank:
+        rows = [r for k in sorted(report.per_rank) for r in report.per_rank[k]]
+    if args.by_step:
+        rows += [r for k in sorted(report.per_step) for r in report.per_step[k]]
+    columns, values = csv_rows(rows)
+    if report.diff is not None:  # the diff's columns on the merged rows; before-only stages added
+        extra = diff_columns()[1:]
+        by_name = {d["name"]: diff_values(d)[1:] for d in report.diff}
+        merged = lambda r: r.rank is None and r.step is None
+        values = [v + (by_name.pop(r.name, [None] * len(extra)) if merged(r) else [None] * len(extra))
+                  for r, v in zip(rows, values)]
+        values += [[name if c.key == "name" else None for c in columns] + rest
+                   for name, rest in by_name.items()]
+        columns = columns + [Column("diff_" + c.key, c.title) for c in extra]
+    return render(columns, values, "csv")
+
+
 def _render(report: Report, args) -> str:
     if args.format == "json":
-        return json.dumps(report.to_dict(args.by_rank, args.by_step), indent=2) + "\n"
+        return json.dumps(report.to_dict(args.by_rank, args.by_step), indent=2, allow_nan=False) + "\n"
     if args.format == "csv":
-        rows = list(report.stages)
-        if args.by_rank:
-            rows = [r for k in sorted(report.per_rank) for r in report.per_rank[k]]
-        if args.by_step:
-            rows += [r for k in sorted(report.per_step) for r in report.per_step[k]]
-        return format_table(rows, "csv")
-    parts = [f"ranks: {report.ranks}  files: {len(report.sources)}\n", format_table(report.stages, args.format)]
+        return _csv(report, args)
+    fmt = args.format
+    parts = [f"ranks: {report.ranks}  files: {len(report.sources)}\n", format_headline(report.headline),
+             "\n", format_overview(report.stages, fmt)]
+    if args.kernels:
+        parts += ["\ntop kernels per stage (inclusive of nested stages)\n", format_kernels(report.stages, fmt)]
+    parts += ["\ndetails (ms)\n", format_table(report.stages, fmt)]
     if args.by_rank:
         for k in sorted(report.per_rank):
-            parts += [f"\nrank {k}\n", format_table(report.per_rank[k], args.format)]
+            parts += [f"\nrank {k}: ", format_headline(report.rank_headline.get(k)),
+                      format_overview(report.per_rank[k], fmt)]
         parts.append("\nstraggler (slowest rank by CPU total) and CPU total over ranks (ms):\n")
         for name, rank in report.straggler.items():
             s = report.rank_spread[name]["cpu_total_ms"]
@@ -92,22 +127,25 @@ def _render(report: Report, args) -> str:
                          f"max {s['max']:.3f}\n")
     if args.by_step:
         for k in sorted(report.per_step):
-            parts += [f"\nstep {k}\n", format_table(report.per_step[k], args.format)]
+            parts += [f"\nstep {k}\n", format_overview(report.per_step[k], fmt)]
     if report.diff is not None:
-        parts += ["\ndiff (after - before, totals in ms)\n", format_diff(report.diff)]
+        parts += ["\ndiff (after vs before): per-step means over recorded (rank, step) pairs, noise = "
+                  "2 sd of the difference; per-call means\n", format_diff(report.diff, fmt)]
     return "".join(parts)
 
 
 def run(args) -> int:
-    from traces.plot import OutputError, plot_breakdown, write_tensorboard
+    from traces.plot import OutputError, plot_report
+    from traces.tensorboard import write_tensorboard
 
     loaded = load(args.paths, _source(args))
     errors = [str(e) for e in loaded.errors]
-    report = build_report(loaded, args.prefix) if loaded.files else None
+    report = build_report(loaded, args.prefix, args.kernels) if loaded.files else None
     if report is not None and not report.stages:
         names = ", ".join(d.path for d in loaded.files)
         errors.append(f"{names}: no user_annotation ranges matching prefix {args.prefix!r}")
         report = None
+    before = None
     if report is not None and args.diff:
         before = _baseline_rows(args.diff, args.prefix, errors, args)
         if before is not None:
@@ -118,7 +156,7 @@ def run(args) -> int:
         sys.stdout.write(_render(report, args))
         try:
             if args.plot:
-                plot_breakdown(report, args.plot, by_step=args.by_step)
+                plot_report(report, args.plot, by_step=args.by_step, before=before)
             if args.tensorboard:
                 write_tensorboard(report, args.tensorboard)
         except OutputError as exc:

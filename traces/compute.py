@@ -3,26 +3,35 @@
 A stage instance is one CPU range whose name starts with the prefix. For each instance:
 
 - nesting: ranges of one (pid, tid) nest by containment; ``self_us`` is the duration minus the
-  durations of the directly nested stage ranges;
+  durations of the directly nested stage ranges; the *parent* is the innermost other instance of the
+  same process (any thread) whose window contains it, the *depth* the number of such enclosing ranges;
 - GPU projection (as Nsight Systems projects NVTX ranges): the kernels, memcpys and memsets whose
-  launch (``cuda_runtime`` / ``cuda_driver``, matched by correlation id within the file) starts
-  inside the instance's CPU window on any thread of the same process; ``gpu_busy_us`` is the length
-  of the union of their intervals, ``gpu_span_us`` first start to last end;
-- memory: the peak of ``Total Allocated`` / ``Total Reserved`` over the samples inside the window
-  and the level carried into it (the last sample before it), on the process's device: its CUDA
-  device with the most samples, else the CPU.
+  launch starts inside the instance's CPU window on any thread of the same process
+  (:mod:`traces.gpu`); ``gpu_busy_us`` is the length of the union of their intervals, ``gpu_span_us``
+  first start to last end, ``launches`` the number of API calls that launched them;
+- host waits (:mod:`traces.host`): ``sync_us`` is the host wait charged to its GPU work, ``wait_us``
+  the host time spent in syncs inside its CPU window;
+- memory (:mod:`traces.memory`): the peak of ``Total Allocated`` / ``Total Reserved`` in the window.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from traces.events import CUDA_DEVICE_TYPE, TraceData
+from traces.events import TraceData
+from traces.gpu import GpuOps, PidOps
+from traces.host import SyncWaits
+from traces.intervals import union_length
+from traces.memory import MemoryPeaks
 
 #: Containment tolerance: Kineto rounds timestamps to 1 ns, so a child may end 1-2 ns late.
 NEST_TOLERANCE_US = 0.01
+#: torch.profiler's annotation of training step N (its step counter, which ``opsd_profiler`` keeps
+#: equal to the training step index).
+PROFILER_STEP = re.compile(r"^ProfilerStep#(\d+)$")
 
 
 @dataclass
@@ -39,16 +48,33 @@ class StageInstance:
     #: None when the trace has no GPU activity at all.
     gpu_busy_us: float | None = None
     gpu_span_us: float | None = None
+    #: End of the last GPU op it launched (None without any).
+    gpu_end_us: float | None = None
+    launches: int | None = None
+    sync_us: float | None = None
+    wait_us: float = 0.0
     #: None when the trace has no memory samples for the process.
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
-    #: Index of the enclosing step range of the rank (see :func:`assign_steps`).
+    #: Training step index of the enclosing step range (see :func:`assign_steps`).
     step: int | None = None
     path: str = ""
+    depth: int = 0
+    parent: str | None = None
+    #: The GPU ops it launched: ``ops`` (its process's) and the index range ``[i0, i1)``.
+    ops: PidOps | None = None
+    i0: int = 0
+    i1: int = 0
+    file_start_us: float = 0.0
 
     @property
     def cpu_us(self) -> float:
         return self.end_us - self.start_us
+
+    @property
+    def window_end_us(self) -> float:
+        """End of the instance's window: its CPU end or the end of its last GPU op, the later."""
+        return self.end_us if self.gpu_end_us is None else max(self.end_us, self.gpu_end_us)
 
 
 def nest(instances: list[StageInstance]) -> None:
@@ -68,111 +94,92 @@ def nest(instances: list[StageInstance]) -> None:
             stack.append(inst)
 
 
-def union_length(starts: np.ndarray, ends: np.ndarray) -> float:
-    """Total length covered by the union of the intervals ``[starts[i], ends[i]]``."""
-    if len(starts) == 0:
-        return 0.0
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
-    reach = np.maximum.accumulate(e)
-    prev = np.concatenate(([-np.inf], reach[:-1]))
-    return float(np.clip(e - np.maximum(s, prev), 0.0, None).sum())
+def tree(instances: list[StageInstance]) -> None:
+    """Set ``depth`` and ``parent`` from containment among the instances of each process."""
+    by_pid: dict[int, list[StageInstance]] = {}
+    for inst in instances:
+        by_pid.setdefault(inst.pid, []).append(inst)
+    for group in by_pid.values():
+        group.sort(key=lambda i: (i.start_us, -i.end_us))
+        active: list[StageInstance] = []
+        for inst in group:
+            active = [o for o in active if o.end_us + NEST_TOLERANCE_US >= inst.start_us]
+            around = [o for o in active if inst.end_us <= o.end_us + NEST_TOLERANCE_US]
+            inst.depth = len(around)
+            inst.parent = around[-1].name if around else None
+            active.append(inst)
 
 
-class GpuProjection:
-    """GPU intervals of one file indexed by the process and CPU time of their launches."""
-
-    def __init__(self, data: TraceData):
-        self.available = data.has_gpu
-        self._by_pid: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        if not self.available or len(data.launch_correlation) == 0:
-            return
-        l_corr = np.frombuffer(data.launch_correlation, dtype=np.int64)
-        order = np.argsort(l_corr, kind="stable")
-        l_corr = l_corr[order]
-        l_pid = np.frombuffer(data.launch_pid, dtype=np.int64)[order]
-        l_ts = np.frombuffer(data.launch_ts_us, dtype=np.float64)[order]
-        g_corr = np.frombuffer(data.gpu_correlation, dtype=np.int64)
-        idx = np.searchsorted(l_corr, g_corr)
-        idx_ok = np.minimum(idx, len(l_corr) - 1)
-        matched = (idx < len(l_corr)) & (l_corr[idx_ok] == g_corr)
-        li = idx_ok[matched]
-        g_start = np.frombuffer(data.gpu_start_us, dtype=np.float64)[matched]
-        g_end = np.frombuffer(data.gpu_end_us, dtype=np.float64)[matched]
-        pids, ts = l_pid[li], l_ts[li]
-        for pid in np.unique(pids):
-            sel = pids == pid
-            o = np.argsort(ts[sel], kind="stable")
-            self._by_pid[int(pid)] = (ts[sel][o], g_start[sel][o], g_end[sel][o])
-
-    def project(self, pid: int, start_us: float, end_us: float) -> tuple[float | None, float | None]:
-        """(busy, span) in microseconds of the GPU work launched by ``pid`` in the window."""
-        if not self.available:
-            return None, None
-        arrays = self._by_pid.get(pid)
-        if arrays is None:
-            return 0.0, 0.0
-        ts, gs, ge = arrays
-        i0, i1 = np.searchsorted(ts, start_us, "left"), np.searchsorted(ts, end_us, "right")
-        if i0 >= i1:
-            return 0.0, 0.0
-        s, e = gs[i0:i1], ge[i0:i1]
-        return union_length(s, e), float(e.max() - s.min())
+def _project(inst: StageInstance, gpu: GpuOps, waits: SyncWaits) -> None:
+    if not gpu.available:
+        return
+    ops = gpu.by_pid.get(inst.pid)
+    inst.gpu_busy_us = inst.gpu_span_us = 0.0
+    inst.launches, inst.sync_us = 0, waits.charged_us(inst.pid, 0, 0, inst.start_us, inst.end_us)
+    if ops is None:
+        return
+    i0, i1 = ops.window(inst.start_us, inst.end_us)
+    inst.ops, inst.i0, inst.i1 = ops, i0, i1
+    inst.sync_us = waits.charged_us(inst.pid, i0, i1, inst.start_us, inst.end_us)
+    if i1 > i0:
+        s, e = ops.start_us[i0:i1], ops.end_us[i0:i1]
+        inst.gpu_busy_us, inst.gpu_span_us = union_length(s, e), float(e.max() - s.min())
+        inst.gpu_end_us, inst.launches = float(e.max()), ops.launches(i0, i1)
 
 
-class MemoryPeaks:
-    """Allocator samples of one file, per process, on the process's main device."""
-
-    def __init__(self, data: TraceData):
-        best: dict[int, tuple] = {}
-        for (pid, dev_type, dev_id), samples in data.memory.items():
-            rank_key = (dev_type == CUDA_DEVICE_TYPE, len(samples.ts_us))
-            if pid not in best or rank_key > best[pid][0]:
-                best[pid] = (rank_key, samples)
-        self._by_pid = {}
-        for pid, (_, samples) in best.items():
-            ts = np.frombuffer(samples.ts_us, dtype=np.float64)
-            order = np.argsort(ts, kind="stable")
-            self._by_pid[pid] = (ts[order],
-                                 np.frombuffer(samples.allocated_bytes, dtype=np.int64)[order],
-                                 np.frombuffer(samples.reserved_bytes, dtype=np.int64)[order])
-
-    def peak(self, pid: int, start_us: float, end_us: float) -> tuple[int | None, int | None]:
-        """(peak allocated, peak reserved) bytes in the window, counting the level carried in."""
-        arrays = self._by_pid.get(pid)
-        if arrays is None:
-            return None, None
-        ts, alloc, reserved = arrays
-        i0, i1 = np.searchsorted(ts, start_us, "left"), np.searchsorted(ts, end_us, "right")
-        i0 = i0 - 1 if i0 > 0 else 0  # the level carried into the window
-        if i0 >= i1:
-            return None, None
-        return int(alloc[i0:i1].max()), int(reserved[i0:i1].max())
-
-
-def file_instances(data: TraceData, rank: int, prefix: str) -> list[StageInstance]:
-    """Every stage instance of one file with its self time, GPU projection and memory peaks."""
-    instances = [StageInstance(name, rank, pid, tid, start, end, end - start, path=data.path)
+def file_instances(data: TraceData, rank: int, prefix: str, gpu: GpuOps | None = None,
+                   waits: SyncWaits | None = None) -> list[StageInstance]:
+    """Every stage instance of one file with its self time, tree place, GPU projection, host waits
+    and memory peaks (``gpu`` / ``waits``: the file's, when already built)."""
+    instances = [StageInstance(name, rank, pid, tid, start, end, end - start, path=data.path,
+                               file_start_us=data.span_start_us)
                  for name, pid, tid, start, end in data.ranges if name.startswith(prefix)]
     nest(instances)
-    gpu, mem = GpuProjection(data), MemoryPeaks(data)
+    tree(instances)
+    gpu = gpu or GpuOps(data)
+    waits, mem = waits or SyncWaits(data, gpu), MemoryPeaks(data)
     for inst in instances:
-        inst.gpu_busy_us, inst.gpu_span_us = gpu.project(inst.pid, inst.start_us, inst.end_us)
+        _project(inst, gpu, waits)
+        inst.wait_us = waits.waited_us(inst.pid, inst.start_us, inst.end_us)
         inst.peak_allocated_bytes, inst.peak_reserved_bytes = mem.peak(
             inst.pid, inst.start_us, inst.end_us)
     return instances
 
 
-def assign_steps(instances: list[StageInstance], step_name: str) -> int:
-    """Number the step ranges of one rank by start time and give every instance its step.
+def profiler_steps(data: TraceData) -> list[tuple[int, int, float, float]]:
+    """``(step, pid, start_us, end_us)`` of torch.profiler's ``ProfilerStep#N`` ranges of a file."""
+    out = []
+    for name, pid, _tid, start, end in data.ranges:
+        m = PROFILER_STEP.match(name)
+        if m is not None:
+            out.append((int(m.group(1)), pid, start, end))
+    return out
 
-    An instance belongs to step k when it lies inside the k-th step range (0-based, in time order
-    over all files of the rank) of the same process; others keep ``step=None``. Returns the
-    number of steps.
+
+def _step_numbers(steps: list[StageInstance], marks: list[tuple]) -> list[int]:
+    """The index of each step range: N of its enclosing ``ProfilerStep#N`` when every step range
+    has exactly one and they differ, else 0, 1, ... in time order."""
+    numbers = []
+    for s in steps:
+        found = [n for n, pid, lo, hi in marks if pid == s.pid and lo - NEST_TOLERANCE_US <= s.start_us
+                 and s.end_us <= hi + NEST_TOLERANCE_US]
+        numbers.append(found[0] if len(found) == 1 else None)
+    if None in numbers or len(set(numbers)) != len(numbers):
+        return list(range(len(steps)))
+    return numbers
+
+
+def assign_steps(instances: list[StageInstance], step_name: str, marks: list[tuple] = ()) -> int:
+    """Give every instance of one rank the index of its step range.
+
+    Step ranges (``step_name``) are numbered by the training step they belong to: the N of the
+    ``ProfilerStep#N`` range (``marks``, see :func:`profiler_steps`) around each, else 0, 1, ... in
+    time order over all files of the rank. An instance belongs to a step when it lies inside that
+    step range of the same process; others keep ``step=None``. Returns the number of step ranges.
     """
     steps = sorted((i for i in instances if i.name == step_name), key=lambda i: i.start_us)
-    for k, step in enumerate(steps):
-        step.step = k
+    for step, number in zip(steps, _step_numbers(steps, list(marks))):
+        step.step = number
     if not steps:
         return 0
     starts = np.array([s.start_us for s in steps])
@@ -183,7 +190,7 @@ def assign_steps(instances: list[StageInstance], step_name: str) -> int:
         while k >= 0:
             s = steps[k]
             if s.pid == inst.pid and inst.end_us <= s.end_us + NEST_TOLERANCE_US:
-                inst.step = k
+                inst.step = s.step
                 break
             if s.pid == inst.pid:
                 break

@@ -1,8 +1,23 @@
-"""Before/after comparison of two reports' per-stage CPU and GPU totals."""
+"""Before/after comparison of two reports: per-call and per-step means with counts and a noise guard.
+
+Per stage and side: ``count`` (ranges), ``steps`` (recorded (rank, step) pairs), per-call means
+(CPU / GPU total over count) and per-step means (the stage's total per (rank, step) pair, averaged
+over the pairs; a pair where it did not run counts as 0). Per-step figures compare runs that recorded
+different numbers of steps or ranks. The noise guard of a per-step change is
+``noise = 2 * sqrt(sd_before**2 / n_before + sd_after**2 / n_after)`` (about a 95% interval of the
+difference of the means, from the spread across recorded steps); a change is ``significant`` when
+its size exceeds the noise, None when a side has fewer than two steps (no spread). A baseline of
+schema version 1 has no spread: its per-step means come from totals over its ``opsd/step`` count.
+"""
 
 from __future__ import annotations
 
-from traces.rows import StageRow, Stats
+import math
+
+from traces.rows import StageRow, row_from_dict  # noqa: F401  (row_from_dict: part of this API)
+from traces.table import Column, fixed, percent, render
+
+STEP_NAME = "opsd/step"
 
 
 def _change(before: float | None, after: float | None) -> dict:
@@ -11,54 +26,124 @@ def _change(before: float | None, after: float | None) -> dict:
     return {"before": before, "after": after, "change": change, "relative": relative}
 
 
+def noise_ms(sd_before, n_before, sd_after, n_after) -> float | None:
+    """The noise guard of a change of per-step means (see the module docstring)."""
+    if sd_before is None or sd_after is None or not n_before or not n_after:
+        return None
+    return 2.0 * math.sqrt(sd_before ** 2 / n_before + sd_after ** 2 / n_after)
+
+
+def _side(row: StageRow | None, num_steps: int | None) -> dict:
+    """Per-call and per-step figures of one side (all None when the stage is missing)."""
+    if row is None:
+        return {"count": None, "steps": num_steps, "cpu_call": None, "gpu_call": None,
+                "cpu_step": 0.0 if num_steps else None, "gpu_step": None, "cpu_sd": None, "gpu_sd": None}
+    gpu_total = row.gpu_ms.total if row.gpu_ms else None
+    spread = row.per_step
+    if spread is not None:
+        steps, cpu_step, gpu_step = spread.n, spread.cpu_mean_ms, spread.gpu_mean_ms
+        cpu_sd, gpu_sd = spread.cpu_sd_ms, spread.gpu_sd_ms
+    else:
+        steps, cpu_sd, gpu_sd = num_steps, None, None
+        cpu_step = row.cpu_ms.total / steps if steps else None
+        gpu_step = gpu_total / steps if steps and gpu_total is not None else None
+    return {"count": row.count, "steps": steps, "cpu_call": row.cpu_ms.mean,
+            "gpu_call": row.gpu_ms.mean if row.gpu_ms else None, "cpu_step": cpu_step,
+            "gpu_step": gpu_step, "cpu_sd": cpu_sd, "gpu_sd": gpu_sd}
+
+
+def _step_change(b: dict, a: dict, key: str) -> dict | None:
+    if b[f"{key}_step"] is None and a[f"{key}_step"] is None:
+        return None
+    out = _change(b[f"{key}_step"], a[f"{key}_step"])
+    noise = noise_ms(b[f"{key}_sd"], b["steps"], a[f"{key}_sd"], a["steps"])
+    out["noise"] = noise
+    out["significant"] = (abs(out["change"]) > noise if noise is not None and out["change"] is not None
+                          else None)
+    return out
+
+
+def _num_steps(rows: list[StageRow]) -> int | None:
+    step = next((r for r in rows if r.name == STEP_NAME), None)
+    if step is None:
+        return None
+    return step.per_step.n if step.per_step is not None else step.count
+
+
 def diff_rows(before: list[StageRow], after: list[StageRow]) -> list[dict]:
-    """Per stage (union of both sides, in ``after`` order then ``before``-only names): the totals
-    before and after, their difference (after - before) and relative change (difference / before;
-    None when before is 0 or missing). A side without the stage has None."""
-    b = {r.name: r for r in before}
-    a = {r.name: r for r in after}
-    names = [r.name for r in after] + [r.name for r in before if r.name not in a]
+    """Per stage (union of both sides, in ``after`` order then ``before``-only names): counts,
+    per-call and per-step means before and after, changes, the noise guard, and the totals."""
+    b_rows, a_rows = {r.name: r for r in before}, {r.name: r for r in after}
+    b_steps, a_steps = _num_steps(before), _num_steps(after)
+    names = [r.name for r in after] + [r.name for r in before if r.name not in a_rows]
     out = []
     for name in names:
-        rb, ra = b.get(name), a.get(name)
+        rb, ra = b_rows.get(name), a_rows.get(name)
+        b, a = _side(rb, b_steps), _side(ra, a_steps)
         gpu_b = rb.gpu_ms.total if rb and rb.gpu_ms else None
         gpu_a = ra.gpu_ms.total if ra and ra.gpu_ms else None
         out.append({
-            "name": name,
+            "name": name, "count": {"before": b["count"], "after": a["count"]},
+            "steps": {"before": b["steps"], "after": a["steps"]},
+            "cpu_call_ms": _change(b["cpu_call"], a["cpu_call"]),
+            "gpu_call_ms": (_change(b["gpu_call"], a["gpu_call"])
+                            if b["gpu_call"] is not None or a["gpu_call"] is not None else None),
+            "cpu_step_ms": _step_change(b, a, "cpu"), "gpu_step_ms": _step_change(b, a, "gpu"),
             "cpu_total_ms": _change(rb.cpu_ms.total if rb else None, ra.cpu_ms.total if ra else None),
             "gpu_total_ms": _change(gpu_b, gpu_a) if gpu_b is not None or gpu_a is not None else None,
         })
     return out
 
 
-def row_from_dict(d: dict) -> StageRow:
-    """A :class:`StageRow` from its JSON form (a ``stages`` entry of a saved report)."""
-    try:
-        gpu = d.get("gpu_ms")
-        return StageRow(name=str(d["name"]), count=int(d["count"]), cpu_ms=Stats(**d["cpu_ms"]),
-                        gpu_ms=Stats(**gpu) if gpu else None, gpu_span_ms=d.get("gpu_span_ms"),
-                        self_ms=d.get("self_ms"), share=d.get("share"),
-                        peak_allocated_mib=d.get("peak_allocated_mib"),
-                        peak_reserved_mib=d.get("peak_reserved_mib"))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"stage entry {d.get('name', '?')!r} is not a report row ({exc})") from None
+def verdict(d: dict) -> str | None:
+    """``slower`` / ``faster`` (naming cpu and/or gpu) when a per-step change exceeds the noise,
+    ``within noise`` when none does, None when the noise is unknown."""
+    words, known = [], False
+    for side in ("cpu", "gpu"):
+        c = d.get(f"{side}_step_ms")
+        if c is None or c["significant"] is None:
+            continue
+        known = True
+        if c["significant"]:
+            words.append(f"{side} {'slower' if c['change'] > 0 else 'faster'}")
+    return ", ".join(words) if words else ("within noise" if known else None)
 
 
-def format_diff(diff: list[dict]) -> str:
-    """The diff as an aligned text table (ms and %)."""
-    def cell(v, pct=False):
-        if v is None:
-            return "-"
-        return f"{100 * v:+.1f}%" if pct else f"{v:.3f}"
-    head = ["stage", "cpu before", "cpu after", "cpu change", "cpu rel", "gpu before", "gpu after",
-            "gpu change", "gpu rel"]
-    rows = []
-    for d in diff:
-        c, g = d["cpu_total_ms"], d["gpu_total_ms"] or {}
-        rows.append([d["name"], cell(c["before"]), cell(c["after"]), cell(c["change"]),
-                     cell(c["relative"], True), cell(g.get("before")), cell(g.get("after")),
-                     cell(g.get("change")), cell(g.get("relative"), True)])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    line = lambda r: "  ".join(x.ljust(w) if i == 0 else x.rjust(w)
-                               for i, (x, w) in enumerate(zip(r, widths)))
-    return "\n".join([line(head), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]) + "\n"
+_MS, _REL = fixed(3), percent(1, signed=True)
+
+
+def _get(d: dict, key: str, field: str):
+    value = d.get(key)
+    return value.get(field) if value else None
+
+
+def diff_columns() -> list[Column]:
+    """The columns of the per-step diff table (also the diff part of a CSV row)."""
+    cols = [Column("name", "stage", left=True), Column("steps_before", "steps b"),
+            Column("steps_after", "steps a"), Column("count_before", "calls b"),
+            Column("count_after", "calls a")]
+    for side in ("cpu", "gpu"):
+        cols += [Column(f"{side}_step_before_ms", f"{side}/step b", _MS),
+                 Column(f"{side}_step_after_ms", f"{side}/step a", _MS),
+                 Column(f"{side}_step_relative", f"{side} chg", _REL),
+                 Column(f"{side}_step_noise_ms", f"{side} noise", _MS)]
+    cols += [Column(f"{side}_call_{when}_ms", f"{side}/call {when[0]}", _MS)
+             for side in ("cpu", "gpu") for when in ("before", "after")]
+    return cols + [Column("verdict", "verdict", left=True)]
+
+
+def diff_values(d: dict) -> list:
+    """The values of one diff entry in :func:`diff_columns` order."""
+    values = [d["name"], d["steps"]["before"], d["steps"]["after"], d["count"]["before"],
+              d["count"]["after"]]
+    for side in ("cpu", "gpu"):
+        key = f"{side}_step_ms"
+        values += [_get(d, key, "before"), _get(d, key, "after"), _get(d, key, "relative"),
+                   _get(d, key, "noise")]
+    values += [_get(d, f"{side}_call_ms", when) for side in ("cpu", "gpu") for when in ("before", "after")]
+    return values + [verdict(d)]
+
+
+def format_diff(diff: list[dict], fmt: str = "table") -> str:
+    """The diff as one table (per-step means with noise, per-call means, verdict) in ``fmt``."""
+    return render(diff_columns(), [diff_values(d) for d in diff], fmt)

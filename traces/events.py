@@ -1,18 +1,21 @@
 """The source-independent event model: compact tuples that every trace source yields.
 
-A source (Chrome JSON today, an Nsight Systems SQLite export later) turns a file into an iterator
-of the tuples below; :func:`collect` keeps only what the report needs in compact arrays
-(:class:`TraceData`). Times are microseconds on the source's own clock.
+A source (Chrome JSON, an Nsight Systems SQLite export) turns a file into an iterator of the tuples
+below; :func:`collect` keeps only what the report needs in compact arrays (:class:`TraceData`).
+Times are microseconds on the source's own clock.
 
 Tuple layouts (first element is the kind):
 
 - ``(RANGE, name, pid, tid, start_us, dur_us)``: a CPU range (a ``user_annotation`` complete event).
 - ``(LAUNCH, pid, tid, start_us, correlation)``: a ``cuda_runtime`` / ``cuda_driver`` API call.
-- ``(GPU, correlation, start_us, dur_us, device)``: a kernel, memcpy or memset on a GPU.
+- ``(GPU, correlation, start_us, dur_us, device, name, stream)``: a kernel, memcpy or memset on a
+  GPU (``name`` as the source writes it, ``stream`` -1 when unknown).
 - ``(MEMORY, pid, ts_us, device_type, device_id, allocated_bytes, reserved_bytes)``: an
   allocator sample (``[memory]`` instant event); ``device_type`` 0 is CPU, 1 is CUDA.
 - ``(SPAN, start_us, dur_us)``: an interval that bounds the profiled window (``Trace`` events).
 - ``(META, key, value)``: trace metadata, e.g. ``("rank", 3)`` from ``distributedInfo``.
+- ``(SYNC, pid, tid, start_us, dur_us)``: a host call that blocks until GPU work has finished
+  (:data:`SYNC_CALLS`: ``cudaStreamSynchronize``, ``cudaDeviceSynchronize`` ...).
 """
 
 from __future__ import annotations
@@ -21,10 +24,22 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Protocol
 
-RANGE, LAUNCH, GPU, MEMORY, SPAN, META = range(6)
+RANGE, LAUNCH, GPU, MEMORY, SPAN, META, SYNC = range(7)
 
 #: ``device_type`` of CUDA memory samples (c10's DeviceType enum); 0 is CPU.
 CUDA_DEVICE_TYPE = 1
+#: Runtime / driver API calls during which the host waits for GPU work (runtime and driver names).
+SYNC_CALLS = frozenset((
+    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+    "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize",
+))
+#: Name prefixes of memory operations (as Kineto names memcpys and memsets); other GPU ops are kernels.
+MEMORY_OP_PREFIXES = ("Memcpy", "Memset")
+
+
+def is_sync_call(name: str) -> bool:
+    """Whether a runtime / driver API call of this name blocks the host until GPU work is done."""
+    return name in SYNC_CALLS
 
 
 class EventSource(Protocol):
@@ -53,23 +68,37 @@ class MemorySamples:
     reserved_bytes: array = field(default_factory=lambda: array("q"))
 
 
+def _doubles() -> array:
+    return array("d")
+
+
+def _ints() -> array:
+    return array("q")
+
+
 @dataclass
 class TraceData:
     """What the report needs from one trace file, kept in compact arrays.
 
     ``ranges`` holds every CPU range (name, pid, tid, start_us, end_us); the prefix filter is applied
-    later so one load serves any ``--prefix``.
+    later so one load serves any ``--prefix``. GPU op names are ids into ``names``.
     """
 
     path: str
     rank: int | None = None
     ranges: list = field(default_factory=list)
-    launch_pid: array = field(default_factory=lambda: array("q"))
-    launch_ts_us: array = field(default_factory=lambda: array("d"))
-    launch_correlation: array = field(default_factory=lambda: array("q"))
-    gpu_correlation: array = field(default_factory=lambda: array("q"))
-    gpu_start_us: array = field(default_factory=lambda: array("d"))
-    gpu_end_us: array = field(default_factory=lambda: array("d"))
+    launch_pid: array = field(default_factory=_ints)
+    launch_ts_us: array = field(default_factory=_doubles)
+    launch_correlation: array = field(default_factory=_ints)
+    gpu_correlation: array = field(default_factory=_ints)
+    gpu_start_us: array = field(default_factory=_doubles)
+    gpu_end_us: array = field(default_factory=_doubles)
+    gpu_name: array = field(default_factory=_ints)
+    gpu_stream: array = field(default_factory=_ints)
+    names: list = field(default_factory=list)
+    sync_pid: array = field(default_factory=_ints)
+    sync_start_us: array = field(default_factory=_doubles)
+    sync_end_us: array = field(default_factory=_doubles)
     #: (pid, device_type, device_id) -> samples
     memory: dict = field(default_factory=dict)
     span_start_us: float = float("inf")
@@ -87,40 +116,70 @@ class TraceData:
         return len(self.gpu_start_us) > 0
 
 
+class _Collector:
+    """Appends the tuples of one file to a :class:`TraceData` (one method per kind)."""
+
+    def __init__(self, path: str):
+        self.data = TraceData(path=path)
+        self.lo, self.hi = self.data.span_start_us, self.data.span_end_us
+        self._name_ids: dict[str, int] = {}
+
+    def extend(self, start: float, end: float) -> None:
+        self.lo, self.hi = min(self.lo, start), max(self.hi, end)
+
+    def range_(self, ev) -> None:
+        _, name, pid, tid, start, dur = ev
+        self.data.ranges.append((name, pid, tid, start, start + dur))
+        self.extend(start, start + dur)
+
+    def gpu(self, ev) -> None:
+        d, name = self.data, ev[5] if len(ev) > 5 else ""
+        name_id = self._name_ids.get(name)
+        if name_id is None:
+            name_id = self._name_ids[name] = len(d.names)
+            d.names.append(name)
+        d.gpu_correlation.append(ev[1])
+        d.gpu_start_us.append(ev[2])
+        d.gpu_end_us.append(ev[2] + ev[3])
+        d.gpu_name.append(name_id)
+        d.gpu_stream.append(ev[6] if len(ev) > 6 and ev[6] is not None else -1)
+        self.extend(ev[2], ev[2] + ev[3])
+
+    def launch(self, ev) -> None:
+        self.data.launch_pid.append(ev[1])
+        self.data.launch_ts_us.append(ev[3])
+        self.data.launch_correlation.append(ev[4])
+
+    def sync(self, ev) -> None:
+        self.data.sync_pid.append(ev[1])
+        self.data.sync_start_us.append(ev[3])
+        self.data.sync_end_us.append(ev[3] + ev[4])
+
+    def memory(self, ev) -> None:
+        _, pid, ts, dev_type, dev_id, alloc, reserved = ev
+        samples = self.data.memory.get((pid, dev_type, dev_id))
+        if samples is None:
+            samples = self.data.memory[(pid, dev_type, dev_id)] = MemorySamples()
+        samples.ts_us.append(ts)
+        samples.allocated_bytes.append(alloc)
+        samples.reserved_bytes.append(reserved)
+
+    def span(self, ev) -> None:
+        self.extend(ev[1], ev[1] + ev[2])
+
+    def meta(self, ev) -> None:
+        if ev[1] == "rank":
+            self.data.rank = ev[2]
+        elif ev[1] == "malformed":
+            self.data.num_malformed += ev[2]
+
+
 def collect(path: str, events: Iterable[tuple]) -> TraceData:
     """Gather the event tuples of one file into a :class:`TraceData`."""
-    data = TraceData(path=path)
-    lo, hi = data.span_start_us, data.span_end_us
-    ranges_append = data.ranges.append
+    c = _Collector(path)
+    handlers = {RANGE: c.range_, GPU: c.gpu, LAUNCH: c.launch, SYNC: c.sync, MEMORY: c.memory,
+                SPAN: c.span, META: c.meta}
     for ev in events:
-        kind = ev[0]
-        if kind == RANGE:
-            _, name, pid, tid, start, dur = ev
-            ranges_append((name, pid, tid, start, start + dur))
-            lo, hi = min(lo, start), max(hi, start + dur)
-        elif kind == GPU:
-            data.gpu_correlation.append(ev[1])
-            data.gpu_start_us.append(ev[2])
-            data.gpu_end_us.append(ev[2] + ev[3])
-            lo, hi = min(lo, ev[2]), max(hi, ev[2] + ev[3])
-        elif kind == LAUNCH:
-            data.launch_pid.append(ev[1])
-            data.launch_ts_us.append(ev[3])
-            data.launch_correlation.append(ev[4])
-        elif kind == MEMORY:
-            _, pid, ts, dev_type, dev_id, alloc, reserved = ev
-            samples = data.memory.get((pid, dev_type, dev_id))
-            if samples is None:
-                samples = data.memory[(pid, dev_type, dev_id)] = MemorySamples()
-            samples.ts_us.append(ts)
-            samples.allocated_bytes.append(alloc)
-            samples.reserved_bytes.append(reserved)
-        elif kind == SPAN:
-            lo, hi = min(lo, ev[1]), max(hi, ev[1] + ev[2])
-        elif kind == META:
-            if ev[1] == "rank":
-                data.rank = ev[2]
-            elif ev[1] == "malformed":
-                data.num_malformed += ev[2]
-    data.span_start_us, data.span_end_us = lo, hi
-    return data
+        handlers[ev[0]](ev)
+    c.data.span_start_us, c.data.span_end_us = c.lo, c.hi
+    return c.data

@@ -12,8 +12,10 @@ Yields the tuples of :mod:`traces.events`, so the report is the same as for a Ch
   are per process. ``domain`` keeps only the ranges of that domain (``"opsd"`` for ours; ``""``
   for the default domain of the non-domain API); None keeps all.
 - ``LAUNCH`` from ``CUPTI_ACTIVITY_KIND_RUNTIME`` and, when present, ``CUPTI_ACTIVITY_KIND_DRIVER``
-  (kernels launched through the driver API); ``GPU`` from ``CUPTI_ACTIVITY_KIND_KERNEL``,
-  ``_MEMCPY`` and ``_MEMSET``. They are linked by ``correlationId``, which is unique only within
+  (kernels launched through the driver API); calls named in ``traces.events.SYNC_CALLS`` (name from
+  ``nameId``, a ``_v2``-style suffix ignored) are ``SYNC`` tuples instead. ``GPU`` from
+  ``CUPTI_ACTIVITY_KIND_KERNEL`` (name from ``shortName``), ``_MEMCPY`` and ``_MEMSET`` (named
+  ``Memcpy`` / ``Memset``), with their ``streamId``. They are linked by ``correlationId``, which is unique only within
   a process: the key is ``(pid << 32) | correlationId`` on both sides (process from ``globalTid`` /
   ``globalPid``), so one report of several processes projects correctly (an export whose GPU
   tables lack ``globalPid`` is keyed by ``correlationId`` alone).
@@ -33,7 +35,7 @@ import os
 import sqlite3
 from typing import Iterator, Optional
 
-from traces.events import GPU, LAUNCH, META, RANGE, TraceError
+from traces.events import GPU, LAUNCH, META, RANGE, SYNC, TraceError, is_sync_call
 
 #: NVTX event type values of the export schema: NvtxPushPopRange, NvtxStartEndRange;
 #: NvtxDomainCreate (others: 33 NvtxCategory, 34 NvtxMark, 39 NvtxThread, 76 NvtxDomainDestroy).
@@ -155,26 +157,45 @@ def _present(conn, tables: tuple, required: set) -> list[tuple[str, set]]:
     return found
 
 
+def _string_join(conn, columns: set, column: str) -> tuple[str, str]:
+    """(SELECT expression, JOIN clause) of the registered string named by ``e.<column>``."""
+    if column in columns and _columns(conn, "StringIds") is not None:
+        return "s.value", f'LEFT JOIN StringIds AS s ON s.id = e."{column}"'
+    return "NULL", ""
+
+
 def _launches(conn, tables, by_process: bool) -> Iterator[tuple]:
+    """LAUNCH tuples of the API calls, SYNC tuples of those that wait for the GPU (by name)."""
     for table, columns in tables:
-        sql = f'SELECT e."start", {_col(columns, "globalTid")}, e."correlationId" FROM {table} AS e'
-        for start, gtid, correlation in conn.execute(sql):
-            if correlation is None or start is None:
+        name, join = _string_join(conn, columns, "nameId")
+        sql = (f'SELECT e."start", {_col(columns, "end")}, {_col(columns, "globalTid")}, '
+               f'e."correlationId", {name} FROM {table} AS e {join}')
+        for start, end, gtid, correlation, api in conn.execute(sql):
+            if start is None:
                 continue
             pid = pid_of(gtid)
-            key = _correlation_key(pid if by_process else 0, correlation)
-            yield (LAUNCH, pid, tid_of(gtid), start / _NS_PER_US, key)
+            if api and is_sync_call(api.split("_v", 1)[0]) and end is not None:
+                yield (SYNC, pid, tid_of(gtid), start / _NS_PER_US, (end - start) / _NS_PER_US)
+            elif correlation is not None:
+                key = _correlation_key(pid if by_process else 0, correlation)
+                yield (LAUNCH, pid, tid_of(gtid), start / _NS_PER_US, key)
+
+
+#: Names of the GPU ops of the tables without a name column (the prefixes Kineto uses too).
+_OP_NAMES = {"CUPTI_ACTIVITY_KIND_MEMCPY": "Memcpy", "CUPTI_ACTIVITY_KIND_MEMSET": "Memset"}
 
 
 def _gpu_ops(conn, tables, by_process: bool) -> Iterator[tuple]:
     for table, columns in tables:
+        name, join = _string_join(conn, columns, "shortName")
         sql = (f'SELECT e."start", e."end", {_col(columns, "globalPid")}, e."correlationId", '
-               f'{_col(columns, "deviceId")} FROM {table} AS e')
-        for start, end, gpid, correlation, device in conn.execute(sql):
+               f'{_col(columns, "deviceId")}, {name}, {_col(columns, "streamId")} FROM {table} AS e {join}')
+        for start, end, gpid, correlation, device, op, stream in conn.execute(sql):
             if correlation is None or start is None or end is None:
                 continue
             key = _correlation_key(pid_of(gpid) if by_process else 0, correlation)
-            yield (GPU, key, start / _NS_PER_US, (end - start) / _NS_PER_US, device)
+            yield (GPU, key, start / _NS_PER_US, (end - start) / _NS_PER_US, device,
+                   op or _OP_NAMES.get(table, "kernel"), -1 if stream is None else int(stream))
 
 
 def read_nsys_sqlite(path: str, domain: Optional[str] = None) -> Iterator[tuple]:

@@ -1,82 +1,162 @@
-"""Optional outputs: a PNG of the per-stage breakdown and TensorBoard scalars."""
+"""``--plot out.png``: per-stage CPU and GPU time, side by side, in the stage's own colour.
+
+Left panel: one row per stage (the stage tree, top to bottom), a solid bar for CPU ms and a hatched
+bar for GPU ms, each labelled with its value; the figures are per recorded step (mean over (rank,
+step) pairs) when the trace has step ranges, else totals. With several ranks, a whisker on each bar
+spans the per-rank minimum to maximum (the value label sits at the whisker's end). With ``--diff``, each bar has a pale twin above it: the
+baseline. Right panel (several ranks, or ``--by-step``): a heat map of CPU ms per stage and rank (or
+step), each cell labelled and shaded from the stage's smallest (white) to its largest value (dark), so
+the straggler of each stage stands out. Colours come from
+``instrumentation.stages.STAGE_COLORS`` (one per stage, as in Nsight Systems); other names get
+colours of matplotlib's ``tab20``.
+"""
 
 from __future__ import annotations
 
-from traces.report import STEP_NAME, Report
+from traces.report import Report
 from traces.rows import StageRow
+from traces.tensorboard import OutputError
+
+_BAR = 0.36
 
 
-class OutputError(Exception):
-    """An optional output that cannot be produced (missing library, unwritable path)."""
+def stage_colors(names: list[str]) -> dict[str, str]:
+    """A distinct colour per name: the contract's stage colours, then ``tab20`` for other names."""
+    from matplotlib import colormaps
+
+    from instrumentation import stages as S
+
+    out, extra = {}, colormaps["tab20"]
+    for name in names:
+        stage = S.stage_of(name)
+        if stage is not None:
+            out[name] = f"#{S.STAGE_COLORS[stage] & 0xFFFFFF:06x}"
+    others = [n for n in names if n not in out]
+    for i, name in enumerate(others):
+        out[name] = extra(i % 20)
+    return out
 
 
-def _self_times(groups: dict[int, list[StageRow]]) -> tuple[list[int], dict[str, list[float]]]:
-    keys = sorted(groups)
-    names = []
-    for rows in groups.values():
-        names += [r.name for r in rows if r.name not in names]
-    series = {n: [next((r.self_ms or 0.0 for r in groups[k] if r.name == n), 0.0) for k in keys]
-              for n in names}
-    return keys, series
+def per_step(row: StageRow, steps: int | None) -> tuple[float, float | None]:
+    """(CPU ms, GPU ms) of a row per recorded step (its totals when there are no steps)."""
+    if row.per_step is not None:
+        return row.per_step.cpu_mean_ms, row.per_step.gpu_mean_ms
+    gpu = row.gpu_ms.total if row.gpu_ms else None
+    if steps:
+        return row.cpu_ms.total / steps, None if gpu is None else gpu / steps
+    return row.cpu_ms.total, gpu
 
 
-def plot_breakdown(report: Report, path: str, by_step: bool = False) -> None:
-    """Stacked bars of per-stage self time (ms), one bar per rank (per step with ``by_step``).
+def _num_steps(rows: list[StageRow]) -> int | None:
+    step = next((r for r in rows if r.name == "opsd/step"), None)
+    return None if step is None else step.count
 
-    Self times do not double-count nesting, so a bar's height is the CPU time covered by stages.
-    """
+
+def _rank_range(report: Report, name: str) -> tuple[list[float], list[float]]:
+    """Per-rank CPU and GPU per-step values of a stage."""
+    cpu, gpu = [], []
+    for rows in report.per_rank.values():
+        row = next((r for r in rows if r.name == name), None)
+        if row is not None:
+            c, g = per_step(row, _num_steps(rows))
+            cpu.append(c)
+            if g is not None:
+                gpu.append(g)
+    return cpu, gpu
+
+
+def _number(value: float) -> str:
+    """Three significant digits, trailing zeros kept (``1.00``, ``0.273``, ``168``)."""
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:#.3g}"
+
+
+def _bar(ax, y: float, value: float | None, color, hatch=None, alpha=1.0, spread=None) -> None:
+    if value is None:
+        return
+    err, end = None, value
+    if spread:
+        err = [[max(0.0, value - min(spread))], [max(0.0, max(spread) - value)]]
+        end = max(value, max(spread))
+    ax.barh(y, value, height=_BAR, color=color, alpha=alpha, hatch=hatch, edgecolor="black",
+            linewidth=0.4, xerr=err, error_kw={"elinewidth": 0.8, "capsize": 2})
+    ax.annotate(_number(value), (end, y), xytext=(3, 0), textcoords="offset points",
+                va="center", fontsize=7)
+
+
+def _tree_labels(ax, ticks: list[float], rows: list[StageRow], fontsize: int = 8) -> None:
+    """Stage names left-aligned and indented by their depth in the stage tree."""
+    labels = ["   " * r.depth + r.name for r in rows]
+    ax.set_yticks(ticks)
+    ax.set_yticklabels(labels, fontsize=fontsize, ha="left", family="monospace")
+    ax.tick_params(axis="y", pad=0.62 * fontsize * max((len(x) for x in labels), default=1))
+
+
+def _bars(ax, report: Report, before: list[StageRow] | None) -> None:
+    rows, colors = report.stages, stage_colors([r.name for r in report.stages])
+    steps, base = _num_steps(rows), {r.name: r for r in before or ()}
+    base_steps = _num_steps(before or [])
+    several = len(report.per_rank) > 1
+    for i, row in enumerate(rows):
+        y, (cpu, gpu) = 2 * i, per_step(row, steps)
+        c_spread, g_spread = _rank_range(report, row.name) if several else (None, None)
+        _bar(ax, y - _BAR / 2, cpu, colors[row.name], spread=c_spread)
+        _bar(ax, y + _BAR / 2, gpu, colors[row.name], hatch="///", alpha=0.55, spread=g_spread)
+        if row.name in base:
+            b_cpu, b_gpu = per_step(base[row.name], base_steps)
+            _bar(ax, y - 1.5 * _BAR, b_cpu, colors[row.name], alpha=0.25)
+            _bar(ax, y + 1.5 * _BAR, b_gpu, colors[row.name], hatch="///", alpha=0.15)
+    _tree_labels(ax, [2 * i for i in range(len(rows))], rows)
+    ax.invert_yaxis()
+    unit = "ms per step" if steps or any(r.per_step for r in rows) else "ms (total)"
+    ax.set_xlabel(f"{unit}: solid = CPU, hatched = GPU" + (", pale = before" if before else ""))
+    ax.set_title("per-stage CPU and GPU time" + (" (whiskers: min-max over ranks)" if several else ""))
+    ax.grid(axis="x", alpha=0.3)
+
+
+def _heatmap(ax, report: Report, by_step: bool) -> None:
+    groups = report.per_step if by_step else report.per_rank
+    keys, names = sorted(groups), [r.name for r in report.stages]
+    grid = [[next((r.cpu_ms.total for r in groups[k] if r.name == n), 0.0) for k in keys] for n in names]
+    relative = [[(v - min(row)) / (max(row) - min(row)) if max(row) > min(row) else 0.0 for v in row]
+                for row in grid]
+    image = ax.imshow(relative, aspect="auto", cmap="Blues", vmin=0.0, vmax=1.0)
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            ax.text(j, i, _number(value), ha="center", va="center", fontsize=6,
+                    color="white" if relative[i][j] > 0.6 else "black")
+    ax.set_xticks(range(len(keys)))
+    ax.set_xticklabels([str(k) for k in keys], fontsize=8)
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=7)
+    ax.set_xlabel("step" if by_step else "rank")
+    ax.set_title("CPU ms per stage and " + ("step" if by_step else "rank") + " (shade: stage's min to max)",
+                 fontsize=10)
+    ax.figure.colorbar(image, ax=ax, fraction=0.04)
+
+
+def plot_report(report: Report, path: str, by_step: bool = False,
+                before: list[StageRow] | None = None) -> None:
+    """Write the PNG (see the module docstring); :class:`OutputError` when it cannot."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise OutputError("--plot needs matplotlib (pip install matplotlib)") from None
-    groups = report.per_step if by_step else report.per_rank
-    keys, series = _self_times(groups)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(keys) + 4), 5))
-    bottom = [0.0] * len(keys)
-    for name, values in series.items():
-        ax.bar([str(k) for k in keys], values, bottom=bottom, label=name)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_xlabel("step" if by_step else "rank")
-    ax.set_ylabel("self time (ms)")
-    ax.set_title("per-stage self time")
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    heat = by_step and len(report.per_step) > 1 or len(report.per_rank) > 1
+    rows = len(report.stages)
+    fig, axes = plt.subplots(1, 2 if heat else 1, figsize=(17 if heat else 10, max(4.0, 0.42 * rows * (2 if before else 1.3) + 1.5)),
+                             gridspec_kw={"width_ratios": [3, 2]} if heat else None, squeeze=False)
+    _bars(axes[0][0], report, before)
+    if heat:
+        _heatmap(axes[0][1], report, by_step)
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=110)
     except OSError as exc:
         raise OutputError(f"{path}: cannot write ({exc})") from None
     finally:
         plt.close(fig)
 
 
-def write_tensorboard(report: Report, logdir: str) -> int:
-    """Per-stage scalars ``<stage>/{cpu_ms,gpu_ms,self_ms,peak_allocated_mib}``; returns the count.
-
-    With step ranges the scalars are per step (global step = step index, CPU and GPU totals of the
-    stage within the step); without, the merged totals are written at global step 0.
-    """
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as exc:
-        raise OutputError(f"--tensorboard needs torch and tensorboard ({exc})") from None
-    groups = report.per_step or {0: report.stages}
-    num = 0
-    try:
-        writer = SummaryWriter(log_dir=logdir)
-    except OSError as exc:
-        raise OutputError(f"{logdir}: cannot write ({exc})") from None
-    with writer:
-        for k in sorted(groups):
-            for r in groups[k]:
-                values = {"cpu_ms": r.cpu_ms.total, "gpu_ms": r.gpu_ms.total if r.gpu_ms else None,
-                          "self_ms": r.self_ms, "peak_allocated_mib": r.peak_allocated_mib}
-                for key, value in values.items():
-                    if value is not None:
-                        writer.add_scalar(f"{r.name}/{key}", value, global_step=k)
-                        num += 1
-    return num
-
-
-__all__ = ["OutputError", "plot_breakdown", "write_tensorboard", "STEP_NAME"]
+__all__ = ["OutputError", "plot_report", "stage_colors"]

@@ -1,22 +1,28 @@
-"""Aggregation of stage instances into report rows: merged, per rank, per step.
+"""Aggregation of stage instances into a report: merged, per rank, per step, with headlines.
 
 Definitions (see docs/traces.md): ``share`` of a stage is the CPU time of its ranges that lie inside
 a step range, divided by the CPU time of the step ranges of the same scope; when the scope has no
-step range, the stage's CPU time divided by the summed span of the scope's files. The straggler of a
-stage is the rank with the largest CPU total for it.
+step range, the stage's CPU time divided by the summed span of the scope's files. ``gpu_share`` is
+the stage's GPU time over the root stage's (``opsd/step``, else the outermost stage), both unions of
+GPU activity. The straggler of a stage is the rank with the largest CPU total for it.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 from instrumentation import stages as S
-from traces.compute import StageInstance, assign_steps, file_instances
+from traces.compute import StageInstance, assign_steps, file_instances, profiler_steps
+from traces.figures import bound, group_gpu, slowest_call, top_kernels
+from traces.gpu import GpuOps
+from traces.headline import Headline, headline
+from traces.host import SyncWaits
 from traces.load import LoadedSet
-from traces.rows import StageRow, Stats
+from traces.rows import GpuFigures, StageRow, Stats, StepSpread
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STEP_NAME = S.range_name(S.STEP)
 _ORDER = {S.range_name(s): i for i, s in enumerate(S.ALL_STAGES)}
 _MIB = float(1 << 20)
@@ -24,24 +30,31 @@ _MIB = float(1 << 20)
 
 @dataclass
 class Report:
-    """A full report: merged rows and, on request, per-rank and per-step rows."""
+    """A full report: merged rows and headline and, on request, per-rank and per-step ones."""
 
     sources: list[str]
     ranks: list[int]
     stages: list[StageRow]
+    headline: Headline | None = None
     per_rank: dict[int, list[StageRow]] = field(default_factory=dict)
+    rank_headline: dict[int, Headline] = field(default_factory=dict)
     per_step: dict[int, list[StageRow]] = field(default_factory=dict)
+    #: (rank, step) -> rows of that rank in that step (TensorBoard scalars)
+    per_rank_step: dict[tuple[int, int], list[StageRow]] = field(default_factory=dict)
     straggler: dict[str, int] = field(default_factory=dict)
     rank_spread: dict[str, dict] = field(default_factory=dict)
     diff: list[dict] | None = None
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self, by_rank: bool = False, by_step: bool = False) -> dict:
-        """The JSON document (``schema_version`` 1)."""
+        """The JSON document (``schema_version`` 2)."""
         out = {"schema_version": SCHEMA_VERSION, "sources": self.sources, "ranks": self.ranks,
+               "headline": self.headline.to_dict() if self.headline else None,
                "stages": [r.to_dict() for r in self.stages]}
         if by_rank:
-            out["per_rank"] = {str(k): [r.to_dict() for r in v] for k, v in self.per_rank.items()}
+            out["per_rank"] = {str(k): {"headline": _dict_or_none(self.rank_headline.get(k)),
+                                        "stages": [r.to_dict() for r in v]}
+                               for k, v in self.per_rank.items()}
             out["straggler"] = self.straggler
             out["rank_spread"] = self.rank_spread
         if by_step:
@@ -52,69 +65,160 @@ class Report:
         return out
 
 
+def _dict_or_none(value):
+    return value.to_dict() if value is not None else None
+
+
 def stage_order(name: str) -> tuple:
     """Sort key: the stages of the contract in step order, then other names alphabetically."""
     return (_ORDER.get(name, len(_ORDER)), name)
 
 
-def build_rows(instances: list[StageInstance], span_us: float, **row_fields) -> list[StageRow]:
-    """One row per stage name of ``instances``; ``span_us`` is the share denominator without steps."""
+def root_name(instances: list[StageInstance]) -> str | None:
+    """``opsd/step`` when present, else the outermost stage with the most CPU time."""
+    names = {i.name for i in instances}
+    if STEP_NAME in names:
+        return STEP_NAME
+    totals: dict[str, float] = {}
+    for inst in instances:
+        if inst.parent is None:
+            totals[inst.name] = totals.get(inst.name, 0.0) + inst.cpu_us
+    return max(totals, key=lambda n: (totals[n], n)) if totals else None
+
+
+def _share(group: list[StageInstance], step_total: float, span_us: float) -> float | None:
+    if step_total > 0:
+        inside = [i.cpu_us for i in group if i.step is not None]
+        return min(1.0, sum(inside) / step_total) if inside else None
+    return min(1.0, sum(i.cpu_us for i in group) / span_us) if span_us > 0 else None
+
+
+def _gpu_figures(group: list[StageInstance], root_busy: float | None) -> GpuFigures:
+    if group[0].gpu_busy_us is None:
+        return GpuFigures()
+    g = group_gpu(group)
+    return GpuFigures(
+        share=min(1.0, g.busy_us / root_busy) if root_busy else None,
+        launches=sum(i.launches or 0 for i in group),
+        sync_ms=sum(i.sync_us or 0.0 for i in group) / 1e3, wait_ms=g.wait_us / 1e3,
+        bound=bound(g.busy_us, g.wait_us, g.window_us), comm_ms=g.comm_us / 1e3,
+        comm_overlap=min(1.0, g.overlap_us / g.comm_us) if g.comm_us > 0 else None)
+
+
+def _row(name: str, group: list[StageInstance], context: dict, row_fields: dict) -> StageRow:
+    gpu = [i.gpu_busy_us / 1e3 for i in group if i.gpu_busy_us is not None]
+    spans = [i.gpu_span_us for i in group if i.gpu_span_us is not None]
+    alloc = [i.peak_allocated_bytes for i in group if i.peak_allocated_bytes is not None]
+    reserved = [i.peak_reserved_bytes for i in group if i.peak_reserved_bytes is not None]
+    parents = Counter(i.parent for i in group).most_common(1)[0][0]
+    kernels = context["kernels"]
+    return StageRow(
+        name=name, count=len(group), cpu_ms=Stats.of(i.cpu_us / 1e3 for i in group),
+        gpu_ms=Stats.of(gpu) if gpu else None, gpu_span_ms=sum(spans) / 1e3 if spans else None,
+        self_ms=sum(i.self_us for i in group) / 1e3,
+        share=_share(group, context["step_total"], context["span_us"]),
+        peak_allocated_mib=max(alloc) / _MIB if alloc else None,
+        peak_reserved_mib=max(reserved) / _MIB if reserved else None,
+        gpu=_gpu_figures(group, context["root_busy"]), parent=parents,
+        kernels=top_kernels(group, kernels) if kernels else None,
+        slowest=slowest_call(group) if kernels else None, **row_fields)
+
+
+def tree_order(rows: list[StageRow]) -> list[StageRow]:
+    """Rows depth first along their parents (children in stage order), with ``depth`` set."""
+    by_name = {r.name: r for r in rows}
+    children: dict[str | None, list[str]] = {}
+    for r in rows:
+        parent = r.parent if r.parent in by_name and r.parent != r.name else None
+        children.setdefault(parent, []).append(r.name)
+    out: list[StageRow] = []
+    stack = [(n, 0) for n in sorted(children.get(None, []), key=stage_order, reverse=True)]
+    while stack:
+        name, depth = stack.pop()
+        out.append(_with_depth(by_name[name], depth))
+        stack += [(n, depth + 1) for n in sorted(children.get(name, []), key=stage_order, reverse=True)]
+    seen = {r.name for r in out}  # names in a parent cycle: append flat
+    return out + [r for r in sorted(rows, key=lambda r: stage_order(r.name)) if r.name not in seen]
+
+
+def _with_depth(row: StageRow, depth: int) -> StageRow:
+    return replace(row, depth=depth)
+
+
+def build_rows(instances: list[StageInstance], span_us: float, kernels: int = 0,
+               **row_fields) -> list[StageRow]:
+    """One row per stage name of ``instances``, in tree order; ``span_us`` is the share denominator
+    without steps; ``kernels`` > 0 adds the top kernels and the slowest call."""
     by_name: dict[str, list[StageInstance]] = {}
     for inst in instances:
         by_name.setdefault(inst.name, []).append(inst)
-    step_total = sum(i.cpu_us for i in by_name.get(STEP_NAME, ()))
-    rows = []
-    for name in sorted(by_name, key=stage_order):
-        group = by_name[name]
-        if step_total > 0:
-            inside = [i.cpu_us for i in group if i.step is not None]
-            share = min(1.0, sum(inside) / step_total) if inside else None
-        else:
-            share = min(1.0, sum(i.cpu_us for i in group) / span_us) if span_us > 0 else None
-        gpu = [i.gpu_busy_us / 1e3 for i in group if i.gpu_busy_us is not None]
-        spans = [i.gpu_span_us for i in group if i.gpu_span_us is not None]
-        alloc = [i.peak_allocated_bytes for i in group if i.peak_allocated_bytes is not None]
-        reserved = [i.peak_reserved_bytes for i in group if i.peak_reserved_bytes is not None]
-        rows.append(StageRow(
-            name=name, count=len(group), cpu_ms=Stats.of(i.cpu_us / 1e3 for i in group),
-            gpu_ms=Stats.of(gpu) if gpu else None,
-            gpu_span_ms=sum(spans) / 1e3 if spans else None,
-            self_ms=sum(i.self_us for i in group) / 1e3, share=share,
-            peak_allocated_mib=max(alloc) / _MIB if alloc else None,
-            peak_reserved_mib=max(reserved) / _MIB if reserved else None, **row_fields))
-    return rows
+    root = root_name(instances)
+    root_busy = None
+    if root is not None and by_name[root][0].gpu_busy_us is not None:
+        root_busy = group_gpu(by_name[root]).busy_us
+    context = {"step_total": sum(i.cpu_us for i in by_name.get(STEP_NAME, ())), "span_us": span_us,
+               "root_busy": root_busy, "kernels": kernels}
+    rows = [_row(name, by_name[name], context, row_fields) for name in by_name]
+    return tree_order(rows)
+
+
+@dataclass
+class _File:
+    """One file's data with its GPU index, host waits and stage instances."""
+
+    data: object
+    gpu: GpuOps
+    waits: SyncWaits
+    instances: list[StageInstance]
+
+
+def _read(loaded: LoadedSet, prefix: str) -> list[_File]:
+    out = []
+    for data in loaded.files:
+        gpu = GpuOps(data)
+        waits = SyncWaits(data, gpu)
+        out.append(_File(data, gpu, waits, file_instances(data, data.rank, prefix, gpu, waits)))
+    return out
+
+
+def _rank_headline(files: list[_File]) -> Headline | None:
+    instances = [i for f in files for i in f.instances]
+    root = root_name(instances)
+    if root is None:
+        return None
+    windows = [(f.gpu, f.waits, i.pid, i.start_us, i.end_us) for f in files for i in f.instances
+               if i.name == root and i.parent != root]
+    return headline(root, windows, any(f.gpu.available for f in files))
+
+
+def _step_spreads(instances: list[StageInstance]) -> dict[str, StepSpread]:
+    """Per stage: its totals per (rank, step) pair over every pair that has a step range."""
+    pairs = sorted({(i.rank, i.step) for i in instances if i.name == STEP_NAME and i.step is not None})
+    if not pairs:
+        return {}
+    cpu: dict[tuple, float] = {}
+    gpu: dict[tuple, float] = {}
+    has_gpu = any(i.gpu_busy_us is not None for i in instances)
+    for inst in instances:
+        if inst.step is not None:
+            key = (inst.name, inst.rank, inst.step)
+            cpu[key] = cpu.get(key, 0.0) + inst.cpu_us / 1e3
+            gpu[key] = gpu.get(key, 0.0) + (inst.gpu_busy_us or 0.0) / 1e3
+    names = {k[0] for k in cpu}
+    return {n: StepSpread.of([cpu.get((n, *p), 0.0) for p in pairs],
+                             [gpu.get((n, *p), 0.0) for p in pairs] if has_gpu else None)
+            for n in names}
+
+
+def _with_spreads(rows: list[StageRow], spreads: dict[str, StepSpread]) -> list[StageRow]:
+    return [replace(r, per_step=spreads.get(r.name)) for r in rows]
 
 
 def _spread(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def build_report(loaded: LoadedSet, prefix: str) -> Report:
-    """Instances of every file, steps numbered per rank, and the rows of every scope."""
-    instances: list[StageInstance] = []
-    span_by_rank: dict[int, float] = {}
-    for data in loaded.files:
-        instances.extend(file_instances(data, data.rank, prefix))
-        span_by_rank[data.rank] = span_by_rank.get(data.rank, 0.0) + data.span_us
-    ranks = sorted(span_by_rank)
-    by_rank: dict[int, list[StageInstance]] = {rank: [] for rank in ranks}
-    for inst in instances:
-        by_rank[inst.rank].append(inst)
-    for rank in ranks:
-        assign_steps(by_rank[rank], STEP_NAME)
-    report = Report(sources=[d.path for d in loaded.files], ranks=ranks,
-                    stages=build_rows(instances, sum(span_by_rank.values())),
-                    warnings=list(loaded.warnings))
-    for rank in ranks:
-        rows = build_rows(by_rank[rank], span_by_rank[rank], rank=rank)
-        if rows:
-            report.per_rank[rank] = rows
-    by_step: dict[int, list[StageInstance]] = {}
-    for inst in instances:
-        if inst.step is not None:
-            by_step.setdefault(inst.step, []).append(inst)
-    for k in sorted(by_step):
-        report.per_step[k] = build_rows(by_step[k], 0.0, step=k)
+def _stragglers(report: Report) -> None:
     for row in report.stages:
         totals = {rank: r.cpu_ms.total for rank, rows in report.per_rank.items()
                   for r in rows if r.name == row.name}
@@ -123,4 +227,43 @@ def build_report(loaded: LoadedSet, prefix: str) -> Report:
         report.straggler[row.name] = max(totals, key=lambda k: (totals[k], -k))
         report.rank_spread[row.name] = {"cpu_total_ms": _spread(list(totals.values())),
                                         "gpu_total_ms": _spread(gpu_totals) if gpu_totals else None}
+
+
+def build_report(loaded: LoadedSet, prefix: str, kernels: int = 0) -> Report:
+    """Instances of every file, steps numbered per rank, and the rows of every scope."""
+    files = _read(loaded, prefix)
+    ranks = sorted({f.data.rank for f in files})
+    by_rank = {rank: [f for f in files if f.data.rank == rank] for rank in ranks}
+    instances = [i for f in files for i in f.instances]
+    for rank, mine in by_rank.items():
+        marks = [m for f in mine for m in profiler_steps(f.data)]
+        assign_steps([i for f in mine for i in f.instances], STEP_NAME, marks)
+    span = {rank: sum(f.data.span_us for f in mine) for rank, mine in by_rank.items()}
+    rows = build_rows(instances, sum(span.values()), kernels)
+    report = Report(sources=[f.data.path for f in files], ranks=ranks,
+                    stages=_with_spreads(rows, _step_spreads(instances)),
+                    warnings=list(loaded.warnings))
+    for rank, mine in by_rank.items():
+        rank_rows = build_rows([i for f in mine for i in f.instances], span[rank], kernels, rank=rank)
+        if rank_rows:
+            report.per_rank[rank] = rank_rows
+        head = _rank_headline(mine)
+        if head is not None:
+            report.rank_headline[rank] = head
+    report.headline = Headline.total(list(report.rank_headline.values()))
+    _per_step(report, instances)
+    _stragglers(report)
     return report
+
+
+def _per_step(report: Report, instances: list[StageInstance]) -> None:
+    by_step: dict[int, list[StageInstance]] = {}
+    by_rank_step: dict[tuple[int, int], list[StageInstance]] = {}
+    for inst in instances:
+        if inst.step is not None:
+            by_step.setdefault(inst.step, []).append(inst)
+            by_rank_step.setdefault((inst.rank, inst.step), []).append(inst)
+    for k in sorted(by_step):
+        report.per_step[k] = build_rows(by_step[k], 0.0, step=k)
+    for (rank, k) in sorted(by_rank_step):
+        report.per_rank_step[(rank, k)] = build_rows(by_rank_step[(rank, k)], 0.0, rank=rank, step=k)

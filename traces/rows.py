@@ -1,18 +1,18 @@
-"""Report rows and their text formats, independent of trace parsing.
+"""Report rows: one record per stage (and per rank / step), independent of trace parsing.
 
 :class:`StageRow` is the one row type of every per-stage table of the project: the trace report,
 the demo's live-timer table and the benchmarks build rows with :meth:`StageRow.from_samples` and
-print them with :func:`format_table`.
+print them with :func:`traces.format.format_table` (also importable from here). Rows serialise to
+the JSON schema of ``docs/traces.md`` (:meth:`StageRow.to_dict`) and back (:func:`row_from_dict`,
+which also reads schema version 1).
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 from dataclasses import dataclass
 
-FORMATS = ("table", "markdown", "csv")
+BOUNDS = ("host", "gpu", "sync")
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -53,6 +53,103 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class StepSpread:
+    """A stage's totals per recorded step (per rank and step), for before/after noise guards."""
+
+    n: int
+    """Number of (rank, step) pairs (a pair where the stage did not run counts as 0 ms)."""
+    cpu_mean_ms: float
+    cpu_sd_ms: float | None
+    """Sample standard deviation over the pairs (None for a single pair)."""
+    gpu_mean_ms: float | None = None
+    gpu_sd_ms: float | None = None
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1; got {self.n}")
+
+    @classmethod
+    def of(cls, cpu_ms: list[float], gpu_ms: list[float] | None) -> "StepSpread":
+        """From per-pair totals (``gpu_ms`` None on a CPU trace)."""
+        mean_sd = lambda v: (math.fsum(v) / len(v), _sd(v))
+        gpu = mean_sd(gpu_ms) if gpu_ms else (None, None)
+        return cls(len(cpu_ms), *mean_sd(cpu_ms), *gpu)
+
+    def to_dict(self) -> dict:
+        return {"n": self.n, "cpu_mean_ms": self.cpu_mean_ms, "cpu_sd_ms": self.cpu_sd_ms,
+                "gpu_mean_ms": self.gpu_mean_ms, "gpu_sd_ms": self.gpu_sd_ms}
+
+
+def _sd(values: list[float]) -> float | None:
+    if len(values) < 2:
+        return None
+    mean = math.fsum(values) / len(values)
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    """One kernel (or copy) name of a stage: calls and summed GPU time."""
+
+    name: str
+    count: int
+    gpu_ms: float
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "count": self.count, "gpu_ms": self.gpu_ms}
+
+
+@dataclass(frozen=True)
+class SlowestCall:
+    """The instance of a stage with the longest window (CPU start to end of its last GPU work)."""
+
+    ts_us: float
+    """Start on the trace's own clock (the ``ts`` of the range in the file)."""
+    offset_ms: float
+    """Start after the first event of its file (what a trace viewer's time axis shows)."""
+    window_ms: float
+    path: str
+    rank: int
+
+    def to_dict(self) -> dict:
+        return {"ts_us": self.ts_us, "offset_ms": self.offset_ms, "window_ms": self.window_ms,
+                "file": self.path, "rank": self.rank}
+
+
+@dataclass(frozen=True)
+class GpuFigures:
+    """What a stage did on and for the GPU (all None on a trace without GPU activity)."""
+
+    share: float | None = None
+    """Fraction (0-1) of the root stage's GPU time (unions of GPU activity)."""
+    launches: int | None = None
+    """API calls that launched its GPU work (a CUDA graph launch is one)."""
+    sync_ms: float | None = None
+    """Host time in syncs charged to its GPU work (the host waited this long for it)."""
+    wait_ms: float | None = None
+    """Host time in syncs inside its CPU ranges (whatever work they waited for)."""
+    bound: str | None = None
+    """``host``, ``gpu`` or ``sync`` (rule in docs/traces.md)."""
+    comm_ms: float | None = None
+    """Union of its communication (NCCL) kernels."""
+    comm_overlap: float | None = None
+    """Fraction (0-1) of ``comm_ms`` overlapped by its computation kernels; None without comm."""
+
+    def __post_init__(self):
+        if self.bound is not None and self.bound not in BOUNDS:
+            raise ValueError(f"bound must be one of {BOUNDS} or None; got {self.bound!r}")
+        for name in ("share", "comm_overlap"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0 + 1e-9:
+                raise ValueError(f"{name} must be in [0, 1]; got {value}")
+
+    def to_dict(self) -> dict:
+        return {"gpu_share": self.share, "launches": self.launches, "sync_ms": self.sync_ms,
+                "wait_ms": self.wait_ms, "bound": self.bound, "comm_ms": self.comm_ms,
+                "comm_overlap": self.comm_overlap}
+
+
+@dataclass(frozen=True)
 class StageRow:
     """Figures of one stage (merged, or of one rank / one step when ``rank`` / ``step`` is set)."""
 
@@ -77,12 +174,24 @@ class StageRow:
     rank: int | None = None
     #: The step of a per-step row.
     step: int | None = None
+    #: GPU share, launches, host waits, verdict, communication.
+    gpu: GpuFigures = GpuFigures()
+    #: The stage that most often encloses it (None for a root) and its depth in that tree.
+    parent: str | None = None
+    depth: int = 0
+    #: Totals per recorded step (merged rows of traces with step ranges).
+    per_step: StepSpread | None = None
+    #: Top kernels and the slowest call (only when asked for, ``--kernels N``).
+    kernels: tuple[KernelRow, ...] | None = None
+    slowest: SlowestCall | None = None
 
     def __post_init__(self):
         if self.count < 0:
             raise ValueError(f"count must be >= 0; got {self.count}")
         if self.share is not None and not 0.0 <= self.share <= 1.0 + 1e-9:
             raise ValueError(f"share must be in [0, 1]; got {self.share}")
+        if self.depth < 0:
+            raise ValueError(f"depth must be >= 0; got {self.depth}")
 
     @classmethod
     def from_samples(cls, name: str, cpu_ms, gpu_ms=None, **kwargs) -> "StageRow":
@@ -93,75 +202,37 @@ class StageRow:
 
     def to_dict(self) -> dict:
         """The row in the JSON schema (``rank`` / ``step`` are keys of the enclosing object)."""
-        return {"name": self.name, "count": self.count, "cpu_ms": self.cpu_ms.to_dict(),
-                "gpu_ms": self.gpu_ms.to_dict() if self.gpu_ms else None,
-                "gpu_span_ms": self.gpu_span_ms, "self_ms": self.self_ms, "share": self.share,
-                "peak_allocated_mib": self.peak_allocated_mib,
-                "peak_reserved_mib": self.peak_reserved_mib}
+        out = {"name": self.name, "parent": self.parent, "count": self.count,
+               "cpu_ms": self.cpu_ms.to_dict(), "gpu_ms": self.gpu_ms.to_dict() if self.gpu_ms else None,
+               "gpu_span_ms": self.gpu_span_ms, "self_ms": self.self_ms, "share": self.share,
+               **self.gpu.to_dict(), "peak_allocated_mib": self.peak_allocated_mib,
+               "peak_reserved_mib": self.peak_reserved_mib,
+               "per_step": self.per_step.to_dict() if self.per_step else None}
+        if self.kernels is not None:
+            out["kernels"] = [k.to_dict() for k in self.kernels]
+            out["slowest"] = self.slowest.to_dict() if self.slowest else None
+        return out
 
 
-_CSV_FIELDS = ("rank", "step", "name", "count", "cpu_total_ms", "cpu_mean_ms", "cpu_p50_ms",
-               "cpu_p90_ms", "cpu_max_ms", "gpu_total_ms", "gpu_mean_ms", "gpu_p50_ms",
-               "gpu_p90_ms", "gpu_max_ms", "gpu_span_ms", "self_ms", "share",
-               "peak_allocated_mib", "peak_reserved_mib")
+def row_from_dict(d: dict) -> StageRow:
+    """A :class:`StageRow` from its JSON form (a ``stages`` entry of a saved report, schema 1 or 2)."""
+    try:
+        gpu, spread = d.get("gpu_ms"), d.get("per_step")
+        figures = GpuFigures(d.get("gpu_share"), d.get("launches"), d.get("sync_ms"), d.get("wait_ms"),
+                             d.get("bound"), d.get("comm_ms"), d.get("comm_overlap"))
+        return StageRow(name=str(d["name"]), count=int(d["count"]), cpu_ms=Stats(**d["cpu_ms"]),
+                        gpu_ms=Stats(**gpu) if gpu else None, gpu_span_ms=d.get("gpu_span_ms"),
+                        self_ms=d.get("self_ms"), share=d.get("share"),
+                        peak_allocated_mib=d.get("peak_allocated_mib"),
+                        peak_reserved_mib=d.get("peak_reserved_mib"), gpu=figures,
+                        parent=d.get("parent"), per_step=StepSpread(**spread) if spread else None)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"stage entry {d.get('name', '?')!r} is not a report row ({exc})") from None
 
 
-def _flat(row: StageRow) -> dict:
-    d = {"rank": row.rank, "step": row.step, "name": row.name, "count": row.count}
-    for prefix, stats in (("cpu", row.cpu_ms), ("gpu", row.gpu_ms)):
-        for key in ("total", "mean", "p50", "p90", "max"):
-            d[f"{prefix}_{key}_ms"] = getattr(stats, key) if stats else None
-    d.update(gpu_span_ms=row.gpu_span_ms, self_ms=row.self_ms, share=row.share,
-             peak_allocated_mib=row.peak_allocated_mib, peak_reserved_mib=row.peak_reserved_mib)
-    return d
+def __getattr__(name: str):
+    if name in ("format_table", "FORMATS"):  # the formats live in traces.format
+        from traces import format as formats
 
-
-def _cell(value, decimals: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{decimals}f}"
-    return str(value)
-
-
-def _text_columns(rows: list[StageRow]) -> tuple[list[str], list[list[str]]]:
-    head = ["stage", "count", "cpu total", "mean", "p50", "p90", "max", "gpu total", "gpu span",
-            "self", "share", "peak alloc MiB", "peak rsv MiB"]
-    extra = [("rank", "rank")] if any(r.rank is not None for r in rows) else []
-    extra += [("step", "step")] if any(r.step is not None for r in rows) else []
-    cells = []
-    for r in rows:
-        c = [r.name, str(r.count)] + [_cell(getattr(r.cpu_ms, k)) for k in
-                                      ("total", "mean", "p50", "p90", "max")]
-        c += [_cell(r.gpu_ms.total if r.gpu_ms else None), _cell(r.gpu_span_ms),
-              _cell(r.self_ms), "-" if r.share is None else f"{100 * r.share:.1f}%",
-              _cell(r.peak_allocated_mib, 1), _cell(r.peak_reserved_mib, 1)]
-        cells.append([_cell(getattr(r, attr)) for _, attr in extra] + c)
-    return [h for h, _ in extra] + head, cells
-
-
-def format_table(rows: list[StageRow], fmt: str = "table") -> str:
-    """``rows`` as an aligned text table (ms), a Markdown table, or CSV (``FORMATS``)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
-    if fmt == "csv":
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=_CSV_FIELDS, lineterminator="\n")
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: ("" if v is None else v) for k, v in _flat(r).items()})
-        return out.getvalue()
-    head, cells = _text_columns(rows)
-    if fmt == "markdown":
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join(
-            " --- " if head[i] == "stage" else " ---: "
-            for i in range(len(head))) + "|"]
-        lines += ["| " + " | ".join(c) + " |" for c in cells]
-        return "\n".join(lines) + "\n"
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
-              for i, h in enumerate(head)]
-    name_col = head.index("stage")
-    fmt_row = lambda c: "  ".join(x.ljust(w) if i == name_col else x.rjust(w)
-                                  for i, (x, w) in enumerate(zip(c, widths)))
-    lines = [fmt_row(head), "  ".join("-" * w for w in widths)] + [fmt_row(c) for c in cells]
-    return "\n".join(lines) + "\n"
+        return getattr(formats, name)
+    raise AttributeError(f"module 'traces.rows' has no attribute {name!r}")

@@ -125,6 +125,9 @@ class _Writer:
             self.emit(_X.format(cat=kind, name="sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64",
                                 pid=0, tid=7, ts=gt, dur=15.0 + rng.random() * 30,
                                 args=_KERNEL_ARGS.format(corr=corr)))
+            if i % 7 == 6:
+                self.emit(_X.format(cat="cuda_runtime", name="cudaStreamSynchronize", pid=pid, tid=tid,
+                                    ts=t + 12, dur=15.0, args=f'"cbid": 131, "correlation": {corr}'))
             self.emit(_FLOW.format(ph="s", corr=corr, pid=pid, tid=tid, ts=t + 5, bp=""))
             self.emit(_FLOW.format(ph="f", corr=corr, pid=0, tid=7, ts=gt, bp=', "bp": "e"'))
             if i % 3 == 0:
@@ -203,10 +206,28 @@ def launch(ts: float, correlation: int, pid: int = 1, tid: int = 1, driver: bool
             "ts": ts, "dur": 2.0, "args": {"cbid": 211, "correlation": correlation}}
 
 
-def gpu_op(ts: float, dur: float, correlation: int, cat: str = "kernel", device: int = 0) -> dict:
-    """A kernel / ``gpu_memcpy`` / ``gpu_memset`` event on ``device``."""
-    return {"ph": "X", "cat": cat, "name": "k", "pid": device, "tid": 7, "ts": ts, "dur": dur,
-            "args": {"device": device, "stream": 7, "correlation": correlation}}
+#: Default names of hand-built GPU ops per category (Kineto's names of copies and sets).
+_OP_NAMES = {"kernel": "k", "gpu_memcpy": "Memcpy DtoD (Device -> Device)", "gpu_memset": "Memset (Device)"}
+
+
+def gpu_op(ts: float, dur: float, correlation: int, cat: str = "kernel", device: int = 0,
+           name: str | None = None, stream: int = 7) -> dict:
+    """A kernel / ``gpu_memcpy`` / ``gpu_memset`` event on ``device`` and ``stream``."""
+    return {"ph": "X", "cat": cat, "name": _OP_NAMES[cat] if name is None else name, "pid": device,
+            "tid": stream, "ts": ts, "dur": dur,
+            "args": {"device": device, "stream": stream, "correlation": correlation}}
+
+
+def sync(ts: float, dur: float, pid: int = 1, tid: int = 1, name: str = "cudaStreamSynchronize",
+         correlation: int = 0) -> dict:
+    """A host call that waits for the GPU (``cudaStreamSynchronize`` by default)."""
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "pid": pid, "tid": tid, "ts": ts,
+            "dur": dur, "args": {"cbid": 131, "correlation": correlation}}
+
+
+def profiler_step(step: int, ts: float, dur: float, pid: int = 1, tid: int = 1) -> dict:
+    """torch.profiler's ``ProfilerStep#N`` annotation of training step ``step``."""
+    return annotation(f"ProfilerStep#{step}", ts, dur, pid, tid)
 
 
 def memory(ts: float, allocated: int, reserved: int = 0, pid: int = 1, device_type: int = 1,

@@ -1,0 +1,258 @@
+"""scripts/bench_rl.py (``bench_rollout.py --suite rl``) on the CPU.
+
+Pure parts against hand-computed answers: the roofline (decode steps, prefill, one call), length statistics,
+the union of GPU intervals, the nucleus size, the geometric scale search, cell / candidate selection, the
+derived columns. End to end through ``bench_rollout.main(["--suite", "rl", ...])`` with the tiny model: the
+JSON parses strictly, has every column, and each row's realised lengths are those of the returned batch.
+"""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from rollout.testing import tiny_model
+from scripts import bench_rl
+from scripts.bench_rl import (CELLS, Candidate, ModelGeometry, RlRow, call_roofline_s, decode_roofline_s, derive,
+                              length_stats, nucleus_sizes, plan_candidates, prefill_roofline_s, search_scale,
+                              select_cells, slot_variants, union_length)
+
+# weights 60 B, KV 10 B per token, 3 non-embedding + 2 lm_head params (10 FLOPs per token), 1 FLOP per key
+GEO = ModelGeometry(weight_bytes=60, kv_bytes_per_token=10, nonembedding_params=3, lm_head_params=2,
+                    attn_flops_per_key=1)
+
+
+@pytest.mark.parametrize("prompts, lengths, bw, flops, expected", [
+    # steps t=1,2; only row 1 is live (L=3 > t); context 3+1=4 then 5: bytes 100, 110; FLOPs 14, 15
+    ([2, 3], [1, 3], 10.0, 1e12, 10.0 + 11.0),     # bandwidth-bound
+    ([2, 3], [1, 3], 1e12, 1.0, 14.0 + 15.0),      # compute-bound
+    ([3, 2], [3, 1], 10.0, 1e12, 21.0),            # row order does not matter
+    # t=1: 3 rows live, context 3*1 + 3 = 6: bytes 120 -> 30 s at 4 B/s, FLOPs 3*10 + 6 = 36 -> 36 s
+    # t=2: rows 0, 1 live, context 2*1 + 2*2 = 6: bytes 120 -> 30 s, FLOPs 2*10 + 6 = 26 -> 30 s (the max flips)
+    ([1, 1, 1], [3, 3, 2], 4.0, 1.0, 36.0 + 30.0),
+    ([5, 5], [1, 1], 1.0, 1.0, 0.0),               # every row ends at the prefill's token: no decode step
+])
+def test_decode_roofline(prompts, lengths, bw, flops, expected):
+    assert decode_roofline_s(prompts, lengths, GEO, bw, flops) == pytest.approx(expected)
+
+
+def test_decode_roofline_rejects_mismatched_rows():
+    with pytest.raises(ValueError, match="prompt_lens/response_lens"):
+        decode_roofline_s([1, 2], [3], GEO, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("bw, flops, expected", [
+    # FLOPs: P=2: 2*3*2 + 2*2 + 2*3/2 = 19; P=3: 2*3*3 + 4 + 3*4/2 = 28; total 47. Weight read 60 B.
+    (10.0, 1.0, 47.0),   # compute-bound
+    (10.0, 10.0, 6.0),   # one weight read (60 / 10) beats 4.7
+])
+def test_prefill_roofline(bw, flops, expected):
+    assert prefill_roofline_s([2, 3], GEO, bw, flops) == pytest.approx(expected)
+
+
+def test_call_roofline_expands_samples_but_prefills_each_prompt_once():
+    # n=2: rows [p0, p0, p1, p1] = prompts [2, 2, 3, 3]; rows 1 and 3 live at t=1, 2: contexts 2+3+2*1 = 7 and
+    # 2+3+2*2 = 9 -> bytes 130, 150 -> 13 + 15 s at 10 B/s; prefill: max(60 / 10, ~0) = 6 s
+    assert call_roofline_s([2, 3], 2, [1, 3, 1, 3], GEO, 10.0, 1e12) == pytest.approx(13.0 + 15.0 + 6.0)
+
+
+@pytest.mark.parametrize("lengths, expected", [
+    (list(range(1, 11)), {"mean": 5.5, "p50": 5, "p90": 9, "max": 10}),
+    ([7], {"mean": 7.0, "p50": 7, "p90": 7, "max": 7}),
+    ([], {"mean": None, "p50": None, "p90": None, "max": None}),
+])
+def test_length_stats(lengths, expected):
+    assert length_stats(lengths) == expected
+
+
+@pytest.mark.parametrize("intervals, expected", [
+    ([(0, 2), (1, 3), (5, 6)], 4.0),
+    ([(0, 10), (2, 3)], 10.0),
+    ([(4, 5), (0, 1)], 2.0),
+    ([], 0.0),
+])
+def test_union_length(intervals, expected):
+    assert union_length(intervals) == expected
+    assert bench_rl.busy_percent(intervals, 20.0) == pytest.approx(100.0 * expected / 20.0)
+
+
+class _Event:
+    def __init__(self, kind, start, dur):
+        self.kind, self.start, self.dur = kind, start, dur
+
+    def activity_type(self):
+        return self.kind
+
+    def start_ns(self):
+        return self.start
+
+    def duration_ns(self):
+        return self.dur
+
+
+class _Prof:
+    def __init__(self, events):
+        results = type("R", (), {"events": lambda _self: events})()
+        self.profiler = type("P", (), {"kineto_results": results})()
+
+
+def test_gpu_intervals_keep_device_work_and_skip_large_traces():
+    events = [_Event("kernel", 0, 5), _Event("cpu_op", 0, 100), _Event("gpu_memcpy", 10, 2),
+              _Event("gpu_user_annotation", 0, 50), _Event("gpu_memset", 20, 1)]
+    intervals, _ = bench_rl.gpu_intervals(_Prof(events), max_events=10)
+    assert intervals == [(0, 5), (10, 12), (20, 21)]
+    skipped, why = bench_rl.gpu_intervals(_Prof(events), max_events=3)
+    assert skipped is None and "skipped" in why
+
+
+@pytest.mark.parametrize("logits, top_p, expected", [
+    ([[0.0, 0.0, 0.0, 0.0]], 0.5, [2]),   # mass before each token: 0, .25, .5, .75
+    ([[0.0, 0.0, 0.0, 0.0]], 0.9, [4]),
+    ([[20.0, 0.0, 0.0, 0.0]], 0.9, [1]),
+])
+def test_nucleus_sizes(logits, top_p, expected):
+    assert nucleus_sizes(torch.tensor(logits), top_p) == expected
+
+
+@pytest.mark.parametrize("probe, target", [
+    (lambda s: 400.0 / s, 25.0),            # hit exactly while doubling (s = 16)
+    (lambda s: 300.0 / s ** 2, 10.0),       # needs the geometric bisection between 4 and 8
+    (lambda s: 5.0, 10.0),                  # already short unscaled: s = 1
+])
+def test_search_scale(probe, target):
+    scale, value, seen = search_scale(probe, target)
+    assert value == probe(scale)
+    assert abs(value - target) <= 0.1 * target or (scale == 1.0 and value <= target)
+    assert len(seen) <= 12
+
+
+def test_select_cells():
+    assert [c.name for c in select_cells("0,capped")] == ["wide-greedy", "capped"]
+    assert [c.name for c in select_cells("3-4")] == ["longtail-64-1024", "longtail-128-1024"]
+    assert len(select_cells(None)) == len(CELLS)
+    with pytest.raises(ValueError, match="--cells: unknown cell"):
+        select_cells("wide")
+    with pytest.raises(ValueError, match="out of range"):
+        select_cells("99")
+
+
+@pytest.mark.parametrize("rows, n, cap, expected", [
+    (256, 4, None, [(1, 256), (2, 128), (4, 64)]),
+    (8, 4, None, [(1, 8), (2, 4)]),          # 8/4 = 2 slots < n: skipped
+    (512, 4, 128, [(4, 128)]),               # only what the cap allows
+    (4, 4, None, [(1, 4)]),                  # duplicates dropped
+])
+def test_slot_variants(rows, n, cap, expected):
+    assert slot_variants(rows, n, cap) == expected
+
+
+def _names(cands: list[Candidate]) -> list[str]:
+    return [c.name for c in cands]
+
+
+def test_plan_candidates():
+    wide, capped = select_cells("wide-greedy")[0], select_cells("capped")[0]
+    assert _names(plan_candidates(wide, None, False, None, upstream=True)) == [
+        "auto", "ordinary", "continuous-256", "continuous-128", "continuous-64", "deepspeed"]
+    assert _names(plan_candidates(wide, {"continuous/2", "auto"}, False, None, upstream=False)) == [
+        "auto", "continuous-128"]
+    old = plan_candidates(capped, None, False, 9.0, upstream=False)
+    assert _names(old) == ["auto", "continuous-128"]
+    assert old[0].slots == 128 and "emulated" in old[0].note and old[0].max_cache_gib is None
+    new = plan_candidates(capped, None, True, 9.0, upstream=False)
+    assert new[0].slots is None and all(c.max_cache_gib == 9.0 for c in new)
+
+
+def test_derive_auto_vs_best_and_deepspeed():
+    rows = [RlRow("c", "w", name, wall_ms=ms) for name, ms in
+            (("auto", 110.0), ("ordinary", 120.0), ("continuous-8", 100.0), ("deepspeed", 400.0))]
+    rows.append(RlRow("c", "w", "continuous-4", status="error: boom"))
+    derive(rows)
+    auto = rows[0]
+    assert auto.best_candidate == "continuous-8" and auto.auto_vs_best == pytest.approx(1.1)
+    assert rows[1].vs_deepspeed == pytest.approx(0.3) and rows[3].vs_deepspeed is None
+
+
+def test_scaled_weights_restore_exactly():
+    model = tiny_model("qwen2", seed=0)
+    head = model.get_output_embeddings().weight
+    norm = bench_rl.final_norm(model).weight
+    before_head, before_norm = head.detach().clone(), norm.detach().clone()
+    with bench_rl.scaled_weights(model, 3.7, 1.9):
+        assert torch.allclose(head[bench_rl.EOS_ID], before_head[bench_rl.EOS_ID] * 3.7)
+        assert torch.equal(head[3], before_head[3])
+        assert torch.allclose(norm, before_norm * 1.9)
+    assert torch.equal(head, before_head) and torch.equal(norm, before_norm)
+
+
+def _strict(path) -> dict:
+    def refuse(name):
+        raise ValueError(f"non-finite constant {name} in {path}")
+
+    with open(path) as f:
+        return json.loads(f.read(), parse_constant=refuse)
+
+
+def _run(tmp_path, cell: str, candidates: str, scales=None, max_prompts=16):
+    from scripts.bench_rollout import main as rollout_main
+
+    out = tmp_path / f"{cell}.json"
+    argv = ["--suite", "rl", "--model", "tiny", "--device", "cpu", "--scale", "small", "--cells", cell,
+            "--candidates", candidates, "--repeats", "1", "--json", str(out), "--commit-label", "test",
+            "--max-prompts", str(max_prompts)]
+    if scales is not None:
+        argv += ["--eos-scales", str(scales)]
+    return rollout_main(argv), _strict(out)
+
+
+def _check_rows(result, data, cell):
+    assert set(data["meta"]) >= {"date", "gpu", "torch", "transformers", "commit", "bw_gbps", "gemm_tflops",
+                                 "command"}
+    assert data["rows"] and all(set(r) == set(bench_rl.ROW_FIELDS) for r in data["rows"])
+    for row in data["rows"]:
+        assert row["status"] == "ok", row
+        lengths = bench_rl.response_lengths(result.batches[(cell, row["candidate"])])
+        stats = length_stats(lengths)
+        assert (row["len_mean"], row["len_p50"], row["len_p90"], row["len_max"]) == (
+            stats["mean"], stats["p50"], stats["p90"], stats["max"])
+        assert row["response_tokens"] == sum(lengths)
+        assert row["roofline_ms"] > 0 and math.isfinite(row["x_roofline"])
+        assert row["gpu_busy_pct"] is None and row["peak_gib"] is None  # CPU: n/a
+
+
+def test_end_to_end_wide_greedy(tmp_path):
+    result, data = _run(tmp_path, "wide-greedy", "auto,ordinary,continuous/2")
+    _check_rows(result, data, "wide-greedy")
+    rows = {r["candidate"]: r for r in data["rows"]}
+    assert set(rows) == {"auto", "ordinary", "continuous-32"}  # 16 prompts x n=4: slots 64 / 2
+    assert rows["continuous-32"]["route"] == "continuous" and rows["ordinary"]["route"] == "ordinary"
+    assert all(r["len_max"] == r["budget"] for r in rows.values())  # EOS off: every row runs to the budget
+    assert rows["auto"]["auto_choice"] and rows["auto"]["auto_vs_best"] is not None
+    assert all(r["same_tokens"] for r in rows.values())  # fp32 greedy: every route gives the same tokens
+    assert "wide-greedy" in bench_rl.format_table([RlRow(**r) for r in data["rows"]])
+
+
+def test_end_to_end_longtail_uses_cached_eos_scale(tmp_path):
+    """A cached scale is used as is (no calibration) and restored after the cell; EOS ends rows early."""
+    cell = select_cells("longtail-64-1024")[0].scaled(bench_rl.SCALE_DIVISORS["small"])
+    prefix = bench_rl.scale_key_prefix("tiny", torch.float32, "small")
+    scales = tmp_path / "scales.json"
+    scales.write_text(json.dumps({bench_rl.eos_key(prefix, cell): {"scale": 64.0}}))
+    result, data = _run(tmp_path, "longtail-64-1024", "auto,continuous/4", scales)
+    _check_rows(result, data, "longtail-64-1024")
+    assert all(r["eos_scale"] == 64.0 for r in data["rows"])
+    assert any(r["len_p50"] < r["budget"] for r in data["rows"])
+    assert json.loads(scales.read_text()) == {bench_rl.eos_key(prefix, cell): {"scale": 64.0}}
+
+
+def test_merge_recomputes_across_shards(tmp_path, capsys):
+    shard = {"meta": {"commit": "abc"}, "rows": []}
+    for name, ms in (("auto", 90.0), ("ordinary", 100.0)):
+        shard["rows"].append(dataclasses.asdict(RlRow("abc", "wide-greedy", name, wall_ms=ms)))
+    (tmp_path / "a.json").write_text(json.dumps({**shard, "rows": shard["rows"][:1]}))
+    (tmp_path / "b.json").write_text(json.dumps({**shard, "rows": shard["rows"][1:]}))
+    result = bench_rl.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert result.rows[0].auto_vs_best == pytest.approx(0.9)
+    assert "wide-greedy" in capsys.readouterr().out

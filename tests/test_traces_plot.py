@@ -1,0 +1,42 @@
+"""--plot: a distinct colour per stage, CPU and GPU side by side, 1 rank and 8 ranks."""
+
+import pytest
+
+from instrumentation import stages as S
+from tests.test_traces_gpu import graph_step_events
+from traces.cli import main
+from traces.synth import write_events
+
+matplotlib = pytest.importorskip("matplotlib")
+
+
+def test_every_stage_has_its_own_colour():
+    from traces.plot import stage_colors
+
+    names = [S.range_name(s) for s in S.ALL_STAGES] + ["foreign/a", "foreign/b"]
+    colors = stage_colors(names)
+    assert len({str(c) for c in colors.values()}) == len(names)
+    assert colors[S.range_name(S.DECODE)] == f"#{S.STAGE_COLORS[S.DECODE] & 0xFFFFFF:06x}"  # as in Nsight
+
+
+def write_ranks(tmp_path, num_ranks: int) -> str:
+    for rank in range(num_ranks):
+        events = graph_step_events(step=3)
+        for e in events:  # rank r's host is (1 + r/10)x slower: a visible straggler pattern
+            if e["cat"] in ("user_annotation", "cuda_runtime"):
+                e["ts"] *= 1 + rank / 10
+                e["dur"] *= 1 + rank / 10
+        write_events(str(tmp_path / f"rank{rank}.pt.trace.json"), events, rank=rank)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("num_ranks,flags", [(1, []), (8, []), (8, ["--by-step"])])
+def test_plot_png_for_one_and_eight_ranks(tmp_path, capsys, num_ranks, flags):
+    png = tmp_path / f"plot{num_ranks}.png"
+    assert main([write_ranks(tmp_path, num_ranks), "--plot", str(png)] + flags) == 0
+    capsys.readouterr()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+
+    height, width = imread(str(png)).shape[:2]
+    assert width >= (1500 if num_ranks > 1 else 1000) and height >= 400  # the heat map panel with ranks

@@ -1,0 +1,70 @@
+"""The one table formatter (traces.table.render) and its three users: the report's stage rows, the
+diff and the live per-stage timer table print in the same style."""
+
+import csv
+import io
+
+import pytest
+
+from traces.diff import diff_rows, format_diff
+from traces.rows import StageRow, format_table
+from traces.table import NULL, Column, fixed, percent, render
+
+COLUMNS = [Column("name", "stage", left=True), Column("count", "count"),
+           Column("total_ms", "total ms", fixed(2)), Column("share", "share", percent(1))]
+ROWS = [["opsd/step", 2, 10.0, 1.0], ["opsd/decode|x", 40, 1.23456, None]]
+
+
+def test_aligned_text_table():
+    text = render(COLUMNS, ROWS, title="per-stage")
+    assert text.endswith("\n")
+    lines = text.splitlines()
+    assert lines == ["per-stage",
+                     "stage          count  total ms   share",
+                     "-------------  -----  --------  ------",
+                     "opsd/step          2     10.00  100.0%",
+                     "opsd/decode|x     40      1.23       " + NULL]
+
+
+def test_markdown_table_escapes_pipes_and_aligns_numbers_right():
+    lines = render(COLUMNS, ROWS, "markdown").splitlines()
+    assert lines[0] == "| stage | count | total ms | share |"
+    assert lines[1] == "| --- | ---: | ---: | ---: |"
+    assert lines[3] == "| opsd/decode\\|x | 40 | 1.23 | - |"
+
+
+def test_csv_keeps_raw_values_and_empty_nulls():
+    rows = list(csv.reader(io.StringIO(render(COLUMNS, ROWS, "csv"))))
+    assert rows == [["name", "count", "total_ms", "share"], ["opsd/step", "2", "10.0", "1.0"],
+                    ["opsd/decode|x", "40", "1.23456", ""]]
+
+
+@pytest.mark.parametrize("args,match", [
+    ((COLUMNS, ROWS, "html"), "fmt must be one of"),
+    ((COLUMNS, [["a", 1]], "table"), "rows must have 4 values"),
+])
+def test_bad_arguments_name_the_field(args, match):
+    with pytest.raises(ValueError, match=match):
+        render(*args)
+
+
+def test_column_validation():
+    with pytest.raises(ValueError, match="key"):
+        Column("", "x")
+
+
+def test_users_share_the_style():
+    from instrumentation.collect import format_stage_rows
+
+    live = format_stage_rows([{"stage": "decode", "count": 4, "total_ms": 2.0, "mean_ms": 0.5,
+                               "host_total_ms": 2.0, "share_of_step": None, "peak_mib": None}])
+    report = format_table([StageRow.from_samples("opsd/decode", [0.5] * 4)])
+    diff = format_diff(diff_rows([StageRow.from_samples("opsd/decode", [1.0])],
+                                 [StageRow.from_samples("opsd/decode", [2.0])]))
+    for text in (live, report, diff):
+        head, rule, row = text.splitlines()[:3]
+        assert set(rule) <= {"-", " "} and len(rule) == len(head)  # a dashed rule as wide as the header
+        assert row.startswith("opsd/decode" if "opsd" in row else "decode")
+        assert NULL in row.split()  # null cells print the same everywhere
+    assert "+100.0%" not in diff  # no per-step figures without step ranges: no relative change
+    assert format_diff([], "markdown").startswith("| stage |")

@@ -1,0 +1,142 @@
+"""Text forms of a report's rows: the overview tree, the details table, kernels, headlines, CSV.
+
+Every table is rendered by :func:`traces.table.render` (one style). Stage names are indented by
+their depth in the stage tree (two spaces per level in text, ``&emsp;`` in Markdown).
+"""
+
+from __future__ import annotations
+
+from traces.headline import Headline
+from traces.rows import StageRow
+from traces.table import FORMATS, Column, fixed, percent, render
+
+_STATS = ("total", "mean", "p50", "p90", "max")
+_MS, _MIB, _PCT = fixed(3), fixed(1), percent(1)
+_INDENT = {"table": "  ", "markdown": "&emsp;", "csv": ""}
+
+
+def _label(row: StageRow, fmt: str) -> str:
+    return _INDENT[fmt] * row.depth + row.name
+
+
+def _check(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
+
+
+def _scope_columns(rows: list[StageRow]) -> list[Column]:
+    cols = [Column("rank", "rank")] if any(r.rank is not None for r in rows) else []
+    return cols + ([Column("step", "step")] if any(r.step is not None for r in rows) else [])
+
+
+def _scope_values(row: StageRow, columns: list[Column]) -> list:
+    return [getattr(row, c.key) for c in columns]
+
+
+def format_overview(rows: list[StageRow], fmt: str = "table") -> str:
+    """The stage tree with CPU and GPU time and shares, launches, sync waits and the verdict."""
+    _check(fmt)
+    scope = _scope_columns(rows)
+    comm = any(r.gpu.comm_ms for r in rows)
+    columns = scope + [
+        Column("name", "stage", left=True), Column("count", "count"),
+        Column("cpu_ms", "cpu ms", _MS), Column("share", "cpu share", _PCT),
+        Column("gpu_ms", "gpu ms", _MS), Column("gpu_share", "gpu share", _PCT),
+        Column("launches", "launches"), Column("sync_ms", "sync ms", _MS), Column("bound", "bound")]
+    if comm:
+        columns += [Column("comm_ms", "comm ms", _MS), Column("comm_overlap", "comm overlap", _PCT)]
+    columns.append(Column("peak_allocated_mib", "peak MiB", _MIB))
+    out = []
+    for r in rows:
+        values = {"name": _label(r, fmt), "count": r.count, "cpu_ms": r.cpu_ms.total, "share": r.share,
+                  "gpu_ms": r.gpu_ms.total if r.gpu_ms else None, "gpu_share": r.gpu.share,
+                  "launches": r.gpu.launches, "sync_ms": r.gpu.sync_ms, "bound": r.gpu.bound,
+                  "comm_ms": r.gpu.comm_ms, "comm_overlap": r.gpu.comm_overlap,
+                  "peak_allocated_mib": r.peak_allocated_mib}
+        out.append(_scope_values(r, scope) + [values[c.key] for c in columns[len(scope):]])
+    return render(columns, out, fmt)
+
+
+def _detail_columns(rows: list[StageRow]) -> list[Column]:
+    cols = _scope_columns(rows) + [Column("name", "stage", left=True), Column("count", "count")]
+    cols += [Column(f"cpu_{k}_ms", "cpu total" if k == "total" else k, _MS) for k in _STATS]
+    return cols + [Column("gpu_total_ms", "gpu total", _MS), Column("gpu_span_ms", "gpu span", _MS),
+                   Column("self_ms", "self", _MS), Column("share", "share", _PCT),
+                   Column("peak_allocated_mib", "peak alloc MiB", _MIB),
+                   Column("peak_reserved_mib", "peak rsv MiB", _MIB)]
+
+
+def _flat(row: StageRow, fmt: str = "csv") -> dict:
+    """Every scalar of a row by column key (``name`` indented for text formats)."""
+    d = {"rank": row.rank, "step": row.step, "name": _label(row, fmt) if fmt != "csv" else row.name,
+         "parent": row.parent, "count": row.count}
+    for prefix, stats in (("cpu", row.cpu_ms), ("gpu", row.gpu_ms)):
+        for key in _STATS:
+            d[f"{prefix}_{key}_ms"] = getattr(stats, key) if stats else None
+    d.update(gpu_span_ms=row.gpu_span_ms, self_ms=row.self_ms, share=row.share,
+             peak_allocated_mib=row.peak_allocated_mib, peak_reserved_mib=row.peak_reserved_mib)
+    d.update(row.gpu.to_dict())
+    spread = row.per_step
+    d.update({f"step_{k}": getattr(spread, k) if spread else None
+              for k in ("n", "cpu_mean_ms", "cpu_sd_ms", "gpu_mean_ms", "gpu_sd_ms")})
+    return d
+
+
+#: CSV columns: every scalar of a row (docs/traces.md lists them).
+CSV_KEYS = ("rank", "step", "name", "parent", "count", *(f"{p}_{k}_ms" for p in ("cpu", "gpu") for k in _STATS),
+            "gpu_span_ms", "self_ms", "share", "gpu_share", "launches", "sync_ms", "wait_ms", "bound",
+            "comm_ms", "comm_overlap", "peak_allocated_mib", "peak_reserved_mib", "step_n",
+            "step_cpu_mean_ms", "step_cpu_sd_ms", "step_gpu_mean_ms", "step_gpu_sd_ms")
+
+
+def csv_rows(rows: list[StageRow]) -> tuple[list[Column], list[list]]:
+    """Columns and values of the CSV form of ``rows`` (one line per row)."""
+    return [Column(k, k) for k in CSV_KEYS], [[_flat(r).get(k) for k in CSV_KEYS] for r in rows]
+
+
+def format_table(rows: list[StageRow], fmt: str = "table") -> str:
+    """``rows`` as the details table (percentiles, self time, span, peaks) or, in CSV, every field."""
+    _check(fmt)
+    if fmt == "csv":
+        return render(*csv_rows(rows), "csv")
+    columns = _detail_columns(rows)
+    return render(columns, [[_flat(r, fmt)[c.key] for c in columns] for r in rows], fmt)
+
+
+def format_kernels(rows: list[StageRow], fmt: str = "table", width: int = 90) -> str:
+    """Per stage: its top kernels (name, calls, summed GPU ms, that over the stage's GPU time) and the
+    start of its slowest call (``ts`` in the file, and ms after the file's first event)."""
+    _check(fmt)
+    columns = [Column("stage", "stage", left=True), Column("kernel", "kernel / slowest call", left=True),
+               Column("count", "count"), Column("gpu_ms", "gpu ms", _MS),
+               Column("part", "of stage gpu", _PCT)]
+    out = []
+    for r in rows:
+        if not r.kernels and r.slowest is None:
+            continue
+        total = r.gpu_ms.total if r.gpu_ms else None
+        label = r.name
+        for k in r.kernels or ():
+            name = k.name if len(k.name) <= width or fmt == "csv" else k.name[:width - 3] + "..."
+            out.append([label, name, k.count, k.gpu_ms, k.gpu_ms / total if total else None])
+            label = ""
+        if r.slowest is not None:
+            s = r.slowest
+            out.append([label, f"slowest: ts {s.ts_us:.3f} us (+{s.offset_ms:.3f} ms), "
+                               f"window {s.window_ms:.3f} ms, rank {s.rank}", None, None, None])
+    return render(columns, out, fmt)
+
+
+def format_headline(head: Headline | None, label: str = "") -> str:
+    """One line: wall time, GPU busy and where the idle time went."""
+    if head is None:
+        return f"{label}no root stage\n"
+    ranges = f"{head.num_ranges} range{'s' if head.num_ranges != 1 else ''}"
+    text = f"{label}{head.stage} ({ranges}): wall {head.wall_ms:.1f} ms"
+    if head.gpu_busy_ms is None:
+        return text + ", no GPU activity in the trace\n"
+    i = head.idle
+    idle = i.host_launch_ms + i.host_sync_ms + i.other_ms
+    return (text + f", GPU busy {head.gpu_busy_ms:.1f} ms ({head.gpu_busy_pct:.1f}%), idle {idle:.1f} ms: "
+            f"host launching {i.host_launch_ms:.1f}, host in syncs {i.host_sync_ms:.1f}, "
+            f"queued/other {i.other_ms:.1f}\n")

@@ -1,0 +1,79 @@
+"""Host waits of one file: where the host sat in synchronizing calls, and whose GPU work it waited for.
+
+A sync is a ``SYNC`` tuple (``cudaStreamSynchronize``, ``cudaDeviceSynchronize`` ...). Its duration
+is charged to the GPU ops of the same process that ran during it, in proportion to how long each ran
+inside the wait (the wait is split among the work it waited for); a stage then gets the charges of
+the ops it launched (:meth:`SyncWaits.charged_us`). A wait during which none of the process's GPU ops
+ran is charged to the stages whose CPU window contains the call. Pure numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from traces.events import TraceData
+from traces.gpu import GpuOps, PidOps
+
+
+class SyncWaits:
+    """See the module docstring."""
+
+    def __init__(self, data: TraceData, gpu: GpuOps):
+        pids = np.frombuffer(data.sync_pid, dtype=np.int64)
+        starts = np.frombuffer(data.sync_start_us, dtype=np.float64)
+        ends = np.frombuffer(data.sync_end_us, dtype=np.float64)
+        self._syncs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._op_charge: dict[int, np.ndarray] = {}
+        self._loose: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for pid in np.unique(pids):
+            sel = pids == pid
+            order = np.argsort(starts[sel], kind="stable")
+            s, e = starts[sel][order], ends[sel][order]
+            self._syncs[int(pid)] = (s, e)
+            self._charge(int(pid), s, e, gpu.by_pid.get(int(pid)))
+
+    def _charge(self, pid: int, s: np.ndarray, e: np.ndarray, ops: PidOps | None) -> None:
+        n = 0 if ops is None else len(ops.start_us)
+        charge = np.zeros(n)
+        loose_ts, loose_us = [], []
+        if n:
+            by_start = np.argsort(ops.start_us, kind="stable")
+            op_s, op_e = ops.start_us[by_start], ops.end_us[by_start]
+            longest = float((op_e - op_s).max())
+        for lo, hi in zip(s, e):
+            weights = None
+            if n:
+                a, b = np.searchsorted(op_s, lo - longest, "left"), np.searchsorted(op_s, hi, "left")
+                overlap = np.minimum(op_e[a:b], hi) - np.maximum(op_s[a:b], lo)
+                if (overlap > 0).any():
+                    weights = np.clip(overlap, 0.0, None)
+                    charge[by_start[a:b]] += (hi - lo) * weights / weights.sum()
+            if weights is None:
+                loose_ts.append(lo)
+                loose_us.append(hi - lo)
+        self._op_charge[pid] = np.concatenate(([0.0], np.cumsum(charge)))
+        self._loose[pid] = (np.array(loose_ts), np.concatenate(([0.0], np.cumsum(loose_us))))
+
+    def charged_us(self, pid: int, i0: int, i1: int, start_us: float, end_us: float) -> float:
+        """Host wait charged to the ops ``[i0, i1)`` of ``pid`` plus the waits without GPU work
+        called inside ``[start_us, end_us]``."""
+        total = 0.0
+        cum = self._op_charge.get(pid)
+        if cum is not None and i1 > i0:
+            total += float(cum[i1] - cum[i0])
+        loose = self._loose.get(pid)
+        if loose is not None and len(loose[0]):
+            a, b = np.searchsorted(loose[0], start_us, "left"), np.searchsorted(loose[0], end_us, "right")
+            total += float(loose[1][b] - loose[1][a])
+        return total
+
+    def waited_us(self, pid: int, start_us: float, end_us: float) -> float:
+        """Host time ``pid`` spent in syncs inside ``[start_us, end_us]``."""
+        s, e = self.intervals(pid)
+        if len(s) == 0 or end_us <= start_us:
+            return 0.0
+        return float(np.clip(np.minimum(e, end_us) - np.maximum(s, start_us), 0.0, None).sum())
+
+    def intervals(self, pid: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sync calls of ``pid`` as (starts, ends) sorted by start."""
+        return self._syncs.get(pid, (np.empty(0), np.empty(0)))
