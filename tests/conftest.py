@@ -39,3 +39,10 @@ def response_of(batch, row: int) -> list[int]:
 
 
 __all__ = ["TinyTokenizer", "random_prompts", "hf_greedy", "response_of"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test skipped without CUDA as ``gpu``: ``pytest -m gpu tests`` is the GPU selection."""
+    for item in items:
+        if any("cuda" in str(m.kwargs.get("reason", "")).lower() for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)
