@@ -23,7 +23,8 @@ import time
 
 def run_round(label: str, tree: str, command: list[str], out_dir: str, index: int) -> str:
     path = os.path.abspath(os.path.join(out_dir, f"{label}-{index}.json"))
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    paths = [os.path.abspath(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     start = time.time()
     proc = subprocess.run([sys.executable, *command, "--json", path], cwd=tree, env=env, capture_output=True,
                           text=True)

@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""Where a wide decode step's time goes (3B shape, bf16, H200): attention variants, the sampler, GEMMs.
+
+Each variant is captured in a CUDA graph and replayed (no launch gaps), median of ``--iters`` replays
+timed with CUDA events. Prints one table; ``--json`` writes the rows.
+
+  python scripts/profile_decode_step.py --rows 256 --live 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import os
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rollout.config import SamplingConfig  # noqa: E402
+from rollout.model.step import StepFns, StepParts, compiled_step_fns, decode_logits, spec_and_weights  # noqa: E402
+from rollout.ops.sampling import select_next_token  # noqa: E402
+from rollout.testing import shaped_model  # noqa: E402
+
+
+def graph_ms(fn, iters: int) -> float:
+    """Median ms of one replay of ``fn`` captured in a CUDA graph (after two warm-up runs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def attention_variants(rows: int, live: int, heads: int, kv_heads: int, dim: int, layers: int):
+    """One layer's decode attention per variant, times ``layers``."""
+    q = torch.randn(rows, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(rows, kv_heads, live, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    keep = torch.rand(rows, 1, 1, live, device="cuda") > 0.1
+    keep[..., -1] = True
+    group = heads // kv_heads
+
+    def gqa_mask():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+
+    def grouped_mask():  # the query heads of one KV head as queries: K/V read once, no repeat
+        qg = q.view(rows, kv_heads, group, dim)
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=keep)
+
+    bias = torch.zeros(rows, 1, 1, live, device="cuda", dtype=torch.bfloat16).masked_fill(~keep, float("-inf"))
+
+    def grouped_bias():
+        qg = q.view(rows, kv_heads, group, dim)
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=bias)
+
+    def grouped_nomask():  # lower bound: no mask at all (flash)
+        qg = q.view(rows, kv_heads, group, dim)
+        return F.scaled_dot_product_attention(qg, k, v)
+
+    out = {}
+    for name, fn in (("sdpa gqa + bool mask (now)", gqa_mask), ("grouped q + bool mask", grouped_mask),
+                     ("grouped q + bf16 bias", grouped_bias), ("grouped q, no mask", grouped_nomask)):
+        try:
+            out[name] = graph_ms(fn, 20) * layers
+        except Exception as exc:  # noqa: BLE001 - a variant the backend refuses is reported, not fatal
+            out[name] = f"failed: {exc!r:.120}"
+    kv_bytes = 2 * rows * kv_heads * live * dim * 2 * layers
+    return out, kv_bytes
+
+
+def sampler_variants(rows: int, vocab: int):
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    seed = torch.zeros((), dtype=torch.long, device="cuda")
+    ids = torch.arange(rows, device="cuda")
+    step = torch.ones((), dtype=torch.long, device="cuda")
+    greedy = SamplingConfig(max_new_tokens=8, temperature=0.0)
+    sampled = SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9)
+    plain = SamplingConfig(max_new_tokens=8, temperature=1.0)
+    compiled = torch.compile(select_next_token, fullgraph=True, dynamic=False)
+    out = {}
+    for name, fn, s in (("greedy (eager)", select_next_token, greedy), ("T=1 (eager)", select_next_token, plain),
+                        ("T=1 top-p 0.9 (eager, now)", select_next_token, sampled),
+                        ("T=1 (compiled)", compiled, plain), ("T=1 top-p 0.9 (compiled)", compiled, sampled)):
+        try:
+            out[name] = graph_ms(lambda fn=fn, s=s: fn(logits, s, None, seed, ids, step), 20)
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"failed: {exc!r:.120}"
+    return out
+
+
+def step_variants(model, rows: int, live: int, compiled: bool):
+    spec, weights = spec_and_weights(model)
+    parts = StepParts(spec, weights, compiled_step_fns() if compiled else StepFns())
+    shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
+    keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    tokens = torch.randint(3, 1000, (rows,), device="cuda")
+    positions = torch.full((rows,), live, device="cuda")
+    col = torch.tensor(live, device="cuda")
+    keep = torch.ones(rows, 1, 1, live + 1, dtype=torch.bool, device="cuda")
+    return graph_ms(lambda: decode_logits(parts, keys, values, tokens, positions, col, keep), 10)
+
+
+def profile_call(model, prompts: int, samples: int, prompt_len: int, new: int, temperature: float) -> str:
+    """Top kernels (by total device time) of one ``generate`` call after a warm-up (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollout import Rollout, RolloutConfig, RolloutRequest
+    from rollout.testing import TinyTokenizer
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100000, (prompts, prompt_len), generator=gen).cuda()
+    mask = torch.ones_like(ids)
+    sampling = SamplingConfig(max_new_tokens=new, temperature=temperature, top_p=0.9 if temperature > 0 else 1.0,
+                              n_samples_per_prompt=samples, seed=1)
+    ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=None), RolloutConfig())
+    ro.generate(RolloutRequest(ids, mask), sampling)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ro.generate(RolloutRequest(ids, mask), sampling)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--live", type=int, default=512)
+    parser.add_argument("--json")
+    parser.add_argument("--profile-call", action="store_true", help="also profile one 64x4 x 256+256 sampled call")
+    args = parser.parse_args(argv)
+    model = shaped_model("qwen25-3b", dtype=torch.bfloat16, device="cuda")
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    rows_out = []
+    for rows in args.rows:
+        att, kv_bytes = attention_variants(rows, args.live, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                           head_dim, cfg.num_hidden_layers)
+        for name, ms in att.items():
+            rows_out.append(dict(rows=rows, part="attention x36", variant=name, ms=ms, kv_gb=kv_bytes / 1e9))
+        for name, ms in sampler_variants(rows, cfg.vocab_size).items():
+            rows_out.append(dict(rows=rows, part="sampler", variant=name, ms=ms))
+        for compiled in (False, True):
+            rows_out.append(dict(rows=rows, part="decode_logits", variant="compiled" if compiled else "eager",
+                                 ms=step_variants(model, rows, args.live, compiled)))
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; live {args.live} columns")
+    print("| rows | part | variant | ms |")
+    print("|---:|---|---|---:|")
+    for r in rows_out:
+        ms = f"{r['ms']:.3f}" if isinstance(r["ms"], float) else r["ms"]
+        print(f"| {r['rows']} | {r['part']} | {r['variant']} | {ms} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows_out, f, indent=1)
+    if args.profile_call:
+        for temperature in (1.0, 0.0):
+            print(f"## one call: 64 prompts x 4, prompt 256, 256 new, temperature {temperature}")
+            print(profile_call(model, 64, 4, 256, 256, temperature))
+
+
+if __name__ == "__main__":
+    main()
