@@ -7,13 +7,17 @@ naming the variable (or argument) and the values it accepts.
 variable                    accepted values                                            default
 ==========================  =========================================================  ================
 ``OPSD_PROFILE``            unset / ``0`` (off), ``1`` (ranges + timers + traces),      off
-                            ``nvtx`` (ranges only, for ``nsys profile``)
+                            ``nvtx`` (ranges only, for ``nsys profile``), ``timers``
+                            (ranges + device timers and scalars every step, no traces)
 ``OPSD_PROFILE_DIR``        any path; each run writes into its own subdirectory        ``./opsd_traces``
 ``OPSD_PROFILE_STEPS``      ``A-B`` (inclusive) or a list such as ``1,3,5-7``          ``1-3``
 ``OPSD_PROFILE_RANKS``      ``all`` or a list such as ``0`` / ``0,2`` / ``0-3``        ``0``
 ``OPSD_PROFILE_MEMORY``     ``1/0``, ``true/false``, ``yes/no``, ``on/off``            on when ``1``
 ``OPSD_PROFILE_RUN_NAME``   a plain name (letters, digits, ``._-``)                    generated
 ``OPSD_PROFILE_OOM_SNAPSHOT``  same as ``OPSD_PROFILE_MEMORY``                         off
+``OPSD_PROFILE_EVERY``      an integer >= 1: ``timers`` mode times every N-th step     ``1``
+``OPSD_PROFILE_TEARDOWN_CUPTI``  same as ``OPSD_PROFILE_MEMORY``: set ``TEARDOWN_CUPTI=1`` off
+                            for Kineto (finalize CUPTI after each trace window)
 ==========================  =========================================================  ================
 
 An empty variable counts as unset.
@@ -29,7 +33,8 @@ from typing import Mapping, Optional
 MODE_OFF = "0"
 MODE_FULL = "1"
 MODE_NVTX = "nvtx"
-MODES = (MODE_OFF, MODE_FULL, MODE_NVTX)
+MODE_TIMERS = "timers"
+MODES = (MODE_OFF, MODE_FULL, MODE_NVTX, MODE_TIMERS)
 
 #: Environment variable of each field.
 ENV_VARS = {
@@ -40,6 +45,8 @@ ENV_VARS = {
     "profile_memory": "OPSD_PROFILE_MEMORY",
     "run_name": "OPSD_PROFILE_RUN_NAME",
     "oom_snapshot": "OPSD_PROFILE_OOM_SNAPSHOT",
+    "every": "OPSD_PROFILE_EVERY",
+    "teardown_cupti": "OPSD_PROFILE_TEARDOWN_CUPTI",
 }
 
 #: Upper bound on the number of steps or ranks a list may name (guards ``0-1000000000``).
@@ -66,7 +73,8 @@ def parse_mode(value, source: str = "mode") -> str:
         return MODE_OFF
     if text not in MODES:
         raise _bad(source, value, "'0' (or unset) for off, '1' for ranges + timers + traces, "
-                                  "'nvtx' for NVTX ranges only")
+                                  "'nvtx' for NVTX ranges only, 'timers' for device timers and "
+                                  "scalars every step")
     return text
 
 
@@ -104,6 +112,16 @@ def parse_ranks(value, source: str = "ranks") -> Optional[tuple[int, ...]]:
     return parse_int_list(value, source, _RANKS_ACCEPTED)
 
 
+def parse_every(value, source: str = "every") -> int:
+    """An integer >= 1 (also its text)."""
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and text.isdigit():
+        text = int(text)
+    if isinstance(text, bool) or not isinstance(text, int) or text < 1:
+        raise _bad(source, value, "an integer >= 1")
+    return text
+
+
 def parse_bool(value, source: str) -> bool:
     """``1/0``, ``true/false``, ``yes/no``, ``on/off`` (any case) or a bool -> bool."""
     if isinstance(value, bool):
@@ -122,7 +140,9 @@ class ProfileConfig:
 
     mode: str = MODE_OFF
     """``"0"`` off (ranges are a shared do-nothing object), ``"1"`` NVTX + ``record_function``
-    ranges, stage timers and torch.profiler traces on the recorded steps, ``"nvtx"`` ranges only."""
+    ranges, stage timers and torch.profiler traces on the recorded steps, ``"nvtx"`` ranges only,
+    ``"timers"`` NVTX ranges + per-stage timers (CUDA events) and TensorBoard scalars every step,
+    no torch.profiler."""
     output_dir: str = "./opsd_traces"
     """Root directory of traces and scalars; each run writes into ``<output_dir>/<run_name>/``."""
     steps: tuple[int, ...] = (1, 2, 3)
@@ -136,6 +156,11 @@ class ProfileConfig:
     """Subdirectory of this run; None generates ``run-<time>-<pid>-<random>`` (shared by all ranks)."""
     oom_snapshot: bool = False
     """On CUDA OOM inside a recorded step, dump ``torch.cuda.memory._dump_snapshot`` and re-raise."""
+    every: int = 1
+    """Mode ``"timers"``: time the stages of every ``every``-th step (steps 0, N, 2N, ...)."""
+    teardown_cupti: bool = False
+    """Mode ``"1"``: set ``TEARDOWN_CUPTI=1`` before torch.profiler starts and stops, so that Kineto
+    finalizes CUPTI after each trace window (no lingering CUPTI callbacks on unrecorded steps)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -151,6 +176,8 @@ class ProfileConfig:
                                           or not _NAME_RE.match(self.run_name)):
             raise _bad("run_name", self.run_name, "None or a name of letters, digits, '.', '_', '-'")
         set_(self, "oom_snapshot", parse_bool(self.oom_snapshot, "oom_snapshot"))
+        set_(self, "every", parse_every(self.every, "every"))
+        set_(self, "teardown_cupti", parse_bool(self.teardown_cupti, "teardown_cupti"))
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides) -> "ProfileConfig":
@@ -175,8 +202,24 @@ class ProfileConfig:
 
     @property
     def timing(self) -> bool:
-        """Stage timers, ``collect_stages`` and torch.profiler sessions (mode ``1``)."""
+        """``collect_stages``, torch.profiler traces and timers on the recorded steps (mode ``1``)."""
         return self.mode == MODE_FULL
+
+    @property
+    def light(self) -> bool:
+        """Timers and scalars every (``every``-th) step, no traces (mode ``timers``)."""
+        return self.mode == MODE_TIMERS
+
+    @property
+    def stage_timers(self) -> bool:
+        """Ranges open timer frames while a sink listens (modes ``1`` and ``timers``)."""
+        return self.mode in (MODE_FULL, MODE_TIMERS)
+
+    def times_step(self, step: int) -> bool:
+        """Whether the stages of training step ``step`` are timed (recorded in mode ``1``)."""
+        if self.light:
+            return step % self.every == 0
+        return self.timing and step in self.steps
 
     def records_step(self, step: int) -> bool:
         """Whether training step ``step`` is in the recorded set."""
@@ -195,8 +238,10 @@ def _parse_env(name: str, raw: str):
         return parse_int_list(raw, var)
     if name == "ranks":
         return parse_ranks(raw, var)
-    if name in ("profile_memory", "oom_snapshot"):
+    if name in ("profile_memory", "oom_snapshot", "teardown_cupti"):
         return parse_bool(raw, var)
+    if name == "every":
+        return parse_every(raw, var)
     if name == "run_name" and not _NAME_RE.match(raw.strip()):
         raise _bad(var, raw, "a name of letters, digits, '.', '_', '-'")
     return raw.strip()

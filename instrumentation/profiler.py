@@ -4,7 +4,12 @@
         for step in range(num_steps):
             with stage(stages.STEP):
                 ...
+            prof.log_step(step, loss=loss, tokens_per_s=tps, step_ms=ms, mfu=mfu)  # optional
             prof.step()
+
+One step index everywhere: ``prof.step()`` counts training steps from 0; ``OPSD_PROFILE_STEPS``,
+the TensorBoard x axis (live and ``opsd-summarize --tensorboard``), torch.profiler's
+``ProfilerStep#N`` and ``opsd-summarize --by-step`` all use that index.
 
 With ``OPSD_PROFILE=1``, on the selected ranks, the session
 
@@ -12,49 +17,61 @@ With ``OPSD_PROFILE=1``, on the selected ranks, the session
   :mod:`instrumentation.schedule`) and writes one trace per rank per window through
   ``tensorboard_trace_handler(run_dir, worker_name=f"rank{R}", use_gzip=True)``, i.e.
   ``<run_dir>/rank{R}.<time_ns>.pt.trace.json.gz``;
-* times every stage of the recorded steps and writes TensorBoard scalars per recorded step
-  (``opsd/<stage>/device_ms``, ``/host_ms``, ``/peak_mib``; per-step totals) under
-  ``<run_dir>/rank{R}/``, and keeps a live per-stage table (:meth:`ProfilerSession.stage_rows`).
+* times every stage of the recorded steps and writes TensorBoard scalars per recorded step under
+  ``<run_dir>/rank{R}/`` (tags in :mod:`instrumentation.scalars`), and keeps a live per-stage table
+  (:meth:`ProfilerSession.stage_rows`).
 
-Off, in ``nvtx`` mode and on unselected ranks the session does nothing but count steps. Any failure
-of the machinery (directory, trace handler, writer, profiler start) gives one warning per cause and
-the loop goes on. Call ``prof.step()`` outside the ``opsd/step`` range.
+With ``OPSD_PROFILE=timers`` (the always-on light mode) it times the stages of every step (every
+``OPSD_PROFILE_EVERY``-th) with CUDA events, never making the host wait for them
+(:mod:`instrumentation.light`), and writes the same scalars every step; no torch.profiler.
+
+In both modes ``log_step`` writes the loop's own scalars (``train/<name>``) every step. Off, in
+``nvtx`` mode and on unselected ranks the session does nothing but count steps (``log_step`` only
+checks its arguments). Any failure of the machinery gives one warning per cause and the loop goes
+on. Call ``prof.step()`` outside the ``opsd/step`` range.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import time
-import warnings
+from numbers import Real
 from typing import Optional
 
-import torch
-
-from instrumentation import runfiles, schedule, stages, state
+from instrumentation import runfiles, state
 from instrumentation.collect import StageTable, format_stage_rows, summarize
 from instrumentation.config import ProfileConfig
+from instrumentation.light import PendingSteps
+from instrumentation.scalars import ScalarWriter
 from instrumentation.timers import HUB
+from instrumentation.tracing import TraceWindows
 
-_ACTIONS = {
-    schedule.NONE: torch.profiler.ProfilerAction.NONE,
-    schedule.WARMUP: torch.profiler.ProfilerAction.WARMUP,
-    schedule.RECORD: torch.profiler.ProfilerAction.RECORD,
-    schedule.RECORD_AND_SAVE: torch.profiler.ProfilerAction.RECORD_AND_SAVE,
-}
+_SCALAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 
 
 class _StepSink:
-    """Receives the stage records of one recorded step; peaks may be reset."""
+    """Receives the stage records of one timed step; peaks may be reset in mode ``1``."""
 
-    allows_reset = True
-
-    def __init__(self):
+    def __init__(self, allows_reset: bool):
+        self.allows_reset = allows_reset
         self.records: list = []
         self.t0 = time.perf_counter()
 
     def add(self, record) -> None:
         self.records.append(record)
+
+
+def check_scalars(step, values: dict) -> None:
+    """``ValueError`` naming the argument when ``step`` or a scalar of ``log_step`` is not valid."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be an int >= 0 or None; got {step!r}")
+    for name, value in values.items():
+        if not _SCALAR_NAME.match(name):
+            raise ValueError(f"scalar name {name!r} is not valid; accepted: letters, digits, '_.-'")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):
+            raise ValueError(f"{name} must be a real number or None; got {type(value).__name__}")
 
 
 class ProfilerSession:
@@ -72,12 +89,14 @@ class ProfilerSession:
         self.scalars_dir: Optional[str] = None
         self.current_step = 0
         self.recorded_steps: list[int] = []
+        """Steps whose stage times are in :meth:`stage_rows` (in mode ``timers``: once resolved)."""
         self.selected = False
-        """Whether this rank records (mode ``1`` and selected by ``OPSD_PROFILE_RANKS``)."""
+        """Whether this rank times and writes (modes ``1`` / ``timers``, ``OPSD_PROFILE_RANKS``)."""
         self._table = StageTable()
         self._sink: Optional[_StepSink] = None
-        self._torch_prof = None
-        self._writer = None
+        self._traces: Optional[TraceWindows] = None
+        self._scalars = ScalarWriter(None)
+        self._pending: Optional[PendingSteps] = None
         self._previous_config: Optional[ProfileConfig] = None
         self._swapped_config = False
 
@@ -88,7 +107,7 @@ class ProfilerSession:
         if config != active:  # the ranges must follow the session's config; restored on exit
             self._previous_config, self._swapped_config = state.configure(config), True
         self.config = config
-        if not config.timing:
+        if not config.stage_timers:
             return self
         HUB.num_sessions += 1
         run_name = runfiles.shared_run_name(config, self.world_size)
@@ -98,9 +117,11 @@ class ProfilerSession:
         self.run_dir = runfiles.make_run_dir(os.path.join(config.output_dir, run_name))
         if self.run_dir is not None:
             self.scalars_dir = os.path.join(self.run_dir, f"rank{self.rank}")
-            self._start_torch_profiler(config)
-            if config.oom_snapshot:
-                runfiles.record_memory_history(True)
+            self._scalars = ScalarWriter(self.scalars_dir)
+            if config.timing:
+                self._traces = TraceWindows.start(config, self.run_dir, self.rank)
+        if config.light:
+            self._pending = PendingSteps(HUB.backend)
         self._begin_step()
         return self
 
@@ -111,29 +132,34 @@ class ProfilerSession:
             return
         self._end_step()
         self.current_step += 1
-        if self._torch_prof is not None:
-            try:
-                with warnings.catch_warnings():  # we export every cycle: torch's note does not apply
-                    warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
-                    self._torch_prof.step()
-            except Exception as exc:
-                state.warn_once("trace-step", f"torch.profiler failed; traces stop here: {exc!r}")
-                self._torch_prof = None
+        if self._traces is not None:
+            self._traces.step()
         self._begin_step()
+
+    def log_step(self, step: Optional[int] = None, **scalars) -> None:
+        """Write the loop's scalars of training step ``step`` (default: the current one) as
+        ``train/<name>`` (e.g. ``loss=``, ``tokens_per_s=``, ``step_ms=``, ``mfu=``; None skips one).
+
+        Arguments are checked in every mode (``ValueError`` naming the bad one); they are written in
+        modes ``1`` and ``timers`` on the selected ranks.
+        """
+        check_scalars(step, scalars)
+        if self.selected:
+            self._scalars.train(self.current_step if step is None else step,
+                                {k: float(v) if v is not None else None for k, v in scalars.items()})
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
             if self.selected:
-                if (exc_type is not None and issubclass(exc_type, torch.cuda.OutOfMemoryError)
-                        and self.config.oom_snapshot and self._sink is not None and self.run_dir):
-                    runfiles.dump_oom_snapshot(self.run_dir, self.rank)
+                if self._traces is not None:
+                    self._traces.maybe_dump_oom(exc_type, self._sink is not None)
                 self._end_step()
-                self._stop_torch_profiler()
-                if self.config.oom_snapshot and self.run_dir is not None:
-                    runfiles.record_memory_history(False)
-                self._close_writer()
+                self._resolve(force=True)
+                if self._traces is not None:
+                    self._traces.stop()
+                self._scalars.close()
         finally:
-            if self.config is not None and self.config.timing:
+            if self.config is not None and self.config.stage_timers:
                 HUB.num_sessions = max(0, HUB.num_sessions - 1)
             if self._swapped_config and self._previous_config is not None:
                 state.configure(self._previous_config)
@@ -147,7 +173,7 @@ class ProfilerSession:
         return sorted(glob.glob(os.path.join(self.run_dir, f"rank{self.rank}.*.pt.trace.json.gz")))
 
     def stage_rows(self) -> list[dict]:
-        """Live per-stage table over the recorded steps (see ``StageTable.rows``)."""
+        """Live per-stage table over the timed steps (see ``StageTable.rows``)."""
         return self._table.rows()
 
     def stage_table(self, title: Optional[str] = None) -> str:
@@ -156,8 +182,8 @@ class ProfilerSession:
 
     # -- steps -----------------------------------------------------------------------------
     def _begin_step(self) -> None:
-        if self.config.records_step(self.current_step):
-            self._sink = _StepSink()
+        if self.config.times_step(self.current_step):
+            self._sink = _StepSink(allows_reset=self.config.timing)
             HUB.add_sink(self._sink)
 
     def _end_step(self) -> None:
@@ -168,82 +194,34 @@ class ProfilerSession:
         wall_ms = (time.perf_counter() - sink.t0) * 1e3
         if not sink.records:
             return
+        if self._pending is not None:
+            self._pending.add(self.current_step, sink.records, wall_ms)
+            self._resolve(force=False)
+            return
         try:
             summary = summarize(sink.records, HUB.backend)
         except Exception as exc:
             state.warn_once("summarize", f"opsd stage timers could not be resolved: {exc!r}")
             return
-        self.recorded_steps.append(self.current_step)
+        self._add_step(self.current_step, summary, wall_ms)
+
+    def _resolve(self, force: bool) -> None:
+        """Record the timed steps of mode ``timers`` whose device times are known by now."""
+        if self._pending is None:
+            return
+        try:
+            ready = self._pending.pop_ready(force)
+        except Exception as exc:
+            state.warn_once("summarize", f"opsd stage timers could not be resolved: {exc!r}")
+            self._pending = None
+            return
+        for step, summary, wall_ms in ready:
+            self._add_step(step, summary, wall_ms)
+
+    def _add_step(self, step: int, summary: dict, wall_ms: float) -> None:
+        self.recorded_steps.append(step)
         self._table.add_step(summary, wall_ms)
-        self._write_scalars(summary)
-
-    def _write_scalars(self, summary: dict) -> None:
-        if self.scalars_dir is None:
-            return
-        try:
-            if self._writer is None:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._writer = SummaryWriter(log_dir=self.scalars_dir)
-            for name, entry in summary.items():
-                prefix = stages.range_name(name) + "/"
-                self._writer.add_scalar(prefix + "device_ms", entry["device_ms"], self.current_step)
-                self._writer.add_scalar(prefix + "host_ms", entry["host_ms"], self.current_step)
-                if entry["peak_allocated_mib"] is not None:
-                    self._writer.add_scalar(prefix + "peak_mib", entry["peak_allocated_mib"],
-                                            self.current_step)
-            self._writer.flush()
-        except Exception as exc:
-            state.warn_once("scalars", f"opsd TensorBoard scalars disabled: {exc!r}")
-            self.scalars_dir = None
-
-    def _close_writer(self) -> None:
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            try:
-                writer.close()
-            except Exception as exc:
-                state.warn_once("scalars", f"opsd TensorBoard scalars disabled: {exc!r}")
-
-    # -- torch.profiler --------------------------------------------------------------------
-    def _start_torch_profiler(self, config: ProfileConfig) -> None:
-        windows = schedule.WindowSchedule(config.steps)
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        try:
-            handler = torch.profiler.tensorboard_trace_handler(
-                self.run_dir, worker_name=f"rank{self.rank}", use_gzip=True)
-            prof = torch.profiler.profile(
-                activities=activities, schedule=lambda step: _ACTIONS[windows(step)],
-                on_trace_ready=_guarded(handler), profile_memory=config.profile_memory)
-            prof.start()
-        except Exception as exc:
-            state.warn_once("trace-start", f"torch.profiler could not start; no traces: {exc!r}")
-            return
-        self._torch_prof = prof
-
-    def _stop_torch_profiler(self) -> None:
-        prof, self._torch_prof = self._torch_prof, None
-        if prof is not None:
-            try:
-                prof.stop()  # saves a window cut short by the end of the loop
-            except Exception as exc:
-                state.warn_once("trace-stop", f"torch.profiler failed to stop cleanly: {exc!r}")
-
-    # -- files -----------------------------------------------------------------------------
-
-
-def _guarded(handler):
-    """Wrap a trace handler so that a failure warns once instead of raising into the loop."""
-
-    def on_trace_ready(prof) -> None:
-        try:
-            handler(prof)
-        except Exception as exc:
-            state.warn_once("trace-handler", f"opsd trace export failed; training goes on: {exc!r}")
-
-    return on_trace_ready
+        self._scalars.stages(step, summary, HUB.backend.has_device_clock, flush=self.config.timing)
 
 
 def opsd_profiler(config: Optional[ProfileConfig] = None, rank: Optional[int] = None,
@@ -254,3 +232,6 @@ def opsd_profiler(config: Optional[ProfileConfig] = None, rank: Optional[int] = 
     config for the duration of the session (so ``stage()`` ranges follow it).
     """
     return ProfilerSession(config, rank, world_size)
+
+
+__all__ = ["ProfilerSession", "opsd_profiler", "check_scalars"]

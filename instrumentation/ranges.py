@@ -5,13 +5,14 @@ and bound to a module global; ``stage()`` itself never tests the mode:
 
 * off (``OPSD_PROFILE`` unset/``0``): ``stage(name)`` is a dict lookup returning one shared
   do-nothing :data:`instrumentation.NOOP` (the lookup also rejects unknown stage names).
-* ``nvtx`` / ``1``: a small per-call object that pushes the stage's NVTX range (domain ``opsd``,
+* ``nvtx`` / ``1`` / ``timers``: a small per-call object that pushes the stage's NVTX range (domain ``opsd``,
   message ``opsd/<stage>``, the stage colour), opens a ``record_function``-equivalent user annotation
   ``opsd/<stage>`` **only while a torch profiler is enabled** (``torch.autograd._profiler_enabled()``;
   ``torch.profiler.record_function`` costs ~10 us per call even with no profiler, so outside profiler
   windows it is skipped; inside, we call the binding torch.profiler uses itself,
-  ``torch.autograd._record_function_with_args_enter/_exit``, a few us instead of ~15), and in mode
-  ``1`` opens a timer frame while a sink (a recorded step or a ``collect_stages`` block) listens.
+  ``torch.autograd._record_function_with_args_enter/_exit``, a few us instead of ~15), and in modes
+  ``1`` and ``timers`` opens a timer frame while a sink (a timed step or a ``collect_stages``
+  block) listens.
   Everything is closed in ``finally`` order. The annotations appear in traces as ``user_annotation``
   events, exactly like ``record_function``'s.
 * Nothing is emitted while ``torch.compile`` traces (``torch.compiler.is_compiling()``) or while the
@@ -28,7 +29,7 @@ import functools
 import torch
 
 from instrumentation import stages, state
-from instrumentation.config import MODE_FULL, MODE_OFF, ProfileConfig
+from instrumentation.config import MODE_OFF, ProfileConfig
 from instrumentation.noop import NOOP, NOOP_RANGE  # noqa: F401  (NOOP_RANGE: the former name)
 from instrumentation.timers import HUB
 
@@ -153,7 +154,7 @@ def _skip_check():
 
 def _build_specs(config: ProfileConfig) -> _StageMap:
     domain = _nvtx_domain()
-    skip, timing = _skip_check(), config.mode == MODE_FULL
+    skip, timing = _skip_check(), config.stage_timers
     specs = _StageMap()
     for name in stages.ALL_STAGES:
         push, pop = _noop, _noop

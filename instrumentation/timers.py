@@ -31,9 +31,12 @@ class TimerBackend(Protocol):
     """Device clock and allocator access; :class:`CpuBackend` and :class:`CudaBackend` implement it."""
 
     tracks_memory: bool
+    has_device_clock: bool
 
     def mark(self) -> Any: ...
     def elapsed_ms(self, start: Any, end: Any) -> Optional[float]: ...
+    def is_done(self, mark: Any) -> bool: ...
+    def release(self, marks) -> None: ...
     def max_allocated_bytes(self) -> Optional[int]: ...
     def reset_peak(self) -> None: ...
 
@@ -42,9 +45,16 @@ class CpuBackend:
     """No device clock (device time = host time) and no allocator peak."""
 
     tracks_memory = False
+    has_device_clock = False
 
     def mark(self):
         return None
+
+    def is_done(self, mark) -> bool:
+        return True
+
+    def release(self, marks) -> None:
+        pass
 
     def elapsed_ms(self, start, end):
         return None
@@ -65,6 +75,7 @@ class CudaBackend:
     """
 
     tracks_memory = True
+    has_device_clock = True
 
     def __init__(self):
         import torch
@@ -75,6 +86,8 @@ class CudaBackend:
         self._raw_reset = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._streams: dict[tuple[int, int], Any] = {}
+        self._pool: dict[int, list] = {}
+        """Released events per device, reused by :meth:`mark` (no event creation per stage call)."""
 
     def _current_stream(self):
         """``torch.cuda.current_stream()``, cached by raw stream handle (it builds a new Python
@@ -88,13 +101,27 @@ class CudaBackend:
         return stream
 
     def mark(self):
-        event = self._torch.cuda.Event(enable_timing=True)
+        device = self._device()
+        pool = self._pool.get(device)
+        event = pool.pop() if pool else self._torch.cuda.Event(enable_timing=True)
         event.record(self._current_stream())
+        event.opsd_device = device  # where it may be recorded again (see release)
         return event
 
     def elapsed_ms(self, start, end):
         end.synchronize()
         return start.elapsed_time(end)
+
+    def is_done(self, mark) -> bool:
+        """Whether the GPU has passed ``mark`` (``cudaEventQuery``; never waits)."""
+        return mark is None or mark.query()
+
+    def release(self, marks) -> None:
+        """Give resolved events back for reuse (only once nothing reads them any more)."""
+        for event in marks:
+            device = getattr(event, "opsd_device", None)
+            if device is not None:
+                self._pool.setdefault(device, []).append(event)
 
     def max_allocated_bytes(self):
         if self._raw_stats is not None:

@@ -41,6 +41,9 @@ GOOD_ENV = [
     ({"OPSD_PROFILE_RANKS": "1-3"}, dict(ranks=(1, 2, 3))),
     ({"OPSD_PROFILE_RUN_NAME": "exp_1.a-b"}, dict(run_name="exp_1.a-b")),
     ({"OPSD_PROFILE_OOM_SNAPSHOT": "yes"}, dict(oom_snapshot=True)),
+    ({"OPSD_PROFILE": "Timers"}, dict(mode="timers", profile_memory=False, every=1, teardown_cupti=False)),
+    ({"OPSD_PROFILE": "timers", "OPSD_PROFILE_EVERY": " 10 "}, dict(every=10)),
+    ({"OPSD_PROFILE_TEARDOWN_CUPTI": "on"}, dict(teardown_cupti=True)),
 ]
 
 
@@ -59,6 +62,8 @@ BAD_ENV = [
     ("OPSD_PROFILE_RANKS", "any"), ("OPSD_PROFILE_RANKS", "0,x"), ("OPSD_PROFILE_RANKS", "-1"),
     ("OPSD_PROFILE_MEMORY", "2"), ("OPSD_PROFILE_MEMORY", "maybe"),
     ("OPSD_PROFILE_OOM_SNAPSHOT", "y"), ("OPSD_PROFILE_RUN_NAME", "a/b"),
+    ("OPSD_PROFILE", "timer"), ("OPSD_PROFILE_EVERY", "0"), ("OPSD_PROFILE_EVERY", "2.5"),
+    ("OPSD_PROFILE_EVERY", "-1"), ("OPSD_PROFILE_TEARDOWN_CUPTI", "auto"),
 ]
 
 

@@ -112,14 +112,14 @@ def test_mode_1_writes_nested_trace_and_scalars(tmp_path):
 
     scalars = _scalars(prof.scalars_dir)
     for name in (stages.STEP, *STEP_CHILDREN):
-        for kind in ("device_ms", "host_ms"):
+        for kind in ("cpu_ms",) + (("gpu_ms",) if torch.cuda.is_available() else ()):
             assert [s for s, _ in scalars[f"opsd/{name}/{kind}"]] == [1, 2]
     assert prof.recorded_steps == [1, 2]
     rows = {row["stage"]: row for row in prof.stage_rows()}
     assert rows["step"]["count"] == 2 and rows["decode"]["count"] == 2 * NUM_DECODE_STEPS
     assert rows["step"]["share_of_step"] == 1.0
     if not torch.cuda.is_available():  # no allocator peak on CPU
-        assert not any(tag.endswith("peak_mib") for tag in scalars)
+        assert not any(tag.endswith(("peak_allocated_mib", "gpu_ms")) for tag in scalars)
         assert all(row["peak_mib"] is None for row in rows.values())
     assert "optimizer_step" in prof.stage_table()
 
@@ -191,7 +191,7 @@ def test_failing_trace_handler_warns_and_training_finishes(tmp_path, monkeypatch
             train(prof, num_steps=5)
     assert len([w for w in record if issubclass(w.category, ProfilingWarning)]) == 1
     assert prof.current_step == 5 and prof.trace_paths() == []
-    assert [s for s, _ in _scalars(prof.scalars_dir)["opsd/step/host_ms"]] == [1, 3]
+    assert [s for s, _ in _scalars(prof.scalars_dir)["opsd/step/cpu_ms"]] == [1, 3]
 
 
 def test_exception_in_the_loop_leaves_no_open_state(tmp_path):
@@ -306,6 +306,6 @@ def test_cuda_session_writes_kernels_and_peak_scalars(tmp_path):
     assert any(e.get("cat") == "kernel" for e in _events(trace))
     scalars = _scalars(prof.scalars_dir)
     for name in ("step", "decode", "loss"):
-        assert [s for s, _ in scalars[f"opsd/{name}/peak_mib"]] == [1]
-        assert [s for s, _ in scalars[f"opsd/{name}/device_ms"]] == [1]
+        assert [s for s, _ in scalars[f"opsd/{name}/peak_allocated_mib"]] == [1]
+        assert [s for s, _ in scalars[f"opsd/{name}/gpu_ms"]] == [1]
     assert all(row["peak_mib"] is not None for row in prof.stage_rows())

@@ -1,0 +1,58 @@
+"""Model FLOP utilisation (MFU) of an OPSD step (no torch).
+
+    MFU = model FLOPs of the step / (step time * peak FLOP/s of the device)
+
+Model FLOPs count the matrix multiplies with the weights, 2 FLOPs per parameter per token for a
+forward pass and 4 more for its backward pass (the usual dense estimate; attention's score and value
+products and everything that is not a matmul are left out, as are padding tokens). One OPSD step
+over ``rows`` sequences of ``prompt_tokens`` + ``response_tokens`` real tokens in total:
+
+* rollout (student, forward only): ``2 * N_student * (prompt_tokens + response_tokens)``;
+* teacher forward over its prompts and the responses: ``2 * N_teacher * (teacher_prompt_tokens +
+  response_tokens)``;
+* student forward + backward over prompts and responses: ``6 * N_student * (prompt_tokens +
+  response_tokens)``.
+
+``N`` is the number of parameters that take part in matmuls (tied input and output embeddings
+counted once: the output projection). Peak FLOP/s: :data:`PEAK_TFLOPS`, the dense (no sparsity)
+tensor-core figure of the vendor's data sheet for the dtype, e.g. 989.4 TFLOP/s bf16 for an H100 or
+H200 SXM (1,979 with 2:4 sparsity).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+#: (device name substring, dtype) -> dense tensor-core peak, TFLOP/s (NVIDIA data sheets, SXM parts).
+PEAK_TFLOPS: dict[tuple[str, str], float] = {
+    ("H200", "bf16"): 989.4, ("H200", "fp16"): 989.4, ("H200", "fp8"): 1978.9,
+    ("H100", "bf16"): 989.4, ("H100", "fp16"): 989.4, ("H100", "fp8"): 1978.9,
+    ("A100", "bf16"): 312.0, ("A100", "fp16"): 312.0, ("A100", "tf32"): 156.0,
+}
+
+
+def peak_flops(device_name: str, dtype: str = "bf16") -> Optional[float]:
+    """Peak FLOP/s of ``device_name`` (e.g. ``torch.cuda.get_device_name()``), None when unknown."""
+    for (part, kind), tflops in PEAK_TFLOPS.items():
+        if part in device_name and kind == dtype:
+            return tflops * 1e12
+    return None
+
+
+def opsd_step_flops(student_params: int, teacher_params: int, prompt_tokens: int, response_tokens: int,
+                    teacher_prompt_tokens: Optional[int] = None) -> float:
+    """Model FLOPs of one OPSD step (see the module docstring)."""
+    for name, value in (("student_params", student_params), ("teacher_params", teacher_params),
+                        ("prompt_tokens", prompt_tokens), ("response_tokens", response_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0; got {value!r}")
+    teacher_prompt = prompt_tokens if teacher_prompt_tokens is None else teacher_prompt_tokens
+    student_tokens = prompt_tokens + response_tokens
+    return (2.0 + 6.0) * student_params * student_tokens + 2.0 * teacher_params * (teacher_prompt + response_tokens)
+
+
+def mfu(flops: float, step_s: float, peak: Optional[float]) -> Optional[float]:
+    """``flops / (step_s * peak)``; None when the peak is unknown or the time is not positive."""
+    if peak is None or peak <= 0 or step_s <= 0:
+        return None
+    return flops / (step_s * peak)

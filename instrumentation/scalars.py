@@ -1,0 +1,77 @@
+"""TensorBoard scalars of a profiler session: per-stage times per step and the training scalars.
+
+Tags (the same as ``opsd-summarize --tensorboard`` writes from traces; x = the training step index,
+0-based, as counted by ``prof.step()`` and named by ``OPSD_PROFILE_STEPS``):
+
+* ``opsd/<stage>/cpu_ms``: host time of the stage's calls in the step (``time.perf_counter``);
+* ``opsd/<stage>/gpu_ms``: device time between CUDA events recorded around each call on the current
+  stream, summed (CUDA only);
+* ``opsd/<stage>/peak_allocated_mib``: peak of the CUDA caching allocator during the stage (recorded
+  steps of mode ``1`` only);
+* ``train/<name>``: what the loop passes to ``prof.log_step`` (``loss``, ``tokens_per_s``,
+  ``step_ms``, ``mfu`` ...).
+
+A writer that cannot be created or written gives one warning and is dropped; training goes on.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from instrumentation import stages, state
+
+
+class ScalarWriter:
+    """A lazily created ``SummaryWriter`` in ``log_dir`` (see the module docstring)."""
+
+    def __init__(self, log_dir: Optional[str]):
+        self.log_dir = log_dir
+        self._writer = None
+
+    def _get(self):
+        if self._writer is None and self.log_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=self.log_dir)
+        return self._writer
+
+    def _guarded(self, write) -> None:
+        if self.log_dir is None:
+            return
+        try:
+            write(self._get())
+        except Exception as exc:
+            state.warn_once("scalars", f"opsd TensorBoard scalars disabled: {exc!r}")
+            self.log_dir = None
+
+    def stages(self, step: int, summary: dict, has_device_clock: bool, flush: bool = True) -> None:
+        """Per-stage scalars of one step from ``collect.summarize`` output."""
+        def write(writer) -> None:
+            for name, entry in summary.items():
+                prefix = stages.range_name(name) + "/"
+                writer.add_scalar(prefix + "cpu_ms", entry["host_ms"], step)
+                if has_device_clock:
+                    writer.add_scalar(prefix + "gpu_ms", entry["device_ms"], step)
+                if entry["peak_allocated_mib"] is not None:
+                    writer.add_scalar(prefix + "peak_allocated_mib", entry["peak_allocated_mib"], step)
+            if flush:
+                writer.flush()
+
+        self._guarded(write)
+
+    def train(self, step: int, values: dict) -> None:
+        """``train/<name>`` scalars of one step (None values are skipped)."""
+        def write(writer) -> None:
+            for name, value in values.items():
+                if value is not None:
+                    writer.add_scalar(f"train/{name}", value, step)
+
+        self._guarded(write)
+
+    def close(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception as exc:
+                state.warn_once("scalars", f"opsd TensorBoard scalars disabled: {exc!r}")

@@ -1,0 +1,102 @@
+"""The torch.profiler side of a mode-``1`` session: trace windows, CUPTI teardown, OOM snapshots.
+
+``TEARDOWN_CUPTI``: Kineto keeps CUPTI's callbacks installed after a trace window unless the
+environment variable ``TEARDOWN_CUPTI=1`` is set (pytorch/pytorch#144455, pytorch/kineto#1264);
+they can slow the unrecorded steps that follow. ``OPSD_PROFILE_TEARDOWN_CUPTI=1`` sets it before
+the profiler starts and again before it stops (torch resets it to ``0`` where it believes CUDA graphs
+and CUPTI teardown do not mix: CUDA < 12.6). ``scripts/bench_profiler_cost.py --linger`` measures
+the lingering cost and checks that CUDA graphs still capture and replay after a window.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from instrumentation import runfiles, schedule, state
+from instrumentation.config import ProfileConfig
+
+_ACTIONS = {
+    schedule.NONE: torch.profiler.ProfilerAction.NONE,
+    schedule.WARMUP: torch.profiler.ProfilerAction.WARMUP,
+    schedule.RECORD: torch.profiler.ProfilerAction.RECORD,
+    schedule.RECORD_AND_SAVE: torch.profiler.ProfilerAction.RECORD_AND_SAVE,
+}
+
+
+def _guarded(handler):
+    """Wrap a trace handler so that a failure warns once instead of raising into the loop."""
+
+    def on_trace_ready(prof) -> None:
+        try:
+            handler(prof)
+        except Exception as exc:
+            state.warn_once("trace-handler", f"opsd trace export failed; training goes on: {exc!r}")
+
+    return on_trace_ready
+
+
+class TraceWindows:
+    """A running torch.profiler over the recorded steps of one rank (build with :meth:`start`)."""
+
+    def __init__(self, config: ProfileConfig, run_dir: str, rank: int, prof):
+        self.config, self.run_dir, self.rank, self._prof = config, run_dir, rank, prof
+
+    @classmethod
+    def start(cls, config: ProfileConfig, run_dir: str, rank: int) -> Optional["TraceWindows"]:
+        """Start the profiler (and the allocator history for OOM snapshots); None when it fails."""
+        windows = schedule.WindowSchedule(config.steps)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        try:
+            handler = torch.profiler.tensorboard_trace_handler(run_dir, worker_name=f"rank{rank}",
+                                                               use_gzip=True)
+            prof = torch.profiler.profile(
+                activities=activities, schedule=lambda step: _ACTIONS[windows(step)],
+                on_trace_ready=_guarded(handler), profile_memory=config.profile_memory)
+            cls._teardown_env(config)
+            prof.start()
+        except Exception as exc:
+            state.warn_once("trace-start", f"torch.profiler could not start; no traces: {exc!r}")
+            return None
+        if config.oom_snapshot:
+            runfiles.record_memory_history(True)
+        return cls(config, run_dir, rank, prof)
+
+    @staticmethod
+    def _teardown_env(config: ProfileConfig) -> None:
+        if config.teardown_cupti:
+            os.environ["TEARDOWN_CUPTI"] = "1"
+
+    def step(self) -> None:
+        if self._prof is None:
+            return
+        try:
+            with warnings.catch_warnings():  # we export every cycle: torch's note does not apply
+                warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+                self._teardown_env(self.config)
+                self._prof.step()
+        except Exception as exc:
+            state.warn_once("trace-step", f"torch.profiler failed; traces stop here: {exc!r}")
+            self._prof = None
+
+    def maybe_dump_oom(self, exc_type, in_recorded_step: bool) -> None:
+        """On a CUDA OOM leaving a recorded step: write the memory snapshot (mode ``1`` option)."""
+        if (exc_type is not None and issubclass(exc_type, torch.cuda.OutOfMemoryError)
+                and self.config.oom_snapshot and in_recorded_step):
+            runfiles.dump_oom_snapshot(self.run_dir, self.rank)
+
+    def stop(self) -> None:
+        prof, self._prof = self._prof, None
+        if prof is not None:
+            try:
+                self._teardown_env(self.config)
+                prof.stop()  # saves a window cut short by the end of the loop
+            except Exception as exc:
+                state.warn_once("trace-stop", f"torch.profiler failed to stop cleanly: {exc!r}")
+        if self.config.oom_snapshot:
+            runfiles.record_memory_history(False)

@@ -1,0 +1,162 @@
+"""The always-on light mode (OPSD_PROFILE=timers), log_step, one step index everywhere, the CUPTI
+teardown switch and the MFU formula."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from instrumentation import ProfileConfig, collect_stages, configure, stage, stages
+from instrumentation.light import PendingSteps
+from instrumentation.mfu import mfu, opsd_step_flops, peak_flops
+from instrumentation.profiler import opsd_profiler
+from instrumentation.timers import HUB, StageRecord
+from tests.profiling_env import clean_profiling_env  # noqa: F401  (autouse fixture)
+from tests.test_instrumentation_profiler import _scalars, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(tmp_path, **kwargs):
+    return ProfileConfig.from_env({}, **{"output_dir": str(tmp_path / "traces"), **kwargs})
+
+
+def test_timers_mode_times_every_step_without_traces(tmp_path):
+    configure(_config(tmp_path, mode="timers"))
+    with opsd_profiler() as prof:
+        with collect_stages() as collector:
+            assert collector is None  # the per-call profile stays off: no extra host sync per call
+        for step in range(4):
+            with stage(stages.STEP), stage(stages.DECODE):
+                torch.ones(4).sum()
+            prof.log_step(step, loss=1.0 / (step + 1), tokens_per_s=100 * step, step_ms=5, mfu=None)
+            prof.step()
+    assert prof.trace_paths() == [] and prof.recorded_steps == [0, 1, 2, 3]
+    scalars = _scalars(prof.scalars_dir)
+    assert [s for s, _ in scalars["opsd/decode/cpu_ms"]] == [0, 1, 2, 3]
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx([1.0, 0.5, 1 / 3, 0.25])
+    assert "train/mfu" not in scalars and [s for s, _ in scalars["train/step_ms"]] == [0, 1, 2, 3]
+    assert {r["stage"]: r["count"] for r in prof.stage_rows()} == {"step": 4, "decode": 4}
+    assert HUB.sinks == [] and HUB.num_sessions == 0
+
+
+def test_every_nth_step(tmp_path):
+    configure(_config(tmp_path, mode="timers", every=3))
+    with opsd_profiler() as prof:
+        for _ in range(7):
+            with stage(stages.STEP):
+                pass
+            prof.step()
+    assert prof.recorded_steps == [0, 3, 6]
+
+
+class LateEvents:
+    """A backend whose events complete only when told (a GPU running behind the host)."""
+
+    tracks_memory, has_device_clock = False, True
+
+    def __init__(self):
+        self.done, self.released, self.clock = set(), [], 0.0
+
+    def mark(self):
+        self.clock += 1.0
+        return self.clock
+
+    def elapsed_ms(self, start, end):
+        self.done.add(end)  # resolving waits for the event
+        return end - start
+
+    def is_done(self, mark):
+        return mark in self.done
+
+    def release(self, marks):
+        self.released += list(marks)
+
+
+def record(backend, name="decode"):
+    return StageRecord(name, 0.5, (backend.mark(), backend.mark()), None)
+
+
+def test_pending_steps_wait_for_their_events_never_for_the_host():
+    backend = LateEvents()
+    pending = PendingSteps(backend, max_pending=2)
+    first = [record(backend)]
+    pending.add(0, first, 1.0)
+    assert pending.pop_ready() == [] and len(pending) == 1  # the GPU has not reached the events yet
+    backend.done.add(first[0].events[1])
+    ((step, summary, _),) = pending.pop_ready()
+    assert step == 0 and summary["decode"]["device_ms"] == 1.0 and backend.released == [1.0, 2.0]
+    for k in (1, 2, 3):
+        pending.add(k, [record(backend)], 1.0)
+    assert [s for s, _, _ in pending.pop_ready()] == [1]  # more than 2 waiting: the oldest resolves
+    assert [s for s, _, _ in pending.pop_ready(force=True)] == [2, 3]  # end of the session
+
+
+@pytest.mark.parametrize("args,match", [
+    ((-1,), "step must be"), (("3",), "step must be"), ((True,), "step must be"),
+])
+def test_log_step_rejects_a_bad_step(tmp_path, args, match):
+    with opsd_profiler(_config(tmp_path, mode="0")) as prof, pytest.raises(ValueError, match=match):
+        prof.log_step(*args, loss=1.0)
+
+
+@pytest.mark.parametrize("mode", ["0", "1", "timers"])
+@pytest.mark.parametrize("scalars,match", [({"loss": "1.0"}, "loss must be a real number"),
+                                           ({"bad name": 1.0}, "scalar name"),
+                                           ({"ok": True}, "ok must be a real number")])
+def test_log_step_checks_its_arguments_in_every_mode(tmp_path, mode, scalars, match):
+    with opsd_profiler(_config(tmp_path, mode=mode)) as prof, pytest.raises(ValueError, match=match):
+        prof.log_step(0, **scalars)
+
+
+def test_mode_1_logs_training_scalars_every_step(tmp_path):
+    configure(_config(tmp_path, mode="1", steps="1"))
+    with opsd_profiler() as prof:
+        for step in range(3):
+            with stage(stages.STEP):
+                pass
+            prof.log_step(loss=float(step))  # default step: the current one
+            prof.step()
+    scalars = _scalars(prof.scalars_dir)
+    assert scalars["train/loss"] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    assert [s for s, _ in scalars["opsd/step/cpu_ms"]] == [1]  # stages only on recorded steps
+
+
+@pytest.mark.parametrize("switch,expected", [(True, "1"), (False, None)])
+def test_cupti_teardown_switch(tmp_path, monkeypatch, switch, expected):
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    with opsd_profiler(_config(tmp_path, mode="1", steps="0", teardown_cupti=switch)) as prof:
+        train(prof, num_steps=1)
+    assert os.environ.get("TEARDOWN_CUPTI") == expected
+
+
+def test_one_step_index_everywhere(tmp_path):
+    """OPSD_PROFILE_STEPS=2-3: live scalars, the trace's --by-step and --tensorboard all say 2 and 3."""
+    configure(_config(tmp_path, mode="1", steps="2-3"))
+    with opsd_profiler() as prof:
+        train(prof, num_steps=5)
+    live = _scalars(prof.scalars_dir)
+    assert [s for s, _ in live["opsd/decode/cpu_ms"]] == [2, 3] and prof.recorded_steps == [2, 3]
+    summary = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "summarize_trace.py"),
+                              prof.run_dir, "--format", "json", "--by-step", "--tensorboard",
+                              str(tmp_path / "tb")], capture_output=True, text=True, timeout=120)
+    assert summary.returncode == 0, summary.stderr
+    assert sorted(json.loads(summary.stdout)["per_step"]) == ["2", "3"]
+    offline = _scalars(str(tmp_path / "tb" / "rank0"))
+    assert [s for s, _ in offline["opsd/decode/cpu_ms"]] == [2, 3]
+    assert set(live) <= set(offline)  # same tag names (offline adds self_ms)
+
+
+def test_mfu_formula():
+    n_s, n_t, prompt, response = 3_000_000_000, 7_000_000_000, 2048, 1024
+    flops = opsd_step_flops(n_s, n_t, prompt, response)
+    assert flops == 2 * n_s * (prompt + response) + 2 * n_t * (prompt + response) + 6 * n_s * (prompt + response)
+    assert opsd_step_flops(n_s, n_t, prompt, response, teacher_prompt_tokens=0) == flops - 2 * n_t * prompt
+    assert peak_flops("NVIDIA H200", "bf16") == pytest.approx(989.4e12) and peak_flops("RTX 9999") is None
+    assert mfu(flops, 1.0, peak_flops("NVIDIA H200")) == pytest.approx(flops / 989.4e12)
+    assert mfu(flops, 0.0, 1.0) is None and mfu(flops, 1.0, None) is None
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        opsd_step_flops(1, 1, -1, 0)
