@@ -355,39 +355,55 @@ def nucleus_sizes(logits: torch.Tensor, top_p: float) -> list[int]:
 
 
 def search_scale(probe: Callable[[float], float], target: float, max_probes: int = 12, tolerance: float = 0.1,
-                 max_scale: float = 4096.0) -> tuple[float, float, list]:
-    """Smallest-effort geometric search for s >= 1 with probe(s) ~ target, where probe decreases in s.
+                 max_scale: float = 4096.0, lower: Optional[Callable[[float], float]] = None) -> tuple[float, float, list]:
+    """Geometric search for s >= 1 with probe(s) ~ target, where probe decreases in s.
 
     Doubles s from 1 until probe(s) <= target, then bisects geometrically; stops within ``tolerance``
-    (relative) or after ``max_probes``. Returns (s, probe(s), [(s, value), ...]) for the closest probe.
+    (relative) or after ``max_probes`` probes. ``lower`` (optional, cheaper, lower(s) <= probe(s), e.g. the
+    mean length under a smaller budget) decides the doubling steps where it already exceeds the target; the
+    full probe runs only where it does not. Returns (s, probe(s), [(s, value), ...] of the full probes) for
+    the full probe closest to the target.
     """
     seen: list[tuple[float, float]] = []
+    num_probes = 0
 
-    def run(s: float) -> float:
-        value = probe(s)
-        seen.append((s, value))
+    def run(s: float, fn: Callable[[float], float]) -> float:
+        nonlocal num_probes
+        num_probes += 1
+        value = fn(s)
+        if fn is probe:
+            seen.append((s, value))
         return value
 
     def close(value: float) -> bool:
         return abs(value - target) <= tolerance * target
 
-    lo, value = 1.0, run(1.0)
-    hi = None
-    if value > target and not close(value):
+    def above(s: float) -> tuple[bool, float]:
+        """Whether probe(s) is clearly above the target (asking ``lower`` first), and the full value if run."""
+        if lower is not None and run(s, lower) > target * (1 + tolerance):
+            return True, math.nan
+        value = run(s, probe)
+        return value > target and not close(value), value
+
+    lo, hi = 1.0, None
+    is_above, value = above(1.0)
+    if is_above:
         s = 2.0
-        while len(seen) < max_probes and s <= max_scale:
-            value = run(s)
-            if value <= target or close(value):
+        while num_probes < max_probes and s <= max_scale:
+            is_above, value = above(s)
+            if not is_above:
                 hi = s
                 break
             lo, s = s, s * 2
     if hi is not None and not close(value):
-        while len(seen) < max_probes:
+        while num_probes < max_probes:
             mid = math.sqrt(lo * hi)
-            value = run(mid)
+            value = run(mid, probe)
             if close(value):
                 break
             lo, hi = (mid, hi) if value > target else (lo, mid)
+    if not seen:  # every probe was a lower bound above the target: the largest scale tried is the best known
+        seen.append((lo, run(lo, probe)))
     best = min(seen, key=lambda sv: abs(math.log(max(sv[1], 1e-9) / target)))
     return best[0], best[1], seen
 
@@ -719,8 +735,17 @@ def measure(run: CandidateRun, others: list[CandidateRun], device: str, record: 
     run.lengths.append(response_lengths(batch))
     run.last_batch = batch
     if run.rollout is not None:
-        stats = getattr(run.rollout, "last_stats", None) or {}
-        run.stats = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool)) or v is None}
+        run.stats = scalar_stats(getattr(run.rollout, "last_stats", None))
+
+
+def scalar_stats(stats) -> dict:
+    """The scalar entries of ``Rollout.last_stats``, read with ``.get`` (a dict on 80a6322, a typed record with
+    ``keys()`` / ``get()`` later)."""
+    if stats is None:
+        return {}
+    keys = list(stats.keys()) if hasattr(stats, "keys") else []
+    values = {k: stats.get(k) for k in keys}
+    return {k: v for k, v in values.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
 
 def profile_busy(run: CandidateRun, device: str, max_events: int) -> None:
@@ -729,11 +754,18 @@ def profile_busy(run: CandidateRun, device: str, max_events: int) -> None:
         return
     from torch.profiler import ProfilerActivity, profile
 
+    activity = ProfilerActivity.CUDA if device.startswith("cuda") else ProfilerActivity.CPU  # CPU: no GPU events
     sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run.call()
-        sync(device)
-    intervals, why = gpu_intervals(prof, max_events)
+    try:
+        with profile(activities=[activity]) as prof:
+            run.call()
+            sync(device)
+        intervals, why = gpu_intervals(prof, max_events)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:  # the busy column is lost, not the row
+        run.busy = (None, f"n/a (profiler: {type(exc).__name__}: {exc})"[:200])
+        return
     if intervals is None:
         run.busy = (None, why)
     elif not intervals:
@@ -831,7 +863,10 @@ def make_runs(bench: Bench, cell: CellSpec, cands: list[Candidate], ids, mask, s
     runs = []
     for cand in cands:
         if cand.route == "deepspeed":
-            runs.append(CandidateRun(cand, _upstream_call(bench, cell, ids, mask), None))
+            try:
+                runs.append(CandidateRun(cand, _upstream_call(bench, cell, ids, mask), None))
+            except Exception as exc:  # e.g. deepspeed not installed: the row says so, the cell goes on
+                runs.append(CandidateRun(cand, None, None, error=f"{type(exc).__name__}: {exc}"[:300]))
             continue
         key = (cand.route, cand.max_cache_gib) if shared else cand.name
         if key not in cache:
@@ -925,18 +960,20 @@ def eos_scale_for(bench: Bench, cell: CellSpec) -> dict:
     family = dataclasses.replace(cell, num_prompts=CALIB_PROMPTS, cap_slots=None)
     ids, mask, _ = make_prompts(family, bench.model.config.vocab_size, bench.device)
     ro = Rollout(bench.model, bench.tokenizer(True), RolloutConfig(route="ordinary"))
-    sampling = sampling_for(family, None)
+    short = min(cell.budget, 4 * cell.mean_target)
 
-    def probe(scale: float) -> float:
+    def mean_length(scale: float, budget: int) -> float:
+        sampling = sampling_for(dataclasses.replace(family, budget=budget), None)
         with scaled_weights(bench.model, scale, None):
             lengths = response_lengths(ro.generate(RolloutRequest(ids, mask), sampling))
         mean = sum(lengths) / len(lengths)
-        print(f"  calibrate {cell.name}: eos scale {scale:.4g} -> mean length {mean:.1f} (target {cell.mean_target})",
-              flush=True)
+        print(f"  calibrate {cell.name}: eos scale {scale:.4g}, budget {budget} -> mean length {mean:.1f} "
+              f"(target {cell.mean_target})", flush=True)
         return mean
 
     t0 = time.perf_counter()
-    scale, mean, seen = search_scale(probe, float(cell.mean_target))
+    scale, mean, seen = search_scale(lambda s: mean_length(s, cell.budget), float(cell.mean_target),
+                                     lower=(lambda s: mean_length(s, short)) if short < cell.budget else None)
     ro.shutdown()
     del ro
     gc.collect()
@@ -1205,7 +1242,8 @@ def main(argv=None) -> SuiteResult:
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else (platform.processor() or "cpu"),
             "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit,
             "commit_label": args.commit_label, "bw_gbps": bw_gbps, "gemm_tflops": gemm_tflops,
-            "command": " ".join(["scripts/bench_rl.py", *argv]), "model": model_name, "dtype": str(dtype),
+            "command": " ".join(["scripts/bench_rl.py", *argv]), "rollout_package": os.path.dirname(
+                sys.modules[Rollout.__module__].__file__), "model": model_name, "dtype": str(dtype),
             "scale": args.scale, "repeats": args.repeats,
             "features": {"max_cache_gib": "max_cache_gib" in {f.name for f in dataclasses.fields(RolloutConfig)}}}
     scales = {}

@@ -107,6 +107,13 @@ def test_gpu_intervals_keep_device_work_and_skip_large_traces():
     assert skipped is None and "skipped" in why
 
 
+def test_profile_busy_without_gpu_events_says_na():
+    run = bench_rl.CandidateRun(Candidate("x", "ordinary"), lambda: torch.ones(64, 64) @ torch.ones(64, 64), None,
+                                walls_ms=[1.0])
+    bench_rl.profile_busy(run, "cpu", max_events=100_000)
+    assert run.busy == (None, "n/a (no GPU events recorded)")
+
+
 @pytest.mark.parametrize("logits, top_p, expected", [
     ([[0.0, 0.0, 0.0, 0.0]], 0.5, [2]),   # mass before each token: 0, .25, .5, .75
     ([[0.0, 0.0, 0.0, 0.0]], 0.9, [4]),
@@ -121,11 +128,24 @@ def test_nucleus_sizes(logits, top_p, expected):
     (lambda s: 300.0 / s ** 2, 10.0),       # needs the geometric bisection between 4 and 8
     (lambda s: 5.0, 10.0),                  # already short unscaled: s = 1
 ])
-def test_search_scale(probe, target):
-    scale, value, seen = search_scale(probe, target)
-    assert value == probe(scale)
+@pytest.mark.parametrize("with_lower", [False, True])
+def test_search_scale(probe, target, with_lower):
+    full, short = [], []
+
+    def counted(s):
+        full.append(s)
+        return probe(s)
+
+    def lower(s):  # a smaller budget: never above the full value
+        short.append(s)
+        return min(probe(s), 3 * target)
+
+    scale, value, seen = search_scale(counted, target, lower=lower if with_lower else None)
+    assert value == probe(scale) and (scale, value) in seen
     assert abs(value - target) <= 0.1 * target or (scale == 1.0 and value <= target)
-    assert len(seen) <= 12
+    assert len(full) + len(short) <= 12
+    if with_lower:  # the full probe runs only where the cheap one is not clearly above the target
+        assert all(probe(s) <= 3.3 * target for s in full)
 
 
 def test_select_cells():
@@ -195,13 +215,13 @@ def _strict(path) -> dict:
         return json.loads(f.read(), parse_constant=refuse)
 
 
-def _run(tmp_path, cell: str, candidates: str, scales=None, max_prompts=16):
+def _run(tmp_path, cell: str, candidates: str, scales=None, max_prompts=16, extra=()):
     from scripts.bench_rollout import main as rollout_main
 
     out = tmp_path / f"{cell}.json"
     argv = ["--suite", "rl", "--model", "tiny", "--device", "cpu", "--scale", "small", "--cells", cell,
             "--candidates", candidates, "--repeats", "1", "--json", str(out), "--commit-label", "test",
-            "--max-prompts", str(max_prompts)]
+            "--max-prompts", str(max_prompts), *extra]
     if scales is not None:
         argv += ["--eos-scales", str(scales)]
     return rollout_main(argv), _strict(out)
@@ -235,14 +255,15 @@ def test_end_to_end_wide_greedy(tmp_path):
 
 
 def test_end_to_end_longtail_uses_cached_eos_scale(tmp_path):
-    """A cached scale is used as is (no calibration) and restored after the cell; EOS ends rows early."""
+    """A cached scale is used as is (no calibration, the file unchanged); EOS ends rows early.
+    ``--sequential``: each candidate alone, released before the next."""
     cell = select_cells("longtail-64-1024")[0].scaled(bench_rl.SCALE_DIVISORS["small"])
     prefix = bench_rl.scale_key_prefix("tiny", torch.float32, "small")
     scales = tmp_path / "scales.json"
     scales.write_text(json.dumps({bench_rl.eos_key(prefix, cell): {"scale": 64.0}}))
-    result, data = _run(tmp_path, "longtail-64-1024", "auto,continuous/4", scales)
+    result, data = _run(tmp_path, "longtail-64-1024", "auto,continuous/4", scales, extra=["--sequential"])
     _check_rows(result, data, "longtail-64-1024")
-    assert all(r["eos_scale"] == 64.0 for r in data["rows"])
+    assert all(r["eos_scale"] == 64.0 and "sequential" in r["note"] for r in data["rows"])
     assert any(r["len_p50"] < r["budget"] for r in data["rows"])
     assert json.loads(scales.read_text()) == {bench_rl.eos_key(prefix, cell): {"scale": 64.0}}
 
