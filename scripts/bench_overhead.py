@@ -13,6 +13,8 @@ Cases:
   1 outside           mode 1 with nobody recording (what non-recorded steps pay per stage)
   1 + collect_stages  mode 1 inside collect_stages() with no session (timers; CUDA events on GPU)
   1 inside recorded   mode 1 inside a recorded step: timers + record_function under torch.profiler
+  timers inside step  mode timers (the always-on light mode) inside a timed step: NVTX + host timer +
+                      two CUDA events per call on GPU (no memory reads, no profiler)
   ref record_function torch.profiler.record_function with no profiler running (for comparison)
   ref nvtx.annotate   nvtx.annotate with the opsd domain (for comparison; needs nvtx)
 
@@ -123,6 +125,19 @@ def _inside_recorded_step(n: int, repeats: int) -> list[float]:
     return results
 
 
+def _inside_timed_step(n: int, repeats: int) -> list[float]:
+    """Mode ``timers``: one timed step per repeat (``prof.step()`` outside the measured loop)."""
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        config = ProfileConfig(mode="timers", output_dir=tmp)
+        with opsd_profiler(config, rank=0, world_size=1) as prof:
+            for _ in range(repeats):
+                results.append((_stage_loop(n) - _empty(n)) / n)
+                prof.step()
+    configure(ProfileConfig(mode="0"))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=20_000, help="stage() calls per repeat")
@@ -139,6 +154,7 @@ def main() -> None:
         for name, case in cases.items():
             samples.setdefault(name, []).append(case())
     samples["1 inside recorded"] = _inside_recorded_step(args.inside_calls, args.repeats)
+    samples["timers inside step"] = _inside_timed_step(args.inside_calls, args.repeats)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     print(f"# stage() per-call cost  (torch {torch.__version__}, {device}, python {platform.python_version()}, "

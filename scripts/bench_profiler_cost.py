@@ -1,0 +1,395 @@
+#!/usr/bin/env python
+"""What profiling costs a training step, measured in one process (issue 16, items 8 and 9).
+
+Two measurements:
+
+``light``: the always-on light mode (``OPSD_PROFILE=timers`` + ``prof.log_step`` every step) against
+profiling off, in one process: ``--pairs`` pairs of adjacent steps, one on and one off, in ABBA order
+(pair k is on-off for even k, off-on for odd k) after ``--warmup`` steps. Per pair d = on - off
+(wall time of the step, the ``log_step`` call and ``prof.step()``, with a CUDA synchronisation at
+both ends). Prints the mean relative cost mean(d) / mean(off) and its one-sided 95% upper confidence
+bound (Student t on the paired differences; also a bootstrap bound). Target: upper bound <= 1%.
+
+``linger``: profiling leaves no lasting cost. One process runs ``--steps`` steps in mode ``1`` with a
+recorded window early (``--window``, default 10-12) and a second window at the end; prints the median
+step time before the first window, of the recorded steps, and after it (the steps up to the second
+window's warm-up), the ratio after / before with a 95% bootstrap interval, the time of the trace
+export, and whether CUDA graphs still capture and replay after each window (a graph captured before
+any profiling is replayed, and a new one captured and replayed; results checked against eager).
+``--teardown-cupti 1`` sets ``OPSD_PROFILE_TEARDOWN_CUPTI=1`` (Kineto's ``TEARDOWN_CUPTI=1``).
+``--processes K`` runs K child processes alternating ``--teardown-cupti 0`` / ``1`` and prints one
+table of all of them.
+
+Workloads: ``--workload opsd`` (default) is ``scripts/train_opsd.py``'s OPSD step, built from the
+arguments after ``--`` (the same flags, e.g. ``--student qwen25-3b --teacher qwen25-3b``);
+``--workload synthetic`` is a small stand-in (matmuls in stage ranges, a CUDA-graph "decode" on GPU)
+for trying the script on a CPU. ``--json-out`` writes every step time and the summary.
+
+    python scripts/bench_profiler_cost.py light --pairs 60 -- --student qwen25-3b --teacher qwen25-3b
+    python scripts/bench_profiler_cost.py linger --steps 40 --teardown-cupti 0 -- --student qwen25-3b ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from instrumentation import ProfileConfig, configure, opsd_profiler, stage, stages  # noqa: E402
+from instrumentation.config import parse_int_list  # noqa: E402
+
+
+# ---- workloads --------------------------------------------------------------------------------------
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class OpsdWorkload:
+    """``scripts/train_opsd.py``'s OPSD step (its flags), one call per training step."""
+
+    def __init__(self, train_args: list[str], num_steps: int):
+        import train_opsd as T
+        from rollout import SamplingConfig
+
+        job, opsd_config = T.parse_args(train_args + ["--steps", str(num_steps)])
+        self.T, self.job = T, job
+        self.rank, _, self.device = T.init_distributed()
+        self.step = T.build_step(job, opsd_config, self.device)
+        self.vocab = min(self.step.student_vocab_size, self.step.teacher_vocab_size)
+        self.ids, self.mask = T.make_prompts(job, self.step.rollout.tokenizer, self.vocab, self.rank, self.device)
+        self.sampling = SamplingConfig(max_new_tokens=job.max_new_tokens, temperature=job.sampling_temperature,
+                                       n_samples_per_prompt=job.samples_per_prompt)
+        self.params = _num_params(getattr(self.step, "student", None)), _num_params(getattr(self.step, "teacher", None))
+
+    def run(self, index: int) -> dict:
+        import dataclasses
+
+        from instrumentation.mfu import mfu, opsd_step_flops, peak_flops
+
+        job = self.job
+        rows = slice(index * job.batch_size, (index + 1) * job.batch_size)
+        extra = {}
+        if job.teacher == self.T.SELF_TEACHER:
+            extra = dict(zip(("teacher_prompt_ids", "teacher_prompt_attention_mask"),
+                             self.T.self_teacher_prompts(self.ids[rows], self.mask[rows], self.vocab, job.seed)))
+        seed = job.seed * 100_003 + self.rank * 1009 + index
+        result = self.step.step(self.ids[rows], self.mask[rows], dataclasses.replace(self.sampling, seed=seed),
+                                **extra)
+        prompt_tokens = int(self.mask[rows].sum()) * job.samples_per_prompt
+        flops = None
+        if None not in self.params:
+            flops = opsd_step_flops(self.params[0], self.params[1], prompt_tokens, result.num_response_tokens)
+        peak = peak_flops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+        return {"loss": result.loss, "tokens_per_s": result.rollout_tokens_per_s, "step_ms": result.step_ms,
+                "mfu": mfu(flops, result.step_ms / 1e3, peak) if flops is not None else None}
+
+
+def _num_params(model):
+    module = getattr(model, "module", model)
+    try:
+        return int(sum(p.numel() for p in module.parameters()))
+    except Exception:
+        return None
+
+
+class SyntheticWorkload:
+    """Matmuls in stage ranges: eager prefill (many launches), a CUDA-graph decode on GPU, a sync."""
+
+    def __init__(self, size: int = 256, decode_steps: int = 16):
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.w = torch.randn(size, size, device=self.device) / size ** 0.5  # w: [H, H]
+        self.x = torch.randn(64, size, device=self.device)  # x: [B, H]
+        self.decode_steps, self.graph = decode_steps, None
+        if self.device.type == "cuda":
+            self.graph, self.static_out = capture_graph(lambda: torch.tanh(self.x @ self.w))
+
+    def run(self, index: int) -> dict:
+        t0 = time.perf_counter()
+        with stage(stages.STEP):
+            with stage(stages.ROLLOUT):
+                with stage(stages.PREFILL):
+                    h = self.x
+                    for _ in range(32):
+                        h = torch.tanh(h @ self.w)
+                for _ in range(self.decode_steps):
+                    with stage(stages.DECODE):
+                        if self.graph is not None:
+                            self.graph.replay()
+                        else:
+                            h = torch.tanh(h @ self.w)
+            with stage(stages.LOSS):
+                loss = float(h.square().mean())
+        return {"loss": loss, "tokens_per_s": None, "step_ms": (time.perf_counter() - t0) * 1e3, "mfu": None}
+
+
+def capture_graph(fn):
+    """(graph, output) of ``fn`` captured on a side stream after a warm-up (CUDA only)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def make_workload(args, num_steps: int):
+    if args.workload == "synthetic":
+        return SyntheticWorkload()
+    return OpsdWorkload(args.train_args, num_steps)
+
+
+# ---- statistics -------------------------------------------------------------------------------------
+def t_quantile_95(df: int) -> float:
+    """One-sided 95% quantile of Student's t (Cornish-Fisher expansion; within 0.05% for df >= 5)."""
+    z = 1.6448536269514722
+    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
+
+
+def paired_cost(on: list[float], off: list[float], seed: int = 0) -> dict:
+    """Relative cost of ``on`` over ``off`` (paired), with its one-sided 95% upper bounds."""
+    d = np.array(on) - np.array(off)
+    base = float(np.mean(off))
+    n = len(d)
+    sd = float(np.std(d, ddof=1)) if n > 1 else float("nan")
+    ucb = (float(d.mean()) + t_quantile_95(n - 1) * sd / math.sqrt(n)) / base if n > 1 else None
+    rng = np.random.default_rng(seed)
+    boot = [rng.choice(d, n).mean() / base for _ in range(4000)]
+    return {"pairs": n, "off_mean_ms": base, "on_mean_ms": float(np.mean(on)), "diff_mean_ms": float(d.mean()),
+            "relative": float(d.mean()) / base, "ucb95_t": ucb, "ucb95_bootstrap": float(np.quantile(boot, 0.95))}
+
+
+def ratio_of_medians(after: list[float], before: list[float], seed: int = 0) -> dict:
+    """median(after) / median(before) with a 95% bootstrap interval (steps resampled)."""
+    rng = np.random.default_rng(seed)
+    a, b = np.array(after), np.array(before)
+    boot = [np.median(rng.choice(a, len(a))) / np.median(rng.choice(b, len(b))) for _ in range(4000)]
+    return {"ratio": float(np.median(a) / np.median(b)), "low": float(np.quantile(boot, 0.025)),
+            "high": float(np.quantile(boot, 0.975))}
+
+
+# ---- light mode -------------------------------------------------------------------------------------
+def _timed(fn) -> tuple[float, object]:
+    _sync()
+    t0 = time.perf_counter()
+    out = fn()
+    _sync()
+    return (time.perf_counter() - t0) * 1e3, out
+
+
+def measure_light(args) -> dict:
+    total = args.warmup + 2 * args.pairs
+    workload = make_workload(args, total)
+    out_dir = args.output_dir or tempfile.mkdtemp(prefix="opsd_light_")
+    on_cfg = ProfileConfig.from_env({}, mode="timers", output_dir=out_dir, run_name="light")
+    off_cfg = ProfileConfig(mode="0")
+    on_ms, off_ms, order = [], [], []
+    with opsd_profiler(on_cfg) as prof:
+        for index in range(total):
+            pair, first = divmod(index - args.warmup, 2)
+            on = index < args.warmup or (first == 0) == (pair % 2 == 0)
+            configure(on_cfg if on else off_cfg)
+
+            def one_step():
+                figures = workload.run(index)
+                if on:
+                    prof.log_step(index, **figures)
+                prof.step()
+
+            ms, _ = _timed(one_step)
+            if index >= args.warmup:
+                (on_ms if on else off_ms).append(ms)
+                order.append("on" if on else "off")
+    configure(off_cfg)
+    result = {"measure": "light", "workload": args.workload, "device": _device(), **paired_cost(on_ms, off_ms),
+              "on_ms": on_ms, "off_ms": off_ms, "order": order, "scalars_dir": prof.scalars_dir}
+    print_light(result)
+    return result
+
+
+def print_light(r: dict) -> None:
+    print(f"light mode (OPSD_PROFILE=timers + log_step) vs off, {r['workload']} on {r['device']}, "
+          f"{r['pairs']} ABBA pairs")
+    print("| off mean ms | on mean ms | mean diff ms | cost | 95% upper bound (t) | (bootstrap) | <= 1% |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    ucb = r["ucb95_t"]
+    print(f"| {r['off_mean_ms']:.2f} | {r['on_mean_ms']:.2f} | {r['diff_mean_ms']:+.3f} | {100 * r['relative']:+.3f}% "
+          f"| {100 * ucb:+.3f}% | {100 * r['ucb95_bootstrap']:+.3f}% | {'yes' if ucb <= 0.01 else 'NO'} |")
+    print(f"scalars: {r['scalars_dir']}")
+
+
+# ---- lingering cost ---------------------------------------------------------------------------------
+def graph_check(graph_before, label: str) -> dict:
+    """Replay the graph captured before profiling, capture and replay a new one; compare with eager."""
+    if not torch.cuda.is_available():
+        return {"label": label, "status": "skipped (no CUDA)"}
+    try:
+        graph, out, x, w = graph_before
+        x.normal_()
+        graph.replay()
+        _sync()
+        replay_err = float((out - torch.tanh(x @ w)).abs().max())
+        new_graph, new_out = capture_graph(lambda: torch.tanh(x @ w + 1))
+        x.normal_()
+        new_graph.replay()
+        _sync()
+        capture_err = float((new_out - torch.tanh(x @ w + 1)).abs().max())
+        ok = replay_err < 1e-3 and capture_err < 1e-3
+        return {"label": label, "status": "ok" if ok else "WRONG RESULT", "replay_max_err": replay_err,
+                "capture_max_err": capture_err}
+    except Exception as exc:  # what we are looking for: report it, do not hide it
+        return {"label": label, "status": f"FAILED: {type(exc).__name__}: {exc}"}
+
+
+def _graph_before_profiling():
+    if not torch.cuda.is_available():
+        return None
+    x = torch.randn(256, 256, device="cuda")  # x: [256, 256]
+    w = torch.randn(256, 256, device="cuda") / 16
+    graph, out = capture_graph(lambda: torch.tanh(x @ w))
+    return graph, out, x, w
+
+
+def measure_linger(args) -> dict:
+    first = parse_int_list(args.window, "--window")
+    a, b = first[0], first[-1]
+    if not (3 <= a and b + 4 <= args.steps):  # step 0 warms up, step a-1 is the profiler's warm-up
+        raise SystemExit("--window must start at step >= 3 and end at least 4 steps before --steps")
+    if args.teardown_cupti is not None:
+        os.environ["OPSD_PROFILE_TEARDOWN_CUPTI"] = str(args.teardown_cupti)
+    second = (args.steps, args.steps + 1)
+    total = args.steps + 4
+    workload = make_workload(args, total)
+    graph = _graph_before_profiling()
+    out_dir = args.output_dir or tempfile.mkdtemp(prefix="opsd_linger_")
+    cfg = ProfileConfig.from_env(os.environ, mode="1", output_dir=out_dir, steps=tuple(first) + second,
+                                 run_name=f"linger-teardown{args.teardown_cupti}")
+    step_ms, prof_ms, checks = [], [], []
+    with opsd_profiler(cfg) as prof:
+        for index in range(total):
+            if index == b + 2:
+                checks.append(graph_check(graph, f"after window {a}-{b}"))
+            ms, _ = _timed(lambda: workload.run(index))
+            step_ms.append(ms)
+            p_ms, _ = _timed(prof.step)
+            prof_ms.append(p_ms)
+    checks.append(graph_check(graph, f"after window {second[0]}-{second[1]}"))
+    before, recorded = step_ms[1:a - 1], step_ms[a:b + 1]
+    after = step_ms[b + 1:second[0] - 1]
+    result = {"measure": "linger", "workload": args.workload, "device": _device(),
+              "teardown_cupti": cfg.teardown_cupti, "torch": torch.__version__, "cuda": torch.version.cuda,
+              "window": [a, b], "second_window": list(second), "median_before_ms": statistics.median(before),
+              "median_recorded_ms": statistics.median(recorded), "median_after_ms": statistics.median(after),
+              "after_over_before": ratio_of_medians(after, before),
+              "recorded_over_before": statistics.median(recorded) / statistics.median(before),
+              "export_ms": prof_ms[b], "graph_checks": checks, "step_ms": step_ms, "prof_step_ms": prof_ms,
+              "traces": prof.trace_paths()}
+    print_linger(result)
+    return result
+
+
+def print_linger(r: dict) -> None:
+    a, b = r["window"]
+    q = r["after_over_before"]
+    print(f"lingering cost: {r['workload']} on {r['device']}, torch {r['torch']} CUDA {r['cuda']}, "
+          f"TEARDOWN_CUPTI {'1' if r['teardown_cupti'] else 'unset'}, window {a}-{b}")
+    print(f"median step ms: before {r['median_before_ms']:.1f} (steps 1-{a - 2}), recorded "
+          f"{r['median_recorded_ms']:.1f} ({a}-{b}, x{r['recorded_over_before']:.3f}), after "
+          f"{r['median_after_ms']:.1f} ({b + 1}-{r['second_window'][0] - 2})")
+    print(f"after / before: {q['ratio']:.4f} (95% bootstrap {q['low']:.4f}-{q['high']:.4f}); "
+          f"trace export in prof.step(): {r['export_ms']:.0f} ms")
+    for c in r["graph_checks"]:
+        print(f"cuda graphs {c['label']}: {c['status']}")
+
+
+def run_processes(args, passthrough: list[str]) -> list[dict]:
+    """``--processes K`` children alternating ``--teardown-cupti 0/1``; one table at the end."""
+    results = []
+    for k in range(args.processes):
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            out = f.name
+        cmd = [sys.executable, os.path.abspath(__file__), "linger", "--teardown-cupti", str(k % 2),
+               "--json-out", out, *passthrough]
+        proc = subprocess.run(cmd, text=True)
+        if proc.returncode != 0:
+            results.append({"teardown_cupti": bool(k % 2), "failed": proc.returncode})
+            continue
+        with open(out) as f:
+            results.append(json.load(f))
+    print("| process | TEARDOWN_CUPTI | before ms | recorded ms | after ms | after/before (95%) | graphs |")
+    print("| ---: | --- | ---: | ---: | ---: | --- | --- |")
+    for k, r in enumerate(results):
+        if "failed" in r:
+            print(f"| {k} | {int(r['teardown_cupti'])} | process failed (exit {r['failed']}) | | | | |")
+            continue
+        q = r["after_over_before"]
+        graphs = ", ".join(c["status"] for c in r["graph_checks"])
+        print(f"| {k} | {int(r['teardown_cupti'])} | {r['median_before_ms']:.1f} | {r['median_recorded_ms']:.1f} | "
+              f"{r['median_after_ms']:.1f} | {q['ratio']:.4f} ({q['low']:.4f}-{q['high']:.4f}) | {graphs} |")
+    return results
+
+
+# ---- main -------------------------------------------------------------------------------------------
+def _device() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("measure", choices=("light", "linger"))
+    p.add_argument("--workload", choices=("opsd", "synthetic"), default="opsd")
+    p.add_argument("--pairs", type=int, default=60, help="light: on/off pairs (>= 50 for the report)")
+    p.add_argument("--warmup", type=int, default=6, help="light: steps before the pairs (on)")
+    p.add_argument("--steps", type=int, default=40, help="linger: steps before the second window")
+    p.add_argument("--window", default="10-12", help="linger: the early recorded window, 'A-B'")
+    p.add_argument("--teardown-cupti", type=int, choices=(0, 1), default=None)
+    p.add_argument("--processes", type=int, default=0, help="linger: K child processes, teardown 0/1 alternating")
+    p.add_argument("--output-dir", default=None, help="where traces and scalars go (default: a temp dir)")
+    p.add_argument("--json-out", default=None)
+    args, rest = p.parse_known_args(argv)
+    args.train_args = [x for x in rest if x != "--"]
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.measure == "linger" and args.processes:
+        passthrough = [x for x in argv if x not in ("linger",)]
+        skip = {"--processes", "--teardown-cupti", "--json-out"}
+        cleaned, i = [], 0
+        while i < len(passthrough):
+            if passthrough[i] in skip:
+                i += 2
+                continue
+            cleaned.append(passthrough[i])
+            i += 1
+        result = {"processes": run_processes(args, cleaned)}
+    else:
+        result = measure_light(args) if args.measure == "light" else measure_linger(args)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1, allow_nan=False, default=lambda v: None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""scripts/bench_profiler_cost.py on the CPU stand-in workload: it runs, writes its JSON, and its
+statistics are right (the GPU figures come from the lead's H200 runs)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "bench_profiler_cost.py"
+
+
+def bench_module():
+    spec = importlib.util.spec_from_file_location("bench_profiler_cost", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("df,expected", [(5, 2.0150), (10, 1.8125), (49, 1.6766), (119, 1.6578)])
+def test_t_quantile(df, expected):  # one-sided 95% quantiles of Student's t (tables)
+    assert bench_module().t_quantile_95(df) == pytest.approx(expected, rel=5e-4)
+
+
+def test_paired_cost_and_ratio():
+    b = bench_module()
+    off = [100.0, 102.0, 98.0, 100.0]
+    on = [101.0, 103.0, 99.0, 101.0]  # exactly 1 ms more in every pair: no spread
+    cost = b.paired_cost(on, off)
+    assert cost["relative"] == pytest.approx(0.01) and cost["ucb95_t"] == pytest.approx(0.01)
+    ratio = b.ratio_of_medians([2.0, 2.0, 2.0], [1.0, 1.0, 1.0])
+    assert (ratio["ratio"], ratio["low"], ratio["high"]) == (2.0, 2.0, 2.0)
+    rng = np.random.default_rng(1)
+    noisy = b.paired_cost(list(100 + rng.normal(0, 1, 60)), list(100 + rng.normal(0, 1, 60)))
+    assert noisy["ucb95_t"] > noisy["relative"]
+
+
+def run(*args, tmp_path):
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--workload", "synthetic", "--output-dir",
+                           str(tmp_path / "traces"), "--json-out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_light_measure_runs(tmp_path):
+    stdout, result = run("light", "--pairs", "3", "--warmup", "1", tmp_path=tmp_path)
+    assert result["pairs"] == 3 and result["order"] == ["on", "off", "off", "on", "on", "off"]
+    assert "95% upper bound" in stdout and (Path(result["scalars_dir"]).exists())
+
+
+def test_linger_measure_runs(tmp_path):
+    stdout, result = run("linger", "--steps", "9", "--window", "3-4", tmp_path=tmp_path)
+    assert result["window"] == [3, 4] and len(result["step_ms"]) == 13 and len(result["traces"]) == 2
+    assert [c["label"] for c in result["graph_checks"]] == ["after window 3-4", "after window 9-10"]
+    assert "after / before" in stdout
