@@ -42,7 +42,7 @@ def format_overview(rows: list[StageRow], fmt: str = "table") -> str:
         Column("name", "stage", left=True), Column("count", "count"),
         Column("cpu_ms", "cpu ms", _MS), Column("share", "cpu share", _PCT),
         Column("gpu_ms", "gpu ms", _MS), Column("gpu_share", "gpu share", _PCT),
-        Column("launches", "launches"), Column("sync_ms", "sync ms", _MS), Column("bound", "bound")]
+        Column("launches", "launches"), Column("sync_ms", "sync ms", _MS), Column("bound", "bound", left=True)]
     if comm:
         columns += [Column("comm_ms", "comm ms", _MS), Column("comm_overlap", "comm overlap", _PCT)]
     columns.append(Column("peak_allocated_mib", "peak MiB", _MIB))
@@ -127,16 +127,20 @@ def format_kernels(rows: list[StageRow], fmt: str = "table", width: int = 90) ->
     return render(columns, out, fmt)
 
 
+def _ms(value: float) -> str:
+    return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3f}"
+
+
 def format_headline(head: Headline | None, label: str = "") -> str:
-    """One line: wall time, GPU busy and where the idle time went."""
+    """One line: wall time, GPU busy and where the idle time went (ms)."""
     if head is None:
         return f"{label}no root stage\n"
     ranges = f"{head.num_ranges} range{'s' if head.num_ranges != 1 else ''}"
-    text = f"{label}{head.stage} ({ranges}): wall {head.wall_ms:.1f} ms"
+    text = f"{label}{head.stage} ({ranges}): wall {_ms(head.wall_ms)} ms"
     if head.gpu_busy_ms is None:
         return text + ", no GPU activity in the trace\n"
     i = head.idle
     idle = i.host_launch_ms + i.host_sync_ms + i.other_ms
-    return (text + f", GPU busy {head.gpu_busy_ms:.1f} ms ({head.gpu_busy_pct:.1f}%), idle {idle:.1f} ms: "
-            f"host launching {i.host_launch_ms:.1f}, host in syncs {i.host_sync_ms:.1f}, "
-            f"queued/other {i.other_ms:.1f}\n")
+    return (text + f", GPU busy {_ms(head.gpu_busy_ms)} ({head.gpu_busy_pct:.1f}%), GPU idle {_ms(idle)}: "
+            f"host launching {_ms(i.host_launch_ms)}, host in syncs {_ms(i.host_sync_ms)}, "
+            f"queued/other {_ms(i.other_ms)}\n")
