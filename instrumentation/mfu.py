@@ -13,8 +13,8 @@ over ``rows`` sequences of ``prompt_tokens`` + ``response_tokens`` real tokens i
 * student forward + backward over prompts and responses: ``6 * N_student * (prompt_tokens +
   response_tokens)``.
 
-``N`` is the number of parameters that take part in matmuls (tied input and output embeddings
-counted once: the output projection). Peak FLOP/s: :data:`PEAK_TFLOPS`, the dense (no sparsity)
+``N`` is the number of parameters that take part in matmuls (:func:`matmul_params`: tied input and
+output embeddings counted once, as the output projection; an untied input embedding left out). Peak FLOP/s: :data:`PEAK_TFLOPS`, the dense (no sparsity)
 tensor-core figure of the vendor's data sheet for the dtype, e.g. 989.4 TFLOP/s bf16 for an H100 or
 H200 SXM (1,979 with 2:4 sparsity).
 """
@@ -49,6 +49,20 @@ def opsd_step_flops(student_params: int, teacher_params: int, prompt_tokens: int
     teacher_prompt = prompt_tokens if teacher_prompt_tokens is None else teacher_prompt_tokens
     student_tokens = prompt_tokens + response_tokens
     return (2.0 + 6.0) * student_params * student_tokens + 2.0 * teacher_params * (teacher_prompt + response_tokens)
+
+
+def matmul_params(model) -> int:
+    """Parameters of a model (or a DeepSpeed engine around one) that take part in matmuls: all of
+    them at full size (``ds_numel`` under ZeRO-3), less an input embedding that is not tied to the
+    output projection (a lookup, no matmul)."""
+    module = getattr(model, "module", model)
+    size = lambda p: int(getattr(p, "ds_numel", 0) or p.numel())
+    total = sum(size(p) for p in module.parameters())
+    get_in, get_out = getattr(module, "get_input_embeddings", None), getattr(module, "get_output_embeddings", None)
+    emb, out = (get_in() if get_in else None), (get_out() if get_out else None)
+    if emb is not None and out is not None and emb.weight is not out.weight:
+        total -= size(emb.weight)
+    return total
 
 
 def mfu(flops: float, step_s: float, peak: Optional[float]) -> Optional[float]:

@@ -99,9 +99,10 @@ class OpsdWorkload:
 
 
 def _num_params(model):
-    module = getattr(model, "module", model)
+    from instrumentation.mfu import matmul_params
+
     try:
-        return int(sum(p.numel() for p in module.parameters()))
+        return matmul_params(model)
     except Exception:
         return None
 

@@ -160,3 +160,18 @@ def test_mfu_formula():
     assert mfu(flops, 0.0, 1.0) is None and mfu(flops, 1.0, None) is None
     with pytest.raises(ValueError, match="prompt_tokens"):
         opsd_step_flops(1, 1, -1, 0)
+
+
+@pytest.mark.parametrize("arch,tied", [("qwen2", True), ("llama", False)])
+def test_matmul_params_counts_the_output_projection_once(arch, tied):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from instrumentation.mfu import matmul_params
+
+    config = AutoConfig.for_model(arch, vocab_size=256, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(config)
+    every = sum(p.numel() for p in model.parameters())  # tied weights are one parameter
+    embedding = model.get_input_embeddings().weight.numel()
+    assert matmul_params(model) == (every if tied else every - embedding)

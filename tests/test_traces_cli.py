@@ -147,3 +147,15 @@ def test_multi_rank_set_with_one_bad_file(tmp_path, capsys):
     code, out, err = run_cli(capsys, [str(tmp_path), "--format", "json"])
     assert code == 2 and json.loads(out)["ranks"] == [0, 1]
     assert str(bad) in err and len(err.strip().splitlines()) == 1
+
+
+def test_json_output_is_strict_json_even_with_nan_in_the_trace(tmp_path, capsys):
+    ev = [annotation(STEP, 0, 100), launch(10, 1), gpu_op(20, float("nan"), 1)]
+    path = write_events(str(tmp_path / "nan.json"), ev)  # json.dumps writes a bare NaN
+    code, out, _ = run_cli(capsys, [path, "--format", "json"])
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    doc = json.loads(out, parse_constant=refuse)
+    assert code == 0 and doc["stages"][0]["name"] == STEP

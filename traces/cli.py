@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 
@@ -80,10 +81,21 @@ def _baseline_rows(path: str, prefix: str, errors: list[str], args):
                 return None
     loaded = load([path], _source(args))
     errors.extend(str(e) for e in loaded.errors)
-    rows = build_report(loaded, prefix).stages if loaded.files else []
+    rows = build_report(loaded, prefix, steps=False).stages if loaded.files else []
     if loaded.files and not rows:
         errors.append(f"{path}: no ranges matching prefix {prefix!r} in the baseline")
     return rows or None
+
+
+def finite(value):
+    """``value`` with every non-finite float (NaN, inf) replaced by None: valid JSON only."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def _csv(report: Report, args) -> str:
@@ -107,7 +119,7 @@ def _csv(report: Report, args) -> str:
 
 def _render(report: Report, args) -> str:
     if args.format == "json":
-        return json.dumps(report.to_dict(args.by_rank, args.by_step), indent=2, allow_nan=False) + "\n"
+        return json.dumps(finite(report.to_dict(args.by_rank, args.by_step)), indent=2, allow_nan=False) + "\n"
     if args.format == "csv":
         return _csv(report, args)
     fmt = args.format
@@ -140,7 +152,8 @@ def run(args) -> int:
 
     loaded = load(args.paths, _source(args))
     errors = [str(e) for e in loaded.errors]
-    report = build_report(loaded, args.prefix, args.kernels) if loaded.files else None
+    steps = args.by_step or bool(args.tensorboard)
+    report = build_report(loaded, args.prefix, args.kernels, steps) if loaded.files else None
     if report is not None and not report.stages:
         names = ", ".join(d.path for d in loaded.files)
         errors.append(f"{names}: no user_annotation ranges matching prefix {args.prefix!r}")

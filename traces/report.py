@@ -229,8 +229,9 @@ def _stragglers(report: Report) -> None:
                                         "gpu_total_ms": _spread(gpu_totals) if gpu_totals else None}
 
 
-def build_report(loaded: LoadedSet, prefix: str, kernels: int = 0) -> Report:
-    """Instances of every file, steps numbered per rank, and the rows of every scope."""
+def build_report(loaded: LoadedSet, prefix: str, kernels: int = 0, steps: bool = True) -> Report:
+    """Instances of every file, steps numbered per rank, and the rows of every scope (the per-step
+    scopes only when ``steps``: they cost a pass per step)."""
     files = _read(loaded, prefix)
     ranks = sorted({f.data.rank for f in files})
     by_rank = {rank: [f for f in files if f.data.rank == rank] for rank in ranks}
@@ -251,7 +252,8 @@ def build_report(loaded: LoadedSet, prefix: str, kernels: int = 0) -> Report:
         if head is not None:
             report.rank_headline[rank] = head
     report.headline = Headline.total(list(report.rank_headline.values()))
-    _per_step(report, instances)
+    if steps:
+        _per_step(report, instances)
     _stragglers(report)
     return report
 
