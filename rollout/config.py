@@ -14,6 +14,8 @@ from typing import Optional
 from rollout.checks import is_int, require
 
 ROUTES = ("ordinary", "continuous", "auto")
+#: Seeds key the sampling noise through 32-bit hashes: larger ones would alias smaller ones.
+MAX_SEED = 2**32
 GATHER_MODES = ("once", "per_forward")
 
 
@@ -36,7 +38,12 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     """HF semantics (> 0; 1 disables): applied in fp32 over the padded history (prompt incl. padding + response)."""
     seed: Optional[int] = None
-    """Same inputs + same seed -> same samples. None uses torch's global RNG."""
+    """Same inputs + same seed -> same samples, in ``[0, 2**32)``. None uses torch's global RNG."""
+    return_logprobs: bool = False
+    """Also return ``RolloutBatch.logprobs``: each sampled token's log-probability under the distribution
+    it was drawn from (after repetition penalty, temperature, top-k, top-p)."""
+    return_finish_reasons: bool = False
+    """Also return ``RolloutBatch.finish_reasons``: per row, EOS or budget."""
 
     def __post_init__(self) -> None:
         require(is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
@@ -54,7 +61,10 @@ class SamplingConfig:
         require(isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
                  and self.repetition_penalty > 0, "repetition_penalty",
                  f"must be a finite number > 0; got {self.repetition_penalty!r}")
-        require(self.seed is None or is_int(self.seed), "seed", f"must be None or an int; got {self.seed!r}")
+        require(self.seed is None or (is_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed",
+                f"must be None or an int in [0, 2**32); got {self.seed!r}")
+        for name in ("return_logprobs", "return_finish_reasons"):
+            require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -96,6 +106,10 @@ class RolloutConfig:
     geometry. The defaults are starting estimates: calibrate for your model, GPU and dtype."""
     max_prefill_tokens: Optional[int] = 65536
     """Padded tokens (rows x length) per planned prefill forward; None removes the limit."""
+    max_cache_gib: Optional[float] = None
+    """Cap on the KV cache of a call (GiB). The continuous route's slots and Auto's choice follow it; a call
+    whose smallest feasible cache does not fit is refused with the figures before anything is allocated.
+    None: the memory the device has free (a call that could not fit there is refused the same way)."""
 
     def __post_init__(self) -> None:
         require(self.route in ROUTES, "route", f"must be one of {ROUTES}; got {self.route!r}")
@@ -110,5 +124,9 @@ class RolloutConfig:
         from rollout.plan.planner import CostModel  # light, pure Python
         require(self.cost_model is None or isinstance(self.cost_model, (CostModel, str)), "cost_model",
                  f"must be a CostModel, a calibration file path or None; got {type(self.cost_model).__name__}")
+        require(self.max_cache_gib is None or (isinstance(self.max_cache_gib, (int, float))
+                                                and not isinstance(self.max_cache_gib, bool)
+                                                and math.isfinite(self.max_cache_gib) and self.max_cache_gib > 0),
+                "max_cache_gib", f"must be None or a finite number > 0; got {self.max_cache_gib!r}")
         require(self.max_context is None or (is_int(self.max_context) and self.max_context > 0),
                  "max_context", f"must be None or a positive int; got {self.max_context!r}")
