@@ -60,9 +60,14 @@ def metadata(path: str, text: str) -> Iterator[tuple]:
 _INT = re.compile(r"\s*(-?\d+)")
 
 
-def _int_arg(buf: str, key: str, lo: int, hi: int):
-    """The integer value of ``key`` (``'"name":'``) inside ``buf[lo:hi]``, else None."""
-    at = buf.find(key, lo, hi)
+#: Kineto's args of GPU ops (stream, then correlation) and of launches (correlation), from ``{``.
+_GPU_ARGS = re.compile(r'[^{}]*?"stream":\s*(-?\d+),\s*"correlation":\s*(-?\d+)')
+_LAUNCH_ARGS = re.compile(r'[^{}]*?"correlation":\s*(-?\d+)')
+
+
+def _int_arg(buf: str, key: str, lo: int):
+    """The integer value of ``key`` (``'"name":'``) in the args object starting at ``buf[lo]``."""
+    at = buf.find(key, lo, buf.find("}", lo))
     m = _INT.match(buf, at + len(key)) if at > 0 else None
     return int(m.group(1)) if m is not None else None
 
@@ -90,13 +95,17 @@ def fast_tuple(buf: str, s: int):
             name = json.loads('"' + name + '"')
         if cat[0] == "c" and name in SYNC_CALLS:
             return (SYNC, int(pid), int(tid), float(ts), float(dur))
-        args_end = buf.find("}", m.end())
-        corr = _int_arg(buf, '"correlation":', m.end(), args_end)
+        if cat[0] == "c":
+            a = _LAUNCH_ARGS.match(buf, m.end())
+            corr = int(a.group(1)) if a is not None else _int_arg(buf, '"correlation":', m.end())
+            return None if corr is None else (LAUNCH, int(pid), int(tid), float(ts), corr)
+        a = _GPU_ARGS.match(buf, m.end())
+        if a is not None:
+            return (GPU, int(a.group(2)), float(ts), float(dur), int(pid), name, int(a.group(1)))
+        corr = _int_arg(buf, '"correlation":', m.end())
         if corr is None:
             return None
-        if cat[0] == "c":
-            return (LAUNCH, int(pid), int(tid), float(ts), corr)
-        stream = _int_arg(buf, '"stream":', m.end(), args_end)
+        stream = _int_arg(buf, '"stream":', m.end())
         return (GPU, corr, float(ts), float(dur), int(pid), name, -1 if stream is None else stream)
     m = _KINETO_MEMORY.match(buf, s)
     if m is not None:

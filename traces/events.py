@@ -175,11 +175,31 @@ class _Collector:
 
 
 def collect(path: str, events: Iterable[tuple]) -> TraceData:
-    """Gather the event tuples of one file into a :class:`TraceData`."""
+    """Gather the event tuples of one file into a :class:`TraceData` (GPU ops and launches, the
+    bulk of a trace, inline; the other kinds through :class:`_Collector`)."""
     c = _Collector(path)
-    handlers = {RANGE: c.range_, GPU: c.gpu, LAUNCH: c.launch, SYNC: c.sync, MEMORY: c.memory,
-                SPAN: c.span, META: c.meta}
+    d, names = c.data, c._name_ids
+    handlers = {RANGE: c.range_, SYNC: c.sync, MEMORY: c.memory, SPAN: c.span, META: c.meta}
+    g_corr, g_start, g_end = d.gpu_correlation.append, d.gpu_start_us.append, d.gpu_end_us.append
+    g_name, g_stream = d.gpu_name.append, d.gpu_stream.append
+    l_pid, l_ts, l_corr = d.launch_pid.append, d.launch_ts_us.append, d.launch_correlation.append
+    lo, hi = d.span_start_us, d.span_end_us
     for ev in events:
-        handlers[ev[0]](ev)
-    c.data.span_start_us, c.data.span_end_us = c.lo, c.hi
-    return c.data
+        kind = ev[0]
+        if kind == GPU and len(ev) == 7:
+            _, corr, ts, dur, _device, name, stream = ev
+            name_id = names.get(name)
+            if name_id is None:
+                name_id = names[name] = len(d.names)
+                d.names.append(name)
+            g_corr(corr), g_start(ts), g_end(ts + dur), g_name(name_id)
+            g_stream(stream if stream is not None else -1)
+            lo, hi = (ts if ts < lo else lo), (ts + dur if ts + dur > hi else hi)
+        elif kind == LAUNCH:
+            l_pid(ev[1]), l_ts(ev[3]), l_corr(ev[4])
+        elif kind == GPU:
+            c.gpu(ev)
+        else:
+            handlers[kind](ev)
+    d.span_start_us, d.span_end_us = min(lo, c.lo), max(hi, c.hi)
+    return d

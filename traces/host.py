@@ -33,26 +33,24 @@ class SyncWaits:
             self._charge(int(pid), s, e, gpu.by_pid.get(int(pid)))
 
     def _charge(self, pid: int, s: np.ndarray, e: np.ndarray, ops: PidOps | None) -> None:
+        """Split each wait ``[s_i, e_i]`` over the ops running in it (vectorised over all pairs)."""
         n = 0 if ops is None else len(ops.start_us)
-        charge = np.zeros(n)
-        loose_ts, loose_us = [], []
-        if n:
+        charge, weight = np.zeros(n), np.zeros(len(s))
+        if n and len(s):
             by_start = np.argsort(ops.start_us, kind="stable")
             op_s, op_e = ops.start_us[by_start], ops.end_us[by_start]
-            longest = float((op_e - op_s).max())
-        for lo, hi in zip(s, e):
-            weights = None
-            if n:
-                a, b = np.searchsorted(op_s, lo - longest, "left"), np.searchsorted(op_s, hi, "left")
-                overlap = np.minimum(op_e[a:b], hi) - np.maximum(op_s[a:b], lo)
-                if (overlap > 0).any():
-                    weights = np.clip(overlap, 0.0, None)
-                    charge[by_start[a:b]] += (hi - lo) * weights / weights.sum()
-            if weights is None:
-                loose_ts.append(lo)
-                loose_us.append(hi - lo)
+            lo = np.searchsorted(op_s, s - float((op_e - op_s).max()), "left")
+            counts = np.searchsorted(op_s, e, "left") - lo
+            wait = np.repeat(np.arange(len(s)), counts)  # (wait, op) pairs that may overlap
+            first = np.repeat(np.cumsum(counts) - counts, counts)
+            op = np.arange(int(counts.sum())) - first + np.repeat(lo, counts)
+            overlap = np.clip(np.minimum(op_e[op], e[wait]) - np.maximum(op_s[op], s[wait]), 0.0, None)
+            weight = np.bincount(wait, overlap, minlength=len(s))
+            share = np.where(weight[wait] > 0, overlap / np.where(weight[wait] > 0, weight[wait], 1.0), 0.0)
+            charge = np.bincount(by_start[op], share * (e - s)[wait], minlength=n)
+        loose = weight <= 0  # no op of the process ran during the wait
         self._op_charge[pid] = np.concatenate(([0.0], np.cumsum(charge)))
-        self._loose[pid] = (np.array(loose_ts), np.concatenate(([0.0], np.cumsum(loose_us))))
+        self._loose[pid] = (s[loose], np.concatenate(([0.0], np.cumsum((e - s)[loose]))))
 
     def charged_us(self, pid: int, i0: int, i1: int, start_us: float, end_us: float) -> float:
         """Host wait charged to the ops ``[i0, i1)`` of ``pid`` plus the waits without GPU work
