@@ -70,11 +70,11 @@ def test_fresh_profiler_traces(real_traces):
 
 
 def test_stored_trace_file():
-    loaded = load([DATA])
+    loaded = load([os.path.join(DATA, "cpu_tiny.pt.trace.json.gz")])
     assert not loaded.errors and len(loaded.files) == 1
     report = build_report(loaded, S.PREFIX)
     rows = {r.name: r for r in report.stages}
     assert {n: r.count for n, r in rows.items()} == {STEP: 2, ROLLOUT: 2, PREFILL: 2, DECODE: 4}
     assert rows[PREFILL].peak_allocated_mib > 0
-    every = build_report(load([DATA]), "")
+    every = build_report(load([os.path.join(DATA, "cpu_tiny.pt.trace.json.gz")]), "")
     assert {r.name for r in every.stages} >= set(rows)
