@@ -141,7 +141,7 @@ def _render(report: Report, args) -> str:
         for k in sorted(report.per_step):
             parts += [f"\nstep {k}\n", format_overview(report.per_step[k], fmt)]
     if report.diff is not None:
-        parts += ["\ndiff (after vs before): per-step means over recorded (rank, step) pairs, noise = "
+        parts += ["\ndiff (b = before, a = after): per-step means over recorded (rank, step) pairs, noise = "
                   "2 sd of the difference; per-call means\n", format_diff(report.diff, fmt)]
     return "".join(parts)
 
