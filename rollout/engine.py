@@ -18,13 +18,15 @@ import time
 import torch
 
 from instrumentation import collect_stages, stage, stages
-from rollout.cache.pool import CachePool
+from rollout.cache.pool import CachePool, free_device_bytes
+from rollout.cache.static import cache_shape
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.executors.context import CallContext, EosIds
 from rollout.executors.continuous.executor import ContinuousExecutor
 from rollout.executors.decode import DecodeChoice, FastStep, choose_decode
 from rollout.executors.ordinary.executor import OrdinaryExecutor
-from rollout.executors.ordinary.loop import RowOrder
+from rollout.executors.ordinary.loop import PromptBatch
+from rollout.executors.ordinary.order import RowOrder
 from rollout.model import compat, zero
 from rollout.model.costs import cost_model_for
 from rollout.model.lora import LoraFuser
@@ -32,7 +34,8 @@ from rollout.ops.expand import expand_prompts
 from rollout.ops.inputs import checked_layout
 from rollout.ops.postprocess import assemble, response_mask
 from rollout.plan import routes
-from rollout.plan.layout import check_gather
+from rollout.plan.layout import PromptLayout, check_gather
+from rollout.plan.memory import GIB, Budget, CallMemory, slots_within_budget
 from rollout.request import RolloutBatch, RolloutRequest
 from rollout.stats import CallShape, CallStats, build_profile
 
@@ -62,6 +65,16 @@ def token_ids(tokenizer) -> tuple[tuple[int, ...], int]:
     return eos_ids, pad
 
 
+def _check_in_vocab(eos_ids: tuple[int, ...], pad_id: int, vocab_size: int) -> None:
+    """Pad and EOS ids the model cannot emit or embed would fail far away, or never end a row."""
+    if not 0 <= pad_id < vocab_size:
+        raise ValueError(f"tokenizer.pad_token_id: {pad_id} is outside the model's vocabulary [0, {vocab_size})")
+    outside = [t for t in eos_ids if not 0 <= t < vocab_size]
+    if outside:
+        raise ValueError(f"tokenizer.eos_token_id: {outside} outside the model's vocabulary [0, {vocab_size}): "
+                         "such an EOS would never end a row")
+
+
 class Rollout:
     """Generates student rollouts for on-policy distillation.
 
@@ -81,6 +94,7 @@ class Rollout:
         self.model = compat.causal_lm(self.module)
         compat.check_supported(self.model)
         self.eos_token_ids, self.pad_token_id = token_ids(tokenizer)
+        _check_in_vocab(self.eos_token_ids, self.pad_token_id, self.model.config.vocab_size)
         self.tokenizer = tokenizer
         self.is_zero3 = zero.is_zero3(engine)
         if self.config.route != routes.ORDINARY:
@@ -147,21 +161,22 @@ class Rollout:
         mask = request.prompt_attention_mask.to(device, non_blocking=True)
         layout = checked_layout(ids, mask, self.model.config.vocab_size, sampling.max_new_tokens,
                                 self.config.max_context or compat.context_limit(self.model))
+        decode = choose_decode(self.config, self.model, self.is_zero3, device)
+        fit = self._slots_within_budget(layout, sampling, decode, device)  # refuses before any allocation
         with stage(stages.EXPAND):
             expanded_ids, expanded_mask = expand_prompts(ids, mask, sampling.n_samples_per_prompt)
-        decode = choose_decode(self.config, self.model, self.is_zero3, device)
         with stage(stages.PLAN):
             route = routes.choose_route(self.config.route, layout, sampling.n_samples_per_prompt,
-                                        sampling.continuous_batch_size, self._costs(), self.config.max_prefill_tokens,
-                                        decode.prefill_path)
+                                        fit.slots if fit else sampling.continuous_batch_size, self._costs(),
+                                        self.config.max_prefill_tokens, decode.prefill_path)
         with self._inference_mode(), self._generation_weights():
             ctx = self._context(sampling, decode, device)  # after the gather: ZeRO-3 weights are resident
             if route.route == routes.CONTINUOUS:
-                generated, stats = self._continuous.run(ctx, decode, ids, mask, layout)
+                generated, stats = self._continuous.run(ctx, decode, ids, mask, layout, fit)
             else:
-                order = RowOrder.plan(layout.expanded(sampling.n_samples_per_prompt), route.buckets,
-                                      route.bucket_lengths)
-                generated, stats = self._ordinary.run(ctx, decode, expanded_ids, expanded_mask, order)
+                order = RowOrder.plan(layout, sampling.n_samples_per_prompt, route.buckets, route.bucket_lengths)
+                batch = PromptBatch(ids, mask, expanded_ids, expanded_mask)
+                generated, stats = self._ordinary.run(ctx, decode, batch, order)
         stats.route, stats.route_reason, stats.dp_skipped = route.route, route.reason, route.dp_skipped
         stats.route_estimates_ms, stats.prefill_path = route.estimates_ms, decode.prefill_path
         stats.prefill_buckets = len(route.buckets) if route.buckets else 1
@@ -169,8 +184,8 @@ class Rollout:
         with stage(stages.MASK_BUILD):
             responses = response_mask(generated, self.eos_token_ids)
         with stage(stages.POSTPROCESS):
-            batch = assemble(expanded_ids, expanded_mask, generated, responses, self.pad_token_id)
-        return batch, stats
+            output = assemble(expanded_ids, expanded_mask, generated, responses, self.pad_token_id)
+        return output, stats
 
     def _context(self, sampling: SamplingConfig, decode: DecodeChoice, device: torch.device) -> CallContext:
         """What the executors need of this call (inside the gather). Prefill is not captured in graphs, so it
@@ -179,6 +194,19 @@ class Rollout:
         return CallContext(self.model, sampling, EosIds.on(self.eos_token_ids, device), self._costs(),
                            self.config.max_prefill_tokens, self.config.eos_check_interval, stage, self._busy,
                            fast=parts, fast_prefill=parts if decode.prefill_path != "hf" else None)
+
+    def _slots_within_budget(self, layout: PromptLayout, sampling: SamplingConfig, decode: DecodeChoice,
+                             device: torch.device):
+        """Continuous-batching slots (and capacity) the KV budget allows (None: the call runs as planned);
+        refuses a call that cannot fit (``plan.memory``). The kept cache counts as free: a call reuses or
+        replaces it."""
+        cap = self.config.max_cache_gib
+        free = free_device_bytes(device)
+        budget = Budget(None if cap is None else int(cap * GIB), None if free is None else free + self._pool.nbytes)
+        call = CallMemory(layout.num_prompts, sampling.n_samples_per_prompt, layout.spans, layout.padded_len,
+                          sampling.max_new_tokens, self.model.config.vocab_size,
+                          cache_shape(self.model, 1, 1).column_bytes, decode.is_fast)
+        return slots_within_budget(call, self.config.route, sampling.continuous_batch_size, budget)
 
     def _costs(self):
         if self._cost_model is None:

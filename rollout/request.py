@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+#: Dtypes an embedding lookup takes.
+TOKEN_DTYPES = (torch.int64, torch.int32)
+
 
 @dataclass
 class RolloutRequest:
@@ -37,8 +40,13 @@ class RolloutRequest:
                              f"{tuple(ids.shape)}")
         if ids.shape[0] == 0 or ids.shape[1] == 0:
             raise ValueError(f"prompt_ids: needs at least one row and one column; got {tuple(ids.shape)}")
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"prompt_ids: must hold integer token ids; got dtype {ids.dtype}")
+        if ids.dtype not in TOKEN_DTYPES:
+            raise ValueError(f"prompt_ids: must hold token ids as int64 or int32; got dtype {ids.dtype}")
+        if mask.dtype.is_complex:
+            raise ValueError(f"prompt_attention_mask: must be bool, integer or floating 0/1; got dtype {mask.dtype}")
+        for name, tensor in (("prompt_ids", ids), ("prompt_attention_mask", mask)):
+            if tensor.device.type == "meta":
+                raise ValueError(f"{name}: is on the meta device (no data); pass a tensor with values")
 
     @property
     def batch_size(self) -> int:

@@ -69,14 +69,16 @@ class CallStats:
     """Columns of the KV cache the call used."""
     cache_bytes: int = 0
     """Bytes of that KV cache (keys + values, all layers)."""
+    compactions: int = 0
+    """Ordinary route: times the unfinished rows were moved into a smaller batch bucket."""
     trims: int = 0
     """Continuous route: left realigns (the dead prefix dropped at the capacity)."""
     shifts: int = 0
     """Continuous route: right realigns (room for a longer admitted prompt)."""
     row_moves: int = 0
-    """Continuous route: rows copied by compaction."""
+    """Rows copied by compaction (both routes)."""
     bytes_moved: int = 0
-    """Continuous route: bytes written by compaction and realigns."""
+    """Bytes written into the cache by compaction and (continuous route) realigns."""
     prefill_copy_bytes: int = 0
     """Continuous route: bytes of prefilled keys/values copied from the scratch into the slots."""
     scratch_bytes: int = 0

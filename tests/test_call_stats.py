@@ -18,11 +18,12 @@ NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
 CPU_REASON = "eager fast step: device cpu has no CUDA graphs"
 
 COMMON = dict(dp_skipped=True, route_estimates_ms={}, prefill_buckets=1, graph_decode_steps=0, num_steps=5,
-              trims=0, shifts=0, row_moves=0, bytes_moved=0)
-# ordinary: one pass over all 6 rows padded to 6 columns, 4 decode steps of 6 rows; the cache holds the
-# batch bucket of 6 rows (8) x (6 + 5) columns; no EOS ids -> no EOS check at all.
+              compactions=0, trims=0, shifts=0, row_moves=0, bytes_moved=0)
+# ordinary: one pass over the 3 prompts of 6 tokens (each prompt's 2 samples share it), 4 decode steps of 6
+# rows; the cache holds the batch bucket of 6 rows (8) x (6 + 5) columns; no EOS ids -> no EOS check, no
+# compaction.
 ORDINARY = dict(COMMON, route="ordinary", route_reason="route=ordinary", prefill_forwards=1,
-                prefill_attention_groups=1, prefill_rows=6, prefill_tokens=36, decode_forwards=4, decode_rows=24,
+                prefill_attention_groups=1, prefill_rows=3, prefill_tokens=18, decode_forwards=4, decode_rows=24,
                 steps=5, host_syncs=0, plans=0, prefill_copy_bytes=0, scratch_bytes=0, scratch_allocations=0)
 # continuous, 4 slots: prompts 0 and 1 (4 rows) admitted first, decoded 4 times, retired together at the
 # budget; then prompt 2 (2 rows), decoded 4 times: 2 plans, 2 packed passes of one group each, 3 distinct

@@ -190,7 +190,7 @@ def test_graph_decode_makes_no_host_sync_per_step():
     bufs.col.fill_(8)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        modes = [step(8 + 1 + k) for k in range(8)]
+        modes = [step(8 + 1 + k, 4) for k in range(8)]
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert modes == ["graph"] * 8

@@ -6,6 +6,7 @@ dependency that runs against the layering.
 
 import ast
 import pathlib
+import sys
 
 import pytest
 
@@ -24,9 +25,7 @@ THIRD_PARTY = {
 }
 #: Allowed everywhere from layer 4 up.
 ANY = {"torch", "numpy", "scipy", "transformers", "deepspeed", "peft", "instrumentation", "gguf"}
-STDLIB = {"__future__", "abc", "bisect", "collections", "contextlib", "dataclasses", "enum", "functools", "hashlib",
-          "importlib", "inspect", "itertools", "json", "math", "numbers", "os", "pathlib", "platform", "sys",
-          "time", "typing", "warnings", "weakref", "re", "glob"}
+STDLIB = set(sys.stdlib_module_names)
 
 
 def _part(module: str) -> str:

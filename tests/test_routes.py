@@ -102,9 +102,9 @@ def test_route_decision_table():
     uniform = PromptLayout((16,) * 8, (16,) * 8, 16)
     assert choose_route("auto", uniform, 1, None, costs, 65536).buckets is None
     assert choose_route("ordinary", skewed, 1, None, costs, 65536).buckets is None
-    # n samples: bucket rows are the expanded rows of the bucket's prompts
+    # n samples share their prompt's prefill: buckets group prompts
     two = choose_route("auto", PromptLayout((100, 2, 2), (100, 2, 2), 100), 2, None, costs, None)
-    assert sorted(sorted(b) for b in two.buckets) == [[0, 1], [2, 3, 4, 5]]
+    assert sorted(sorted(b) for b in two.buckets) == [[0], [1, 2]]
 
 
 def test_packed_prefill_buckets_only_for_attention():
@@ -148,17 +148,18 @@ def test_auto_equals_the_full_comparison_and_its_bound_is_valid(seed):
     choice = choose_route("auto", layout, n, None, costs, None)
     from rollout.plan.planner import plan_prefill_buckets
     plan = plan_prefill_buckets(spans, costs, None)
-    planned = sum(costs.ordinary_prefill_cost_ms(len(b) * n, max(spans[i] for i in b)) for b in plan.buckets)
-    single = costs.ordinary_prefill_cost_ms(len(spans) * n, max(spans))
-    bound = costs.prefill_fixed_cost_ms + n * sum(costs.row_cost_ms(s) for s in spans)
+    # a prompt's n samples share its prefill: the costs count prompts
+    planned = sum(costs.ordinary_prefill_cost_ms(len(b), max(spans[i] for i in b)) for b in plan.buckets)
+    single = costs.ordinary_prefill_cost_ms(len(spans), max(spans))
+    bound = costs.prefill_fixed_cost_ms + sum(costs.row_cost_ms(s) for s in spans)
     assert bound <= planned * (1 + 1e-12) + 1e-9
     expect_buckets = len(plan.buckets) > 1 and planned < single
     assert (choice.buckets is not None) == expect_buckets
-    if choice.buckets is not None:  # every expanded row exactly once, each bucket padded to its longest span
-        rows = sorted(r for b in choice.buckets for r in b)
-        assert rows == list(range(len(spans) * n))
+    if choice.buckets is not None:  # every prompt exactly once, each bucket padded to its longest span
+        prompts = sorted(p for b in choice.buckets for p in b)
+        assert prompts == list(range(len(spans)))
         for bucket, length in zip(choice.buckets, choice.bucket_lengths):
-            assert length == max(spans[r // n] for r in bucket)
+            assert length == max(spans[p] for p in bucket)
 
 
 def test_continuous_with_per_forward_zero3_is_rejected():

@@ -75,3 +75,21 @@ class ScratchArena:
     @property
     def nbytes(self) -> int:
         return 0 if self._keys is None else 2 * self._keys.nbytes
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation on ``device`` can use: free on the GPU plus what PyTorch's allocator holds
+    unused (CUDA), or the host's available memory (CPU, Linux); None when it cannot be told."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None

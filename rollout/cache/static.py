@@ -79,6 +79,11 @@ class CacheShape:
     dtype: torch.dtype
     device: torch.device
 
+    @property
+    def column_bytes(self) -> int:
+        """Bytes of one column of one row: keys + values over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
     def fits_in(self, other: "CacheShape") -> bool:
         return (self.batch_size <= other.batch_size and self.capacity <= other.capacity
                 and (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
@@ -128,6 +133,10 @@ class StaticKVCache(Cache):
         """Columns the next forward writes (``[q]`` int64 on the cache device) and reads (``[0, live_len)``)."""
         self.write_cols = write_cols
         self.live_len = live_len
+
+    @property
+    def column_bytes(self) -> int:
+        return self.shape.column_bytes
 
     @property
     def nbytes(self) -> int:

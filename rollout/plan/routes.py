@@ -36,7 +36,8 @@ class RouteChoice:
     route: str
     """``"ordinary"`` or ``"continuous"`` (what actually runs)."""
     buckets: tuple[tuple[int, ...], ...] | None = None
-    """Ordinary route only: expanded row indices per prefill forward (None: one forward over all rows)."""
+    """Ordinary route only: prompt indices per prefill bucket (None: one bucket of every prompt). A prompt's
+    ``n`` samples share its prefill, so buckets group prompts, not rows."""
     bucket_lengths: tuple[int, ...] | None = None
     """Padded length of each bucket (its longest span)."""
     dp_skipped: bool = True
@@ -62,19 +63,17 @@ def choose_route(route: str, layout: PromptLayout, num_samples: int, num_slots: 
     spans = layout.spans
     if prefill == "packed":
         cost_model = cost_model.packed()
-    single = cost_model.ordinary_prefill_cost_ms(num_rows, layout.padded_len)
+    single = cost_model.ordinary_prefill_cost_ms(len(spans), layout.padded_len)
     if len(set(spans)) == 1:
         return RouteChoice(ORDINARY, estimates_ms={"single": single}, reason="all prompts span alike")
-    bound = cost_model.prefill_fixed_cost_ms + num_samples * sum(cost_model.row_cost_ms(s) for s in spans)
+    bound = cost_model.prefill_fixed_cost_ms + sum(cost_model.row_cost_ms(s) for s in spans)
     if single <= bound:
         return RouteChoice(ORDINARY, estimates_ms={"single": single, "bucketed_lower_bound": bound},
                            reason="single prefill <= lower bound of any bucketing")
     plan = plan_prefill_buckets(spans, cost_model, max_tokens)
-    planned = sum(cost_model.ordinary_prefill_cost_ms(len(b) * num_samples, max(spans[i] for i in b))
-                  for b in plan.buckets)
+    planned = sum(cost_model.ordinary_prefill_cost_ms(len(b), max(spans[i] for i in b)) for b in plan.buckets)
     estimates = {"single": single, "bucketed": planned, "bucketed_lower_bound": bound}
     if len(plan.buckets) == 1 or single <= planned:
         return RouteChoice(ORDINARY, dp_skipped=False, estimates_ms=estimates, reason="single prefill is cheaper")
-    rows = tuple(tuple(p * num_samples + s for p in b for s in range(num_samples)) for b in plan.buckets)
     lengths = tuple(max(spans[i] for i in b) for b in plan.buckets)
-    return RouteChoice(ORDINARY, rows, lengths, False, estimates, f"{len(rows)} prefill buckets")
+    return RouteChoice(ORDINARY, plan.buckets, lengths, False, estimates, f"{len(plan.buckets)} prefill buckets")

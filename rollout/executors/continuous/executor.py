@@ -19,6 +19,7 @@ from rollout.executors.graphs import EAGER, GraphSet
 from rollout.executors.ordinary.executor import sampling_key
 from rollout.plan.buckets import batch_bucket, length_round, read_window
 from rollout.plan.layout import PromptLayout, checked_capacity, resolve_num_slots
+from rollout.plan.memory import SlotPlan
 from rollout.stats import CallStats
 
 
@@ -33,15 +34,17 @@ class ContinuousExecutor:
         self.arena: Optional[ScratchArena] = None
 
     def run(self, ctx: CallContext, choice: DecodeChoice, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-            layout: PromptLayout) -> tuple[torch.Tensor, CallStats]:
-        """``(generated [B*n, S], stats)`` for the unexpanded prompts ``[B, T_p]``."""
+            layout: PromptLayout, fit: Optional[SlotPlan] = None) -> tuple[torch.Tensor, CallStats]:
+        """``(generated [B*n, S], stats)`` for the unexpanded prompts ``[B, T_p]``; ``fit`` (the KV budget's
+        slots and capacity) overrides ``sampling.continuous_batch_size`` and the default capacity."""
         sampling = ctx.sampling
         num_rows = layout.num_prompts * sampling.n_samples_per_prompt
-        slots = resolve_num_slots(sampling.continuous_batch_size, num_rows, sampling.n_samples_per_prompt)
-        capacity = checked_capacity(None, layout, sampling.max_new_tokens, slots < num_rows)
+        slots = resolve_num_slots(fit.slots if fit else sampling.continuous_batch_size, num_rows,
+                                  sampling.n_samples_per_prompt)
+        capacity = checked_capacity(fit.capacity if fit else None, layout, sampling.max_new_tokens, slots < num_rows)
         static = choice.is_fast and choice.cuda_graphs  # graph-ready static buffers (eager steps without CUDA)
         cache_slots = batch_bucket(slots) if static else slots  # padding slots of the batch buckets
-        if static:  # fewer distinct shapes: buffers and graphs are reused across calls
+        if static and not (fit and fit.capacity):  # fewer distinct shapes: buffers and graphs reused across calls
             capacity = length_round(capacity)
         with ctx.stage(stages.CACHE_ACQUIRE):
             cache, graph = self._cache(ctx, choice, cache_slots, capacity, num_rows, static)

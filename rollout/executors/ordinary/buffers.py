@@ -4,7 +4,7 @@ The buffers (tokens, positions, cache column, step, validity mask, generated tok
 repetition history) are allocated once per shape and reused across calls; the per-call decode state
 is made of views into them, so captured graphs stay valid. A live batch of ``n`` rows runs in the
 batch bucket ``b >= n`` (padding rows compute values nobody reads); attention reads only the first
-``length_bucket`` cache columns.
+``length_bucket`` cache columns. ``generated`` is indexed by sample id, so ``compact`` can move rows.
 """
 
 from __future__ import annotations
@@ -40,17 +40,19 @@ class DecodeBuffers:
         return rows <= max_rows and capacity <= cap and max_new_tokens <= max_new and vocab == vocab_size \
             and dev == torch.device(device)
 
-    def reset(self, prompt_mask: torch.Tensor, seed: int, sample_ids: Optional[torch.Tensor], use_seen: bool) -> None:
-        """Start a call: validity from the prompt mask, no row finished, the seed, each row's sample id."""
+    def reset(self, prompt_mask: torch.Tensor, seed: int, sample_ids: torch.Tensor, use_seen: bool) -> None:
+        """Start a call: validity from the prompt mask, the seed, each row's sample id (the padding rows of
+        the batch bucket get ids past the real ones, so their tokens land in rows nobody reads), no real
+        row finished (the padding rows count as finished: they are never waited for)."""
         num_rows, prompt_len = prompt_mask.shape
         self.valid.fill_(True)
         self.valid[:num_rows, :prompt_len] = prompt_mask.bool()
         self.finished.zero_()
+        self.finished[num_rows:] = True
         self.seed.fill_(seed)
-        if sample_ids is not None:
-            self.rows[:num_rows] = sample_ids
-        else:
-            self.rows.copy_(torch.arange(self.rows.shape[0], device=self.rows.device))
+        self.rows.copy_(torch.arange(self.rows.shape[0], device=self.rows.device))
+        self.rows[:num_rows] = sample_ids
+        self.generated.zero_()
         if use_seen:
             self.seen.zero_()
 
@@ -62,9 +64,23 @@ class DecodeBuffers:
         self.col.fill_(prompt_len)
         self.step.fill_(1)
 
+    def compact(self, cache, bucket: int, new_bucket: int, num_cols: int) -> int:
+        """Move the unfinished rows of ``[0, bucket)`` to the front (keeping their order) and return
+        ``new_bucket``, the rows later steps compute; every per-row buffer and the cache's first
+        ``num_cols`` columns follow. On the device, no host sync. Bytes the cache copies are returned by
+        :meth:`compact_bytes`."""
+        keep = torch.argsort(self.finished[:bucket].to(torch.int8), stable=True)[:new_bucket]
+        for tensor in (self.tokens, self.positions, self.finished, self.rows, self.valid, self.seen):
+            tensor[:new_bucket] = tensor.index_select(0, keep)
+        for storage in (cache.key_storage, cache.value_storage):
+            for layer in range(storage.shape[0]):  # one layer at a time bounds the temporary
+                block = storage[layer, :, :, :num_cols]
+                block[:new_bucket] = block.index_select(0, keep)
+        return new_bucket
+
     def mutable(self) -> list[torch.Tensor]:
         """What one step writes (saved and restored around a capture's warm-up runs)."""
-        return [self.tokens, self.positions, self.col, self.step, self.finished, self.seen]
+        return [self.tokens, self.positions, self.col, self.step, self.finished, self.seen, self.generated]
 
     @property
     def nbytes(self) -> int:
@@ -81,7 +97,8 @@ def decode_step(parts: StepParts, cache, bufs: DecodeBuffers, shape: tuple[int, 
                            bufs.tokens[:bucket], bufs.positions[:bucket], bufs.col, keep)
     seen = bufs.seen[:bucket] if has_seen else None
     tokens = select_next_token(logits, sampling, seen, bufs.seed, bufs.rows[:bucket], bufs.step)
-    bufs.generated[:bucket].index_copy_(1, bufs.step.view(1), tokens[:, None])
+    rows = bufs.rows[:bucket]  # sample ids: generated is in request order whatever the rows' positions
+    bufs.generated.index_put_((rows, bufs.step.expand_as(rows)), tokens)
     bufs.tokens[:bucket].copy_(tokens)
     bufs.positions[:bucket].add_(1)
     bufs.col.add_(1)

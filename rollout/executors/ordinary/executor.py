@@ -7,13 +7,14 @@ from typing import Optional
 import torch
 
 from instrumentation import stages
-from rollout.cache.pool import CachePool
+from rollout.cache.pool import CachePool, ScratchArena
 from rollout.cache.static import cache_shape
 from rollout.executors.context import CallContext
 from rollout.executors.decode import DecodeChoice, FastStep
 from rollout.executors.graphs import EAGER, GraphSet
 from rollout.executors.ordinary.buffers import DecodeBuffers, decode_step
-from rollout.executors.ordinary.loop import RowOrder, StaticDecode, generate_ordinary
+from rollout.executors.ordinary.loop import PromptBatch, StaticDecode, generate_ordinary
+from rollout.executors.ordinary.order import RowOrder
 from rollout.plan.buckets import batch_bucket, length_bucket, length_round
 from rollout.stats import CallStats
 
@@ -33,19 +34,23 @@ class OrdinaryExecutor:
         self.fast_step = fast_step
         self.buffers: Optional[DecodeBuffers] = None
         self.graphs = GraphSet("ordinary")
+        self.scratch: Optional[ScratchArena] = None
+        """Where prompts with several samples are prefilled once before their copies (kept like the cache)."""
 
-    def run(self, ctx: CallContext, choice: DecodeChoice, ids: torch.Tensor, mask: torch.Tensor,
+    def run(self, ctx: CallContext, choice: DecodeChoice, batch: PromptBatch,
             order: RowOrder) -> tuple[torch.Tensor, CallStats]:
-        """``(generated [N, S], stats)`` for the expanded prompts ``ids``/``mask`` ``[N, T_p]``."""
-        num_rows = ids.shape[0]
+        """``(generated [N, S], stats)`` for the batch's ``N = B * n`` rows, in request order."""
+        num_rows = batch.ids.shape[0]
         rows = batch_bucket(num_rows) if choice.is_fast else num_rows
-        capacity = ids.shape[1] + ctx.sampling.max_new_tokens
+        capacity = batch.ids.shape[1] + ctx.sampling.max_new_tokens
         with ctx.stage(stages.CACHE_ACQUIRE):  # storage for the batch bucket; the prefill writes the live rows
             cache = self.pool.acquire(cache_shape(ctx.model, rows, capacity)).view(
                 cache_shape(ctx.model, num_rows, capacity))
+            if order.num_samples > 1 and self.scratch is None:
+                self.scratch = ScratchArena.like(cache.shape)
         try:
             static = self.static_decode(ctx, choice, cache, num_rows) if choice.is_fast else None
-            state = generate_ordinary(ctx, cache, ids, mask, order, static)
+            state = generate_ordinary(ctx, cache, batch, order, static, self.scratch)
         finally:
             with ctx.stage(stages.CACHE_RELEASE):
                 self.pool.release()
@@ -70,28 +75,32 @@ class OrdinaryExecutor:
         bufs, has_seen = self.buffers, sampling.repetition_penalty != 1.0
         parts = self.fast_step.parts(device, mirrored=True)
         use_graphs = choice.path == "graph"
-        key = (bucket, sampling_key(sampling), ctx.eos.ids, has_seen, cache.key_storage.data_ptr(),
+        key = (sampling_key(sampling), ctx.eos.ids, has_seen, cache.key_storage.data_ptr(),
                tuple(cache.key_storage.shape), parts.weights.signature())
 
-        def step(live_len: int) -> str:
-            length = length_bucket(live_len, cache.shape.capacity)
+        def step(live_len: int, rows: int) -> str:
+            shape = (rows, length_bucket(live_len, cache.shape.capacity))
 
             def work():
-                decode_step(parts, cache, bufs, (bucket, length), sampling, ctx.eos.tensor, has_seen)
+                decode_step(parts, cache, bufs, shape, sampling, ctx.eos.tensor, has_seen)
 
             if not use_graphs:
                 work()
                 return EAGER
-            return self.graphs.replay((length, key), work, bufs.mutable())
+            return self.graphs.replay((shape, key), work, bufs.mutable())
 
         return StaticDecode(bufs, step)
 
     def release(self) -> None:
-        """Drop the static buffers and the captured graphs (``keep_cache=False``: nothing outlives a call)."""
+        """Drop the static buffers, the prefill scratch and the captured graphs (``keep_cache=False``)."""
         self.graphs.clear()
         self.buffers = None
+        if self.scratch is not None:
+            self.scratch.release()
+            self.scratch = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes held between calls: the static buffers (graph pools not counted)."""
-        return self.buffers.nbytes if self.buffers is not None else 0
+        """Bytes held between calls: the static buffers and the prefill scratch (graph pools not counted)."""
+        held = self.buffers.nbytes if self.buffers is not None else 0
+        return held + (self.scratch.nbytes if self.scratch is not None else 0)

@@ -1,0 +1,69 @@
+"""Bad inputs to the rollout API, one row each: the exact error (naming the field), raised before any work
+(nothing allocated: the engine's cache pool is still empty, the model unchanged)."""
+
+import pytest
+import torch
+
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout.testing import TinyTokenizer, random_prompts, tiny_model
+
+IDS, MASK = random_prompts(3, 6, min_len=2, seed=4)
+OK_SAMPLING = dict(max_new_tokens=4, temperature=0.0)
+
+
+def _meta(tensor):
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+CASES = {
+    # (request kwargs or a callable building them, tokenizer, sampling kwargs, config kwargs) -> message
+    "soft mask": (dict(prompt_attention_mask=MASK * 0.5), {}, {}, {},
+                  r"prompt_attention_mask: values must be exactly 0 or 1; \d+ entries are not"),
+    "mask of 2": (dict(prompt_attention_mask=MASK * 2), {}, {}, {}, "prompt_attention_mask: values must be exactly"),
+    "uint8 ids": (dict(prompt_ids=IDS.to(torch.uint8)), {}, {}, {},
+                  "prompt_ids: must hold token ids as int64 or int32; got dtype torch.uint8"),
+    "int16 ids": (dict(prompt_ids=IDS.to(torch.int16)), {}, {}, {}, "prompt_ids: must hold token ids as int64"),
+    "float ids": (dict(prompt_ids=IDS.float()), {}, {}, {}, "prompt_ids: must hold token ids"),
+    "ids on meta": (dict(prompt_ids=_meta(IDS)), {}, {}, {}, "prompt_ids: is on the meta device"),
+    "mask on meta": (dict(prompt_attention_mask=_meta(MASK)), {}, {}, {}, "prompt_attention_mask: is on the meta"),
+    "id outside vocab": (dict(prompt_ids=IDS + 600), {}, {}, {}, r"prompt_ids: token ids must be in \[0, 512\)"),
+    "pad outside vocab": ({}, dict(pad_token_id=512), {}, {},
+                          r"tokenizer.pad_token_id: 512 is outside the model's vocabulary \[0, 512\)"),
+    "negative pad": ({}, dict(pad_token_id=-1), {}, {}, "tokenizer.pad_token_id: -1 is outside"),
+    "eos outside vocab": ({}, dict(eos_token_id=[2, 700]), {}, {},
+                          r"tokenizer.eos_token_id: \[700\] outside the model's vocabulary"),
+    "seed 2**32": ({}, {}, dict(seed=2**32), {}, r"seed: must be None or an int in \[0, 2\*\*32\)"),
+    "negative seed": ({}, {}, dict(seed=-5), {}, "seed: must be None or an int in"),
+    "a million samples": ({}, {}, dict(n_samples_per_prompt=10**7), {},
+                          r"max_cache_gib: the ordinary route \(30000000 rows\)"),
+    "cap too small": ({}, {}, dict(n_samples_per_prompt=2), dict(route="continuous", max_cache_gib=1e-9),
+                      "max_cache_gib: one prompt's 2 samples needs a KV cache"),
+    "cap not a number": ({}, {}, {}, dict(max_cache_gib="1"), "max_cache_gib: must be None or a finite number > 0"),
+    "logprobs flag": ({}, {}, dict(return_logprobs=1), {}, "return_logprobs: must be a bool"),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2", seed=0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_refused_before_any_work(model, name):
+    request, tokenizer, sampling, config, message = CASES[name]
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=message):
+        ro = Rollout(model, TinyTokenizer(**{"pad_token_id": 0, "eos_token_id": 2, **tokenizer}),
+                     RolloutConfig(**config))
+        ro.generate(RolloutRequest(**{"prompt_ids": IDS, "prompt_attention_mask": MASK, **request}),
+                    SamplingConfig(**{**OK_SAMPLING, **sampling}))
+    if "ro" in locals():
+        assert ro._pool.nbytes == 0 and ro.held_bytes == 0  # nothing was allocated
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_seeds_below_2_32_are_accepted_and_distinct(model):
+    ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=None))
+    draws = [ro.generate(RolloutRequest(IDS, MASK), SamplingConfig(max_new_tokens=6, seed=s)).input_ids
+             for s in (5, 2**32 - 1)]
+    assert not torch.equal(*draws)
