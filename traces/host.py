@@ -25,11 +25,13 @@ class SyncWaits:
         self._syncs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._op_charge: dict[int, np.ndarray] = {}
         self._loose: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._longest: dict[int, float] = {}
         for pid in np.unique(pids):
             sel = pids == pid
             order = np.argsort(starts[sel], kind="stable")
             s, e = starts[sel][order], ends[sel][order]
             self._syncs[int(pid)] = (s, e)
+            self._longest[int(pid)] = float((e - s).max())
             self._charge(int(pid), s, e, gpu.by_pid.get(int(pid)))
 
     def _charge(self, pid: int, s: np.ndarray, e: np.ndarray, ops: PidOps | None) -> None:
@@ -70,6 +72,9 @@ class SyncWaits:
         s, e = self.intervals(pid)
         if len(s) == 0 or end_us <= start_us:
             return 0.0
+        lo = np.searchsorted(s, start_us - self._longest[pid], "left")
+        hi = np.searchsorted(s, end_us, "right")
+        s, e = s[lo:hi], e[lo:hi]
         return float(np.clip(np.minimum(e, end_us) - np.maximum(s, start_us), 0.0, None).sum())
 
     def intervals(self, pid: int) -> tuple[np.ndarray, np.ndarray]:
