@@ -32,7 +32,7 @@ from rollout.model.costs import cost_model_for
 from rollout.model.lora import LoraFuser
 from rollout.ops.expand import expand_prompts
 from rollout.ops.inputs import checked_layout
-from rollout.ops.postprocess import assemble, response_mask
+from rollout.ops.postprocess import assemble, finish_reasons, response_mask
 from rollout.plan import routes
 from rollout.plan.layout import PromptLayout, check_gather
 from rollout.plan.memory import GIB, Budget, CallMemory, slots_within_budget
@@ -184,7 +184,10 @@ class Rollout:
         with stage(stages.MASK_BUILD):
             responses = response_mask(generated, self.eos_token_ids)
         with stage(stages.POSTPROCESS):
-            output = assemble(expanded_ids, expanded_mask, generated, responses, self.pad_token_id)
+            extras = {}
+            if sampling.return_finish_reasons:
+                extras["finish_reasons"] = finish_reasons(generated, self.eos_token_ids)
+            output = assemble(expanded_ids, expanded_mask, generated, responses, self.pad_token_id, extras)
         return output, stats
 
     def _context(self, sampling: SamplingConfig, decode: DecodeChoice, device: torch.device) -> CallContext:

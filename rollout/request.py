@@ -13,9 +13,13 @@ prompt mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+#: ``RolloutBatch.finish_reasons`` codes.
+FINISH_BUDGET, FINISH_EOS = 0, 1
+FINISH_NAMES = {FINISH_BUDGET: "budget", FINISH_EOS: "eos"}
 #: Dtypes an embedding lookup takes.
 TOKEN_DTYPES = (torch.int64, torch.int32)
 
@@ -67,6 +71,12 @@ class RolloutBatch:
     """``[B*n, T_p + T_r]``: expanded prompt mask, then 1 up to and including the first EOS."""
     response_start_idx: torch.Tensor
     """``[B*n]`` int64, all equal to ``T_p``."""
+    finish_reasons: Optional[torch.Tensor] = None
+    """``[B*n]`` int8, with ``SamplingConfig(return_finish_reasons=True)``: ``FINISH_EOS`` (the row ended
+    with an EOS token) or ``FINISH_BUDGET`` (it reached ``max_new_tokens``); None otherwise."""
+    logprobs: Optional[torch.Tensor] = None
+    """``[B*n, T_r]`` float32, with ``SamplingConfig(return_logprobs=True)``: each response token's
+    log-probability under the distribution it was drawn from (0 where the response mask is 0)."""
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
@@ -78,6 +88,14 @@ class RolloutBatch:
             raise ValueError(f"response_start_idx: must be 1-D of length {self.input_ids.shape[0]}; got "
                              f"{tuple(self.response_start_idx.shape)}")
 
+        rows = self.input_ids.shape[0]
+        if self.finish_reasons is not None and self.finish_reasons.shape != (rows,):
+            raise ValueError(f"finish_reasons: must be 1-D of length {rows}; got {tuple(self.finish_reasons.shape)}")
+        width = self.input_ids.shape[1] - (int(self.response_start_idx[0]) if rows else 0)
+        if self.logprobs is not None and tuple(self.logprobs.shape) != (rows, width):
+            raise ValueError(f"logprobs: must be [{rows}, {width}] (rows x response columns); got "
+                             f"{tuple(self.logprobs.shape)}")
+
     @property
     def batch_size(self) -> int:
         return int(self.input_ids.shape[0])
@@ -85,6 +103,12 @@ class RolloutBatch:
     @property
     def seq_len(self) -> int:
         return int(self.input_ids.shape[1])
+
+    def finish_reason_names(self) -> list[str]:
+        """``"eos"`` / ``"budget"`` per row (requires ``return_finish_reasons``)."""
+        if self.finish_reasons is None:
+            raise ValueError("finish_reasons: not requested (SamplingConfig(return_finish_reasons=True))")
+        return [FINISH_NAMES[int(code)] for code in self.finish_reasons.tolist()]
 
 
 def _shape(value) -> str:

@@ -113,3 +113,19 @@ def test_row_order_fans_prompts_out_to_adjacent_rows():
     assert order.prompt_rows.real_counts == (2, 5, 8) and order.prompt_rows.first_cols == (7, 4, 0)
     plain = RowOrder.plan(layout, 3)
     assert plain.row_order is None and plain.group_spans(9) == [(0, 3, 9)]
+
+
+def test_continuous_refills_come_in_waves(model, prompts, frequent_eos, monkeypatch):
+    """Admissions wait until an eighth of the slots is free: fewer prefill passes, the same tokens."""
+    from rollout.executors.continuous import loop
+    from rollout.plan.layout import refill_threshold
+    assert (refill_threshold(32, 1), refill_threshold(32, 4), refill_threshold(3, 2), refill_threshold(4, 8)) == \
+        (4, 4, 2, 4)
+    tok = TinyTokenizer(pad_token_id=0, eos_token_id=frequent_eos)
+    sampling = SamplingConfig(max_new_tokens=30, temperature=0.0, continuous_batch_size=16)
+    waves = Rollout(model, tok, RolloutConfig(route="continuous"))
+    got = waves.generate(RolloutRequest(*prompts), sampling)
+    monkeypatch.setattr(loop, "refill_threshold", lambda slots, n: n)
+    eager = Rollout(model, tok, RolloutConfig(route="continuous"))
+    assert torch.equal(eager.generate(RolloutRequest(*prompts), sampling).input_ids, got.input_ids)
+    assert waves.last_stats.plans < eager.last_stats.plans

@@ -8,9 +8,11 @@ width), whatever the batch size.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from rollout.request import RolloutBatch
+from rollout.request import FINISH_BUDGET, FINISH_EOS, RolloutBatch
 
 
 def eos_tensor(eos_token_ids: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
@@ -37,13 +39,29 @@ def response_mask(generated: torch.Tensor, eos_token_ids: tuple[int, ...]) -> to
 
 
 def assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generated: torch.Tensor,
-             mask: torch.Tensor, pad_token_id: int) -> RolloutBatch:
-    """``[prompt | response]`` with the response padded where ``mask`` (from :func:`response_mask`) is 0."""
+             mask: torch.Tensor, pad_token_id: int, extras: Optional[dict] = None) -> RolloutBatch:
+    """``[prompt | response]`` with the response padded where ``mask`` (from :func:`response_mask`) is 0.
+    ``extras``: the optional ``RolloutBatch`` fields (``finish_reasons``, ``logprobs``)."""
     response = torch.where(mask, generated[:, :mask.shape[1]], pad_token_id)
     input_ids = torch.cat([prompt_ids, response.to(prompt_ids.dtype)], dim=1)
     attention_mask = torch.cat([prompt_mask.long(), mask.long()], dim=1)
     start = torch.full((prompt_ids.shape[0],), prompt_ids.shape[1], dtype=torch.long, device=prompt_ids.device)
-    return RolloutBatch(input_ids=input_ids, attention_mask=attention_mask, response_start_idx=start)
+    return RolloutBatch(input_ids=input_ids, attention_mask=attention_mask, response_start_idx=start,
+                        **(extras or {}))
+
+
+def finish_reasons(generated: torch.Tensor, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """``[N]`` int8: ``FINISH_EOS`` where the row holds an EOS token, else ``FINISH_BUDGET`` (a row without
+    EOS ran to ``max_new_tokens``: every route stops early only when all rows have ended)."""
+    eos = eos_tensor(eos_token_ids, generated.device)
+    if eos is None:
+        return torch.full((generated.shape[0],), FINISH_BUDGET, dtype=torch.int8, device=generated.device)
+    return torch.isin(generated, eos).any(dim=1).to(torch.int8) * (FINISH_EOS - FINISH_BUDGET) + FINISH_BUDGET
+
+
+def masked_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[N, T_r]`` float32 response log-probs, 0 where the response mask is 0."""
+    return torch.where(mask, logprobs[:, :mask.shape[1]].float(), 0.0)
 
 
 def postprocess(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generated: torch.Tensor,

@@ -64,6 +64,18 @@ def resolve_num_slots(num_slots: Optional[int], num_rows: int, num_samples: int)
     return min(num_slots, num_rows)
 
 
+#: Refill once this fraction of the slots is free (at least one prompt's samples): fewer, larger
+#: admission waves. A prefill pass costs tens of milliseconds of host time however few its tokens
+#: (docs/BENCHMARKS.md, the 3B trace of 2026-12-01: 49 ms for one pass of 16 prompts), worth several
+#: decode steps of the slots left idle while waiting.
+REFILL_FRACTION = 8
+
+
+def refill_threshold(num_slots: int, num_samples: int) -> int:
+    """Free slots that trigger an admission wave: ``num_slots // REFILL_FRACTION``, at least ``num_samples``."""
+    return min(num_slots, max(num_samples, num_slots // REFILL_FRACTION))
+
+
 def min_capacity(spans: Sequence[int], max_new_tokens: int) -> int:
     """Fewest columns that can serve every request: its span plus the tokens it feeds back (budget - 1)."""
     return max(spans) + max_new_tokens - 1

@@ -57,7 +57,7 @@ from rollout.ops.host import to_device
 from rollout.ops.masks import layout_tensors
 from rollout.plan.buckets import batch_bucket
 from rollout.plan.layout import (PromptLayout, check_prefill_limit, checked_capacity, layout_from_lists,
-                                 min_capacity, resolve_num_slots)
+                                 min_capacity, refill_threshold, resolve_num_slots)
 from rollout.plan.scheduler import ContinuousScheduler, SchedulerConfig
 from rollout.stats import CallStats
 
@@ -146,7 +146,8 @@ def _new_cache(ctx: CallContext, layout: PromptLayout, slots: SlotSpec, num_slot
 # ---- the loop ----------------------------------------------------------------------------------
 def _loop(run: RunState, num_slots: int) -> None:
     sampling = run.ctx.sampling
-    scheduler = ContinuousScheduler(SchedulerConfig(num_slots=num_slots, max_new_tokens=sampling.max_new_tokens))
+    scheduler = ContinuousScheduler(SchedulerConfig(num_slots=num_slots, max_new_tokens=sampling.max_new_tokens,
+                                                    min_free_slots=refill_threshold(num_slots, run.num_samples)))
     for prompt, span in enumerate(run.layout.spans):
         scheduler.submit(prompt, span, run.num_samples)
     run.cache.reset(front=run.suffix_max[0])

@@ -1,0 +1,94 @@
+"""GPU checks of the RL-scale paths that counters alone cannot show: one graph launch per decode step
+(compaction included), host syncs per call, and graph/eager/HF equality with compaction in fp32."""
+
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout.testing import TinyTokenizer, random_prompts, tiny_model
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model("qwen2", seed=0, device="cuda")
+    ids, mask = random_prompts(20, 9, min_len=1, seed=3, device="cuda")
+    free = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=None)).generate(
+        RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=40, temperature=0.0))
+    counts = Counter(free.input_ids[:, 9:].flatten().tolist())
+    eos = [token for token, _ in counts.most_common(6)][3:6]  # rows end at many different steps
+    return model, ids, mask, TinyTokenizer(pad_token_id=0, eos_token_id=eos)
+
+
+def _count_replays(monkeypatch):
+    replays = []
+    original = torch.cuda.CUDAGraph.replay
+
+    def counted(self):
+        replays.append(1)
+        return original(self)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counted)
+    return replays
+
+
+@cuda
+@pytest.mark.parametrize("route, slots", [("ordinary", None), ("continuous", 24)])
+def test_one_graph_launch_per_decode_step(setup, monkeypatch, route, slots):
+    model, ids, mask, tok = setup
+    sampling = SamplingConfig(max_new_tokens=40, temperature=1.0, top_p=0.9, seed=1, n_samples_per_prompt=3,
+                              continuous_batch_size=slots)
+    ro = Rollout(model, tok, RolloutConfig(route=route, compile=False))
+    ro.generate(RolloutRequest(ids, mask), sampling)  # captures
+    replays = _count_replays(monkeypatch)
+    ro.generate(RolloutRequest(ids, mask), sampling)
+    stats = ro.last_stats
+    assert stats.decode_path == "graph", stats.decode_fallback_reason
+    assert len(replays) == stats.decode_forwards == stats.graph_decode_steps > 0
+    if route == "ordinary":
+        assert stats.compactions >= 1  # the batch shrank, and still one launch per step
+
+
+@cuda
+def test_decode_host_syncs_are_the_eos_checks(setup):
+    """The syncs a call adds for its decode steps are exactly its EOS checks (compactions add none):
+    compare a call with decode steps to one without (max_new_tokens=1) under sync-debug mode."""
+    model, ids, mask, tok = setup
+    ro = Rollout(model, tok, RolloutConfig(compile=False))
+
+    def syncs(max_new):
+        sampling = SamplingConfig(max_new_tokens=max_new, temperature=0.0, n_samples_per_prompt=3)
+        ro.generate(RolloutRequest(ids, mask), sampling)  # warm-up, captures
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                ro.generate(RolloutRequest(ids, mask), sampling)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught), ro.last_stats
+
+    base, _ = syncs(1)
+    total, stats = syncs(40)
+    assert stats.compactions >= 1 and stats.host_syncs > 0
+    assert total - base == stats.host_syncs
+
+
+@cuda
+@pytest.mark.parametrize("n", [1, 3])
+def test_graph_decode_with_compaction_equals_eager_and_hf_fp32(setup, n):
+    model, ids, mask, tok = setup
+    for sampling in (SamplingConfig(max_new_tokens=40, temperature=0.0, n_samples_per_prompt=n),
+                     SamplingConfig(max_new_tokens=40, temperature=1.0, top_k=100, top_p=0.8, seed=2,
+                                    repetition_penalty=1.2, n_samples_per_prompt=n)):
+        graph = Rollout(model, tok, RolloutConfig(compile=False))
+        got = graph.generate(RolloutRequest(ids, mask), sampling)
+        assert graph.last_stats.decode_path == "graph", graph.last_stats.decode_fallback_reason
+        eager = Rollout(model, tok, RolloutConfig(cuda_graphs=False, compile=False))
+        hf = Rollout(model, tok, RolloutConfig(fast_decode=False))
+        assert torch.equal(got.input_ids, eager.generate(RolloutRequest(ids, mask), sampling).input_ids)
+        assert torch.equal(got.input_ids, hf.generate(RolloutRequest(ids, mask), sampling).input_ids)
