@@ -175,3 +175,25 @@ def test_matmul_params_counts_the_output_projection_once(arch, tied):
     every = sum(p.numel() for p in model.parameters())  # tied weights are one parameter
     embedding = model.get_input_embeddings().weight.numel()
     assert matmul_params(model) == (every if tied else every - embedding)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_timers_mode_on_cuda_writes_gpu_ms_every_step_and_reuses_events(tmp_path):
+    configure(_config(tmp_path, mode="timers"))
+    x = torch.randn(1024, 1024, device="cuda")  # x: [1024, 1024]
+    with opsd_profiler() as prof:
+        for step in range(6):
+            with stage(stages.STEP):
+                with stage(stages.DECODE):
+                    y = x @ x
+                with stage(stages.LOSS):
+                    y.sum()  # no host sync anywhere in the step
+            prof.log_step(step, loss=1.0)
+            prof.step()
+        pool = sum(len(v) for v in HUB.backend._pool.values())
+    scalars = _scalars(prof.scalars_dir)
+    assert [s for s, _ in scalars["opsd/decode/gpu_ms"]] == list(range(6))
+    assert all(v > 0 for _, v in scalars["opsd/decode/gpu_ms"])
+    assert not any(tag.endswith("peak_allocated_mib") for tag in scalars)  # no allocator reads
+    assert pool > 0  # resolved events went back to the pool
