@@ -32,7 +32,8 @@ from rollout.model.costs import cost_model_for
 from rollout.model.lora import LoraFuser
 from rollout.ops.expand import expand_prompts
 from rollout.ops.inputs import checked_layout
-from rollout.ops.postprocess import assemble, finish_reasons, response_mask
+from rollout.ops.sampling import sampler_fn
+from rollout.ops.postprocess import assemble, finish_reasons, masked_logprobs, response_mask
 from rollout.plan import routes
 from rollout.plan.layout import PromptLayout, check_gather
 from rollout.plan.memory import GIB, Budget, CallMemory, slots_within_budget
@@ -172,11 +173,13 @@ class Rollout:
         with self._inference_mode(), self._generation_weights():
             ctx = self._context(sampling, decode, device)  # after the gather: ZeRO-3 weights are resident
             if route.route == routes.CONTINUOUS:
-                generated, stats = self._continuous.run(ctx, decode, ids, mask, layout, fit)
+                result = self._continuous.run(ctx, decode, ids, mask, layout, fit)
             else:
                 order = RowOrder.plan(layout, sampling.n_samples_per_prompt, route.buckets, route.bucket_lengths)
                 batch = PromptBatch(ids, mask, expanded_ids, expanded_mask)
-                generated, stats = self._ordinary.run(ctx, decode, batch, order)
+                result = self._ordinary.run(ctx, decode, batch, order)
+        generated, stats = result.tokens, result.stats
+        stats.sampler_fallback_reason = ctx.sampler.fallback_reason
         stats.route, stats.route_reason, stats.dp_skipped = route.route, route.reason, route.dp_skipped
         stats.route_estimates_ms, stats.prefill_path = route.estimates_ms, decode.prefill_path
         stats.prefill_buckets = len(route.buckets) if route.buckets else 1
@@ -187,6 +190,8 @@ class Rollout:
             extras = {}
             if sampling.return_finish_reasons:
                 extras["finish_reasons"] = finish_reasons(generated, self.eos_token_ids)
+            if result.logprobs is not None:
+                extras["logprobs"] = masked_logprobs(result.logprobs, responses)
             output = assemble(expanded_ids, expanded_mask, generated, responses, self.pad_token_id, extras)
         return output, stats
 
@@ -194,9 +199,10 @@ class Rollout:
         """What the executors need of this call (inside the gather). Prefill is not captured in graphs, so it
         reads the (gathered) parameters directly, as eager decode steps do."""
         parts = self._fast_step.parts(device, mirrored=False) if decode.is_fast else None
+        sampler = sampler_fn(sampling, compiled=self.config.compile and device.type == "cuda")
         return CallContext(self.model, sampling, EosIds.on(self.eos_token_ids, device), self._costs(),
                            self.config.max_prefill_tokens, self.config.eos_check_interval, stage, self._busy,
-                           fast=parts, fast_prefill=parts if decode.prefill_path != "hf" else None)
+                           fast=parts, fast_prefill=parts if decode.prefill_path != "hf" else None, sampler=sampler)
 
     def _slots_within_budget(self, layout: PromptLayout, sampling: SamplingConfig, decode: DecodeChoice,
                              device: torch.device):

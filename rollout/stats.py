@@ -36,6 +36,8 @@ class CallStats:
     """``"graph"``, ``"fast_eager"`` or ``"hf"``: what the decode steps actually ran."""
     decode_fallback_reason: Optional[str] = None
     """Why decode steps did not all run from CUDA graphs (None when they did)."""
+    sampler_fallback_reason: Optional[str] = None
+    """Why token selection runs its eager functions although compiling was asked (None otherwise)."""
     prefill_buckets: int = 1
     """Prefill buckets of the plan (ordinary route; 1 when unplanned)."""
     prefill_forwards: int = 0

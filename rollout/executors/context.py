@@ -10,6 +10,7 @@ import torch
 from instrumentation import NOOP_RANGE
 from rollout.config import SamplingConfig
 from rollout.model.step import StepParts
+from rollout.ops.sampling import Sampler, sampler_fn
 from rollout.plan.planner import DEFAULT_MAX_TOKENS, CostModel
 
 #: ``stage(name)`` -> a context manager wrapping one stage call (``instrumentation.stage`` in the engine).
@@ -43,6 +44,18 @@ class EosIds:
 
 
 @dataclass(frozen=True)
+class Generation:
+    """What a route executor returns: raw tokens and what came with them."""
+
+    tokens: torch.Tensor
+    """``[B*n, S]`` raw tokens of every step, request order (post-processing cuts at the first EOS)."""
+    logprobs: Optional[torch.Tensor]
+    """``[B*n, S]`` float32 log-probabilities of those tokens (``SamplingConfig.return_logprobs``), else None."""
+    stats: "object"
+    """The call's ``rollout.stats.CallStats``."""
+
+
+@dataclass(frozen=True)
 class CallContext:
     """One generation as a route executor sees it."""
 
@@ -62,6 +75,8 @@ class CallContext:
     """Our step's parts for eager decode steps (None: the HF layers decode)."""
     fast_prefill: Optional[StepParts] = None
     """Our step's parts for the packed prefill (None: the HF layers prefill)."""
+    sampler: Optional[Sampler] = None
+    """Token selection (``rollout.ops.sampling.sampler_fn``; compiled on CUDA); None: the eager one."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingConfig):
@@ -70,6 +85,12 @@ class CallContext:
             raise ValueError(f"cost_model: must be a planner.CostModel; got {type(self.cost_model).__name__}")
         if not isinstance(self.eos, EosIds):
             raise ValueError(f"eos: must be an EosIds; got {type(self.eos).__name__}")
+        if self.sampler is None:
+            object.__setattr__(self, "sampler", sampler_fn(self.sampling, compiled=False))
+
+    @property
+    def with_logprobs(self) -> bool:
+        return self.sampling.return_logprobs
 
     @property
     def vocab_size(self) -> int:

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from rollout.model.step import StepParts, decode_logits
-from rollout.ops.sampling import select_next_token
+from rollout.ops.sampling import Sampler
 
 
 class CBBuffers:
@@ -44,6 +44,7 @@ class CBBuffers:
         self.last_tokens = torch.zeros(slots, **long)
         self.seen = torch.zeros((slots, vocab_size), dtype=torch.bool, device=device) if with_seen else None
         self.generated = torch.zeros((rows + 1, max_new_tokens), **long)  # the last row: padding slots' sink
+        self.logprobs = torch.zeros((rows + 1, max_new_tokens), dtype=torch.float32, device=device)
         self.seed = torch.zeros((), **long)
         self.valid = torch.zeros((slots, capacity), dtype=torch.bool, device=device)
         self.write_col = torch.zeros(1, **long)
@@ -65,20 +66,21 @@ class CBBuffers:
             seen.zero_()
         self.last_tokens.zero_()
         self.generated.zero_()  # [>= B*n + 1, >= T_r]: the last row is the padding slots' sink
+        self.logprobs.zero_()
         self.seed.fill_(seed)
         return seen, self.last_tokens, self.generated, self.seed
 
     def mutable(self) -> list[torch.Tensor]:
         """What one step writes (saved and restored around a capture's warm-up runs)."""
-        return [t for t in (self.last_tokens, self.seen, self.generated) if t is not None]
+        return [t for t in (self.last_tokens, self.seen, self.generated, self.logprobs) if t is not None]
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
 
 
-def cb_decode_step(parts: StepParts, cache, bufs: CBBuffers, bucket: int, window: tuple[int, int], sampling,
-                   has_seen: bool) -> None:
+def cb_decode_step(parts: StepParts, cache, bufs: CBBuffers, bucket: int, window: tuple[int, int],
+                   sampler: Sampler, has_seen: bool, with_logprobs: bool = False) -> None:
     """The captured work of one continuous decode step over slots ``[0, bucket)`` and the columns of
     ``window``: logits, token choice, and the buffer updates (no host sync)."""
     start, stop = window
@@ -87,8 +89,10 @@ def cb_decode_step(parts: StepParts, cache, bufs: CBBuffers, bucket: int, window
     logits = decode_logits(parts, cache.key_storage[:, :bucket], cache.value_storage[:, :bucket],
                            bufs.last_tokens[:bucket], rowdata[2], cache.write_col, keep, start=start)
     seen = bufs.seen[:bucket] if has_seen else None
-    tokens = select_next_token(logits, sampling, seen, bufs.seed, rowdata[0], rowdata[1])  # [bucket]
+    tokens, logprobs = sampler(logits, seen, bufs.seed, rowdata[0], rowdata[1], with_logprobs)  # [bucket]
     bufs.last_tokens[:bucket].copy_(tokens)
+    if logprobs is not None:
+        bufs.logprobs.index_put_((rowdata[0], rowdata[1]), logprobs)
     if has_seen:
         bufs.seen[:bucket].scatter_(1, tokens[:, None], True)
     bufs.generated.index_put_((rowdata[0], rowdata[1]), tokens)

@@ -10,7 +10,7 @@ from instrumentation import stages
 from rollout.cache.aligned import AlignedKVCache
 from rollout.cache.pool import CachePool, ScratchArena
 from rollout.cache.static import cache_shape
-from rollout.executors.context import CallContext
+from rollout.executors.context import CallContext, Generation
 from rollout.executors.continuous.buffers import CBBuffers, cb_decode_step
 from rollout.executors.continuous.loop import SlotSpec, generate_continuous
 from rollout.executors.continuous.state import GraphDecode
@@ -34,7 +34,7 @@ class ContinuousExecutor:
         self.arena: Optional[ScratchArena] = None
 
     def run(self, ctx: CallContext, choice: DecodeChoice, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-            layout: PromptLayout, fit: Optional[SlotPlan] = None) -> tuple[torch.Tensor, CallStats]:
+            layout: PromptLayout, fit: Optional[SlotPlan] = None) -> Generation:
         """``(generated [B*n, S], stats)`` for the unexpanded prompts ``[B, T_p]``; ``fit`` (the KV budget's
         slots and capacity) overrides ``sampling.continuous_batch_size`` and the default capacity."""
         sampling = ctx.sampling
@@ -59,7 +59,7 @@ class ContinuousExecutor:
                 if not self.pool.keep:
                     self.release()
         result.stats.settle_decode_path(choice.path, choice.reason, self.graphs.fallback_reason)
-        return result.generated, result.stats
+        return Generation(result.generated, result.logprobs, result.stats)
 
     def _cache(self, ctx: CallContext, choice: DecodeChoice, slots: int, capacity: int, num_rows: int,
                static: bool) -> tuple[AlignedKVCache, Optional[GraphDecode]]:
@@ -100,7 +100,7 @@ class ContinuousExecutor:
             window = read_window(read_start, front, cache.capacity)
 
             def work():
-                cb_decode_step(parts, cache, bufs, bucket, window, sampling, has_seen)
+                cb_decode_step(parts, cache, bufs, bucket, window, ctx.sampler, has_seen, ctx.with_logprobs)
 
             if not use_graphs:
                 work()

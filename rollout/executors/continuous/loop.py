@@ -25,7 +25,7 @@ Repetition penalty: each slot's ``seen`` starts from the request's original padd
 tokens included, as the ordinary route and HF ``generate`` on that row do) and gains every token
 the row emits.
 
-Sampling: ``sampling.select_next_token`` keyed by each row's sample id (its row ``i`` in the
+Sampling: ``ctx.sampler`` (``rollout.ops.sampling``) keyed by each row's sample id (its row ``i`` in the
 expanded output) and its own token index, exactly the keys of the ordinary route. Hence, for a
 given seed, a sample's tokens depend only on its own logits: not on the slot count, its batch
 neighbours, admission order, the bucket plan or the route. (Logits are bitwise equal across batch
@@ -84,6 +84,8 @@ class ContinuousResult:
     generated: torch.Tensor
     """``[B*n, S]`` raw tokens; row ``i`` is sample ``i % n`` of prompt ``i // n``. Rows that retired at
     EOS hold zeros after it (``postprocess`` cuts there); ``S`` is the longest row's token count."""
+    logprobs: Optional[torch.Tensor]
+    """``[B*n, S]`` float32 log-probabilities of those tokens (``SamplingConfig.return_logprobs``), else None."""
     num_steps: int
     """``S``: tokens of the longest row (the first comes from prefill)."""
     stats: CallStats
@@ -127,7 +129,8 @@ def generate_continuous(ctx: CallContext, prompt_ids: torch.Tensor, prompt_mask:
             if slots.arena is None:
                 arena.release()
     run.stats.num_steps = run.width
-    return ContinuousResult(run.generated[:num_rows, :run.width], run.width, run.stats)
+    logprobs = None if run.logprobs is None else run.logprobs[:num_rows, :run.width]
+    return ContinuousResult(run.generated[:num_rows, :run.width], logprobs, run.width, run.stats)
 
 
 def _check_prompts(prompt_ids, prompt_mask) -> None:

@@ -21,7 +21,7 @@ from rollout.executors.continuous.buffers import CBBuffers
 from rollout.model import compat
 from rollout.model.prefill import varlen_attention
 from rollout.ops.host import to_device
-from rollout.ops.sampling import draw_seed, select_next_token
+from rollout.ops.sampling import draw_seed
 from rollout.plan.layout import PromptLayout
 from rollout.plan.planner import CostModel
 from rollout.stats import CallStats
@@ -51,6 +51,7 @@ class RunState:
     seen: Optional[torch.Tensor]  # [num_slots, V] bool repetition history per slot
     last_tokens: torch.Tensor  # [num_slots] newest token per slot (the next decode input)
     generated: torch.Tensor  # [B*n, max_new_tokens]
+    logprobs: Optional[torch.Tensor]  # [B*n, max_new_tokens] fp32 (SamplingConfig.return_logprobs), else None
     seed: torch.Tensor  # scalar int64 keying the sampling noise
     stats: CallStats
     mask_dtype: torch.dtype
@@ -78,11 +79,13 @@ def new_run_state(ctx: CallContext, cache: AlignedKVCache, arena: ScratchArena, 
         seen = torch.zeros((num_slots, ctx.vocab_size), dtype=torch.bool, device=device) if use_seen else None
         last_tokens = torch.zeros(num_slots, dtype=torch.long, device=device)  # last_tokens: [S]
         generated = torch.zeros((num_rows, sampling.max_new_tokens), dtype=torch.long, device=device)  # [B*n, T_r]
+        logprobs = torch.zeros(generated.shape, device=device) if ctx.with_logprobs else None
         seed_t = torch.full((), seed, dtype=torch.long, device=device)  # a fill, not a host->device copy
     else:
         seen, last_tokens, generated, seed_t = graph.buffers.start(seed, use_seen)
+        logprobs = graph.buffers.logprobs if ctx.with_logprobs else None
     return RunState(ctx, cache, arena, prompt_ids, prompt_mask, layout, suffix_max, seen, last_tokens, generated,
-                    seed_t, CallStats(route="continuous"), compat.mask_dtype(ctx.model),
+                    logprobs, seed_t, CallStats(route="continuous"), compat.mask_dtype(ctx.model),
                     _plan_costs(ctx, device), graph)
 
 
@@ -125,7 +128,9 @@ def emit(run: RunState, rows, logits: torch.Tensor, packed: torch.Tensor) -> Non
     ``packed``: ``row_data`` of these rows (sample ids and token indices key the sampling noise)."""
     is_slice = isinstance(rows, slice)
     seen = None if run.seen is None else (run.seen[rows] if is_slice else run.seen.index_select(0, rows))
-    tokens = select_next_token(logits, run.ctx.sampling, seen, run.seed, packed[0], packed[1])  # [n]
+    tokens, logprobs = run.ctx.sampler(logits, seen, run.seed, packed[0], packed[1], run.ctx.with_logprobs)  # [n]
+    if logprobs is not None:
+        run.logprobs.index_put_((packed[0], packed[1]), logprobs)
     if is_slice:
         run.last_tokens[rows] = tokens
         if seen is not None:

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from rollout.model.step import StepParts, decode_logits
-from rollout.ops.sampling import select_next_token
+from rollout.ops.sampling import Sampler
 
 
 class DecodeBuffers:
@@ -32,6 +32,7 @@ class DecodeBuffers:
         self.cols = torch.arange(capacity, **long)
         self.valid = torch.ones((max_rows, capacity), dtype=torch.bool, device=device)
         self.generated = torch.zeros((max_rows, max_new_tokens), **long)
+        self.logprobs = torch.zeros((max_rows, max_new_tokens), dtype=torch.float32, device=device)
         self.finished = torch.zeros(max_rows, dtype=torch.bool, device=device)
         self.seen = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)
 
@@ -80,15 +81,16 @@ class DecodeBuffers:
 
     def mutable(self) -> list[torch.Tensor]:
         """What one step writes (saved and restored around a capture's warm-up runs)."""
-        return [self.tokens, self.positions, self.col, self.step, self.finished, self.seen, self.generated]
+        return [self.tokens, self.positions, self.col, self.step, self.finished, self.seen, self.generated,
+                self.logprobs]
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
 
 
-def decode_step(parts: StepParts, cache, bufs: DecodeBuffers, shape: tuple[int, int], sampling,
-                eos_ids: Optional[torch.Tensor], has_seen: bool) -> None:
+def decode_step(parts: StepParts, cache, bufs: DecodeBuffers, shape: tuple[int, int], sampler: Sampler,
+                eos_ids: Optional[torch.Tensor], has_seen: bool, with_logprobs: bool = False) -> None:
     """The captured work of one step over ``shape = (batch bucket, length bucket)``: logits, token choice,
     and every buffer update (no host sync)."""
     bucket, length = shape
@@ -96,9 +98,11 @@ def decode_step(parts: StepParts, cache, bufs: DecodeBuffers, shape: tuple[int, 
     logits = decode_logits(parts, cache.key_storage[:, :bucket], cache.value_storage[:, :bucket],
                            bufs.tokens[:bucket], bufs.positions[:bucket], bufs.col, keep)
     seen = bufs.seen[:bucket] if has_seen else None
-    tokens = select_next_token(logits, sampling, seen, bufs.seed, bufs.rows[:bucket], bufs.step)
     rows = bufs.rows[:bucket]  # sample ids: generated is in request order whatever the rows' positions
+    tokens, logprobs = sampler(logits, seen, bufs.seed, rows, bufs.step, with_logprobs)
     bufs.generated.index_put_((rows, bufs.step.expand_as(rows)), tokens)
+    if logprobs is not None:
+        bufs.logprobs.index_put_((rows, bufs.step.expand_as(rows)), logprobs)
     bufs.tokens[:bucket].copy_(tokens)
     bufs.positions[:bucket].add_(1)
     bufs.col.add_(1)

@@ -9,7 +9,7 @@ import torch
 from instrumentation import stages
 from rollout.cache.pool import CachePool, ScratchArena
 from rollout.cache.static import cache_shape
-from rollout.executors.context import CallContext
+from rollout.executors.context import CallContext, Generation
 from rollout.executors.decode import DecodeChoice, FastStep
 from rollout.executors.graphs import EAGER, GraphSet
 from rollout.executors.ordinary.buffers import DecodeBuffers, decode_step
@@ -22,8 +22,9 @@ from rollout.stats import CallStats
 def sampling_key(sampling) -> tuple:
     """The sampling settings a captured step depends on (the seed lives in a buffer)."""
     if sampling.is_greedy:
-        return ("greedy", sampling.repetition_penalty)
-    return (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty)
+        return ("greedy", sampling.repetition_penalty, sampling.return_logprobs)
+    return (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty,
+            sampling.return_logprobs)
 
 
 class OrdinaryExecutor:
@@ -37,9 +38,8 @@ class OrdinaryExecutor:
         self.scratch: Optional[ScratchArena] = None
         """Where prompts with several samples are prefilled once before their copies (kept like the cache)."""
 
-    def run(self, ctx: CallContext, choice: DecodeChoice, batch: PromptBatch,
-            order: RowOrder) -> tuple[torch.Tensor, CallStats]:
-        """``(generated [N, S], stats)`` for the batch's ``N = B * n`` rows, in request order."""
+    def run(self, ctx: CallContext, choice: DecodeChoice, batch: PromptBatch, order: RowOrder) -> Generation:
+        """The batch's ``N = B * n`` rows, in request order."""
         num_rows = batch.ids.shape[0]
         rows = batch_bucket(num_rows) if choice.is_fast else num_rows
         capacity = batch.ids.shape[1] + ctx.sampling.max_new_tokens
@@ -60,7 +60,8 @@ class OrdinaryExecutor:
         stats.settle_decode_path(choice.path, choice.reason, self.graphs.fallback_reason)
         stats.num_steps = stats.steps = state.num_steps
         stats.num_slots, stats.capacity, stats.cache_bytes = rows, capacity, cache.nbytes
-        return state.generated[:, :state.num_steps], stats
+        logprobs = None if state.logprobs is None else state.logprobs[:, :state.num_steps]
+        return Generation(state.generated[:, :state.num_steps], logprobs, stats)
 
     def static_decode(self, ctx: CallContext, choice: DecodeChoice, cache, num_rows: int) -> StaticDecode:
         """Buffers for this call (reused while they fit) and its step function (graphs keyed per call)."""
@@ -82,7 +83,7 @@ class OrdinaryExecutor:
             shape = (rows, length_bucket(live_len, cache.shape.capacity))
 
             def work():
-                decode_step(parts, cache, bufs, shape, sampling, ctx.eos.tensor, has_seen)
+                decode_step(parts, cache, bufs, shape, ctx.sampler, ctx.eos.tensor, has_seen, ctx.with_logprobs)
 
             if not use_graphs:
                 work()

@@ -24,7 +24,7 @@ from rollout.executors.ordinary.order import RowOrder
 from rollout.model import compat, hf
 from rollout.model.prefill import prefill_logits
 from rollout.ops import masks
-from rollout.ops.sampling import draw_seed, select_next_token
+from rollout.ops.sampling import draw_seed
 from rollout.plan.buckets import batch_bucket
 from rollout.stats import CallStats
 
@@ -59,6 +59,7 @@ class DecodeState:
     seen: Optional[torch.Tensor]  # [N, V] bool history for the repetition penalty (None when off)
     seed: torch.Tensor  # scalar int64: keys the sampling noise (see rollout.ops.sampling)
     rows: torch.Tensor  # [N] int64: each row's sample id (its row in the request order)
+    logprobs: Optional[torch.Tensor] = None  # [N (+ padding rows), max_new_tokens] fp32, row = sample id
     mask_dtype: torch.dtype = torch.bool  # what compat.to_model_mask needs for this model (read once)
     num_steps: int = 0  # tokens produced so far (prefill produces the first)
     stats: CallStats = field(default_factory=CallStats)
@@ -78,13 +79,14 @@ def init_state(ctx: CallContext, ids, mask, capacity: int, buffers: Optional[Dec
             finished=torch.zeros(num_rows, dtype=torch.bool, device=device),
             # seen: [N, V] — the padded history, padding included (HF semantics)
             seen=torch.zeros((num_rows, ctx.vocab_size), dtype=torch.bool, device=device) if use_seen else None,
-            seed=torch.full((), draw_seed(sampling), dtype=torch.long, device=device), rows=sample_ids)
+            seed=torch.full((), draw_seed(sampling), dtype=torch.long, device=device), rows=sample_ids,
+            logprobs=torch.zeros((num_rows, sampling.max_new_tokens), device=device) if ctx.with_logprobs else None)
     else:
         buffers.reset(mask, draw_seed(sampling), sample_ids, use_seen)
         state = DecodeState(valid=buffers.valid[:num_rows, :capacity], next_pos=mask.long().sum(dim=1),
                             generated=buffers.generated, finished=buffers.finished[:num_rows],
                             seen=buffers.seen[:num_rows] if use_seen else None, seed=buffers.seed,
-                            rows=buffers.rows[:num_rows])
+                            rows=buffers.rows[:num_rows], logprobs=buffers.logprobs if ctx.with_logprobs else None)
     if state.seen is not None:
         state.seen.scatter_(1, ids.long(), True)
     state.mask_dtype = compat.mask_dtype(ctx.model)
@@ -93,8 +95,10 @@ def init_state(ctx: CallContext, ids, mask, capacity: int, buffers: Optional[Dec
 
 def _emit(ctx: CallContext, state: DecodeState, logits: torch.Tensor) -> torch.Tensor:
     step = torch.full((), state.num_steps, dtype=torch.long, device=logits.device)  # a fill, no host->device copy
-    tokens = select_next_token(logits, ctx.sampling, state.seen, state.seed, state.rows, step)  # [N]
+    tokens, logprobs = ctx.sampler(logits, state.seen, state.seed, state.rows, step, ctx.with_logprobs)  # [N]
     state.generated.index_put_((state.rows, step.expand_as(state.rows)), tokens)
+    if logprobs is not None:
+        state.logprobs.index_put_((state.rows, step.expand_as(state.rows)), logprobs)
     if state.seen is not None:
         state.seen.scatter_(1, tokens[:, None], True)
     if ctx.eos.tensor is not None:
@@ -182,6 +186,8 @@ def generate_ordinary(ctx: CallContext, cache: StaticKVCache, batch: PromptBatch
         static.buffers.start(tokens, state.next_pos, prompt_ids.shape[1])
         _static_decode_loop(ctx, cache, state, static, prompt_ids.shape[1])
     state.generated = state.generated[:ids.shape[0]]
+    if state.logprobs is not None:
+        state.logprobs = state.logprobs[:ids.shape[0]]
     return state
 
 
