@@ -74,15 +74,15 @@ def test_summary_lists_both_ranks_and_a_straggler_per_stage(two_rank_run):
     names = [row["name"] for row in doc["stages"]]
     assert set(doc["straggler"]) == set(names)
     for name in names:
-        totals = {int(rank): row["cpu_ms"]["total"] for rank, rows in doc["per_rank"].items()
-                  for row in rows if row["name"] == name}
+        totals = {int(rank): row["cpu_ms"]["total"] for rank, entry in doc["per_rank"].items()
+                  for row in entry["stages"] if row["name"] == name}
         assert set(totals) == set(range(NUM_RANKS)), f"{name} missing on a rank"
         assert doc["straggler"][name] == max(totals, key=totals.get)  # the slowest rank by CPU total
 
 
 def test_ranks_run_in_lockstep(two_rank_run):
     _, doc = two_rank_run
-    counts = {rank: {row["name"]: row["count"] for row in rows} for rank, rows in doc["per_rank"].items()}
+    counts = {rank: {row["name"]: row["count"] for row in entry["stages"]} for rank, entry in doc["per_rank"].items()}
     step, prefill, decode = (S.range_name(s) for s in (S.STEP, S.PREFILL, S.DECODE))
     assert {c[step] for c in counts.values()} == {NUM_RECORDED_STEPS}
     assert len({c[prefill] for c in counts.values()}) == 1
