@@ -1,24 +1,44 @@
 """Next-token selection: repetition penalty, temperature, top-k, top-p, greedy or seeded sampling.
 
-Everything runs on the device without host syncs, with tensors only (so a decode step that
-includes it can be captured in a CUDA graph). The order follows HF ``generate``: repetition
-penalty, then temperature, top-k, top-p. Logits are processed in fp32.
+No host syncs, no data-dependent shapes (a decode step that includes it can be captured in a CUDA
+graph). The order follows HF ``generate``: repetition penalty, temperature, top-k, top-p; in fp32.
 
 Sampling uses the Gumbel-max trick with *counter-based* noise: the uniform variate for token ``v``
 of sample ``r`` at step ``t`` is a hash of ``(seed, r, t, v)``. Hence, for a given seed, a sample's
 tokens depend only on its own logits — not on its batch neighbours, the batch size, the route or
 the device's RNG state — and no generator state needs to live inside a CUDA graph.
+
+Two nucleus (top-p) filters with the semantics of HF's ``TopPLogitsWarper`` (ascending stable order,
+cumulative softmax, drop where it is ``<= 1 - top_p``, keep the most likely token): ``filter_top_p``
+sorts, as HF does (the eager path); ``top_p_keep`` does not (the compiled path, :class:`Sampler`): a
+search over the scores' order-preserving int32 bit patterns for the boundary score (each pass
+evaluates 15 thresholds in one fused reduction), then the straddling tie group loses its lowest-index
+members, ``floor((1 - top_p - mass strictly below) / p)`` of them, as a stable sort's cumulative sum
+does. It sums masses in another order than HF's cumulative sum, so the two differ only where a
+cumulative sum lies within rounding (~1e-7) of ``1 - top_p``.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import struct
+import types
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 
 from rollout.config import SamplingConfig
 
 _MASK32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: products of 32-bit values stay below 2**63 in int64
 _ROW_SALT, _STEP_SALT = 0x9E3779B1 & 0x7FFFFFF, 0x85EBCA6B & 0x7FFFFFF
+ARITY = 16
+"""Sub-intervals per search pass (``ARITY - 1`` thresholds evaluated by one fused reduction)."""
+CHUNK = 128
+"""Tokens per chunk when locating the first kept member of the straddling tie group."""
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -53,8 +73,8 @@ def filter_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus filtering with HF semantics: drop the lowest-probability tokens whose cumulative
-    probability stays <= 1 - top_p; the most likely token always survives."""
+    """Nucleus filtering by sorting, HF's own algorithm: drop the lowest-probability tokens whose
+    cumulative probability stays <= 1 - top_p; the most likely token always survives."""
     if top_p >= 1.0:
         return logits
     sorted_logits, sorted_idx = torch.sort(logits, descending=False, dim=-1)
@@ -63,6 +83,157 @@ def filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     remove_sorted[..., -1] = False
     remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
+
+
+def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int32 keys that order like the fp32 ``scores`` (non-negative floats order like their bits; the
+    magnitude bits of negative ones are flipped); -0.0 counts as +0.0, as a comparison sort sees it."""
+    bits = torch.where(scores == 0, 0.0, scores).view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@torch.compiler.assume_constant_result
+def _float32(value: float) -> float:  # a Python float rounded to fp32
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _num_passes(size: int) -> int:  # search passes that narrow ``size`` candidates down to one
+    passes = 0
+    while size > 1:
+        size, passes = -(-size // ARITY), passes + 1
+    return passes
+
+
+def _search_largest(evaluate, lo: torch.Tensor, hi: torch.Tensor, bound, at_lo: torch.Tensor, size: int):
+    """Per row, the largest ``t`` in ``[lo, hi]`` (int64 ``[B]``, at most ``size`` values) with
+    ``evaluate(t) <= bound``, and ``evaluate`` there, for a nondecreasing ``evaluate`` (thresholds
+    ``[B, ARITY - 1]`` -> values of the same shape) with ``evaluate(lo) = at_lo <= bound``."""
+    offsets = torch.arange(1, ARITY, device=lo.device)
+    for _ in range(_num_passes(size)):
+        step = (hi - lo) // ARITY + 1  # ceil((hi - lo + 1) / ARITY): every part holds <= step values
+        thresholds = torch.minimum(lo[:, None] + offsets * step[:, None], hi[:, None])  # [B, ARITY - 1]
+        values = evaluate(thresholds)
+        num_ok = (values <= bound).sum(dim=-1)  # a prefix of the thresholds (evaluate is monotone)
+        last_ok = (num_ok - 1).clamp(min=0)[:, None]
+        first_bad = num_ok.clamp(max=ARITY - 2)[:, None]
+        new_hi = torch.where(num_ok < ARITY - 1, thresholds.gather(1, first_bad)[:, 0] - 1, hi)
+        at_lo = torch.where(num_ok > 0, values.gather(1, last_ok)[:, 0], at_lo)
+        lo = torch.where(num_ok > 0, thresholds.gather(1, last_ok)[:, 0], lo)
+        hi = new_hi
+    return lo, at_lo
+
+
+def _sums_below(values: torch.Tensor, keys: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """``[B, K]``: per row, the sum of ``values`` where ``keys < thresholds[:, k]``; K reductions over
+    the same inputs, which the compiler fuses into one pass over the row."""
+    limits = thresholds.to(keys.dtype)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    return torch.stack([torch.where(keys < limits[:, k, None], values, zero).sum(dim=-1)
+                        for k in range(limits.shape[1])], dim=-1)
+
+
+def _nth_member(group: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Per row, the vocabulary index of member ``n`` (0-based, in index order) of ``group [B, V]``:
+    members counted per chunk, the chunk found by a search over the counts, the member by its rank
+    inside that chunk (no scan over the vocabulary)."""
+    num_rows, vocab = group.shape
+    width = min(CHUNK, vocab)
+    num_chunks = -(-vocab // width)
+    counts = F.pad(group.to(torch.int32), (0, num_chunks * width - vocab)).view(num_rows, num_chunks, width).sum(-1)
+    chunk_ids = torch.arange(num_chunks, device=group.device, dtype=torch.int32).expand(num_rows, num_chunks)
+    lo, hi = torch.zeros_like(n), torch.full_like(n, num_chunks - 1)
+    chunk, before = _search_largest(lambda t: _sums_below(counts, chunk_ids, t), lo, hi, n[:, None],
+                                     torch.zeros_like(n), num_chunks)
+    offsets = torch.arange(width, device=group.device)
+    cols = chunk[:, None] * width + offsets  # [B, width]
+    inside = group.gather(1, cols.clamp(max=vocab - 1)) & (cols < vocab)
+    upto = offsets[None, :] <= offsets[:, None]  # upto[i, j]: j <= i
+    rank = (inside[:, None, :] & upto).sum(dim=-1)  # [B, width]: members at or before each column
+    return chunk * width + (rank <= (n - before)[:, None]).sum(dim=-1)
+
+
+def top_p_keep(scores: torch.Tensor, top_p: float, key_shift: int = 0) -> torch.Tensor:
+    """``keep [B, V]`` of HF's nucleus filter without sorting (see the module docstring).
+    ``key_shift``: low key bits known to be zero in every score (16 for bf16 logits at temperature 1
+    without penalty), which halves the passes."""
+    tau = _float32(1.0 - top_p)  # HF compares its fp32 cumulative sums with this, rounded to fp32
+    probs = scores.softmax(dim=-1)
+    keys = ordered_keys(scores) >> key_shift
+    top_key = (ordered_keys(scores.amax(dim=-1)) >> key_shift).long()
+    lo = torch.full_like(top_key, -(2**31) >> key_shift)
+    # boundary: the largest key whose strictly-lower mass is <= tau; everything above it is kept
+    boundary, below = _search_largest(lambda t: _sums_below(probs, keys, t), lo, top_key, tau,
+                                      torch.zeros_like(probs[:, 0]), 2 ** (32 - key_shift))
+    boundary = boundary.to(keys.dtype)
+    group = keys == boundary[:, None]  # the tie group straddling the boundary
+    p_group = torch.where(group, probs, 0.0).amax(dim=-1)
+    size = group.sum(dim=-1)
+    removed = ((tau - below) / p_group).floor().clamp(min=0)
+    removed = torch.minimum(removed, (size - 1).to(removed.dtype)).long()  # the top token always stays
+    first_kept = _nth_member(group, removed)
+    index = torch.arange(scores.shape[-1], device=scores.device)
+    return (keys > boundary[:, None]) | (group & (index >= first_kept[:, None]))
+
+
+@dataclass(frozen=True)
+class SamplerKey:
+    """What token selection depends on (one :class:`Sampler` per key)."""
+
+    temperature: float
+    """``<= 0``: greedy."""
+    top_k: int
+    """``<= 0`` disables it."""
+    top_p: float
+    """1 disables it."""
+    repetition_penalty: float
+    """Applied where a ``seen`` history is given."""
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def sampler_key(sampling: SamplingConfig) -> SamplerKey:
+    return SamplerKey(float(sampling.temperature), int(sampling.top_k), float(sampling.top_p),
+                      float(sampling.repetition_penalty))
+
+
+def _key_shift(dtype: torch.dtype, key: SamplerKey, seen: Optional[torch.Tensor]) -> int:
+    """Key bits that are zero in every score: fp32 scores cast exactly from bf16/fp16 logits."""
+    exact = key.temperature == 1.0 and (seen is None or key.repetition_penalty == 1.0)
+    if not exact or not dtype.is_floating_point or torch.finfo(dtype).bits >= 32:
+        return 0
+    return 23 - round(-math.log2(torch.finfo(dtype).eps))
+
+
+def _scores(logits: torch.Tensor, key: SamplerKey, seen: Optional[torch.Tensor], search: bool) -> torch.Tensor:
+    """fp32 scores of the distribution sampled from: penalty, temperature, top-k, top-p (-inf where
+    filtered). Greedy: the penalised logits (temperature 1, no filtering)."""
+    scores = logits.float()
+    if seen is not None:
+        scores = apply_repetition_penalty(scores, seen, key.repetition_penalty)
+    if key.is_greedy:
+        return scores
+    scores = filter_top_k(scores / key.temperature, key.top_k)
+    if key.top_p >= 1.0:
+        return scores
+    if not search:
+        return filter_top_p(scores, key.top_p)
+    keep = top_p_keep(scores, key.top_p, _key_shift(logits.dtype, key, seen))
+    return scores.masked_fill(~keep, float("-inf"))
+
+
+def _select(logits, key: SamplerKey, seen, seed, rows, step, with_logprobs: bool, search: bool):
+    """``(tokens [B], logprobs [B] or None)``; ``search``: the sort-free nucleus filter."""
+    scores = _scores(logits, key, seen, search)
+    if key.is_greedy:
+        tokens = scores.argmax(dim=-1)
+    else:
+        gumbel = -torch.log(-torch.log(uniform_noise(seed, rows, step, scores.shape[-1])))
+        tokens = (scores + gumbel).argmax(dim=-1)
+    if not with_logprobs:
+        return tokens, None
+    return tokens, torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
 def draw_seed(sampling: SamplingConfig) -> int:
@@ -74,17 +245,81 @@ def draw_seed(sampling: SamplingConfig) -> int:
 
 def select_next_token(logits: torch.Tensor, sampling: SamplingConfig, seen: torch.Tensor | None,
                       seed: torch.Tensor, rows: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """``next_tokens [B]`` from the last-position ``logits [B, V]``.
+    """``next_tokens [B]`` from the last-position ``logits [B, V]`` (eager; the nucleus by sorting).
 
     ``seed`` (scalar), ``rows [B]`` (each row's sample id: its row in the expanded batch) and
     ``step`` (scalar, the index of the token being produced) are int64 tensors keying the noise.
     """
-    scores = logits.float()
-    if seen is not None:
-        scores = apply_repetition_penalty(scores, seen, sampling.repetition_penalty)
-    if sampling.is_greedy:
-        return scores.argmax(dim=-1)
-    scores = scores / sampling.temperature
-    scores = filter_top_p(filter_top_k(scores, sampling.top_k), sampling.top_p)
-    gumbel = -torch.log(-torch.log(uniform_noise(seed, rows, step, scores.shape[-1])))
-    return (scores + gumbel).argmax(dim=-1)
+    return _select(logits, sampler_key(sampling), seen, seed, rows, step, False, search=False)[0]
+
+
+def sampled_logprobs(logits: torch.Tensor, sampling: SamplingConfig, seen: torch.Tensor | None,
+                     tokens: torch.Tensor) -> torch.Tensor:
+    """``[B]`` float32: log-probability of ``tokens`` under the distribution sampled from (log-softmax
+    over the kept set after penalty, temperature, top-k, top-p; -inf for a filtered token). Greedy:
+    the log-softmax of the penalised logits at temperature 1, without filtering."""
+    scores = _scores(logits, sampler_key(sampling), seen, search=False)
+    return torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
+class Sampler:
+    """Token selection for one :class:`SamplerKey`, for the executors:
+    ``sampler(logits, seen, seed, rows, step, with_logprobs) -> (tokens [B], logprobs [B] fp32 or None)``.
+
+    ``compiled=True``: ``torch.compile(fullgraph=True)`` functions with the sort-free nucleus, compiled at
+    the first call (a CUDA graph's warm-up runs, outside capture; the batch dimension is dynamic). If
+    building or a call raises, it falls back to the eager functions for good and says why in
+    ``fallback_reason``. Tokens equal the eager ones except where rounding decides (see above).
+    """
+
+    def __init__(self, key: SamplerKey, compiled: bool):
+        self.key = key
+        self.fallback_reason: Optional[str] = None
+        """Why the compiled functions were dropped (None: never built or still in use)."""
+        self._compiled: dict[bool, object] = {}
+        if compiled:
+            try:
+                self._compiled = {flag: torch.compile(_entry(key, flag), fullgraph=True, dynamic=None)
+                                  for flag in (False, True)}
+            except Exception as exc:  # noqa: BLE001 - sampling still works, eagerly, and stats say why
+                self._drop("torch.compile", exc)
+
+    @property
+    def is_compiled(self) -> bool:
+        return bool(self._compiled)
+
+    def _drop(self, where: str, exc: Exception) -> None:
+        self._compiled = {}
+        self.fallback_reason = f"compiled sampler: {where} raised {exc!r:.300}; sampling eagerly"
+
+    def __call__(self, logits: torch.Tensor, seen: Optional[torch.Tensor], seed: torch.Tensor,
+                 rows: torch.Tensor, step: torch.Tensor, with_logprobs: bool = False):
+        fn = self._compiled.get(bool(with_logprobs))
+        if fn is not None:
+            try:
+                for tensor in (logits, seen, rows):  # one graph for every batch bucket
+                    if tensor is not None:
+                        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                return fn(logits, seen, seed, rows, step)
+            except Exception as exc:  # noqa: BLE001 - as above
+                self._drop("a call", exc)
+        return _select(logits, self.key, seen, seed, rows, step, bool(with_logprobs), search=False)
+
+
+def _entry(key: SamplerKey, with_logprobs: bool):
+    """The function to compile, with a code object of its own: torch.compile's recompile limit counts
+    per code object, so samplers of different keys do not use up each other's."""
+    def sample(logits, seen, seed, rows, step):
+        # traced by torch.compile: the sort-free nucleus; run eagerly (a dynamo fallback): sorting
+        return _select(logits, key, seen, seed, rows, step, with_logprobs, search=torch.compiler.is_compiling())
+    return types.FunctionType(sample.__code__.replace(), sample.__globals__, sample.__name__, None, sample.__closure__)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_sampler(key: SamplerKey, compiled: bool) -> Sampler:
+    return Sampler(key, compiled)
+
+
+def sampler_fn(sampling: SamplingConfig, compiled: bool) -> Sampler:
+    """The process-wide :class:`Sampler` of ``sampling``'s key (``compiled``: pass True on CUDA)."""
+    return _cached_sampler(sampler_key(sampling), bool(compiled))

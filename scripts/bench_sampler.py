@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""The sampler on the GPU, before and after the sort-free nucleus: the previous implementation (a copy,
+below), the new eager function (the fallback: it still sorts) and the new compiled sampler, each call
+captured in a CUDA graph after two warm-up runs; median ms of ``--iters`` replays (CUDA events). Also
+checks that the new tokens equal the old ones on the same logits, seeds and steps, and the compiled
+log-probabilities against the eager ``sampled_logprobs``. Prints one table; ``--json`` writes the rows.
+
+  python scripts/bench_sampler.py                      # rows 32 and 256, vocab 151936, bf16 logits
+  python scripts/bench_sampler.py --rows 256 --old-compiled --json out.json
+
+Compiling takes a while on the first call of each sampler (greedy, T=1, top-p, each with and without
+log-probs); ``--cases`` runs a subset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rollout.config import SamplingConfig  # noqa: E402
+from rollout.ops.sampling import sampled_logprobs, sampler_fn, select_next_token  # noqa: E402
+from scripts.profile_decode_step import graph_ms  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- the previous implementation
+# The sampler as of commit b8f0f0e (before the sort-free nucleus), kept as the before/after baseline and
+# as the oracle of tests/test_sampling.py. ``stable`` (not in the original) sorts ties in index order.
+
+def _old_hash32(x):
+    x = x & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def _old_noise(seed, rows, step, vocab_size):
+    base = _old_hash32(_old_hash32(seed ^ (rows * (0x9E3779B1 & 0x7FFFFFF))) ^ (step * (0x85EBCA6B & 0x7FFFFFF)))
+    ids = torch.arange(vocab_size, device=rows.device, dtype=torch.long)
+    bits = _old_hash32(base[:, None] ^ (ids[None, :] * 0x45D9F3B))
+    return (bits.float() + 0.5) * (1.0 / 4294967296.0)
+
+
+def old_top_p(logits, top_p, stable=False):
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, sorted_idx = torch.sort(logits, descending=False, dim=-1, stable=stable)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1.0 - top_p)
+    remove_sorted[..., -1] = False
+    remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def old_select(logits, sampling, seen, seed, rows, step, stable=False):
+    scores = logits.float()
+    if seen is not None:
+        penalised = torch.where(scores < 0, scores * sampling.repetition_penalty,
+                                scores / sampling.repetition_penalty)
+        scores = torch.where(seen, penalised, scores)
+    if sampling.is_greedy:
+        return scores.argmax(dim=-1)
+    scores = scores / sampling.temperature
+    if 0 < sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    scores = old_top_p(scores, sampling.top_p, stable)
+    gumbel = -torch.log(-torch.log(_old_noise(seed, rows, step, scores.shape[-1])))
+    return (scores + gumbel).argmax(dim=-1)
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+CASES = {
+    "greedy": (dict(temperature=0.0), "random"),
+    "T=1": (dict(temperature=1.0), "random"),
+    "T=1 top-p 0.9": (dict(temperature=1.0, top_p=0.9), "random"),
+    "T=1 top-p 0.9 peaked": (dict(temperature=1.0, top_p=0.9), "peaked"),
+}
+RANDOM_SCALE = 3.0
+"""Logits ~ N(0, 3^2), as in scripts/profile_decode_step.py."""
+TRIALS = ((0, 1), (12345, 17), (2**32 - 1, 200))
+"""(seed, step) pairs of the token checks."""
+
+
+@dataclass
+class SamplerRow:
+    rows: int
+    case: str
+    variant: str
+    ms: Optional[float]
+    """Median ms of one replay; None where the variant failed."""
+    median_nucleus: int
+    """Median tokens kept by top-k/top-p (the vocabulary without them)."""
+    tokens_equal_old: str
+    """``equal/total`` tokens over the (seed, step) trials, against the previous implementation."""
+    note: str = ""
+
+
+def make_logits(rows: int, vocab: int, kind: str, top_p: float) -> tuple[torch.Tensor, float]:
+    """bf16 logits: ``random`` (N(0, 3^2)) or ``peaked`` (the smallest scale whose median top-p nucleus
+    is <= 1k tokens)."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    base = torch.randn(rows, vocab, device="cuda", generator=gen)
+    if kind == "random":
+        return (base * RANDOM_SCALE).bfloat16(), RANDOM_SCALE
+    for scale in (4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0, 24.0):
+        logits = (base * scale).bfloat16()
+        if nucleus_sizes(logits, top_p).median().item() <= 1000:
+            return logits, scale
+    return logits, scale
+
+
+def nucleus_sizes(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    return (old_top_p(logits.float(), top_p, stable=True) > float("-inf")).sum(dim=-1)
+
+
+def token_check(fn, logits: torch.Tensor, sampling: SamplingConfig) -> str:
+    equal = total = 0
+    ids = torch.arange(logits.shape[0], device="cuda")
+    for seed, step in TRIALS:
+        args = (torch.tensor(seed, device="cuda"), ids, torch.tensor(step, device="cuda"))
+        old = old_select(logits, sampling, None, *args, stable=True)
+        equal += int((fn(logits, *args) == old).sum())
+        total += old.numel()
+    return f"{equal}/{total}"
+
+
+def variants(sampling: SamplingConfig, old_compiled: bool):
+    """``(name, fn(logits, seed, rows, step) -> tokens, sampler or None)``."""
+    compiled = sampler_fn(sampling, compiled=True)
+    out = [
+        ("old (eager, sort)", lambda lg, s, r, t: old_select(lg, sampling, None, s, r, t), None),
+        ("new eager (fallback)", lambda lg, s, r, t: select_next_token(lg, sampling, None, s, r, t), None),
+        ("new compiled", lambda lg, s, r, t: compiled(lg, None, s, r, t, False)[0], compiled),
+        ("new compiled + logprobs", lambda lg, s, r, t: compiled(lg, None, s, r, t, True)[0], compiled),
+    ]
+    if old_compiled:
+        fn = torch.compile(old_select, fullgraph=True, dynamic=False)
+        out.append(("old compiled", lambda lg, s, r, t: fn(lg, sampling, None, s, r, t), None))
+    return out
+
+
+def logprob_error(logits: torch.Tensor, sampling: SamplingConfig) -> float:
+    """Max |compiled - eager| log-probability of the compiled sampler's own tokens."""
+    ids = torch.arange(logits.shape[0], device="cuda")
+    seed, step = torch.tensor(3, device="cuda"), torch.tensor(4, device="cuda")
+    tokens, logprobs = sampler_fn(sampling, compiled=True)(logits, None, seed, ids, step, True)
+    return float((logprobs - sampled_logprobs(logits, sampling, None, tokens)).abs().max())
+
+
+def bench_case(rows: int, vocab: int, case: str, iters: int, old_compiled: bool) -> list[SamplerRow]:
+    kwargs, kind = CASES[case]
+    sampling = SamplingConfig(max_new_tokens=8, **kwargs)
+    logits, scale = make_logits(rows, vocab, kind, sampling.top_p)
+    median_nucleus = int(nucleus_sizes(logits, sampling.top_p).median()) if not sampling.is_greedy else 1
+    ids = torch.arange(rows, device="cuda")
+    seed, step = torch.tensor(7, device="cuda"), torch.tensor(3, device="cuda")
+    out = []
+    for name, fn, sampler in variants(sampling, old_compiled):
+        note = f"scale {scale:g}"
+        try:
+            ms = graph_ms(lambda fn=fn: fn(logits, seed, ids, step), iters)
+            equal = token_check(fn, logits, sampling)
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
+            ms, equal, note = None, "-", f"failed: {exc!r:.160}"
+        if sampler is not None and sampler.fallback_reason:
+            note = f"FELL BACK: {sampler.fallback_reason:.200}"
+        elif name == "new compiled + logprobs" and ms is not None:
+            note += f"; max |logprob - eager| {logprob_error(logits, sampling):.2e}"
+        out.append(SamplerRow(rows, case, name, ms, median_nucleus, equal, note))
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--old-compiled", action="store_true", help="also torch.compile the previous implementation")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_sampler.py needs a CUDA device")
+    results = [row for rows in args.rows for case in args.cases
+               for row in bench_case(rows, args.vocab, case, args.iters, args.old_compiled)]
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; vocab {args.vocab}, bf16 logits, "
+          f"each call captured in a CUDA graph, median of {args.iters} replays")
+    print("| rows | case | variant | ms | median nucleus | tokens = old | note |")
+    print("|---:|---|---|---:|---:|---:|---|")
+    for r in results:
+        ms = f"{r.ms:.3f}" if r.ms is not None else "-"
+        print(f"| {r.rows} | {r.case} | {r.variant} | {ms} | {r.median_nucleus} | {r.tokens_equal_old} | {r.note} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
