@@ -49,7 +49,9 @@ Columns
 - wall ms: mean over ``--repeats`` timed calls (min-max too), CUDA synchronised around each call.
 - roofline ms, x roof: see :func:`call_roofline_s`; each call's own realised lengths; x roof = wall / roofline.
 - GPU busy: union of the kernel / memcpy / memset intervals of one extra profiled call (torch.profiler, CUDA
-  activity) / the candidate's median timed wall. ``n/a (skipped)`` above ``--busy-max-events`` device events.
+  activity; after every timed call of the cell) / the candidate's median timed wall. ``n/a (skipped)`` above
+  ``--busy-max-events`` events. ``after_profile``: the row's timed calls followed a profiled call of this
+  process (CUPTI callbacks may linger; ``--cupti-teardown`` sets ``TEARDOWN_CUPTI=1``, ``--busy off`` skips).
 - peak GiB: ``torch.cuda.max_memory_allocated`` over the call (reset before), minus what the other candidates'
   ``Rollout`` objects hold between calls (``held_bytes``), i.e. the peak had this candidate run alone.
 - route / decode / prefill: ``last_stats`` of the call (what actually ran).
@@ -101,6 +103,9 @@ CALIB_PROMPTS = 32
 #: DeepSpeed 0.19.8 no-CB, 3B on an H200 (issue 15: 3.82 s for 256 rows x 128 new): seconds per decode step.
 UPSTREAM_STEP_S = (0.025, 2e-5)  # fixed + per row
 GPU_EVENT_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+#: Set once a profiled call has run in this process: Kineto may leave CUPTI callbacks installed afterwards
+#: (pytorch/pytorch#144455), so later timed calls say so in their row (``after_profile``).
+_PROFILED = {"any": False}
 
 
 # ---- cells and candidates -------------------------------------------------------------------------------
@@ -186,6 +191,15 @@ class Candidate:
     note: str = ""
 
 
+def cap_gib_for_slots(slots: int, longest_prompt: int, budget: int, kv_bytes_per_token: int) -> float:
+    """A KV budget (GiB) that allows ``slots`` continuous-batching slots and no more: each slot holds the
+    continuous route's capacity with refills, 2 x (longest prompt + budget - 1) columns rounded up to 64 (the
+    rule of 80a6322's ``cb_route.default_capacity`` and of the restructured ``plan.layout``), plus half a
+    slot of headroom against rounding in the GiB -> bytes conversion."""
+    columns = -(-2 * (longest_prompt + budget - 1) // 64) * 64
+    return (slots + 0.5) * columns * kv_bytes_per_token / 2 ** 30
+
+
 def select_cells(spec: Optional[str]) -> list[CellSpec]:
     """Cells by name or index (``"0,2"``, ``"3-6"``, ``"capped,longctx"``); all when empty."""
     if not spec:
@@ -238,16 +252,16 @@ def plan_candidates(cell: CellSpec, selectors: Optional[set[str]], has_cap_field
                                  note=f"cap emulated: continuous_batch_size={cell.cap_slots} (no max_cache_gib)"))
         else:
             out.append(Candidate("auto", "auto", max_cache_gib=cap,
-                                 note=f"max_cache_gib={cap:.3f}" if cap is not None else ""))
+                                 note=f"max_cache_gib={cap:.4g}" if cap is not None else ""))
     if _selected("ordinary", None, selectors) and not capped:
         out.append(Candidate("ordinary", "ordinary"))
     for divisor, slots in slot_variants(cell.rows, cell.n, cell.cap_slots):
         name = f"continuous-{slots}"
         if _selected(name, divisor, selectors):
             out.append(Candidate(name, "continuous", slots=slots, max_cache_gib=cap,
-                                 note=f"max_cache_gib={cap:.3f}" if cap is not None else ""))
-    if upstream and (selectors is None or "deepspeed" in selectors):
-        out.append(Candidate("deepspeed", "deepspeed"))
+                                 note=f"max_cache_gib={cap:.4g}" if cap is not None else ""))
+    if upstream and not capped and (selectors is None or "deepspeed" in selectors):
+        out.append(Candidate("deepspeed", "deepspeed"))  # (it has no KV budget: not in the capped cell)
     return out
 
 
@@ -460,6 +474,9 @@ class RlRow:
     best_candidate: Optional[str] = None
     vs_deepspeed: Optional[float] = None
     same_tokens: Optional[bool] = None
+    after_profile: Optional[bool] = None
+    """The timed calls ran after a profiled call of this process (CUPTI callbacks may linger: pass
+    ``--cupti-teardown``, or ``--busy off`` for untouched timings)."""
     eos_scale: Optional[float] = None
     norm_factor: Optional[float] = None
     nucleus_median: Optional[float] = None
@@ -507,7 +524,8 @@ def format_table(rows: list[RlRow]) -> str:
     lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
     for r in rows:
         if r.status != "ok":
-            lines.append(f"| {r.source} | {r.cell} | {r.candidate} | " + "— | " * 12 + f"{r.status}; {r.note} |")
+            lines.append(f"| {r.source} | {r.cell} | {r.candidate} | " + "— | " * 12
+                         + "; ".join(t for t in (r.status, r.note) if t) + " |")
             continue
         busy = _fmt(r.gpu_busy_pct, ".0f") + "%" if r.gpu_busy_pct is not None else (r.gpu_busy_note or "n/a")
         wall = f"{_fmt(r.wall_ms)} ({_fmt(r.wall_ms_min)}–{_fmt(r.wall_ms_max)})"
@@ -533,7 +551,23 @@ def load_rows(paths: list[str]) -> list[RlRow]:
             kept.setdefault("source", source)
             rows.append(RlRow(**kept))
     derive(rows)
-    return rows
+    return sort_rows(rows)
+
+
+def sort_rows(rows: list[RlRow]) -> list[RlRow]:
+    """By cell, then candidate (auto, ordinary, continuous by falling slots, the rest, deepspeed); rows of one
+    (cell, candidate) keep their order, so several sources (files) sit side by side."""
+    cells = [c.name for c in CELLS]
+
+    def order(r: RlRow):
+        cell = cells.index(r.cell) if r.cell in cells else len(cells)
+        name = r.candidate
+        tail = name.rsplit("-", 1)[-1]
+        is_slots = name.startswith("continuous-") and tail.isdigit()
+        rank = {"auto": 0, "ordinary": 1, "deepspeed": 4}.get(name, 2 if is_slots else 3)
+        return cell, rank, -int(tail) if is_slots else 0, name
+
+    return sorted(rows, key=order)
 
 
 def write_json(path: str, meta: dict, rows: list[RlRow]) -> None:
@@ -568,6 +602,7 @@ def measure_rates(device: str, dtype: torch.dtype) -> tuple[float, float]:
             end.synchronize()
             times.append(start.elapsed_time(end) / 1000.0)
         del a, b
+        torch.cuda.empty_cache()  # the cells' memory decisions read the free memory
         return bw, 2 * 8192 ** 3 / statistics.median(times) / 1e12
     x = torch.empty(1 << 23, dtype=torch.float32)
     y = torch.empty_like(x)
@@ -700,6 +735,8 @@ class CandidateRun:
     stats: dict = field(default_factory=dict)
     error: Optional[str] = None
     busy: tuple = (None, "n/a")
+    after_profile: bool = False
+    peak_includes_others: bool = False
 
 
 def _held(rollout) -> int:
@@ -730,7 +767,9 @@ def measure(run: CandidateRun, others: list[CandidateRun], device: str, record: 
         return
     run.walls_ms.append(wall_ms)
     if cuda:  # minus what the other candidates' Rollout objects keep (the continuous variants share one)
-        held = {id(o.rollout): _held(o.rollout) for o in others if o.rollout is not run.rollout}
+        kept = [o.rollout for o in others if o.rollout is not None and o.rollout is not run.rollout]
+        run.peak_includes_others = run.peak_includes_others or any(not hasattr(r, "held_bytes") for r in kept)
+        held = {id(r): _held(r) for r in kept}
         run.peaks_bytes.append(torch.cuda.max_memory_allocated() - sum(held.values()))
     run.lengths.append(response_lengths(batch))
     run.last_batch = batch
@@ -748,7 +787,7 @@ def scalar_stats(stats) -> dict:
     return {k: v for k, v in values.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
 
-def profile_busy(run: CandidateRun, device: str, max_events: int) -> None:
+def profile_busy(run: CandidateRun, device: str, max_events: int, teardown: bool = False) -> None:
     """GPU-busy % of one extra profiled call against the median timed wall."""
     if run.error is not None or not run.walls_ms:
         return
@@ -757,9 +796,15 @@ def profile_busy(run: CandidateRun, device: str, max_events: int) -> None:
     activity = ProfilerActivity.CUDA if device.startswith("cuda") else ProfilerActivity.CPU  # CPU: no GPU events
     sync(device)
     try:
-        with profile(activities=[activity]) as prof:
+        _PROFILED["any"] = True
+        prof = profile(activities=[activity])
+        if teardown:  # before start and stop: torch resets it where it thinks graphs and teardown clash
+            os.environ["TEARDOWN_CUPTI"] = "1"
+        with prof:
             run.call()
             sync(device)
+            if teardown:
+                os.environ["TEARDOWN_CUPTI"] = "1"
         intervals, why = gpu_intervals(prof, max_events)
     except torch.cuda.OutOfMemoryError:
         raise
@@ -907,7 +952,11 @@ def kept_bytes_estimate(bench: Bench, cell: CellSpec, cands: list[Candidate], wi
     return sum(per_route.values())
 
 
-def run_interleaved(runs: list[CandidateRun], device: str, repeats: int, busy: bool, max_events: int) -> None:
+def run_interleaved(runs: list[CandidateRun], device: str, repeats: int, busy: bool, max_events: int,
+                    teardown: bool = False) -> None:
+    """Warm-up, ``repeats`` rounds A B C ..., then (``busy``) one profiled call each, after every timed call."""
+    for run in runs:
+        run.after_profile = _PROFILED["any"]
     for run in runs:
         measure(run, [o for o in runs if o is not run], device, record=False)  # warm-up
     for _ in range(repeats):
@@ -915,7 +964,7 @@ def run_interleaved(runs: list[CandidateRun], device: str, repeats: int, busy: b
             measure(run, [o for o in runs if o is not run], device, record=True)
     if busy:
         for run in runs:
-            profile_busy(run, device, max_events)
+            profile_busy(run, device, max_events, teardown)
 
 
 def run_sequential(bench: Bench, cell: CellSpec, cands: list[Candidate], ids, mask) -> list[CandidateRun]:
@@ -924,7 +973,8 @@ def run_sequential(bench: Bench, cell: CellSpec, cands: list[Candidate], ids, ma
     for cand in cands:
         (run,) = make_runs(bench, cell, [cand], ids, mask, shared=False)
         try:
-            run_interleaved([run], bench.device, bench.args.repeats, bench.busy_enabled, bench.args.busy_max_events)
+            run_interleaved([run], bench.device, bench.args.repeats, bench.busy_enabled, bench.args.busy_max_events,
+                            bench.args.cupti_teardown)
         except torch.cuda.OutOfMemoryError as exc:
             run.error = f"OutOfMemoryError: {exc}"[:300]
         if run.last_batch is not None:
@@ -1022,7 +1072,8 @@ def run_cell(bench: Bench, spec: CellSpec) -> tuple[list[RlRow], dict]:
     peaked = norm_factor_for(bench, cell) if cell.peaked else None
     cap_gib = None
     if cell.cap_slots is not None:
-        cap_gib = args.cap_gib or cell.cap_slots * (max(prompt_lens) + cell.budget) * bench.geometry.kv_bytes_per_token / 2 ** 30
+        cap_gib = args.cap_gib or cap_gib_for_slots(cell.cap_slots, max(prompt_lens), cell.budget,
+                                                    bench.geometry.kv_bytes_per_token)
     cands = plan_candidates(cell, args.candidate_set, bench.has_cap_field, cap_gib, args.upstream)
     rows: list[RlRow] = []
     common = dict(source=bench.source, cell=spec.name, prompts=cell.num_prompts, n=cell.n, rows=cell.rows,
@@ -1030,6 +1081,8 @@ def run_cell(bench: Bench, spec: CellSpec) -> tuple[list[RlRow], dict]:
                   else str(cell.prompt_lens[0]), budget=cell.budget, sampling=cell.sampling_label(),
                   eos_scale=eos["scale"] if eos else None, norm_factor=peaked["factor"] if peaked else None,
                   nucleus_median=peaked["nucleus_median"] if peaked else None, repeats=args.repeats)
+    if cell.cap_slots is not None and args.upstream:
+        rows.append(RlRow(candidate="deepspeed", status="not run: no KV budget upstream", **common))
     if any(c.route == "deepspeed" for c in cands):
         estimate = upstream_estimate_s(cell, prompt_lens, bench.geometry)
         if estimate > args.upstream_cap_s:
@@ -1079,8 +1132,8 @@ def probe_over_cap(bench: Bench, cell: CellSpec, ids, mask, cap_gib: float, eos_
             ro.shutdown()
         del ro
         gc.collect()
-    print(f"  ordinary over the cap ({cap_gib:.3f} GiB): {status}", flush=True)
-    return RlRow(candidate=cand.name, status=status, note=f"max_cache_gib={cap_gib:.3f}", **common)
+    print(f"  ordinary over the cap ({cap_gib:.4g} GiB): {status}", flush=True)
+    return RlRow(candidate=cand.name, status=status, note=f"max_cache_gib={cap_gib:.4g}", **common)
 
 
 def _run_candidates(bench: Bench, cell: CellSpec, cands, ids, mask) -> tuple[list[CandidateRun], str]:
@@ -1089,14 +1142,14 @@ def _run_candidates(bench: Bench, cell: CellSpec, cands, ids, mask) -> tuple[lis
     if device.startswith("cuda") and not sequential:
         free, _ = torch.cuda.mem_get_info()
         need = kept_bytes_estimate(bench, cell, cands, ids.shape[1])
-        if need > 0.85 * free:
-            print(f"  kept KV caches ~{need / 2 ** 30:.1f} GiB > 85% of free {free / 2 ** 30:.1f} GiB: one candidate "
+        if need > 0.8 * free:
+            print(f"  kept KV caches ~{need / 2 ** 30:.1f} GiB > 80% of free {free / 2 ** 30:.1f} GiB: one candidate "
                   "at a time", flush=True)
             sequential = True
     if not sequential:
         runs = make_runs(bench, cell, cands, ids, mask, shared=True)
         try:
-            run_interleaved(runs, device, args.repeats, bench.busy_enabled, args.busy_max_events)
+            run_interleaved(runs, device, args.repeats, bench.busy_enabled, args.busy_max_events, args.cupti_teardown)
             return runs, "interleaved"
         except torch.cuda.OutOfMemoryError:
             print("  out of memory while interleaved: one candidate at a time", flush=True)
@@ -1107,7 +1160,9 @@ def _run_candidates(bench: Bench, cell: CellSpec, cands, ids, mask) -> tuple[lis
 
 def _row(bench: Bench, cell: CellSpec, run: CandidateRun, prompt_lens: list[int], reference, mode: str,
          common: dict) -> RlRow:
-    notes = [n for n in (run.cand.note, mode if mode != "interleaved" else "") if n]
+    notes = [n for n in (run.cand.note, mode if mode != "interleaved" else "",
+                         "peak includes other candidates' caches (no held_bytes)" if run.peak_includes_others else "")
+             if n]
     if run.error is not None or not run.walls_ms:
         return RlRow(candidate=run.cand.name, slots=run.cand.slots, status=f"error: {run.error or 'no timed call'}",
                      note="; ".join(notes), **common)
@@ -1139,7 +1194,7 @@ def _row(bench: Bench, cell: CellSpec, run: CandidateRun, prompt_lens: list[int]
                 route=route if run.cand.route != "deepspeed" else "deepspeed-no-cb",
                 decode_path=_decode_path(stats_kept) if run.rollout is not None or run.stats else None, prefill_path=stats_kept.pop("prefill_path", None),
                 len_mean=stats["mean"], len_p50=stats["p50"], len_p90=stats["p90"], len_max=stats["max"],
-                same_tokens=same, stats=stats_kept, **common)
+                same_tokens=same, after_profile=run.after_profile, stats=stats_kept, **common)
     if run.cand.name == "auto":
         slots = next((stats_kept.get(k) for k in ("num_slots", "slots", "continuous_batch_size") if k in stats_kept), None)
         row.auto_choice = f"{route}" + (f" ({slots} slots)" if slots is not None and route == "continuous" else "")
@@ -1183,9 +1238,12 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--upstream-cap-s", type=float, default=30.0, help="estimated seconds a call, above: not run")
     parser.add_argument("--busy", choices=["on", "off"], default="on", help="one profiled call per candidate (CUDA)")
     parser.add_argument("--busy-max-events", type=int, default=3_000_000)
+    parser.add_argument("--cupti-teardown", action="store_true", help="set TEARDOWN_CUPTI=1 around each profiled "
+                        "call so no CUPTI callbacks linger into later timed calls (torch warns that CUDA graphs and "
+                        "CUPTI re-init have crashed on older CUDA)")
     parser.add_argument("--sequential", action="store_true", help="one candidate at a time, released in between")
-    parser.add_argument("--cap-gib", type=float, default=None, help="the capped cell's max_cache_gib (default: 128 "
-                        "slots x (longest prompt + budget) columns of KV)")
+    parser.add_argument("--cap-gib", type=float, default=None, help="the capped cell's max_cache_gib (default: what "
+                        "128 continuous slots with refills need, see cap_gib_for_slots)")
     parser.add_argument("--nucleus-target", type=int, default=None, help="peaked cell: median nucleus at most this "
                         "(default min(1000, vocab/8))")
     parser.add_argument("--eos-scales", help="JSON of calibrated scales: read if present, written if not "
@@ -1201,6 +1259,13 @@ def parse_args(argv) -> argparse.Namespace:
     args.candidate_set = _parse_candidates(parser, args.candidates)
     if args.eos_scales is None and args.json:
         args.eos_scales = os.path.join(os.path.dirname(os.path.abspath(args.json)), "rl-scales.json")
+    for name in ("json", "eos_scales"):  # output folders exist before any work starts
+        path = getattr(args, name)
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    for path in args.merge or ():
+        if not os.path.isfile(path):
+            parser.error(f"--merge: no such file {path!r}")
     return args
 
 
@@ -1280,7 +1345,7 @@ def main(argv=None) -> SuiteResult:
         meta["scales"] = {k: v for k, v in bench.scales.items()}
         if args.json:
             write_json(args.json, meta, rows)
-    print(format_table(rows))
+    print(format_table(sort_rows(rows)))
     return SuiteResult(rows, batches, meta)
 
 

@@ -178,11 +178,20 @@ def test_plan_candidates():
         "auto", "ordinary", "continuous-256", "continuous-128", "continuous-64", "deepspeed"]
     assert _names(plan_candidates(wide, {"continuous/2", "auto"}, False, None, upstream=False)) == [
         "auto", "continuous-128"]
-    old = plan_candidates(capped, None, False, 9.0, upstream=False)
+    old = plan_candidates(capped, None, False, 9.0, upstream=True)  # DeepSpeed has no KV budget: not here
     assert _names(old) == ["auto", "continuous-128"]
     assert old[0].slots == 128 and "emulated" in old[0].note and old[0].max_cache_gib is None
     new = plan_candidates(capped, None, True, 9.0, upstream=False)
     assert new[0].slots is None and all(c.max_cache_gib == 9.0 for c in new)
+
+
+@pytest.mark.parametrize("slots, longest, budget, kv, columns", [
+    (128, 1024, 1024, 36864, 4096),   # 3B: 2 x 2047 -> 4096 columns, 18.0 GiB
+    (128, 64, 64, 512, 256),          # tiny --scale small: 2 x 127 = 254 -> 256
+])
+def test_cap_gib_allows_the_slots_and_no_more(slots, longest, budget, kv, columns):
+    cap_bytes = int(bench_rl.cap_gib_for_slots(slots, longest, budget, kv) * 2 ** 30)
+    assert slots * columns * kv <= cap_bytes < (slots + 1) * columns * kv
 
 
 def test_derive_auto_vs_best_and_deepspeed():
