@@ -145,6 +145,23 @@ def test_free_releases_storage(location):
     cache.free()  # idempotent
 
 
+@pytest.mark.parametrize("location", ["device", "host"])
+@pytest.mark.parametrize("top_k", [None, 4])
+def test_take_slices_the_packed_positions(location, top_k):
+    _, teacher, mask = make_case(7)
+    cache = TeacherLogitCache.build(teacher, mask, LogitCacheConfig(top_k=top_k, location=location))
+    whole = cache.get()
+    for start, stop in [(0, 0), (0, 3), (2, cache.num_positions), (0, cache.num_positions)]:
+        values, ids = cache.take(start, stop, "cpu")
+        assert torch.equal(values, whole.values[start:stop])
+        assert (ids is None) == (top_k is None) and (ids is None or torch.equal(ids, whole.ids[start:stop]))
+    with pytest.raises(ValueError, match="positions"):
+        cache.take(1, cache.num_positions + 1, "cpu")
+    cache.free()
+    with pytest.raises(RuntimeError, match="freed"):
+        cache.take(0, 1, "cpu")
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mask="zeros"), "mask"),
     (dict(mask="short"), "mask"),

@@ -86,6 +86,27 @@ def test_grad_output_scales_and_second_backward_raises():
         loss.backward()
 
 
+@pytest.mark.parametrize("beta, top_k", [(0.0, None), (0.5, None), (1.0, 5)])
+@pytest.mark.parametrize("splits", [[1, 3], [1, 2, 3]])
+def test_row_splits_over_the_total_count_add_up_to_the_whole(beta, top_k, splits):
+    """Micro-batches: each split's loss over the batch's position count; losses and gradients add up."""
+    student, teacher, mask = make_case(14, batch=4, seq=8)
+    mask[:, 0] = True  # every split has a position (as every micro-batch of the step)
+    ids = None if top_k is None else torch.topk(teacher, top_k, dim=-1).indices
+    target = teacher if ids is None else torch.gather(teacher, -1, ids)
+    whole, whole_grad = loss_and_grad(student, target, mask, beta, 1.5, teacher_top_k_ids=ids)
+    total, leaf = torch.zeros(()), student.detach().clone().requires_grad_(True)
+    for rows in zip([0, *splits], [*splits, 4]):
+        part = slice(*rows)
+        loss = generalized_jsd_loss(leaf[part], target[part], mask[part], beta, 1.5,
+                                    teacher_top_k_ids=None if ids is None else ids[part],
+                                    num_positions_total=int(mask.sum()))
+        loss.backward()
+        total += loss.detach()
+    torch.testing.assert_close(total, whole, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(leaf.grad, whole_grad, rtol=1e-6, atol=1e-9)
+
+
 def test_no_grad_mode_gives_same_loss_without_graph():
     student, teacher, mask = make_case(7)
     leaf = student.clone().requires_grad_(True)
@@ -162,6 +183,8 @@ def _error_cases():
         (dict(temperature=-1.0), "temperature"),
         (dict(temperature=float("inf")), "temperature"),
         (dict(chunk_size=0), "chunk_size"),
+        (dict(num_positions_total=int(mask.sum()) - 1), "num_positions_total"),
+        (dict(num_positions_total=float(mask.sum())), "num_positions_total"),
         (dict(mask=torch.zeros_like(mask)), "mask"),
         (dict(mask=mask[:, :-1]), "mask"),
         (dict(student_logits=student[0]), "student_logits"),

@@ -178,22 +178,38 @@ class TeacherLogitCache:
             self._ready = None
         return CachedTeacherLogits(self._values, self._ids, self._mask)
 
-    def to_device(self, device: torch.device | str) -> CachedTeacherLogits:
-        """The cached tensors on ``device``, copied with ``non_blocking=True`` (async from pinned
-        host memory; ordered after the build's copies). Tensors already there are not copied."""
+    def _ordered_for(self, device: torch.device | str) -> torch.device:
+        """``device``, once reads there are ordered after the build's pending copies (a stream wait
+        on CUDA, a host wait otherwise)."""
         self._require_storage()
         device = torch.device(device)
         if self._ready is not None and device.type == "cuda":
             torch.cuda.current_stream(device).wait_event(self._ready)
         elif self._ready is not None:
             self.get()
+        return device
 
+    def to_device(self, device: torch.device | str) -> CachedTeacherLogits:
+        """The cached tensors on ``device``, copied with ``non_blocking=True`` (async from pinned
+        host memory; ordered after the build's copies). Tensors already there are not copied."""
+        device = self._ordered_for(device)
         async_copy = device.type == "cuda"  # device->host non_blocking would need a sync: avoid
 
         def move(tensor):
             return None if tensor is None else tensor.to(device, non_blocking=async_copy)
 
         return CachedTeacherLogits(move(self._values), move(self._ids), move(self._mask))
+
+    def take(self, start: int, stop: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed positions ``start:stop`` (values ``[n, V|K]`` and top-k ids or None) on ``device``:
+        views where the storage already lives there, else non-blocking copies as in :meth:`to_device`."""
+        self._require_storage()
+        if not 0 <= start <= stop <= self.num_positions:
+            raise ValueError(f"positions {start}:{stop} lie outside the cache's {self.num_positions}")
+        device = self._ordered_for(device)
+        async_copy = device.type == "cuda"
+        ids = None if self._ids is None else self._ids[start:stop].to(device, non_blocking=async_copy)
+        return self._values[start:stop].to(device, non_blocking=async_copy), ids
 
     def free(self) -> None:
         """Release the storage (idempotent). Later :meth:`get`/:meth:`to_device` raise."""

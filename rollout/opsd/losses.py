@@ -24,8 +24,8 @@ ids instead (the student's logits are gathered at those ids); every id must be a
 
 Memory: the loss never materialises a float32 ``[B, T, V]`` tensor. The masked positions are
 processed ``chunk_size`` at a time; each chunk computes its loss *and* its analytic gradient
-w.r.t. the student logits in float32, then writes the gradient (scaled by ``1 / num_positions``)
-into one buffer of the student logits' shape and dtype. Backward only multiplies that buffer by
+w.r.t. the student logits in float32, then writes the gradient (scaled by ``1 / num_positions``,
+or ``1 / num_positions_total``) into one buffer of the student logits' shape and dtype. Backward only multiplies that buffer by
 the incoming gradient. So peak extra memory is one chunk of float32 temporaries (about
 ``8 * chunk_size * V * 4`` bytes) plus one student-dtype gradient buffer, which autograd would
 allocate for the logits anyway; nothing is recomputed and no per-chunk autograd graph is kept
@@ -164,7 +164,7 @@ class _ChunkedJSD(torch.autograd.Function):
     """Loss in forward, chunk by chunk, with the gradient precomputed into one buffer."""
 
     @staticmethod
-    def forward(ctx, student_logits, teacher_logits, ids, rows, beta, temperature, chunk_size, vocab):
+    def forward(ctx, student_logits, teacher_logits, ids, rows, beta, temperature, chunk_size, vocab, divisor):
         num_positions = rows[0].numel()
         need_grad = ctx.needs_input_grad[0]
         grad_buffer = torch.zeros_like(student_logits) if need_grad else None
@@ -177,13 +177,13 @@ class _ChunkedJSD(torch.autograd.Function):
             total += loss
             if grad is None:
                 continue
-            grad = (grad / num_positions).to(grad_buffer.dtype)
+            grad = (grad / divisor).to(grad_buffer.dtype)
             if ids is None:
                 grad_buffer[index] = grad  # distinct positions: plain assignment
             else:  # accumulate, so that a repeated id still gets its full gradient
                 grad_buffer.index_put_(index, grad, accumulate=True)
         ctx.grad_buffer = grad_buffer
-        return total / num_positions
+        return total / divisor
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -192,13 +192,14 @@ class _ChunkedJSD(torch.autograd.Function):
             raise RuntimeError("generalized_jsd_loss: backward ran twice through one loss; its "
                                "gradient buffer is released by the first backward")
         ctx.grad_buffer = None
-        return grad.mul_(grad_output.to(grad.dtype)), None, None, None, None, None, None, None
+        return grad.mul_(grad_output.to(grad.dtype)), None, None, None, None, None, None, None, None
 
 
 def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
                          mask: torch.Tensor, beta: float = 0.5, temperature: float = 1.0, *,
                          chunk_size: int = DEFAULT_CHUNK_SIZE,
-                         teacher_top_k_ids: torch.Tensor | None = None) -> torch.Tensor:
+                         teacher_top_k_ids: torch.Tensor | None = None,
+                         num_positions_total: int | None = None) -> torch.Tensor:
     """Generalized JSD between student and teacher, averaged over the positions where ``mask`` is 1.
 
     ``student_logits``: ``[B, T, V_s]`` (any float dtype; gradients flow here only).
@@ -208,6 +209,8 @@ def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Ten
     integer ids into the student vocabulary) the last dimension holds the teacher's top-k logits
     and both distributions are renormalised over those ids; otherwise :func:`align_vocab` applies.
     ``mask``: ``[B, T]`` bool or 0/1, aligned with the logits (see :func:`response_logit_positions`).
+    ``num_positions_total``: divide the summed divergence by this count instead of ``mask.sum()``
+    (one micro-batch of a larger batch: the micro-batches' losses then add up to the batch mean).
     Returns a float32 scalar. See the module docstring for conventions, chunking and memory.
     """
     _check_scalars(beta, temperature, chunk_size)
@@ -216,6 +219,10 @@ def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Ten
     num_positions = rows[0].numel()
     if num_positions == 0:
         raise ValueError("mask selects no response position (it is all zeros)")
+    divisor = num_positions if num_positions_total is None else num_positions_total
+    if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < num_positions:
+        raise ValueError(f"num_positions_total must be None or an int >= the {num_positions} masked "
+                         f"positions; got {num_positions_total!r}")
     if teacher_logits.dim() == 2 and teacher_logits.shape[0] != num_positions:
         raise ValueError(f"packed teacher_logits has {teacher_logits.shape[0]} rows but mask "
                          f"selects {num_positions} positions")
@@ -229,4 +236,4 @@ def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Ten
     if not torch.is_grad_enabled():
         student_logits = student_logits.detach()
     return _ChunkedJSD.apply(student_logits, teacher_logits, ids, rows, float(beta),
-                             float(temperature), chunk_size, vocab)
+                             float(temperature), chunk_size, vocab, divisor)
