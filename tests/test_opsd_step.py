@@ -94,6 +94,10 @@ def _profiling_off():
     (dict(logit_cache_location="gpu"), "logit_cache_location"),
     (dict(logit_cache_dtype=torch.int8), "logit_cache_dtype"),
     (dict(loss_chunk_size=0), "loss_chunk_size"), (dict(max_teacher_rows=0), "max_teacher_rows"),
+    (dict(max_teacher_rows="all"), "max_teacher_rows"), (dict(max_student_rows=0), "max_student_rows"),
+    (dict(max_student_rows=2.0), "max_student_rows"), (dict(max_student_rows=True), "max_student_rows"),
+    (dict(max_micro_batch_gib=0.0), "max_micro_batch_gib"), (dict(max_micro_batch_gib=float("nan")),
+                                                              "max_micro_batch_gib"),
 ])
 def test_config_rejects_bad_fields_by_name(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}: "):
@@ -236,13 +240,15 @@ def test_every_stage_of_the_step_is_timed_when_profiling(tmp_path):
 
 # ---- DeepSpeed engines (subprocess workers, gloo) -------------------------------------------
 @pytest.mark.parametrize("stage, kinds, world_size, extra", [
-    (0, "full,lora", 1, ()),
-    (3, "full", 2, ("self",)),
+    (0, "full,lora", 1, ("micro",)),
+    (3, "full", 2, ("self", "micro")),
     (3, "lora", 2, ()),
 ])
 def test_deepspeed_steps_train_the_student_only(stage, kinds, world_size, extra):
     results = run_worker("opsd_train.py", str(stage), kinds, *extra, world_size=world_size,
                          env={"OMP_NUM_THREADS": "1"})
+    if "micro" in extra:
+        check_micro_batched_engine_equals_one_shot([r.result["micro"] for r in results])
     for kind in kinds.split(","):
         outs = [r.result[kind] for r in results]
         for out in outs:
@@ -263,6 +269,20 @@ def test_deepspeed_steps_train_the_student_only(stage, kinds, world_size, extra)
         assert [out["rank_weight"] for out in outs] == ([1.0] if world_size == 1 else [0.5, 1.5])
         if world_size == 2:  # each rank distils its own prompts
             assert outs[0]["tokens0"] != outs[1]["tokens0"]
+
+
+def check_micro_batched_engine_equals_one_shot(outs):
+    """Micro-batches of <= 2 rows (gradient_accumulation_steps 3 in the config) against all rows at once
+    (1): the same losses and updates to fp32 rounding, one optimizer step per OPSD step, and every rank
+    running the most micro-batches of any rank (6 rows on rank 0 -> 3, 4 rows on rank 1 -> 2, agreed 3)."""
+    for out in outs:
+        one, micro = out["one_shot"], out["micro"]
+        assert micro["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        assert out["max_update"] > 1e-3  # SGD moved the weights: the comparison below is not vacuous
+        assert out["max_update_diff"] <= 1e-5 * out["max_update"]
+        assert one["global_steps"] == micro["global_steps"] == 2
+        assert one["micro_batches"] == [1, 1] and micro["micro_batches"] == [3, 3]
+        assert micro["teacher_forwards"] == [2, 2]
 
 
 # ---- the main job -----------------------------------------------------------------------------

@@ -1,11 +1,15 @@
 """The OPSD training step: rollout -> teacher forward + logit cache -> student forward -> loss -> update.
 
-``step`` (``OPSDStep``), ``config`` (``OPSDConfig``, ``StepResult``), ``teacher`` (privileged prompts,
-token alignment, cached logits), ``logit_cache``, ``losses`` (``generalized_jsd_loss``).
+``step`` (``OPSDStep``), ``config`` (``OPSDConfig``, ``StepResult``), ``breakdown`` (``StepBreakdown``:
+per-phase times and peaks), ``micro_batches`` (which rows go together), ``sizing`` (how many fit),
+``inputs`` (token columns and the loss mask), ``student`` (engine / module + optimizer, gradient
+accumulation), ``teacher`` (privileged prompts, token alignment, the stream of cached logits),
+``ranks`` (what data-parallel ranks agree on), ``logit_cache``, ``losses`` (``generalized_jsd_loss``).
 """
 
+from rollout.opsd.breakdown import PhaseTimes, StepBreakdown
 from rollout.opsd.config import OPSDConfig, StepResult
 from rollout.opsd.losses import generalized_jsd_loss
 from rollout.opsd.step import OPSDStep
 
-__all__ = ["OPSDConfig", "OPSDStep", "StepResult", "generalized_jsd_loss"]
+__all__ = ["OPSDConfig", "OPSDStep", "PhaseTimes", "StepBreakdown", "StepResult", "generalized_jsd_loss"]

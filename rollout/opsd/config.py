@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from rollout.checks import is_int, require
 from rollout.opsd.logit_cache import LOCATIONS, LogitCacheConfig
+from rollout.opsd.breakdown import StepBreakdown
 from rollout.opsd.losses import DEFAULT_CHUNK_SIZE
+from rollout.opsd.micro_batches import AUTO
 from rollout.request import RolloutBatch
 
 
@@ -40,8 +42,20 @@ class OPSDConfig:
     """Storage dtype of the cached teacher logits (the loss computes in float32)."""
     loss_chunk_size: int = DEFAULT_CHUNK_SIZE
     """Response positions per loss chunk (bounds the float32 temporaries of the loss)."""
-    max_teacher_rows: Optional[int] = None
-    """Rows per teacher forward (bounds the teacher's ``[rows, k, V]`` logits); None: all at once."""
+    max_student_rows: Union[int, str, None] = AUTO
+    """Rows per student micro-batch (forward + loss + backward; gradients accumulate, one optimizer
+    step per OPSD step; bounds the student's ``[rows, k, V]`` logits and its activations).
+    ``"auto"``: as many as fit ``max_micro_batch_gib`` by the estimate of :mod:`rollout.opsd.sizing`;
+    an int >= 1: at most that many; None: all rows at once."""
+    max_teacher_rows: Union[int, str, None] = AUTO
+    """Rows per teacher forward (bounds the teacher's ``[rows, k, V]`` logits and the cache held).
+    ``"auto"``: the student's micro-batch, each teacher forward right before the micro-batch that
+    reads it (at most one micro-batch of teacher logits is cached at a time); an int >= 1: at most
+    that many; None: all rows in one forward (the whole batch's cache is held)."""
+    max_micro_batch_gib: Optional[float] = None
+    """Memory one micro-batch may use under ``max_student_rows="auto"`` (activations kept for backward,
+    logits, cache); None: 60% of the device memory free when the distillation starts (CUDA), 8 GiB on
+    the CPU (see :mod:`rollout.opsd.sizing`)."""
 
     def __post_init__(self) -> None:
         require(_is_number(self.beta) and 0.0 <= self.beta <= 1.0, "beta", f"must be in [0, 1]; got {self.beta!r}")
@@ -55,8 +69,13 @@ class OPSDConfig:
                  "logit_cache_dtype", f"must be a floating torch.dtype; got {self.logit_cache_dtype!r}")
         require(_is_count(self.loss_chunk_size), "loss_chunk_size",
                  f"must be an int >= 1; got {self.loss_chunk_size!r}")
-        require(self.max_teacher_rows is None or _is_count(self.max_teacher_rows), "max_teacher_rows",
-                 f"must be None or an int >= 1; got {self.max_teacher_rows!r}")
+        for name in ("max_student_rows", "max_teacher_rows"):
+            value = getattr(self, name)
+            require(value is None or value == AUTO or _is_count(value), name,
+                     f"must be 'auto', None or an int >= 1; got {value!r}")
+        require(self.max_micro_batch_gib is None or (_is_number(self.max_micro_batch_gib)
+                                                     and self.max_micro_batch_gib > 0), "max_micro_batch_gib",
+                 f"must be None or a finite number > 0; got {self.max_micro_batch_gib!r}")
 
     def cache_config(self) -> LogitCacheConfig:
         """The teacher logit cache settings."""
@@ -81,3 +100,5 @@ class StepResult:
     """``Rollout.get_last_profile()`` of this step's rollout (None when profiling is off)."""
     batch: RolloutBatch
     """The rollout the step trained on (prompt + response ids and masks)."""
+    breakdown: StepBreakdown
+    """Per-phase host and GPU times, peak memory per phase, and the micro-batching of the step."""

@@ -1,14 +1,16 @@
-"""The teacher side of the OPSD step: privileged prompts, token-id alignment checks, gathering cached logits."""
+"""The teacher side of the OPSD step: privileged prompts, token-id alignment checks, the stream of cached logits."""
 
 from __future__ import annotations
 
-from typing import Optional
+import itertools
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from rollout.checks import require
 from rollout.engine import token_ids
 from rollout.opsd.logit_cache import TeacherLogitCache
+from rollout.opsd.micro_batches import Span
 from rollout.ops.expand import expand_prompts
 from rollout.request import RolloutRequest
 
@@ -20,14 +22,61 @@ def config_token_ids(config) -> tuple[Optional[set], Optional[int]]:
     return eos_ids, getattr(config, "pad_token_id", None)
 
 
-def gather_caches(caches: list[TeacherLogitCache], device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Packed ``[N, V|K]`` teacher values (and top-k ids) of all row chunks, on ``device``."""
-    parts = [cache.to_device(device) for cache in caches]
-    if len(parts) == 1:
-        return parts[0].values, parts[0].ids
-    values = torch.cat([p.values for p in parts])  # row-major order is kept: chunks are row ranges
-    ids = None if parts[0].ids is None else torch.cat([p.ids for p in parts])
-    return values, ids
+class TeacherStream:
+    """Teacher logit caches over consecutive spans of the processing order, built just before the
+    student micro-batches that read them and freed once those have read them.
+
+    ``build(span)`` runs the teacher over one chunk (a span of the order) and returns its cache;
+    ``row_positions`` are the loss positions of each row of the order (a chunk's cache packs its
+    rows' positions row-major, so a row span is a slice of it). With chunks equal to the student's
+    micro-batches at most one micro-batch of teacher logits is held at a time.
+    """
+
+    def __init__(self, build: Callable[[Span], TeacherLogitCache], chunks: Sequence[Span],
+                 row_positions: Sequence[int]):
+        self._build, self._chunks = build, list(chunks)
+        self._offsets = [0, *itertools.accumulate(row_positions)]  # position offset of each row
+        self._caches: dict[int, TeacherLogitCache] = {}
+        self._built = 0  # chunks built so far (in order)
+
+    def _overlapping(self, span: Span) -> list[int]:
+        return [i for i, (start, stop) in enumerate(self._chunks) if start < span[1] and span[0] < stop]
+
+    def prepare(self, span: Span) -> None:
+        """Build every chunk that ``span`` reads and that is not built yet."""
+        for index in self._overlapping(span):
+            while self._built <= index:
+                self._caches[self._built] = self._build(self._chunks[self._built])
+                self._built += 1
+
+    def take(self, span: Span, device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Packed teacher values ``[n, V|K]`` (and top-k ids) of ``span``'s rows, on ``device``."""
+        parts = []
+        for index in self._overlapping(span):
+            start, stop = self._chunks[index]
+            base = self._offsets[start]
+            first, last = self._offsets[max(start, span[0])] - base, self._offsets[min(stop, span[1])] - base
+            parts.append(self._caches[index].take(first, last, device))
+        if len(parts) == 1:
+            return parts[0]
+        ids = None if parts[0][1] is None else torch.cat([part[1] for part in parts])
+        return torch.cat([part[0] for part in parts]), ids
+
+    def release(self, span: Span) -> None:
+        """Free the caches of the chunks that end within ``span`` (nothing later reads them)."""
+        for index in [i for i in self._caches if self._chunks[i][1] <= span[1]]:
+            self._caches.pop(index).free()
+
+    def close(self) -> None:
+        """Free every cache still held."""
+        for cache in self._caches.values():
+            cache.free()
+        self._caches.clear()
+
+    @property
+    def num_built(self) -> int:
+        """Teacher forwards run so far."""
+        return self._built
 
 
 def expanded_teacher_prompts(ids, mask, num_rows: int, num_samples: int):

@@ -1,6 +1,6 @@
 """Worker: OPSD training steps through DeepSpeed engines (ZeRO stage and student kinds from argv).
 
-argv: ``ZERO_STAGE KINDS [self]``; KINDS is a comma list of ``full`` (every weight trains) and
+argv: ``ZERO_STAGE KINDS [self] [micro]``; KINDS is a comma list of ``full`` (every weight trains) and
 ``lora`` (a peft LoRA student: only adapters train), run one after the other in this process. For
 each kind every rank builds the same seeded student and a separate teacher (a different tiny
 model), keeps an unwrapped copy of the student as the oracle, and runs ``NUM_STEPS`` steps on its
@@ -8,7 +8,11 @@ own prompts. Emits ``{kind: observations}``: the losses, the oracle's loss recom
 ``generalized_jsd_loss`` on the first step's rollout, which student weights changed (gathered under
 ZeRO-3), whether the teacher changed or got gradients, the data-parallel loss weight of token
 counts 10 + 20 * rank. With ``self``: two more self-distillation steps (teacher = the student
-engine), on the same prompt and with a different teacher prompt.
+engine), on the same prompt and with a different teacher prompt. With ``micro``: two engines built
+from the same seeded student with a plain SGD optimizer train on the same two rollouts (6 rows on
+rank 0, 4 on rank 1), one all rows at once with ``gradient_accumulation_steps`` 1, the other in
+micro-batches of at most 2 rows (teacher forwards of at most 3) with ``gradient_accumulation_steps``
+3; emits both losses, the largest difference of their first updates and the largest update.
 """
 
 import copy
@@ -16,18 +20,21 @@ import sys
 
 import deepspeed
 import torch
-from common import emit, make_engine, rank
+from common import ds_config, emit, init_deepspeed_cpu, make_engine, rank
 
+from rollout import Rollout, RolloutRequest
 from rollout.config import SamplingConfig
 from rollout.opsd.losses import generalized_jsd_loss, response_logit_positions
 from rollout.opsd import OPSDConfig, OPSDStep
+from rollout.opsd.ranks import RankFigures, gather_figures, rank_weight
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 
 STAGE, KINDS = int(sys.argv[1]), sys.argv[2].split(",")
-WITH_SELF = "self" in sys.argv[3:]
+WITH_SELF, WITH_MICRO = "self" in sys.argv[3:], "micro" in sys.argv[3:]
 NUM_STEPS = 3
 SAMPLING = SamplingConfig(max_new_tokens=6, temperature=1.0, n_samples_per_prompt=2, seed=7)
 CONFIG = OPSDConfig(beta=0.5, temperature=1.0)
+MICRO_LR = 10.0  # SGD: the update is -lr * gradient, large enough to stand above fp32 rounding
 
 
 def make_student(kind: str):
@@ -93,15 +100,62 @@ def run(kind: str) -> dict:
         "teacher_changed": [n for n, p in teacher.named_parameters() if not torch.equal(p, teacher_before[n])],
         "teacher_grads": [n for n, p in teacher.named_parameters() if p.grad is not None],
         "tokens0": results[0].batch.input_ids.tolist(),
-        "rank_weight": step._rank_weight(10 + 20 * rank(), torch.device("cpu")),
+        "rank_weight": figures_weight(10 + 20 * rank()),
     }
     if WITH_SELF:
         out["self"] = self_distillation(engine, tokenizer)
     return out
 
 
+def figures_weight(num_positions: int) -> float:
+    """This rank's data-parallel loss weight for ``num_positions`` (every rank's counts gathered)."""
+    local = RankFigures(num_positions, 1, 1, 1, 0)
+    return rank_weight(gather_figures(local), local)
+
+
+def sgd_engine(model, gradient_accumulation_steps: int):
+    init_deepspeed_cpu()
+    config = {**ds_config(STAGE), "gradient_accumulation_steps": gradient_accumulation_steps}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=MICRO_LR),
+                                      config=config)
+    engine.train()
+    return engine
+
+
+def micro_vs_one_shot() -> dict:
+    """One-shot and micro-batched steps on the same rollouts (see the module docstring)."""
+    tokenizer = TinyTokenizer(pad_token_id=0, eos_token_id=2)
+    teacher = tiny_model("llama", seed=1)
+    roller = tiny_model("qwen2", seed=5)  # rollouts from another model: the batches are fixed inputs
+    batches = []
+    for index in range(2):
+        ids, mask = random_prompts(3 - rank(), 6, min_len=2, seed=500 + 10 * rank() + index)
+        batches.append(Rollout(roller, tokenizer).generate(RolloutRequest(ids, mask), SAMPLING))
+    configs = {"one_shot": (OPSDConfig(max_student_rows=None, max_teacher_rows=None), 1),
+               "micro": (OPSDConfig(max_student_rows=2, max_teacher_rows=3), 3)}
+    out, weights = {}, {}
+    for name, (config, accumulation) in configs.items():
+        engine = sgd_engine(tiny_model("qwen2", seed=0).train(), accumulation)
+        before = gathered_weights(engine.module)
+        step = OPSDStep(engine, teacher, tokenizer, config)
+        results = [step.train_on_batch(batches[0])]
+        after = gathered_weights(engine.module)
+        weights[name] = {n: after[n] - before[n] for n in before}  # the first step's update
+        results.append(step.train_on_batch(batches[1]))
+        out[name] = {"losses": [r.loss for r in results], "global_steps": engine.global_steps,
+                     "micro_batches": [r.breakdown.num_micro_batches for r in results],
+                     "teacher_forwards": [r.breakdown.num_teacher_forwards for r in results]}
+    deltas = weights["one_shot"]
+    out["max_update"] = max(float(d.abs().max()) for d in deltas.values())
+    out["max_update_diff"] = max(float((deltas[n] - weights["micro"][n]).abs().max()) for n in deltas)
+    return out
+
+
 def main() -> None:
-    emit({kind: run(kind) for kind in KINDS})
+    out = {kind: run(kind) for kind in KINDS}
+    if WITH_MICRO:
+        out["micro"] = micro_vs_one_shot()
+    emit(out)
 
 
 if __name__ == "__main__":
