@@ -265,6 +265,7 @@ def test_deepspeed_steps_train_the_student_only(stage, kinds, world_size, extra)
             if "self" in extra:
                 assert out["self"]["is_self"] and abs(out["self"]["same_prompt_loss"]) < 1e-6
                 assert out["self"]["teacher_prompt_loss"] > 1e-4
+                assert out["self"]["micro_batches"] == [4, 4]  # 2 prompts x 2 samples, one row each
         # token counts 10 and 30 on two ranks: weights n * world / total = 0.5 and 1.5
         assert [out["rank_weight"] for out in outs] == ([1.0] if world_size == 1 else [0.5, 1.5])
         if world_size == 2:  # each rank distils its own prompts

@@ -68,12 +68,15 @@ def reference_loss(oracle, teacher, batch) -> float:
 
 def self_distillation(engine, tokenizer) -> dict:
     """Teacher = the student engine: 0 on identical inputs, > 0 with a different teacher prompt."""
-    step = OPSDStep(engine, engine, tokenizer, OPSDConfig(logit_cache_dtype=torch.float32))
+    # one row per micro-batch: each teacher forward (the engine's own weights) runs between student
+    # micro-batches whose gradients are accumulating, and still sees the weights of the step's start
+    step = OPSDStep(engine, engine, tokenizer, OPSDConfig(logit_cache_dtype=torch.float32, max_student_rows=1))
     ids, mask = random_prompts(2, 6, min_len=2, seed=300 + rank())
     same = step.step(ids, mask, SAMPLING)
     teacher_ids, teacher_mask = random_prompts(2, 9, min_len=4, seed=400 + rank())
     other = step.step(ids, mask, SAMPLING, teacher_prompt_ids=teacher_ids, teacher_prompt_attention_mask=teacher_mask)
-    return {"same_prompt_loss": same.loss, "teacher_prompt_loss": other.loss, "is_self": step.is_self_distillation}
+    return {"same_prompt_loss": same.loss, "teacher_prompt_loss": other.loss, "is_self": step.is_self_distillation,
+            "micro_batches": [same.breakdown.num_micro_batches, other.breakdown.num_micro_batches]}
 
 
 def run(kind: str) -> dict:
