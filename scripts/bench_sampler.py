@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import types
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -133,6 +134,9 @@ def token_check(fn, logits: torch.Tensor, sampling: SamplingConfig) -> str:
     return f"{equal}/{total}"
 
 
+_OLD_COMPILED: list = []
+
+
 def variants(sampling: SamplingConfig, old_compiled: bool):
     """``(name, fn(logits, seed, rows, step) -> tokens, sampler or None)``."""
     compiled = sampler_fn(sampling, compiled=True)
@@ -142,8 +146,11 @@ def variants(sampling: SamplingConfig, old_compiled: bool):
         ("new compiled", lambda lg, s, r, t: compiled(lg, None, s, r, t, False)[0], compiled),
         ("new compiled + logprobs", lambda lg, s, r, t: compiled(lg, None, s, r, t, True)[0], compiled),
     ]
-    if old_compiled:
-        fn = torch.compile(old_select, fullgraph=True, dynamic=False)
+    if old_compiled:  # a code object per case: dynamo's recompile limit counts per code object
+        code = old_select.__code__.replace(co_name=f"old_select_{len(_OLD_COMPILED)}")
+        fresh = types.FunctionType(code, old_select.__globals__, code.co_name, old_select.__defaults__)
+        fn = torch.compile(fresh, fullgraph=True, dynamic=False)
+        _OLD_COMPILED.append(fn)
         out.append(("old compiled", lambda lg, s, r, t: fn(lg, sampling, None, s, r, t), None))
     return out
 

@@ -21,6 +21,7 @@ cumulative sum lies within rounding (~1e-7) of ``1 - top_p``.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import struct
 import types
@@ -30,6 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from rollout.checks import require
 from rollout.config import SamplingConfig
 
 _MASK32 = 0xFFFFFFFF
@@ -39,6 +41,7 @@ ARITY = 16
 """Sub-intervals per search pass (``ARITY - 1`` thresholds evaluated by one fused reduction)."""
 CHUNK = 128
 """Tokens per chunk when locating the first kept member of the straddling tie group."""
+_ENTRY_IDS = itertools.count()
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -188,6 +191,10 @@ class SamplerKey:
     repetition_penalty: float
     """Applied where a ``seen`` history is given."""
 
+    def __post_init__(self) -> None:
+        require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1]; got {self.top_p!r}")
+        require(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0; got {self.repetition_penalty!r}")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
@@ -307,12 +314,15 @@ class Sampler:
 
 
 def _entry(key: SamplerKey, with_logprobs: bool):
-    """The function to compile, with a code object of its own: torch.compile's recompile limit counts
-    per code object, so samplers of different keys do not use up each other's."""
+    """The function to compile, under a code object and name of its own: torch.compile keeps its
+    recompile count and its automatic-dynamic state per code (by name), so samplers of other keys can
+    neither use up this one's recompiles nor turn its constants (top_p, temperature) symbolic."""
     def sample(logits, seen, seed, rows, step):
         # traced by torch.compile: the sort-free nucleus; run eagerly (a dynamo fallback): sorting
         return _select(logits, key, seen, seed, rows, step, with_logprobs, search=torch.compiler.is_compiling())
-    return types.FunctionType(sample.__code__.replace(), sample.__globals__, sample.__name__, None, sample.__closure__)
+    name = f"sample_{next(_ENTRY_IDS)}"
+    code = sample.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, sample.__globals__, name, None, sample.__closure__)
 
 
 @functools.lru_cache(maxsize=None)
