@@ -41,7 +41,8 @@ class SamplingConfig:
     """Same inputs + same seed -> same samples, in ``[0, 2**32)``. None uses torch's global RNG."""
     return_logprobs: bool = False
     """Also return ``RolloutBatch.logprobs``: each sampled token's log-probability under the distribution
-    it was drawn from (after repetition penalty, temperature, top-k, top-p)."""
+    it was drawn from (after repetition penalty, temperature, top-k, top-p). Greedy: the log-softmax of
+    the penalised logits at temperature 1, without filtering."""
     return_finish_reasons: bool = False
     """Also return ``RolloutBatch.finish_reasons``: per row, EOS or budget."""
 

@@ -13,8 +13,9 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from rollout.config import SamplingConfig
 from rollout.ops import sampling as smp
-from rollout.ops.sampling import (Sampler, _nth_member, _select, filter_top_k, ordered_keys, sampled_logprobs,
-                                  sampler_fn, sampler_key, select_next_token, top_p_keep)
+from rollout.ops.nucleus import _nth_member, ordered_keys, top_p_keep
+from rollout.ops.sampling import (Sampler, _select, filter_top_k, sampled_logprobs, sampler_fn, sampler_key,
+                                  select_next_token)
 from scripts.bench_sampler import old_select  # the previous implementation (commit b8f0f0e), copied there
 
 CHI2_MIN_P = 1e-6
