@@ -205,6 +205,11 @@ def check_model_name(field: str, name: Optional[str]) -> None:
 
 
 #: flag -> (config, field, type, help). Defaults come from the dataclasses, never from argparse.
+def rows_setting(text: str):
+    """``auto`` / ``all`` (None: every row at once) / an int: a micro-batch size flag."""
+    return None if text == "all" else text if text == "auto" else int(text)
+
+
 FLAGS = {
     "--student": ("job", "student", str, "student: HF name, local dir, shape name or smollm2-135m"),
     "--teacher": ("job", "teacher", str, "teacher: HF name, local dir, shape name, smollm2-135m or 'self'"),
@@ -228,6 +233,9 @@ FLAGS = {
                           "1: teacher in an inference-only ZeRO-3 engine, parameters offloaded to host"),
     "--json-out": ("job", "json_out", str, "rank 0 writes the run's JSON report (all ranks) here"),
     "--print-every": ("job", "print_every", int, "print 2 rollout rows decoded every N steps (0: never)"),
+    "--max-student-rows": ("opsd", "max_student_rows", rows_setting, "rows per student micro-batch: auto, all or N"),
+    "--max-teacher-rows": ("opsd", "max_teacher_rows", rows_setting, "rows per teacher forward: auto, all or N"),
+    "--max-micro-batch-gib": ("opsd", "max_micro_batch_gib", float, "micro-batch memory budget for auto"),
     "--beta": ("opsd", "beta", float, "generalized JSD beta (0 forward KL, 1 reverse KL)"),
     "--temperature": ("opsd", "temperature", float, "loss temperature"),
     "--teacher-top-k": ("opsd", "teacher_top_k", int, "cache the teacher's top-k logits only"),
@@ -628,12 +636,14 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional["PeakMemory"
             seed = job.seed * 100_003 + rank * 1009 + index  # distinct samples per rank and step
             result = step.step(ids, mask, dataclasses.replace(sampling, seed=seed), **extra)
             if memory is not None:
-                memory.after_step()
+                memory.after_step(result)
             prof.step()
             results.append(result)
             bar.update()
             bar.write(f"step {index + 1}/{job.steps}  loss {result.loss:.6f}  tokens {result.num_response_tokens}  "
                       f"rollout {result.rollout_tokens_per_s:.0f} tok/s  step {result.step_ms:.1f} ms")
+            for line in result.breakdown.lines():
+                bar.write("  " + line)
             lines = sample_lines(step.rollout.tokenizer, result.batch, questions, job.samples_per_prompt) \
                 if prints_samples(job, index) else []
             if lines:
@@ -662,11 +672,17 @@ class PeakMemory:
             self.build_bytes = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
 
-    def after_step(self) -> None:
+    def after_step(self, result=None) -> None:
+        """The step's peak: the allocator's, and the per-phase peaks of ``result.breakdown`` (the step resets
+        the CUDA peak counter at each phase, so the counter alone covers only its last phase)."""
         if self.cuda:
             import torch
 
             self.step_bytes = max(self.step_bytes, torch.cuda.max_memory_allocated(self.device))
+            peaks = getattr(getattr(result, "breakdown", None), "peak_gib", None)
+            phase_peak = peaks.peak() if peaks is not None else None
+            if phase_peak is not None:
+                self.step_bytes = max(self.step_bytes, int(phase_peak * 2**30))
 
     def steps_gib(self, prof=None) -> Optional[float]:
         """Peak GiB allocated during the steps (None on the CPU)."""
@@ -717,6 +733,7 @@ def rank_report(results, rank: int, device, memory: PeakMemory, prof, build_s: f
         "median_rollout_tokens_per_s": _median_after_warmup(tokens_per_s),
         "response_tokens": [r.num_response_tokens for r in results],
         "losses": [r.loss for r in results],
+        "breakdown": [dataclasses.asdict(r.breakdown) for r in results],
         "peak_gpu_gib": memory.steps_gib(prof),
         "build_peak_gpu_gib": None if memory.build_bytes is None else memory.build_bytes / GIB,
         "reserved_gpu_gib": torch.cuda.memory_reserved(device) / GIB if cuda else None,
