@@ -189,3 +189,26 @@ def test_continuous_route_decodes_through_the_fast_step_and_reports_it(model):
     assert torch.equal(fast.generate(RolloutRequest(ids, mask), sampling).input_ids,
                        slow.generate(RolloutRequest(ids, mask), sampling).input_ids)
     assert fast.last_stats["decode_path"] == "fast_eager" and slow.last_stats["decode_path"] == "hf"
+
+
+def test_auto_sends_long_budgets_with_eos_to_continuous_batching():
+    """Rows that end at very different steps (EOS, long budget) are retired by continuous batching; short
+    budgets or no EOS keep the ordinary batch (measured: docs/BENCHMARKS.md, RL scale)."""
+    from rollout.plan.routes import RAGGED_MIN_NEW_TOKENS
+    layout = PromptLayout((16,) * 8, (16,) * 8, 16)
+    costs = CostModel(**CHEAP_FIXED)
+    ragged = choose_route("auto", layout, 4, None, costs, None, ragged=True)
+    assert ragged.route == "continuous" and "EOS" in ragged.reason
+    assert choose_route("auto", layout, 4, None, costs, None, ragged=False).route == "ordinary"
+    assert choose_route("ordinary", layout, 4, None, costs, None, ragged=True).route == "ordinary"
+    assert RAGGED_MIN_NEW_TOKENS == 256
+
+
+@pytest.mark.parametrize("max_new, eos, route", [(300, 2, "continuous"), (300, None, "ordinary"),
+                                                 (16, 2, "ordinary")])
+def test_engine_auto_route_follows_eos_and_budget(max_new, eos, route):
+    model = tiny_model("qwen2", seed=0, max_position_embeddings=1024)
+    ids, mask = torch.randint(3, 500, (2, 6)), torch.ones(2, 6, dtype=torch.long)
+    ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=eos), RolloutConfig(route="auto"))
+    ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=max_new, temperature=0.0))
+    assert ro.last_stats.route == route
