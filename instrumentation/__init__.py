@@ -1,7 +1,8 @@
 """Per-stage instrumentation (NVTX + torch.profiler ranges, stage timers), switched by ``OPSD_PROFILE``.
 
-Importing this package does not import torch: :mod:`instrumentation.stages` (the stage-name
-contract), :class:`ProfileConfig`, the config functions and :data:`NOOP` (the one do-nothing
+Importing this package does not import torch and reads no variable: :mod:`instrumentation.stages`
+(the stage-name contract), :class:`ProfileConfig`, :func:`check_environment` (every ``OPSD_*``
+variable, checked before any work), the config functions and :data:`NOOP` (the one do-nothing
 object of the off path; ``NOOP_RANGE`` is the same object) are torch-free; ``stage``, ``staged``,
 ``opsd_profiler``, ``collect_stages`` and friends are loaded on first access.
 
@@ -18,6 +19,7 @@ __opsd_rollout_package__ = "instrumentation"
 
 from instrumentation import stages  # noqa: F401  (light: no torch)
 from instrumentation.config import ProfileConfig  # noqa: F401
+from instrumentation.environment import check_environment  # noqa: F401
 from instrumentation.noop import NOOP, NOOP_RANGE, Noop  # noqa: F401
 from instrumentation.state import (  # noqa: F401
     ProfilingWarning, configure, get_config, reset_for_tests, warn_once,
@@ -36,7 +38,7 @@ _LAZY = {
     "uninstrument_deepspeed": "instrumentation.upstream",
 }
 
-__all__ = ["stages", "ProfileConfig", "ProfilingWarning", "configure", "get_config",
+__all__ = ["stages", "ProfileConfig", "check_environment", "ProfilingWarning", "configure", "get_config",
            "reset_for_tests", "warn_once", "NOOP", "NOOP_RANGE", "Noop", *_LAZY]
 
 

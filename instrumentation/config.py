@@ -13,14 +13,15 @@ variable                    accepted values                                     
 ``OPSD_PROFILE_STEPS``      ``A-B`` (inclusive) or a list such as ``1,3,5-7``          ``1-3``
 ``OPSD_PROFILE_RANKS``      ``all`` or a list such as ``0`` / ``0,2`` / ``0-3``        ``0``
 ``OPSD_PROFILE_MEMORY``     ``1/0``, ``true/false``, ``yes/no``, ``on/off``            on when ``1``
-``OPSD_PROFILE_RUN_NAME``   a plain name (letters, digits, ``._-``)                    generated
+``OPSD_PROFILE_RUN_NAME``   a plain name (letters, digits, ``._-``; not ``.``/``..``)  generated
 ``OPSD_PROFILE_OOM_SNAPSHOT``  same as ``OPSD_PROFILE_MEMORY``                         off
 ``OPSD_PROFILE_EVERY``      an integer >= 1: ``timers`` mode times every N-th step     ``1``
 ``OPSD_PROFILE_TEARDOWN_CUPTI``  same as ``OPSD_PROFILE_MEMORY``: set ``TEARDOWN_CUPTI=1`` off
                             for Kineto (finalize CUPTI after each trace window)
 ==========================  =========================================================  ================
 
-An empty variable counts as unset.
+An empty variable counts as unset. :func:`instrumentation.check_environment` validates every
+``OPSD_*`` variable at once (unknown ``OPSD_PROFILE*`` names included).
 """
 
 from __future__ import annotations
@@ -57,11 +58,35 @@ _FALSE = ("0", "false", "no", "off")
 _STEPS_ACCEPTED = "'A-B' (inclusive, A <= B) or a comma list such as '1,3,5-7' of integers >= 0"
 _RANKS_ACCEPTED = "'all' or a comma list such as '0', '0,2' or '0-3' of integers >= 0"
 _BOOL_ACCEPTED = "one of " + ", ".join(_TRUE + _FALSE)
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}", re.ASCII)
+#: Non-negative integers as ASCII digits (``"²".isdigit()`` is True; ``int()`` refuses it), bounded.
+_UINT_RE = re.compile(r"[0-9]{1,18}", re.ASCII)
+#: Suffix of the files and directories of an export in progress (see instrumentation.export).
+PARTIAL_SUFFIX = ".partial"
+RUN_NAME_ACCEPTED = ("a name of 1-200 letters, digits, '.', '_', '-' that stays inside OPSD_PROFILE_DIR "
+                     "(not '.' or '..', not ending in '.partial')")
+
+
+def _is_uint(text: str) -> bool:
+    return _UINT_RE.fullmatch(text) is not None
+
+
+def parse_run_name(value, source: str = "run_name") -> Optional[str]:
+    """None, or a plain directory name that cannot leave the output directory."""
+    if value is None:
+        return None
+    text = value.strip() if isinstance(value, str) else None
+    if (text is None or _NAME_RE.fullmatch(text) is None or set(text) == {"."}
+            or text.endswith(PARTIAL_SUFFIX)):
+        raise _bad(source, value, RUN_NAME_ACCEPTED)
+    return text
 
 
 def _bad(source: str, value, accepted: str) -> ValueError:
-    return ValueError(f"{source}={value!r} is not valid; accepted: {accepted}")
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = f"{shown[:40]}...({len(shown)} characters)"
+    return ValueError(f"{source}={shown} is not valid; accepted: {accepted}")
 
 
 def parse_mode(value, source: str = "mode") -> str:
@@ -88,7 +113,7 @@ def parse_int_list(value, source: str, accepted: str = _STEPS_ACCEPTED) -> tuple
         for token in tokens:
             low, sep, high = token.partition("-")
             low, high = low.strip(), (high.strip() if sep else low.strip())
-            if not (low.isdigit() and high.isdigit()) or int(low) > int(high):
+            if not (_is_uint(low) and _is_uint(high)) or int(low) > int(high):
                 raise _bad(source, value, accepted)
             if int(high) - int(low) + len(items) >= MAX_LIST_ITEMS:
                 raise _bad(source, value, f"{accepted}; at most {MAX_LIST_ITEMS} items")
@@ -115,7 +140,7 @@ def parse_ranks(value, source: str = "ranks") -> Optional[tuple[int, ...]]:
 def parse_every(value, source: str = "every") -> int:
     """An integer >= 1 (also its text)."""
     text = value.strip() if isinstance(value, str) else value
-    if isinstance(text, str) and text.isdigit():
+    if isinstance(text, str) and _is_uint(text):
         text = int(text)
     if isinstance(text, bool) or not isinstance(text, int) or text < 1:
         raise _bad(source, value, "an integer >= 1")
@@ -172,9 +197,7 @@ class ProfileConfig:
         set_(self, "ranks", parse_ranks(self.ranks, "ranks"))
         memory = self.mode == MODE_FULL if self.profile_memory is None else self.profile_memory
         set_(self, "profile_memory", parse_bool(memory, "profile_memory"))
-        if self.run_name is not None and (not isinstance(self.run_name, str)
-                                          or not _NAME_RE.match(self.run_name)):
-            raise _bad("run_name", self.run_name, "None or a name of letters, digits, '.', '_', '-'")
+        set_(self, "run_name", parse_run_name(self.run_name, "run_name"))
         set_(self, "oom_snapshot", parse_bool(self.oom_snapshot, "oom_snapshot"))
         set_(self, "every", parse_every(self.every, "every"))
         set_(self, "teardown_cupti", parse_bool(self.teardown_cupti, "teardown_cupti"))
@@ -242,6 +265,6 @@ def _parse_env(name: str, raw: str):
         return parse_bool(raw, var)
     if name == "every":
         return parse_every(raw, var)
-    if name == "run_name" and not _NAME_RE.match(raw.strip()):
-        raise _bad(var, raw, "a name of letters, digits, '.', '_', '-'")
+    if name == "run_name":
+        return parse_run_name(raw, var)
     return raw.strip()

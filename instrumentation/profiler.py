@@ -14,9 +14,8 @@ the TensorBoard x axis (live and ``opsd-summarize --tensorboard``), torch.profil
 With ``OPSD_PROFILE=1``, on the selected ranks, the session
 
 * runs ``torch.profiler`` over the recorded steps (``OPSD_PROFILE_STEPS``; see
-  :mod:`instrumentation.schedule`) and writes one trace per rank per window through
-  ``tensorboard_trace_handler(run_dir, worker_name=f"rank{R}", use_gzip=True)``, i.e.
-  ``<run_dir>/rank{R}.<time_ns>.pt.trace.json.gz``;
+  :mod:`instrumentation.schedule`) and writes one trace per rank per window,
+  ``<run_dir>/rank{R}.<time_ns>.pt.trace.json.gz``, atomically (:mod:`instrumentation.export`);
 * times every stage of the recorded steps and writes TensorBoard scalars per recorded step under
   ``<run_dir>/rank{R}/`` (tags in :mod:`instrumentation.scalars`), and keeps a live per-stage table
   (:meth:`ProfilerSession.stage_rows`).
@@ -29,6 +28,11 @@ In both modes ``log_step`` writes the loop's own scalars (``train/<name>``) ever
 ``nvtx`` mode and on unselected ranks the session does nothing but count steps (``log_step`` only
 checks its arguments). Any failure of the machinery gives one warning per cause and the loop goes
 on. Call ``prof.step()`` outside the ``opsd/step`` range.
+
+Before anything starts, ``opsd_profiler()`` runs :func:`instrumentation.check_environment` (a bad
+``OPSD_*`` value raises ``ValueError`` naming it), and entering the session refuses (``ValueError``
+naming ``OPSD_PROFILE_RUN_NAME``) a run directory that belongs to another run or leads outside
+``OPSD_PROFILE_DIR`` (:mod:`instrumentation.runmarker`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from typing import Optional
 from instrumentation import runfiles, state
 from instrumentation.collect import StageTable, format_stage_rows, summarize
 from instrumentation.config import ProfileConfig
+from instrumentation.environment import check_environment
+from instrumentation.export import TRACE_SUFFIX
 from instrumentation.light import PendingSteps
 from instrumentation.scalars import ScalarWriter
 from instrumentation.timers import HUB
@@ -81,6 +87,7 @@ class ProfilerSession:
                  world_size: Optional[int] = None):
         if config is not None and not isinstance(config, ProfileConfig):
             raise ValueError(f"config must be a ProfileConfig or None; got {type(config).__name__}")
+        check_environment()  # every OPSD_* variable, before anything starts
         self._explicit_config = config
         self.rank, self.world_size = runfiles.resolve_rank(rank, world_size)
         self.config: Optional[ProfileConfig] = None
@@ -104,17 +111,19 @@ class ProfilerSession:
     def __enter__(self) -> "ProfilerSession":
         active = state.get_config()
         config = self._explicit_config or active
+        if config.stage_timers:  # may refuse the run (ValueError) before anything has changed
+            run_name, run_id = runfiles.shared_run(config, self.world_size)
+            self.selected = config.selects_rank(self.rank)
+            if self.selected:
+                self.run_dir = runfiles.make_run_dir(config.output_dir, run_name, run_id)
         if config != active:  # the ranges must follow the session's config; restored on exit
             self._previous_config, self._swapped_config = state.configure(config), True
         self.config = config
         if not config.stage_timers:
             return self
         HUB.num_sessions += 1
-        run_name = runfiles.shared_run_name(config, self.world_size)
-        self.selected = config.selects_rank(self.rank)
         if not self.selected:
             return self
-        self.run_dir = runfiles.make_run_dir(os.path.join(config.output_dir, run_name))
         if self.run_dir is not None:
             self.scalars_dir = os.path.join(self.run_dir, f"rank{self.rank}")
             self._scalars = ScalarWriter(self.scalars_dir)
@@ -167,10 +176,11 @@ class ProfilerSession:
 
     # -- results ---------------------------------------------------------------------------
     def trace_paths(self) -> list[str]:
-        """This rank's trace files written so far in this run (sorted by time)."""
+        """This rank's trace files in this run so far (sorted by time): only complete, validated
+        files carry a trace's name (see :mod:`instrumentation.export`)."""
         if self.run_dir is None:
             return []
-        return sorted(glob.glob(os.path.join(self.run_dir, f"rank{self.rank}.*.pt.trace.json.gz")))
+        return sorted(glob.glob(os.path.join(self.run_dir, f"rank{self.rank}.*{TRACE_SUFFIX}")))
 
     def stage_rows(self) -> list[dict]:
         """Live per-stage table over the timed steps (see ``StageTable.rows``)."""

@@ -1,11 +1,13 @@
 """Where a profiler session writes, and who it is: rank, run directory, CUDA memory snapshots.
 
 Every function here turns a failure into one ``ProfilingWarning`` (profiling never breaks
-training), except bad RANK/WORLD_SIZE values, which raise ``ValueError``.
+training), except bad RANK/WORLD_SIZE values and a run directory that belongs to another run (or
+leads outside ``OPSD_PROFILE_DIR``), which raise ``ValueError`` before any step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -13,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from instrumentation import state
-from instrumentation.config import ProfileConfig
+from instrumentation import runmarker, state
+from instrumentation.config import PARTIAL_SUFFIX, ProfileConfig
 
 
 def resolve_rank(rank: Optional[int] = None, world_size: Optional[int] = None) -> tuple[int, int]:
@@ -35,33 +37,47 @@ def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
         raise ValueError(f"{name}={raw!r} is not valid; accepted: an integer >= 0")
     return int(raw)
 
 
-def shared_run_name(config: ProfileConfig, world_size: int) -> str:
-    """``config.run_name``, else a fresh name; rank 0's is broadcast when several ranks write.
+def shared_run(config: ProfileConfig, world_size: int) -> tuple[str, Optional[str]]:
+    """(run name, run id) shared by the ranks of this run (see :mod:`instrumentation.runmarker`).
 
-    The broadcast is a collective: every rank of the default group must open its session.
+    The name is ``config.run_name``, else a fresh ``run-<date>-<time>-<pid>-<random>``. When several
+    ranks write, rank 0's name and id are broadcast (a collective: every rank of the default group
+    must open its session). Without ``torch.distributed``, a generated name is this rank's own, and
+    the id of an explicit name comes from the launcher's environment: None (any marker accepted, one
+    warning) when there is none.
     """
-    if config.run_name:
-        return config.run_name
-    name = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(3)}"
+    name = config.run_name or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(3)}"
+    run_id: Optional[str] = runmarker.PROCESS_RUN_ID
+    if world_size <= 1 or (config.ranks is not None and len(config.ranks) <= 1):
+        return name, run_id
     dist = torch.distributed
-    several_writers = config.ranks is None or len(config.ranks) > 1
-    if world_size > 1 and several_writers and dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():
         try:
-            box = [name]
+            box = [name, run_id]
             dist.broadcast_object_list(box, src=0)
-            name = box[0]
+            return box[0], box[1]
         except Exception as exc:
             state.warn_once("run-name", f"could not share the run name across ranks: {exc!r}")
-    return name
+    if config.run_name is None:  # a name of its own: this rank owns its directory
+        return name, run_id
+    run_id = runmarker.launcher_run_id(os.environ)
+    if run_id is None:
+        state.warn_once("run-id", "the ranks of this run cannot be told apart from another run's (no "
+                                  "torch.distributed, no launcher variables): run names are not checked")
+    return name, run_id
 
 
-def make_run_dir(path: str) -> Optional[str]:
-    """Create ``path``; None (and one warning) when it cannot be created or written."""
+def make_run_dir(output_dir: str, run_name: str, run_id: Optional[str]) -> Optional[str]:
+    """Create ``<output_dir>/<run_name>`` and claim it for this run; None (and one warning) when it
+    cannot be created or written. ``ValueError`` (naming ``OPSD_PROFILE_RUN_NAME``) when it belongs
+    to another run or leaves ``output_dir`` (a symbolic link)."""
+    path = os.path.join(output_dir, run_name)
+    runmarker.refuse_file(path, run_name)
     try:
         os.makedirs(path, exist_ok=True)
         if not os.access(path, os.W_OK):
@@ -70,6 +86,14 @@ def make_run_dir(path: str) -> Optional[str]:
         state.warn_once("run-dir", f"opsd profiling writes no traces or scalars: cannot use "
                                    f"OPSD_PROFILE_DIR ({exc!r}); training goes on")
         return None
+    root, real = os.path.realpath(output_dir), os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root or real == root:
+        raise runmarker.taken(path, run_name, f"leads outside OPSD_PROFILE_DIR (to {real})")
+    try:
+        runmarker.claim(path, run_name, run_id)
+    except OSError as exc:
+        state.warn_once("run-marker", f"could not write the run marker ({exc!r}): another run under the "
+                                      "same name would not be detected")
     return path
 
 
@@ -87,9 +111,13 @@ def record_memory_history(enabled: bool) -> None:
 def dump_oom_snapshot(run_dir: str, rank: int) -> Optional[str]:
     """Write ``<run_dir>/rank{R}.oom.<time_ns>.pickle`` (for https://pytorch.org/memory_viz)."""
     path = os.path.join(run_dir, f"rank{rank}.oom.{time.time_ns()}.pickle")
+    partial = path + PARTIAL_SUFFIX
     try:
-        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._dump_snapshot(partial)
+        os.rename(partial, path)
     except Exception as exc:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
         state.warn_once("oom-snapshot", f"could not dump the CUDA memory snapshot: {exc!r}")
         return None
     state.warn_once("oom-snapshot-written", f"CUDA OOM: memory snapshot written to {path} "

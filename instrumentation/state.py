@@ -11,6 +11,7 @@ import warnings
 from typing import Callable, Optional
 
 from instrumentation.config import ProfileConfig
+from instrumentation.environment import config_from_environment
 
 
 class ProfilingWarning(RuntimeWarning):
@@ -24,9 +25,10 @@ _warned: set[str] = set()
 
 
 def get_config() -> ProfileConfig:
-    """The active config; built from the environment on the first call."""
+    """The active config; built from the environment on the first call (the checks of
+    :func:`instrumentation.check_environment`: ``ValueError`` naming a bad variable)."""
     if _config is None:
-        configure(ProfileConfig.from_env())
+        configure(config_from_environment())
     return _config
 
 

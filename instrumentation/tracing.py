@@ -6,6 +6,9 @@ they can slow the unrecorded steps that follow. ``OPSD_PROFILE_TEARDOWN_CUPTI=1`
 the profiler starts and again before it stops (torch resets it to ``0`` where it believes CUDA graphs
 and CUPTI teardown do not mix: CUDA < 12.6). ``scripts/bench_profiler_cost.py --linger`` measures
 the lingering cost and checks that CUDA graphs still capture and replay after a window.
+
+Trace files are written by :func:`instrumentation.export.export_trace` (atomically, validated, all
+temporary files inside the run directory).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from instrumentation import runfiles, schedule, state
+from instrumentation import export, runfiles, schedule, state
 from instrumentation.config import ProfileConfig
 
 _ACTIONS = {
@@ -27,23 +30,19 @@ _ACTIONS = {
 }
 
 
-def _guarded(handler):
-    """Wrap a trace handler so that a failure warns once instead of raising into the loop."""
-
-    def on_trace_ready(prof) -> None:
-        try:
-            handler(prof)
-        except Exception as exc:
-            state.warn_once("trace-handler", f"opsd trace export failed; training goes on: {exc!r}")
-
-    return on_trace_ready
-
-
 class TraceWindows:
     """A running torch.profiler over the recorded steps of one rank (build with :meth:`start`)."""
 
-    def __init__(self, config: ProfileConfig, run_dir: str, rank: int, prof):
+    def __init__(self, config: ProfileConfig, run_dir: str, rank: int, prof=None):
         self.config, self.run_dir, self.rank, self._prof = config, run_dir, rank, prof
+
+    def on_trace_ready(self, prof) -> None:
+        """torch.profiler's callback: export one window; a failure warns once, training goes on."""
+        try:
+            export.export_trace(prof, self.run_dir, self.rank)
+        except Exception as exc:
+            state.warn_once("trace-handler", f"opsd trace export failed, this window has no trace (no "
+                                             f"file left under a trace name); training goes on: {exc!r}")
 
     @classmethod
     def start(cls, config: ProfileConfig, run_dir: str, rank: int) -> Optional["TraceWindows"]:
@@ -52,20 +51,20 @@ class TraceWindows:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        traces = cls(config, run_dir, rank)
         try:
-            handler = torch.profiler.tensorboard_trace_handler(run_dir, worker_name=f"rank{rank}",
-                                                               use_gzip=True)
             prof = torch.profiler.profile(
                 activities=activities, schedule=lambda step: _ACTIONS[windows(step)],
-                on_trace_ready=_guarded(handler), profile_memory=config.profile_memory)
+                on_trace_ready=traces.on_trace_ready, profile_memory=config.profile_memory)
             cls._teardown_env(config)
             prof.start()
         except Exception as exc:
             state.warn_once("trace-start", f"torch.profiler could not start; no traces: {exc!r}")
             return None
+        traces._prof = prof
         if config.oom_snapshot:
             runfiles.record_memory_history(True)
-        return cls(config, run_dir, rank, prof)
+        return traces
 
     @staticmethod
     def _teardown_env(config: ProfileConfig) -> None:

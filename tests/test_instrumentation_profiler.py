@@ -178,19 +178,20 @@ def test_unwritable_directory_warns_and_training_finishes(tmp_path):
     assert {row["stage"]: row["count"] for row in prof.stage_rows()}["step"] == 2  # timers still work
 
 
-def test_failing_trace_handler_warns_and_training_finishes(tmp_path, monkeypatch):
-    def broken_handler(*args, **kwargs):
-        def handler(prof):
-            raise OSError("disk full")
-        return handler
+def test_failing_trace_export_warns_and_training_finishes(tmp_path, monkeypatch):
+    from instrumentation import export
 
-    monkeypatch.setattr(torch.profiler, "tensorboard_trace_handler", broken_handler)
+    def broken_compress(src, dst, level=6):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export, "compress", broken_compress)
     configure(_config(tmp_path, steps="1,3"))
     with pytest.warns(ProfilingWarning, match="trace export failed") as record:
         with opsd_profiler() as prof:
             train(prof, num_steps=5)
     assert len([w for w in record if issubclass(w.category, ProfilingWarning)]) == 1
     assert prof.current_step == 5 and prof.trace_paths() == []
+    assert not [f for f in os.listdir(prof.run_dir) if ".pt.trace." in f or f.endswith(".partial")]
     assert [s for s, _ in _scalars(prof.scalars_dir)["opsd/step/cpu_ms"]] == [1, 3]
 
 
@@ -204,10 +205,17 @@ def test_exception_in_the_loop_leaves_no_open_state(tmp_path):
     assert [e["name"] for e in _annotations(trace)].count("opsd/step") == 1
 
 
+def _fake_dump(paths):
+    def dump(path):
+        paths.append(path)
+        open(path, "wb").close()
+    return dump
+
+
 @pytest.mark.parametrize("fail_at_step,dumped", [(1, True), (0, False)])
 def test_oom_in_a_recorded_step_dumps_a_snapshot_and_reraises(tmp_path, monkeypatch, fail_at_step, dumped):
     paths = []
-    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", paths.append)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", _fake_dump(paths))
     configure(_config(tmp_path, steps="1", oom_snapshot=True))
     notice = pytest.warns(ProfilingWarning, match="memory snapshot written") if dumped else nullcontext()
     with notice, pytest.raises(torch.cuda.OutOfMemoryError):
@@ -215,13 +223,14 @@ def test_oom_in_a_recorded_step_dumps_a_snapshot_and_reraises(tmp_path, monkeypa
             train(prof, num_steps=3, fail_at_step=fail_at_step, error=torch.cuda.OutOfMemoryError)
     assert len(paths) == int(dumped)
     if dumped:
-        assert os.path.dirname(paths[0]) == prof.run_dir
-        assert re.match(r"rank0\.oom\.\d+\.pickle$", os.path.basename(paths[0]))
+        assert os.path.dirname(paths[0]) == prof.run_dir  # dumped to a .partial name, then renamed
+        assert re.match(r"rank0\.oom\.\d+\.pickle\.partial$", os.path.basename(paths[0]))
+        assert os.path.isfile(paths[0][:-len(".partial")]) and not os.path.exists(paths[0])
 
 
 def test_oom_snapshot_is_off_by_default(tmp_path, monkeypatch):
     paths = []
-    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", paths.append)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", _fake_dump(paths))
     configure(_config(tmp_path, steps="1"))
     with pytest.raises(torch.cuda.OutOfMemoryError):
         with opsd_profiler() as prof:
