@@ -7,6 +7,7 @@ import pytest
 
 import traces.chrome as chrome
 import traces.textfile as textfile
+from traces.bad import BAD
 from traces.events import GPU, LAUNCH, MEMORY, RANGE, SYNC, TraceError
 from traces.synth import SynthConfig, annotation, gpu_op, launch, memory, sync, write_events, \
     write_synthetic_trace
@@ -81,7 +82,7 @@ def test_malformed_kept_event_is_counted_not_fatal(tmp_path):
            "args": {}}  # no correlation
     path = write_events(str(tmp_path / "m.json"), [annotation("opsd/step", 0, 1), bad])
     tuples = list(chrome.read_chrome_trace(path))
-    assert (5, "malformed", 1) in tuples and tuples[0][0] == RANGE
+    assert (BAD, "no 'correlation' field", "'k' at ts 1.0") in tuples and tuples[0][0] == RANGE
 
 
 def _truncated_gz(tmp_path):

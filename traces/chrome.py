@@ -17,8 +17,9 @@ import re
 from typing import Iterator
 
 from traces import textfile
-from traces.chrome_event import event_tuple, fast_tuple, metadata
-from traces.events import META, TraceError
+from traces.bad import BAD, example
+from traces.chrome_event import decoded_tuple, fast_tuple, metadata
+from traces.events import TraceError
 
 #: Metadata before ``traceEvents`` larger than this is not kept (only searched for the array).
 MAX_HEADER_CHARS = 64 << 20
@@ -79,7 +80,7 @@ def _find_events_array(path, chunks, buf):
             if header_len <= MAX_HEADER_CHARS:
                 try:
                     json.loads("".join(header_parts) + keep)
-                except ValueError:
+                except (ValueError, RecursionError):
                     problem = "not valid JSON (or truncated) and no traceEvents array"
             raise TraceError(path, problem)
         buf = keep + nxt
@@ -118,10 +119,11 @@ def _fast_pass(buf: str, pos: int):
         tup = fast_tuple(buf, s)
         if tup is None:
             try:
-                obj = _scan_once(buf, s)[0]
-                tup = event_tuple(obj) if isinstance(obj, dict) else None
-            except (StopIteration, ValueError, KeyError, TypeError):
+                tup = decoded_tuple(_scan_once(buf, s)[0])
+            except (StopIteration, ValueError):
                 return out, s, True
+            except RecursionError:
+                tup = _too_deep(buf, s)
             if tup is None:
                 continue
         append(tup)
@@ -132,7 +134,47 @@ def _fast_pass(buf: str, pos: int):
 
 def _after(buf: str, start: int, handled: int) -> int:
     """Where exact decoding resumes: ``start``, or past the event there when already handled."""
-    return _decoder.raw_decode(buf, start)[1] if start == handled else start
+    return _end_of_value(buf, start) if start == handled else start
+
+
+#: Strings (possibly cut by the end of the buffer) and brackets, for skipping deep values.
+_TOKEN = re.compile(r'"(?:[^"\\]++|\\.)*+"?|[{}\[\]]')
+_NAME_NEAR = re.compile(r'"name":\s*"((?:[^"\\]|\\.){0,200})"')
+_TS_NEAR = re.compile(r'"ts":\s*(-?[\d.]+(?:[eE][-+]?\d+)?)')
+
+
+def _end_of_value(buf: str, start: int) -> int:
+    """End of the JSON value at ``buf[start]`` (a deep one too); -1 when it is cut off."""
+    try:
+        return _decoder.raw_decode(buf, start)[1]
+    except RecursionError:
+        return _skip_deep(buf, start)
+
+
+def _skip_deep(buf: str, start: int) -> int:
+    """End of the JSON object or array at ``buf[start]`` without recursion; -1 when it is cut off."""
+    depth = 0
+    for m in _TOKEN.finditer(buf, start):
+        token = m.group()
+        if token[0] == '"':
+            if len(token) == 1 or token[-1] != '"':  # a string cut by the end of the buffer
+                return -1
+            continue
+        depth += 1 if token in "{[" else -1
+        if depth == 0:
+            return m.end()
+    return -1
+
+
+def _too_deep(buf: str, s: int) -> tuple:
+    """The BAD tuple of an event nested too deeply for the JSON decoder (named from its text)."""
+    head = buf[s:s + 4096]
+    name, ts = _NAME_NEAR.search(head), _TS_NEAR.search(head)
+    try:
+        start = float(ts.group(1)) if ts else None
+    except ValueError:
+        start = None
+    return (BAD, "nesting too deep to decode", example(name.group(1) if name else None, start))
 
 
 def _kept_positions(buf: str, lo: int, hi: int) -> list[int]:
@@ -153,14 +195,12 @@ def _scan_events(path, chunks, buf, pos):
     Complete events are handled by :func:`_fast_pass`; where a cut cannot be verified (braces in
     strings, the end of the array) events are decoded exactly, one by one, up to the next chunk.
     """
-    num_malformed, at_eof, force_exact = 0, False, False
+    at_eof, force_exact = False, False
     while True:
         pos = _WS.match(buf, pos).end()
         if buf.startswith(",", pos):
             pos = _WS.match(buf, pos + 1).end()
         if buf.startswith("]", pos):
-            if num_malformed:
-                yield (META, "malformed", num_malformed)
             return buf[pos + 1:] + "".join(chunks)
         if not at_eof and not force_exact and buf.startswith("{", pos):
             tuples, nxt, exact = _fast_pass(buf, pos)
@@ -173,15 +213,28 @@ def _scan_events(path, chunks, buf, pos):
             pos, force_exact = nxt, True
             continue
         force_exact = False
-        pos, num_malformed, buf, at_eof = yield from _exact_pass(path, chunks, buf, pos,
-                                                                  num_malformed, at_eof)
+        pos, buf, at_eof = yield from _exact_pass(path, chunks, buf, pos, at_eof)
 
 
-def _exact_pass(path, chunks, buf, pos, num_malformed, at_eof):
+_DEEP = object()
+
+
+def _decode_one(buf: str, pos: int):
+    """``(object, end)`` of the value at ``buf[pos]``: ``(None, -1)`` when it is cut off or not JSON,
+    ``(_DEEP, end)`` when it is nested too deeply for the decoder (``end`` -1 when cut off)."""
+    try:
+        return _decoder.raw_decode(buf, pos)
+    except ValueError:
+        return None, -1
+    except RecursionError:
+        return _DEEP, _skip_deep(buf, pos)
+
+
+def _exact_pass(path, chunks, buf, pos, at_eof):
     """Decode events exactly from ``buf[pos]`` to the end of ``buf`` (or of the array)."""
     while True:
         if buf.startswith("]", pos):
-            return pos, num_malformed, buf, at_eof
+            return pos, buf, at_eof
         if pos < len(buf) and buf[pos].isspace():
             pos = _WS.match(buf, pos).end()
             continue
@@ -191,15 +244,12 @@ def _exact_pass(path, chunks, buf, pos, num_malformed, at_eof):
                 at_eof = nxt is None
                 buf, pos = buf[pos:] + (nxt or ""), 0
                 if nxt is not None:
-                    return 0, num_malformed, buf, at_eof
+                    return 0, buf, at_eof
                 continue
             what = "truncated JSON (traceEvents array not closed)" if pos >= len(buf) \
                 else f"invalid JSON in traceEvents near {buf[pos:pos + 40]!r}"
             raise TraceError(path, what)
-        try:
-            obj, end = _decoder.raw_decode(buf, pos)
-        except ValueError:
-            obj, end = None, -1
+        obj, end = _decode_one(buf, pos)
         if end < 0 or end == len(buf):
             nxt = None if at_eof else next(chunks, None)
             if nxt is None:
@@ -209,13 +259,10 @@ def _exact_pass(path, chunks, buf, pos, num_malformed, at_eof):
             else:
                 buf, pos = buf[pos:] + nxt, 0
                 continue
-        if isinstance(obj, dict) and obj.get("ph") != "M":
-            try:
-                tup = event_tuple(obj)
-            except (ValueError, KeyError, TypeError):
-                tup, num_malformed = None, num_malformed + 1
-            if tup is not None:
-                yield tup
+        tup = _too_deep(buf, pos) if obj is _DEEP else \
+            decoded_tuple(obj) if isinstance(obj, dict) and obj.get("ph") != "M" else None
+        if tup is not None:
+            yield tup
         pos = _WS.match(buf, end).end()
         if buf.startswith(",", pos):
             pos = _WS.match(buf, pos + 1).end()

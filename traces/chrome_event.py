@@ -11,6 +11,7 @@ import json
 import re
 from typing import Iterator
 
+from traces.bad import BAD, BadEvent, example, integer, number
 from traces.events import GPU, LAUNCH, MEMORY, META, RANGE, SPAN, SYNC, SYNC_CALLS, is_sync_call
 
 _GPU_CATS = frozenset(("kernel", "gpu_memcpy", "gpu_memset"))
@@ -18,39 +19,80 @@ _LAUNCH_CATS = frozenset(("cuda_runtime", "cuda_driver"))
 
 
 def event_tuple(ev: dict):
-    """The compact tuple of a decoded event, None for events the report does not use."""
+    """The compact tuple of a decoded event, None for events the report does not use.
+
+    Raises :class:`~traces.bad.BadEvent` (or ``KeyError`` / ``TypeError`` ...) for a used event
+    whose fields cannot be used: ids must be integers, times numbers, names strings.
+    """
     cat = ev.get("cat")
     if cat == "user_annotation":
         if ev.get("ph") == "X":
-            return (RANGE, str(ev["name"]), ev["pid"], ev["tid"], float(ev["ts"]), float(ev["dur"]))
+            return (RANGE, _name(ev), integer(ev["pid"], "pid"), integer(ev["tid"], "tid"),
+                    number(ev["ts"], "ts"), number(ev["dur"], "dur"))
         return None
     if cat in _GPU_CATS:
-        args = ev.get("args") or {}
+        args = _args(ev)
         stream = args.get("stream")
-        return (GPU, int(args["correlation"]), float(ev["ts"]), float(ev["dur"]), args.get("device"),
-                str(ev.get("name", "")), int(stream) if stream is not None else -1)
+        return (GPU, integer(args["correlation"], "correlation"), number(ev["ts"], "ts"),
+                number(ev["dur"], "dur"), args.get("device"), _name(ev, ""),
+                integer(stream, "stream") if stream is not None else -1)
     if cat in _LAUNCH_CATS:
         if is_sync_call(ev.get("name")):
-            return (SYNC, ev["pid"], ev["tid"], float(ev["ts"]), float(ev["dur"]))
-        corr = (ev.get("args") or {}).get("correlation")
+            return (SYNC, integer(ev["pid"], "pid"), integer(ev["tid"], "tid"), number(ev["ts"], "ts"),
+                    number(ev["dur"], "dur"))
+        corr = _args(ev).get("correlation")
         if corr is None:
             return None
-        return (LAUNCH, ev["pid"], ev["tid"], float(ev["ts"]), int(corr))
+        return (LAUNCH, integer(ev["pid"], "pid"), integer(ev["tid"], "tid"), number(ev["ts"], "ts"),
+                integer(corr, "correlation"))
     if ev.get("name") == "[memory]":
-        args = ev["args"]
-        return (MEMORY, ev["pid"], float(ev["ts"]), int(args.get("Device Type", 0)),
-                int(args.get("Device Id", -1)), int(args.get("Total Allocated", 0)),
-                int(args.get("Total Reserved", 0)))
+        args = _args(ev)
+        return (MEMORY, integer(ev["pid"], "pid"), number(ev["ts"], "ts"),
+                integer(args.get("Device Type", 0), "Device Type"), integer(args.get("Device Id", -1), "Device Id"),
+                integer(args.get("Total Allocated", 0), "Total Allocated"),
+                integer(args.get("Total Reserved", 0), "Total Reserved"))
     if cat == "Trace" and ev.get("ph") == "X":
-        return (SPAN, float(ev["ts"]), float(ev["dur"]))
+        return (SPAN, number(ev["ts"], "ts"), number(ev["dur"], "dur"))
     return None
+
+
+def _name(ev: dict, default=None) -> str:
+    name = ev["name"] if default is None else ev.get("name", default)
+    if not isinstance(name, str):
+        raise BadEvent("name not a string")
+    return name
+
+
+def _args(ev: dict) -> dict:
+    args = ev.get("args")
+    if args is None:
+        return {}
+    if not isinstance(args, dict):
+        raise BadEvent("args not an object")
+    return args
+
+
+def decoded_tuple(ev):
+    """:func:`event_tuple` of a decoded event, with a ``(BAD, reason, example)`` tuple in place of
+    any error (an event that cannot be used never stops the file)."""
+    if not isinstance(ev, dict):
+        return None
+    try:
+        return event_tuple(ev)
+    except BadEvent as exc:
+        reason = exc.reason
+    except KeyError as exc:
+        reason = f"no {exc.args[0]!r} field" if exc.args and isinstance(exc.args[0], str) else "a missing field"
+    except Exception as exc:  # noqa: BLE001 - one event, whatever went wrong with it
+        reason = f"fields of the wrong type ({type(exc).__name__})"
+    return (BAD, reason, example(ev.get("name"), ev.get("ts")))
 
 
 def metadata(path: str, text: str) -> Iterator[tuple]:
     """META tuples from a top-level object fragment (``{...}`` text); bad fragments are ignored."""
     try:
         meta = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return
     info = meta.get("distributedInfo") if isinstance(meta, dict) else None
     if isinstance(info, dict) and isinstance(info.get("rank"), int):
@@ -87,7 +129,15 @@ _KINETO_MEMORY = re.compile(
 
 
 def fast_tuple(buf: str, s: int):
-    """The tuple of a kineto-layout launch, GPU op or memory sample at ``buf[s]``, else None."""
+    """The tuple of a kineto-layout launch, GPU op or memory sample at ``buf[s]``, else None (also
+    when a number of the layout does not convert: the JSON decoder then has the last word)."""
+    try:
+        return _fast_tuple(buf, s)
+    except ValueError:  # e.g. "ts": 1.2.3 matched by the layout's number pattern
+        return None
+
+
+def _fast_tuple(buf: str, s: int):
     m = _KINETO_OP.match(buf, s)
     if m is not None:
         cat, name, pid, tid, ts, dur = m.groups()

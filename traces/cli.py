@@ -1,12 +1,15 @@
 """``opsd-summarize`` / ``scripts/summarize_trace.py``: per-stage report of profiler traces.
 
 Exit status: 0 on success; 2 when any input is bad (one stderr line per problem, naming the file;
-the report of the good files is still printed) or an optional output cannot be produced.
+the report of the good files is still printed) or an optional output cannot be produced. Bad
+events inside a readable file, ``*.partial`` exports and non-regular files are warnings (one line
+per file), not errors. A file whose data breaks the report is named and left out of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -14,9 +17,10 @@ import os
 import sys
 
 from instrumentation import stages as S
+from instrumentation.config import parse_bool
 from traces.diff import diff_columns, diff_rows, diff_values, format_diff
 from traces.format import csv_rows, format_headline, format_kernels, format_overview, format_table
-from traces.load import load, read_trace
+from traces.load import LoadedSet, load, read_trace
 from traces.report import Report, build_report
 from traces.rows import row_from_dict
 from traces.table import Column, render
@@ -66,25 +70,54 @@ def _source(args):
     return functools.partial(read_trace, nvtx_domain=args.nvtx_domain)
 
 
-def _baseline_rows(path: str, prefix: str, errors: list[str], args):
-    """Rows of the --diff baseline, or None (with the problem appended to ``errors``)."""
+def _reject_constant(name: str):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _baseline_rows(path: str, prefix: str, problems: tuple[list, list], args):
+    """Rows of the --diff baseline, or None; its problems go to ``problems`` (errors, warnings),
+    each naming the baseline's file."""
+    errors, warnings = problems
     if os.path.isfile(path) and os.path.getsize(path) < MAX_REPORT_BYTES:
         with open(path, "rb") as f:
             head = f.read(4096)
         if b'"schema_version"' in head:
             try:
                 with open(path, encoding="utf-8") as f:
-                    doc = json.load(f)
+                    doc = json.load(f, parse_constant=_reject_constant)
                 return [row_from_dict(d) for d in doc["stages"]]
-            except (ValueError, KeyError, TypeError) as exc:
-                errors.append(f"{path}: not a valid report ({exc})")
+            except Exception as exc:  # noqa: BLE001 - any flaw of the saved report (RecursionError too)
+                errors.append(f"{path}: --diff baseline is not a valid report ({type(exc).__name__}: {exc})")
                 return None
     loaded = load([path], _source(args))
-    errors.extend(str(e) for e in loaded.errors)
-    rows = build_report(loaded, prefix, steps=False).stages if loaded.files else []
+    errors.extend(f"{e} (--diff baseline)" for e in loaded.errors)
+    warnings.extend(loaded.warnings)
+    report = _isolated_report(loaded, dict(prefix=prefix, steps=False), errors)
+    rows = report.stages if report is not None else []
     if loaded.files and not rows:
-        errors.append(f"{path}: no ranges matching prefix {prefix!r} in the baseline")
+        errors.append(f"{path}: no ranges matching prefix {prefix!r} in the --diff baseline")
     return rows or None
+
+
+def _isolated_report(loaded, options: dict, errors: list[str]):
+    """``build_report`` over the files of ``loaded``; a file whose data breaks it is named in
+    ``errors`` and left out (the others are still reported). None without any file."""
+    if not loaded.files:
+        return None
+    try:
+        return build_report(loaded, **options)
+    except Exception:  # noqa: BLE001 - find the file(s) responsible, report the others
+        pass
+    good = []
+    for data in loaded.files:
+        try:
+            build_report(LoadedSet(files=[data]), **options)
+            good.append(data)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{data.path}: cannot be summarised ({type(exc).__name__}: {exc})")
+    if not good:
+        return None
+    return build_report(dataclasses.replace(loaded, files=good), **options)
 
 
 def finite(value):
@@ -153,17 +186,20 @@ def run(args) -> int:
     loaded = load(args.paths, _source(args))
     errors = [str(e) for e in loaded.errors]
     steps = args.by_step or bool(args.tensorboard)
-    report = build_report(loaded, args.prefix, args.kernels, steps) if loaded.files else None
+    options = dict(prefix=args.prefix, kernels=args.kernels, steps=steps)
+    report = _isolated_report(loaded, options, errors)
+    if report is None and not loaded.errors and not errors:
+        errors.append(f"{', '.join(args.paths)}: no trace to report (every input was skipped)")
     if report is not None and not report.stages:
         names = ", ".join(d.path for d in loaded.files)
         errors.append(f"{names}: no user_annotation ranges matching prefix {args.prefix!r}")
         report = None
-    before = None
+    before, warnings = None, list(report.warnings if report else loaded.warnings)
     if report is not None and args.diff:
-        before = _baseline_rows(args.diff, args.prefix, errors, args)
+        before = _baseline_rows(args.diff, args.prefix, (errors, warnings), args)
         if before is not None:
             report.diff = diff_rows(before, report.stages)
-    for w in (report.warnings if report else loaded.warnings):
+    for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     if report is not None:
         sys.stdout.write(_render(report, args))
@@ -183,13 +219,19 @@ def main(argv=None) -> int:
     """Console entry point; returns (and, as a script, exits with) the status."""
     args = parse_args(argv)
     try:
+        show_traceback = parse_bool(os.environ.get("OPSD_TRACEBACK", "") or "0", "OPSD_TRACEBACK")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
         return run(args)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # a bug must still not print a traceback at users: one line, exit 2
-        print(f"error: {', '.join(args.paths)}: internal error {type(exc).__name__}: {exc} "
+        inputs = ", ".join(args.paths) + (f" (--diff {args.diff})" if args.diff else "")
+        print(f"error: {inputs}: internal error {type(exc).__name__}: {exc} "
               f"(set OPSD_TRACEBACK=1 for details)", file=sys.stderr)
-        if os.environ.get("OPSD_TRACEBACK"):
+        if show_traceback:
             raise
         return 2
 

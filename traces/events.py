@@ -16,6 +16,10 @@ Tuple layouts (first element is the kind):
 - ``(META, key, value)``: trace metadata, e.g. ``("rank", 3)`` from ``distributedInfo``.
 - ``(SYNC, pid, tid, start_us, dur_us)``: a host call that blocks until GPU work has finished
   (:data:`SYNC_CALLS`: ``cudaStreamSynchronize``, ``cudaDeviceSynchronize`` ...).
+- ``(BAD, reason, example)``: an event the source skipped (:mod:`traces.bad`).
+
+:func:`collect` also skips (as bad events) tuples with a non-finite time, a negative duration or
+fields of the wrong type: such values never reach a total.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Protocol
 
+from traces.bad import BAD, BadEvents, example, time_reason
+
 RANGE, LAUNCH, GPU, MEMORY, SPAN, META, SYNC = range(7)
+assert BAD == 7
+_INF = float("inf")
 
 #: ``device_type`` of CUDA memory samples (c10's DeviceType enum); 0 is CPU.
 CUDA_DEVICE_TYPE = 1
@@ -103,7 +111,8 @@ class TraceData:
     memory: dict = field(default_factory=dict)
     span_start_us: float = float("inf")
     span_end_us: float = float("-inf")
-    num_malformed: int = 0
+    bad: BadEvents = field(default_factory=BadEvents)
+    """Events skipped by the source or by :func:`collect`, by reason."""
 
     @property
     def span_us(self) -> float:
@@ -127,13 +136,46 @@ class _Collector:
     def extend(self, start: float, end: float) -> None:
         self.lo, self.hi = min(self.lo, start), max(self.hi, end)
 
+    def timed(self, ev, ts, dur=0.0) -> bool:
+        """Whether ``ts`` and ``ts + dur`` are finite and ``dur >= 0``; else ``ev`` is a bad event."""
+        if dur >= 0.0 and -_INF < ts and ts + dur < _INF:
+            return True
+        self.reject(ev, time_reason(ts, dur))
+        return False
+
+    def reject(self, ev, reason: str) -> None:
+        """Count ``ev`` as a bad event (and drop whatever part of it was appended)."""
+        self.realign()
+        try:
+            kind = ev[0]
+            name = ev[1] if kind == RANGE else ev[5] if kind == GPU else _KIND_NAMES.get(kind)
+            ts = ev[4] if kind == RANGE else ev[3] if kind in (LAUNCH, SYNC) else ev[2]
+        except (TypeError, IndexError, KeyError):
+            name = ts = None
+        self.data.bad.add(reason, example(name, ts))
+
+    def realign(self) -> None:
+        """Cut parallel arrays back to a common length (after a tuple failed half-way)."""
+        d = self.data
+        groups = [(d.gpu_correlation, d.gpu_start_us, d.gpu_end_us, d.gpu_name, d.gpu_stream),
+                  (d.launch_pid, d.launch_ts_us, d.launch_correlation),
+                  (d.sync_pid, d.sync_start_us, d.sync_end_us)]
+        groups += [(m.ts_us, m.allocated_bytes, m.reserved_bytes) for m in d.memory.values()]
+        for group in groups:
+            n = min(len(a) for a in group)
+            for a in group:
+                del a[n:]
+
     def range_(self, ev) -> None:
         _, name, pid, tid, start, dur = ev
-        self.data.ranges.append((name, pid, tid, start, start + dur))
-        self.extend(start, start + dur)
+        if self.timed(ev, start, dur):
+            self.data.ranges.append((name, pid, tid, start, start + dur))
+            self.extend(start, start + dur)
 
     def gpu(self, ev) -> None:
         d, name = self.data, ev[5] if len(ev) > 5 else ""
+        if not self.timed(ev, ev[2], ev[3]):
+            return
         name_id = self._name_ids.get(name)
         if name_id is None:
             name_id = self._name_ids[name] = len(d.names)
@@ -145,18 +187,16 @@ class _Collector:
         d.gpu_stream.append(ev[6] if len(ev) > 6 and ev[6] is not None else -1)
         self.extend(ev[2], ev[2] + ev[3])
 
-    def launch(self, ev) -> None:
-        self.data.launch_pid.append(ev[1])
-        self.data.launch_ts_us.append(ev[3])
-        self.data.launch_correlation.append(ev[4])
-
     def sync(self, ev) -> None:
-        self.data.sync_pid.append(ev[1])
-        self.data.sync_start_us.append(ev[3])
-        self.data.sync_end_us.append(ev[3] + ev[4])
+        if self.timed(ev, ev[3], ev[4]):
+            self.data.sync_pid.append(ev[1])
+            self.data.sync_start_us.append(ev[3])
+            self.data.sync_end_us.append(ev[3] + ev[4])
 
     def memory(self, ev) -> None:
         _, pid, ts, dev_type, dev_id, alloc, reserved = ev
+        if not self.timed(ev, ts):
+            return
         samples = self.data.memory.get((pid, dev_type, dev_id))
         if samples is None:
             samples = self.data.memory[(pid, dev_type, dev_id)] = MemorySamples()
@@ -165,41 +205,58 @@ class _Collector:
         samples.reserved_bytes.append(reserved)
 
     def span(self, ev) -> None:
-        self.extend(ev[1], ev[1] + ev[2])
+        if self.timed(ev, ev[1], ev[2]):
+            self.extend(ev[1], ev[1] + ev[2])
 
     def meta(self, ev) -> None:
-        if ev[1] == "rank":
+        if ev[1] == "rank" and type(ev[2]) is int and ev[2] >= 0:
             self.data.rank = ev[2]
-        elif ev[1] == "malformed":
-            self.data.num_malformed += ev[2]
+
+    def bad(self, ev) -> None:
+        self.data.bad.add(str(ev[1]), str(ev[2]) if len(ev) > 2 else "")
+
+
+_KIND_NAMES = {LAUNCH: "launch", SYNC: "sync call", MEMORY: "[memory]", SPAN: "span"}
+#: Errors of a tuple whose fields have the wrong types (caught per event; the file goes on).
+_FIELD_ERRORS = (TypeError, ValueError, OverflowError, IndexError, KeyError)
 
 
 def collect(path: str, events: Iterable[tuple]) -> TraceData:
     """Gather the event tuples of one file into a :class:`TraceData` (GPU ops and launches, the
-    bulk of a trace, inline; the other kinds through :class:`_Collector`)."""
+    bulk of a trace, inline; the other kinds through :class:`_Collector`). A tuple with a
+    non-finite time, a negative duration or fields of the wrong type is counted in ``bad``."""
     c = _Collector(path)
     d, names = c.data, c._name_ids
-    handlers = {RANGE: c.range_, SYNC: c.sync, MEMORY: c.memory, SPAN: c.span, META: c.meta}
+    handlers = {RANGE: c.range_, SYNC: c.sync, MEMORY: c.memory, SPAN: c.span, META: c.meta,
+                BAD: c.bad, GPU: c.gpu}
     g_corr, g_start, g_end = d.gpu_correlation.append, d.gpu_start_us.append, d.gpu_end_us.append
     g_name, g_stream = d.gpu_name.append, d.gpu_stream.append
     l_pid, l_ts, l_corr = d.launch_pid.append, d.launch_ts_us.append, d.launch_correlation.append
     lo, hi = d.span_start_us, d.span_end_us
     for ev in events:
-        kind = ev[0]
-        if kind == GPU and len(ev) == 7:
-            _, corr, ts, dur, _device, name, stream = ev
-            name_id = names.get(name)
-            if name_id is None:
-                name_id = names[name] = len(d.names)
-                d.names.append(name)
-            g_corr(corr), g_start(ts), g_end(ts + dur), g_name(name_id)
-            g_stream(stream if stream is not None else -1)
-            lo, hi = (ts if ts < lo else lo), (ts + dur if ts + dur > hi else hi)
-        elif kind == LAUNCH:
-            l_pid(ev[1]), l_ts(ev[3]), l_corr(ev[4])
-        elif kind == GPU:
-            c.gpu(ev)
-        else:
-            handlers[kind](ev)
+        try:
+            kind = ev[0]
+            if kind == GPU and len(ev) == 7:
+                _, corr, ts, dur, _device, name, stream = ev
+                end = ts + dur
+                if not (dur >= 0.0 and -_INF < ts and end < _INF):
+                    c.reject(ev, time_reason(ts, dur))
+                    continue
+                name_id = names.get(name)
+                if name_id is None:
+                    name_id = names[name] = len(d.names)
+                    d.names.append(name)
+                g_corr(corr), g_stream(stream if stream is not None else -1), g_start(ts), g_end(end)
+                g_name(name_id)
+                lo, hi = (ts if ts < lo else lo), (end if end > hi else hi)
+            elif kind == LAUNCH:
+                if -_INF < ev[3] < _INF:
+                    l_pid(ev[1]), l_corr(ev[4]), l_ts(ev[3])
+                else:
+                    c.reject(ev, time_reason(ev[3]))
+            else:
+                handlers[kind](ev)
+        except _FIELD_ERRORS as exc:
+            c.reject(ev, f"fields of the wrong type ({type(exc).__name__})")
     d.span_start_us, d.span_end_us = min(lo, c.lo), max(hi, c.hi)
     return d

@@ -6,8 +6,10 @@ Yields the tuples of :mod:`traces.events`, so the report is the same as for a Ch
   start/end ranges (60, NvtxStartEndRange), the documented NVTX event type values; the name is
   ``COALESCE(text, StringIds.value)`` joined on ``textId`` (registered strings, as our ranges use,
   leave ``text`` null). Markers and other rows are not ranges. A range without an end (still open
-  when the capture stopped) is skipped and counted as malformed (one warning). The thread of a
+  when the capture stopped) is skipped as a bad event (one warning per file). The thread of a
   range is the one that opened it.
+- A row holding text (or anything but a number) where a number belongs is skipped as a bad event;
+  the other rows are read.
 - Domains: the domain-create rows (``eventType`` 75) give each ``domainId`` its name; domain ids
   are per process. ``domain`` keeps only the ranges of that domain (``"opsd"`` for ours; ``""``
   for the default domain of the non-domain API); None keeps all.
@@ -35,7 +37,8 @@ import os
 import sqlite3
 from typing import Iterator, Optional
 
-from traces.events import GPU, LAUNCH, META, RANGE, SYNC, TraceError, is_sync_call
+from traces.bad import BAD, BadEvent, example
+from traces.events import GPU, LAUNCH, RANGE, SYNC, TraceError, is_sync_call
 
 #: NVTX event type values of the export schema: NvtxPushPopRange, NvtxStartEndRange;
 #: NvtxDomainCreate (others: 33 NvtxCategory, 34 NvtxMark, 39 NvtxThread, 76 NvtxDomainDestroy).
@@ -60,14 +63,45 @@ def is_sqlite_file(path: str) -> bool:
         return False
 
 
+def _int(value, what: str) -> int:
+    if type(value) is not int:
+        raise BadEvent(f"{what} not an integer")
+    return value
+
+
+def _us(value, what: str) -> float:
+    """Nanoseconds of the database as microseconds; :class:`BadEvent` for anything but a number."""
+    if type(value) not in (int, float):
+        raise BadEvent(f"{what} not a number")
+    return value / _NS_PER_US
+
+
 def pid_of(global_id) -> int:
     """The process id of a serialized ``globalTid`` / ``globalPid`` (0 when null)."""
-    return (int(global_id) >> _ID_BITS) & _ID_MASK if global_id is not None else 0
+    return (_int(global_id, "globalTid") >> _ID_BITS) & _ID_MASK if global_id is not None else 0
 
 
 def tid_of(global_tid) -> int:
     """The thread id of a serialized ``globalTid`` (0 when null)."""
-    return int(global_tid) & _ID_MASK if global_tid is not None else 0
+    return _int(global_tid, "globalTid") & _ID_MASK if global_tid is not None else 0
+
+
+def _example(name, start_ns) -> str:
+    """The warning's example of a row: its name and start in microseconds (as in the tuples)."""
+    start = start_ns / _NS_PER_US if type(start_ns) in (int, float) else None
+    return example(name if isinstance(name, str) else None, start)
+
+
+def _rows(conn, sql: str, convert) -> Iterator[tuple]:
+    """``convert(row)`` of each row (a tuple or None); a row that cannot be converted is a BAD tuple."""
+    for row in conn.execute(sql):
+        try:
+            tup = convert(row)
+        except (BadEvent, TypeError, ValueError, OverflowError) as exc:
+            reason = exc.reason if isinstance(exc, BadEvent) else f"fields of the wrong type ({type(exc).__name__})"
+            tup = (BAD, reason, _example(row[-1], row[0]))
+        if tup is not None:
+            yield tup
 
 
 def _correlation_key(pid: int, correlation: int) -> int:
@@ -117,7 +151,13 @@ def _domains(conn, columns: set, name_expr: str, join: str) -> dict:
         return {}
     sql = (f'SELECT {_col(columns, "globalTid")}, e."domainId", {name_expr} FROM NVTX_EVENTS AS e {join} '
            f'WHERE e."eventType" = {DOMAIN_CREATE_EVENT_TYPE}')
-    return {(pid_of(gtid), domain_id): name or "" for gtid, domain_id, name in conn.execute(sql)}
+    domains = {}
+    for gtid, domain_id, name in conn.execute(sql):
+        try:
+            domains[(pid_of(gtid), domain_id)] = str(name or "")
+        except BadEvent:  # its ranges fall in the default domain; they are counted there if bad
+            continue
+    return domains
 
 
 def _nvtx_ranges(conn, path: str, domain: Optional[str]) -> Iterator[tuple]:
@@ -134,17 +174,18 @@ def _nvtx_ranges(conn, path: str, domain: Optional[str]) -> Iterator[tuple]:
     where = f'WHERE e."eventType" IN {RANGE_EVENT_TYPES}' if "eventType" in columns else ""
     sql = (f'SELECT e."start", e."end", {_col(columns, "globalTid")}, {_col(columns, "domainId")}, '
            f"{name_expr} FROM NVTX_EVENTS AS e {join} {where}")
-    num_open = 0
-    for start, end, gtid, domain_id, name in conn.execute(sql):
+
+    def convert(row):
+        start, end, gtid, domain_id, name = row
         pid = pid_of(gtid)
         if domain is not None and domains.get((pid, domain_id), "") != domain:
-            continue
-        if end is None or start is None or end < start:
-            num_open += 1
-            continue
-        yield (RANGE, name or "", pid, tid_of(gtid), start / _NS_PER_US, (end - start) / _NS_PER_US)
-    if num_open:
-        yield (META, "malformed", num_open)
+            return None
+        if start is None or end is None:
+            return (BAD, "no end (range still open)", _example(name, start))
+        start_us, end_us = _us(start, "start"), _us(end, "end")
+        return (RANGE, str(name or ""), pid, tid_of(gtid), start_us, end_us - start_us)
+
+    yield from _rows(conn, sql, convert)
 
 
 def _present(conn, tables: tuple, required: set) -> list[tuple[str, set]]:
@@ -170,15 +211,20 @@ def _launches(conn, tables, by_process: bool) -> Iterator[tuple]:
         name, join = _string_join(conn, columns, "nameId")
         sql = (f'SELECT e."start", {_col(columns, "end")}, {_col(columns, "globalTid")}, '
                f'e."correlationId", {name} FROM {table} AS e {join}')
-        for start, end, gtid, correlation, api in conn.execute(sql):
-            if start is None:
-                continue
-            pid = pid_of(gtid)
-            if api and is_sync_call(api.split("_v", 1)[0]) and end is not None:
-                yield (SYNC, pid, tid_of(gtid), start / _NS_PER_US, (end - start) / _NS_PER_US)
-            elif correlation is not None:
-                key = _correlation_key(pid if by_process else 0, correlation)
-                yield (LAUNCH, pid, tid_of(gtid), start / _NS_PER_US, key)
+        yield from _rows(conn, sql, lambda row: _launch(row, by_process))
+
+
+def _launch(row, by_process: bool):
+    start, end, gtid, correlation, api = row
+    if start is None:
+        return None
+    pid = pid_of(gtid)
+    if isinstance(api, str) and is_sync_call(api.split("_v", 1)[0]) and end is not None:
+        return (SYNC, pid, tid_of(gtid), _us(start, "start"), _us(end, "end") - _us(start, "start"))
+    if correlation is None:
+        return None
+    key = _correlation_key(pid if by_process else 0, _int(correlation, "correlationId"))
+    return (LAUNCH, pid, tid_of(gtid), _us(start, "start"), key)
 
 
 #: Names of the GPU ops of the tables without a name column (the prefixes Kineto uses too).
@@ -189,13 +235,19 @@ def _gpu_ops(conn, tables, by_process: bool) -> Iterator[tuple]:
     for table, columns in tables:
         name, join = _string_join(conn, columns, "shortName")
         sql = (f'SELECT e."start", e."end", {_col(columns, "globalPid")}, e."correlationId", '
-               f'{_col(columns, "deviceId")}, {name}, {_col(columns, "streamId")} FROM {table} AS e {join}')
-        for start, end, gpid, correlation, device, op, stream in conn.execute(sql):
-            if correlation is None or start is None or end is None:
-                continue
-            key = _correlation_key(pid_of(gpid) if by_process else 0, correlation)
-            yield (GPU, key, start / _NS_PER_US, (end - start) / _NS_PER_US, device,
-                   op or _OP_NAMES.get(table, "kernel"), -1 if stream is None else int(stream))
+               f'{_col(columns, "deviceId")}, {_col(columns, "streamId")}, {name} FROM {table} AS e {join}')
+        default = _OP_NAMES.get(table, "kernel")
+        yield from _rows(conn, sql, lambda row: _gpu_op(row, by_process, default))
+
+
+def _gpu_op(row, by_process: bool, default_name: str):
+    start, end, gpid, correlation, device, stream, op = row
+    if correlation is None or start is None or end is None:
+        return None
+    key = _correlation_key(pid_of(gpid) if by_process else 0, _int(correlation, "correlationId"))
+    start_us = _us(start, "start")
+    return (GPU, key, start_us, _us(end, "end") - start_us, device, str(op or default_name),
+            -1 if stream is None else _int(stream, "streamId"))
 
 
 def read_nsys_sqlite(path: str, domain: Optional[str] = None) -> Iterator[tuple]:
