@@ -575,7 +575,7 @@ def summary_line(results) -> str:
     step_ms = sum(r.step_ms for r in timed) / len(timed)
     tokens_per_s = sum(r.rollout_tokens_per_s for r in timed) / len(timed)
     return (f"done: {len(results)} steps, loss {results[0].loss:.6f} -> {results[-1].loss:.6f}, mean step "
-            f"{step_ms:.1f} ms, mean rollout {tokens_per_s:.0f} tok/s (step 1 excluded as warm-up)"
+            f"{step_ms:.1f} ms, mean rollout {tokens_per_s:.0f} tok/s (step 0 excluded as warm-up)"
             if len(results) > 1 else f"done: 1 step, loss {results[0].loss:.6f}, step {step_ms:.1f} ms")
 
 
@@ -630,6 +630,7 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional["PeakMemory"
     sampling = SamplingConfig(max_new_tokens=job.max_new_tokens, temperature=job.sampling_temperature,
                               n_samples_per_prompt=job.samples_per_prompt)
     bar, results = ProgressBar(job.steps, enabled=rank == 0), []
+    flops = StepFlops(step, device)
     with opsd_profiler() as prof:
         for index in range(job.steps):
             questions, ids, mask, extra = inputs(index)
@@ -637,11 +638,15 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional["PeakMemory"
             result = step.step(ids, mask, dataclasses.replace(sampling, seed=seed), **extra)
             if memory is not None:
                 memory.after_step(result)
+            step_mfu = flops.mfu(mask, extra, job.samples_per_prompt, result)
+            prof.log_step(index, loss=result.loss, tokens_per_s=result.rollout_tokens_per_s, step_ms=result.step_ms,
+                          mfu=step_mfu)
             prof.step()
             results.append(result)
             bar.update()
-            bar.write(f"step {index + 1}/{job.steps}  loss {result.loss:.6f}  tokens {result.num_response_tokens}  "
-                      f"rollout {result.rollout_tokens_per_s:.0f} tok/s  step {result.step_ms:.1f} ms")
+            bar.write(f"[{index + 1}/{job.steps}] step {index}  loss {result.loss:.6f}  tokens "
+                      f"{result.num_response_tokens}  rollout {result.rollout_tokens_per_s:.0f} tok/s  step "
+                      f"{result.step_ms:.1f} ms" + (f"  MFU {100 * step_mfu:.1f}%" if step_mfu is not None else ""))
             for line in result.breakdown.lines():
                 bar.write("  " + line)
             lines = sample_lines(step.rollout.tokenizer, result.batch, questions, job.samples_per_prompt) \
@@ -650,6 +655,31 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional["PeakMemory"
                 bar.write("\n".join(lines))
     bar.close()
     return results, prof
+
+
+class StepFlops:
+    """Model FLOPs utilisation of a step (``instrumentation.mfu``: formula and peak FLOP/s there)."""
+
+    def __init__(self, step, device):
+        import torch
+
+        from instrumentation.mfu import matmul_params, peak_flops
+
+        self.student = matmul_params(step.student)
+        self.teacher = self.student if step.is_self_distillation else matmul_params(step.teacher)
+        self.peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+    def mfu(self, mask, extra: dict, samples: int, result) -> Optional[float]:
+        """None off CUDA or on a GPU whose peak is not in the table (no host sync then)."""
+        if self.peak is None:
+            return None
+        from instrumentation.mfu import mfu, opsd_step_flops
+
+        prompt_tokens = int(mask.sum()) * samples
+        teacher_mask = extra.get("teacher_prompt_attention_mask") if extra else None
+        teacher_tokens = int(teacher_mask.sum()) * samples if teacher_mask is not None else None
+        flops = opsd_step_flops(self.student, self.teacher, prompt_tokens, result.num_response_tokens, teacher_tokens)
+        return mfu(flops, result.step_ms / 1e3, self.peak)
 
 
 class PeakMemory:
