@@ -22,6 +22,11 @@ QWEN25_3B_SHAPE = dict(hidden_size=2048, intermediate_size=11008, num_hidden_lay
                        num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
                        max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0)
 
+#: The Qwen2.5-7B geometry (random weights; untied embeddings): the multi-GPU issue's larger student.
+QWEN25_7B_SHAPE = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       max_position_embeddings=32768, tie_word_embeddings=False, rope_theta=1000000.0)
+
 
 @dataclass(frozen=True)
 class TinyTokenizer:
@@ -93,6 +98,7 @@ MODEL_SHAPES = {
     "tiny-qwen2": ("qwen2", TINY_SHAPES["qwen2"]),
     "tiny-llama": ("llama", TINY_SHAPES["llama"]),
     "qwen25-3b": ("qwen2", QWEN25_3B_SHAPE),
+    "qwen25-7b": ("qwen2", QWEN25_7B_SHAPE),
 }
 
 

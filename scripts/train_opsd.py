@@ -22,7 +22,7 @@ a synthetic context prepended to the teacher's prompt. Every default lives in on
 ``JobConfig`` fields below and :class:`rollout.opsd.OPSDConfig`; flags left out keep them.
 
 Models. ``--student``/``--teacher`` take an HF repo id (``org/name``), a local directory, or a shape
-name of :data:`rollout.testing.MODEL_SHAPES` (``qwen25-3b``, ``tiny-qwen2``, ``tiny-llama``): a random
+name of :data:`rollout.testing.MODEL_SHAPES` (``qwen25-3b``, ``qwen25-7b``, ``tiny-qwen2``, ``tiny-llama``): a random
 model of that geometry built directly on the rank's device in the run's dtype (a local directory
 with such a name is reached as ``./NAME``). ``--teacher-offload 1`` wraps the teacher in an
 inference-only DeepSpeed ZeRO-3 engine with its parameters offloaded to (pinned) host memory.

@@ -62,7 +62,18 @@ def test_shape_names_build_the_named_geometry():
         built, ref = shaped_model(name, seed=5), tiny_model(arch, seed=5)
         assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), ref.state_dict().values()))
     with pytest.raises(ValueError, match="shape must be one of"):
-        shape_config("qwen25-7b")
+        shape_config("qwen25-14b")
+
+
+def test_the_7b_shape_has_qwen25_7b_geometry():
+    """Issue 18's larger student: hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate 18944,
+    vocab 152064, untied embeddings (~7.6e9 parameters), built on the meta device (no memory)."""
+    config = shape_config("qwen25-7b")
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size, config.vocab_size, config.tie_word_embeddings) == \
+        (3584, 28, 28, 4, 18944, 152064, False)
+    big = shaped_model("qwen25-7b", dtype=torch.bfloat16, device="meta")
+    assert 7.5e9 < sum(p.numel() for p in big.parameters()) < 7.7e9
 
 
 def test_train_flags_accept_shape_names_gather_and_offload(train_opsd):
