@@ -37,17 +37,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINAL = ".pt.trace.json"  # in every name torch or we give a trace
 
 
-def train(prof, num_steps=4, width=16):
-    """A small loop of OPSD-shaped steps; returns the losses."""
+def train(prof, num_steps=4, repeat=1):
+    """A small loop of OPSD-shaped steps (``repeat`` forward/backward pairs each); returns the losses."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(width, width)
+    model = torch.nn.Linear(64, 64)
     losses = []
     for _ in range(num_steps):
         with stage(stages.STEP):
-            with stage(stages.STUDENT_FORWARD):
-                loss = model(torch.randn(4, width)).square().mean()
-            with stage(stages.BACKWARD):
-                loss.backward()
+            for _ in range(repeat):
+                with stage(stages.STUDENT_FORWARD):
+                    loss = model(torch.randn(4, 64)).square().mean()
+                with stage(stages.BACKWARD):
+                    loss.backward()
         losses.append(loss.item())
         prof.step()
     return losses
@@ -324,7 +325,7 @@ def test_failed_export_leaves_no_trace_name_and_training_finishes(name, env, tmp
     try:
         with pytest.warns(ProfilingWarning, match=warning):
             with opsd_profiler() as prof:
-                losses = train(prof, num_steps=4, width=64 if name == "a 64 KiB disk" else 16)
+                losses = train(prof, repeat=50 if name == "a 64 KiB disk" else 1)  # there: ~110 KiB of gzip
         assert len(losses) == 4 and prof.current_step == 4 and prof.trace_paths() == []
         assert traces_below(out) == [] and not [f for f in files_below(out) if ".partial" in f]
         assert files_below(tmp_path / "tmp") == []  # nothing outside the run directory
