@@ -200,7 +200,7 @@ def measure_light(args) -> dict:
     total = args.warmup + 2 * args.pairs
     workload = make_workload(args, total)
     out_dir = args.output_dir or tempfile.mkdtemp(prefix="opsd_light_")
-    on_cfg = ProfileConfig.from_env({}, mode="timers", output_dir=out_dir, run_name="light")
+    on_cfg = ProfileConfig.from_env({}, mode="timers", output_dir=out_dir, run_name=f"light-{os.getpid()}")
     off_cfg = ProfileConfig(mode="0")
     on_ms, off_ms, order = [], [], []
     with opsd_profiler(on_cfg) as prof:
@@ -282,7 +282,7 @@ def measure_linger(args) -> dict:
     graph = _graph_before_profiling()
     out_dir = args.output_dir or tempfile.mkdtemp(prefix="opsd_linger_")
     cfg = ProfileConfig.from_env(os.environ, mode="1", output_dir=out_dir, steps=tuple(first) + second,
-                                 run_name=f"linger-teardown{args.teardown_cupti}")
+                                 run_name=f"linger-teardown{args.teardown_cupti}-{os.getpid()}")
     step_ms, prof_ms, checks = [], [], []
     with opsd_profiler(cfg) as prof:
         for index in range(total):

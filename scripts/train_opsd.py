@@ -823,6 +823,8 @@ def write_json(path: str, doc: dict) -> None:
 
 def main(argv=None) -> None:
     job, opsd_config = parse_args(argv)
+    from instrumentation import check_environment
+    check_environment()  # every OPSD_* variable, and a run name already taken, before any model is built
     rank, world, device = init_distributed()
     import torch
 
