@@ -824,7 +824,10 @@ def write_json(path: str, doc: dict) -> None:
 def main(argv=None) -> None:
     job, opsd_config = parse_args(argv)
     from instrumentation import check_environment
-    check_environment()  # every OPSD_* variable, and a run name already taken, before any model is built
+    try:  # every OPSD_* variable, and a run name already taken, before any model is built
+        check_environment()
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     rank, world, device = init_distributed()
     import torch
 
