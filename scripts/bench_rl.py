@@ -704,7 +704,8 @@ def final_norm(model):
 def gpu_intervals(prof, max_events: int) -> tuple[Optional[list[tuple[float, float]]], str]:
     """Kernel / memcpy / memset intervals (ns) of a finished torch.profiler session, or (None, why)."""
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    if results is not None:
+    # torch 2.11's _KinetoEvent has no activity_type() (2.13's has): read the Chrome trace there instead
+    if results is not None and hasattr(torch._C._autograd._KinetoEvent, "activity_type"):
         events = results.events()
         if len(events) > max_events:
             return None, f"n/a (skipped: {len(events)} events > {max_events})"
