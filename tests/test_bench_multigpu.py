@@ -86,7 +86,7 @@ def test_train_flags_accept_shape_names_gather_and_offload(train_opsd):
 
 
 @pytest.mark.parametrize("argv, flag_field, words", [
-    (["--student", "qwen25-7b"], "student:", ["qwen25-3b", "tiny-llama", "tiny-qwen2"]),
+    (["--student", "qwen25-14b"], "student:", ["qwen25-3b", "qwen25-7b", "tiny-llama", "tiny-qwen2"]),
     (["--teacher", "tiny-qwen3"], "teacher:", ["'self'", "qwen25-3b"]),
     (["--student", "qwen25-3b", "--teacher", "tiny-llama"], "teacher:", ["151936", "512"]),
     (["--gather", "sometimes"], "gather:", ["per_forward"]),
@@ -149,7 +149,7 @@ def test_variant_names_gpu_pins_and_launchers(bench):
     (["--zero-stage", "3"], ["--zero-stage", "set by each variant"]),
     (["--json-out=x.json"], ["--json-out"]),
     (["--logit-cache", "gpu"], ["train_opsd.py rejects", "logit_cache_location"]),
-    (["--student", "qwen25-7b"], ["train_opsd.py rejects", "student:"]),
+    (["--student", "qwen25-14b"], ["train_opsd.py rejects", "student:"]),
     (["--nproc", "0"], ["--nproc"]),
 ])
 def test_bench_rejects_bad_arguments_before_running_anything(bench, capsys, argv, words):

@@ -297,7 +297,8 @@ def run_script(*args, env=None, timeout=240):
 
 
 def step_lines(stdout):
-    return [line for line in stdout.splitlines() if line.startswith("step ") and "loss" in line]
+    """The per-step console lines: ``[k/N] step k-1  loss ...`` (one step index everywhere)."""
+    return [line for line in stdout.splitlines() if line.startswith("[") and " step " in line and "loss" in line]
 
 
 def test_script_runs_zero3_lora_self_distillation_without_profiling(tmp_path):
@@ -305,8 +306,8 @@ def test_script_runs_zero3_lora_self_distillation_without_profiling(tmp_path):
                      "--logit-cache", "host", "--batch-size", "1", "--max-new-tokens", "6",
                      env={"OPSD_PROFILE": "0", "OPSD_PROFILE_DIR": str(tmp_path / "traces")})
     lines = step_lines(out)
-    assert [line.split()[1] for line in lines] == ["1/2", "2/2"]
-    assert all(math.isfinite(float(line.split()[3])) for line in lines)
+    assert [line.split()[:3] for line in lines] == [["[1/2]", "step", "0"], ["[2/2]", "step", "1"]]
+    assert all(math.isfinite(float(line.split()[4])) for line in lines)
     assert "ZeRO-3" in out and "LoRA r=4" in out and "teacher self" in out and "done: 2 steps" in out
     assert "per-stage" not in out and not (tmp_path / "traces").exists()
 
