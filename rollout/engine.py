@@ -214,9 +214,9 @@ class Rollout:
         cap = self.config.max_cache_gib
         free = free_device_bytes(device)
         budget = Budget(None if cap is None else int(cap * GIB), None if free is None else free + self._pool.nbytes)
-        call = CallMemory(layout.num_prompts, sampling.n_samples_per_prompt, layout.spans, layout.padded_len,
-                          sampling.max_new_tokens, self.model.config.vocab_size,
-                          cache_shape(self.model, 1, 1).column_bytes, decode.is_fast)
+        call = CallMemory(layout, sampling.n_samples_per_prompt, sampling.max_new_tokens, self.model.config.vocab_size,
+                          cache_shape(self.model, 1, 1).column_bytes, decode.is_fast,
+                          decode.is_fast and decode.cuda_graphs)
         return slots_within_budget(call, self.config.route, sampling.continuous_batch_size, budget)
 
     def _costs(self):

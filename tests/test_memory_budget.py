@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout.plan.layout import PromptLayout
 from rollout.plan.memory import GIB, Budget, CallMemory, MemoryNeed, slots_within_budget
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 from tests.conftest import hf_greedy, response_of
@@ -16,7 +17,8 @@ COLUMN = 2 * 2 * 2 * 16 * 4  # tiny Qwen2, fp32: bytes of one cache column of on
 
 
 def _call(prompts=8, samples=4, span=8, new=8, static=False):
-    return CallMemory(prompts, samples, (span,) * prompts, span, new, 512, COLUMN, static)
+    layout = PromptLayout((span,) * prompts, (span,) * prompts, span)
+    return CallMemory(layout, samples, new, 512, COLUMN, static, static)
 
 
 # 8 prompts x 4 samples of 8 tokens, 8 new: the ordinary route needs 32 rows x 16 columns; the continuous
@@ -96,3 +98,13 @@ def test_ordinary_route_over_the_cap_is_refused(model):
     with pytest.raises(ValueError, match="max_cache_gib: the ordinary route"):
         Rollout(model, NO_EOS, RolloutConfig(max_cache_gib=1e-9)).generate(
             RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=4))
+
+
+def test_continuous_without_graphs_is_budgeted_as_it_allocates(model):
+    """cuda_graphs=False: the continuous route's per-call cache has no batch buckets and no rounded
+    capacity, and the budget counts the same shape: 3 slots of 64 columns fit a 3-slot cap exactly."""
+    ids, mask = random_prompts(6, 8, seed=2)
+    cap_gib = 3 * 64 * COLUMN / GIB
+    ro = Rollout(model, NO_EOS, RolloutConfig(route="continuous", cuda_graphs=False, max_cache_gib=cap_gib))
+    ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=8, temperature=0.0))
+    assert (ro.last_stats.num_slots, ro.last_stats.capacity) == (3, 64)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from rollout.checks import is_int, round_up
+from rollout.plan.buckets import batch_bucket, length_round
 
 CONTINUOUS_ROUTES = ("continuous", "auto")
 
@@ -105,6 +106,18 @@ def checked_capacity(capacity: Optional[int], layout: PromptLayout, max_new_toke
         raise ValueError(f"capacity: must be an int >= {needed} (longest prompt span {max(layout.spans)} + "
                          f"max_new_tokens {max_new_tokens} - 1); got {capacity!r}")
     return capacity
+
+
+def continuous_cache_shape(layout: PromptLayout, max_new_tokens: int, slots: int, num_rows: int, static: bool,
+                           capacity: Optional[int] = None) -> tuple[int, int]:
+    """``(rows, columns)`` of the continuous route's cache for ``slots``: ``capacity`` (validated) or the
+    default. With static buffers the rows are the slots' batch bucket and a default capacity is rounded up
+    to the length bucket (fewer distinct shapes: buffers and graphs are reused across calls). The one rule
+    both the executor (what it allocates) and the memory budget (what it checks) use."""
+    columns = checked_capacity(capacity, layout, max_new_tokens, slots < num_rows)
+    if not static:
+        return slots, columns
+    return batch_bucket(slots), columns if capacity is not None else length_round(columns)
 
 
 def check_gather(route: str, gather: str, is_zero3: bool) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from rollout.plan.buckets import batch_bucket, length_round
-from rollout.plan.layout import default_capacity
+from rollout.plan.buckets import batch_bucket
+from rollout.plan.layout import PromptLayout, continuous_cache_shape, default_capacity
 
 GIB = 2**30
 #: Float32 copies of a step's logits the sampler may hold at once (logits, scores, noise, a mask).
@@ -90,34 +90,32 @@ def refusal(need: MemoryNeed, budget: Budget, what: str, hint: str) -> str:
 class CallMemory:
     """The memory-relevant shape of one call."""
 
-    num_prompts: int
+    layout: PromptLayout
     num_samples: int
-    spans: tuple[int, ...]
-    """Each prompt's span (``PromptLayout.spans``)."""
-    padded_len: int
     max_new_tokens: int
     vocab_size: int
     column_bytes: int
     static_buffers: bool
-    """Decode from static buffers: the cache holds a batch bucket of rows, columns rounded up."""
+    """The ordinary route decodes from static buffers (our step): its cache holds a batch bucket of rows."""
+    continuous_static_buffers: bool
+    """The continuous route decodes from static buffers (our step with CUDA graphs on)."""
 
     @property
     def num_rows(self) -> int:
-        return self.num_prompts * self.num_samples
+        return self.layout.num_prompts * self.num_samples
 
     def ordinary(self) -> MemoryNeed:
         rows = batch_bucket(self.num_rows) if self.static_buffers else self.num_rows
-        columns = self.padded_len + self.max_new_tokens
+        columns = self.layout.padded_len + self.max_new_tokens
         return MemoryNeed(rows, columns, self.column_bytes, row_overhead_bytes(self.vocab_size, self.max_new_tokens,
                                                                                columns))
 
     def continuous(self, slots: int, rounded: bool = True) -> MemoryNeed:
         """``rounded``: static buffers' capacity rounded up to the length bucket (fewer distinct shapes
         across calls); without it, the 64-column multiple the route needs."""
-        columns = default_capacity(self.spans, self.max_new_tokens, slots < self.num_rows)
-        rows = slots
-        if self.static_buffers:
-            columns, rows = length_round(columns) if rounded else columns, batch_bucket(slots)
+        capacity = None if rounded else default_capacity(self.layout.spans, self.max_new_tokens, slots < self.num_rows)
+        rows, columns = continuous_cache_shape(self.layout, self.max_new_tokens, slots, self.num_rows,
+                                               self.continuous_static_buffers, capacity)
         return MemoryNeed(rows, columns, self.column_bytes, row_overhead_bytes(self.vocab_size, self.max_new_tokens,
                                                                                columns))
 

@@ -18,7 +18,7 @@ from rollout.executors.decode import DecodeChoice, FastStep
 from rollout.executors.graphs import EAGER, GraphSet
 from rollout.executors.ordinary.executor import sampling_key
 from rollout.plan.buckets import batch_bucket, length_round, read_window
-from rollout.plan.layout import PromptLayout, checked_capacity, resolve_num_slots
+from rollout.plan.layout import PromptLayout, continuous_cache_shape, resolve_num_slots
 from rollout.plan.memory import SlotPlan
 from rollout.stats import CallStats
 
@@ -41,11 +41,9 @@ class ContinuousExecutor:
         num_rows = layout.num_prompts * sampling.n_samples_per_prompt
         slots = resolve_num_slots(fit.slots if fit else sampling.continuous_batch_size, num_rows,
                                   sampling.n_samples_per_prompt)
-        capacity = checked_capacity(fit.capacity if fit else None, layout, sampling.max_new_tokens, slots < num_rows)
         static = choice.is_fast and choice.cuda_graphs  # graph-ready static buffers (eager steps without CUDA)
-        cache_slots = batch_bucket(slots) if static else slots  # padding slots of the batch buckets
-        if static and not (fit and fit.capacity):  # fewer distinct shapes: buffers and graphs reused across calls
-            capacity = length_round(capacity)
+        cache_slots, capacity = continuous_cache_shape(layout, sampling.max_new_tokens, slots, num_rows, static,
+                                                       fit.capacity if fit else None)
         with ctx.stage(stages.CACHE_ACQUIRE):
             cache, graph = self._cache(ctx, choice, cache_slots, capacity, num_rows, static)
             if self.arena is None or not self.pool.keep:

@@ -68,8 +68,7 @@ class DecodeBuffers:
     def compact(self, cache, bucket: int, new_bucket: int, num_cols: int) -> int:
         """Move the unfinished rows of ``[0, bucket)`` to the front (keeping their order) and return
         ``new_bucket``, the rows later steps compute; every per-row buffer and the cache's first
-        ``num_cols`` columns follow. On the device, no host sync. Bytes the cache copies are returned by
-        :meth:`compact_bytes`."""
+        ``num_cols`` columns follow. On the device, no host sync."""
         keep = torch.argsort(self.finished[:bucket].to(torch.int8), stable=True)[:new_bucket]
         for tensor in (self.tokens, self.positions, self.finished, self.rows, self.valid, self.seen):
             tensor[:new_bucket] = tensor.index_select(0, keep)

@@ -116,7 +116,7 @@ def prefill(ctx: CallContext, cache: StaticKVCache, prompt_ids, prompt_mask, sta
     n = order.num_samples
     target = cache if n == 1 else scratch.get(num_prompts, prompt_len)
     groups = order.group_spans(prompt_len)
-    logits = _prefill_into(ctx, target, prompt_ids, prompt_mask, state, order)  # [B, V]
+    logits = _prefill_into(ctx, target, prompt_ids, prompt_mask, state, order, groups)  # [B, V]
     state.stats.prefill_rows += num_prompts
     state.stats.prefill_tokens += sum((stop - first) * length for first, stop, length in groups)
     if n > 1:
@@ -128,12 +128,11 @@ def prefill(ctx: CallContext, cache: StaticKVCache, prompt_ids, prompt_mask, sta
 
 
 def _prefill_into(ctx: CallContext, target: StaticKVCache, prompt_ids, prompt_mask, state: DecodeState,
-                  order: RowOrder) -> torch.Tensor:
+                  order: RowOrder, groups: list[tuple[int, int, int]]) -> torch.Tensor:
     """Last-token logits ``[B, V]`` of the prompts, their keys/values written into ``target``'s rows
     ``[0, B)``: our packed prefill (one pass over the weights, attention per group) or one HF forward per
     group."""
     num_prompts, prompt_len = prompt_ids.shape
-    groups = order.group_spans(prompt_len)
     if ctx.fast_prefill is not None:
         state.stats.prefill_forwards += 1
         state.stats.prefill_attention_groups += len(groups)
