@@ -10,6 +10,7 @@ import torch
 from instrumentation import NOOP_RANGE
 from rollout.config import SamplingConfig
 from rollout.model.step import StepParts
+from rollout.ops.postprocess import eos_tensor
 from rollout.ops.sampling import Sampler, sampler_fn
 from rollout.plan.planner import DEFAULT_MAX_TOKENS, CostModel
 
@@ -40,7 +41,7 @@ class EosIds:
 
     @classmethod
     def on(cls, ids: tuple[int, ...], device) -> "EosIds":
-        return cls(tuple(ids), torch.tensor(ids, dtype=torch.long, device=device) if ids else None)
+        return cls(tuple(ids), eos_tensor(tuple(ids), torch.device(device)))
 
 
 @dataclass(frozen=True)
