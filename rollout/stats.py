@@ -37,7 +37,10 @@ class CallStats:
     decode_fallback_reason: Optional[str] = None
     """Why decode steps did not all run from CUDA graphs (None when they did)."""
     sampler_fallback_reason: Optional[str] = None
-    """Why token selection runs its eager functions although compiling was asked (None otherwise)."""
+    """Why token selection runs its eager functions (or not the fused kernel) although asked (None otherwise)."""
+    sampler_path: str = "eager"
+    """What the call's last token selection ran: ``"fused"`` (the one-kernel nucleus), ``"compiled"`` or
+    ``"eager"`` (``rollout.ops.sampling.Sampler.last_path``)."""
     prefill_buckets: int = 1
     """Prefill buckets of the plan (ordinary route; 1 when unplanned)."""
     prefill_forwards: int = 0

@@ -189,6 +189,8 @@ class Candidate:
     max_cache_gib: Optional[float] = None
     """Passed to ``RolloutConfig`` (only where the field exists)."""
     note: str = ""
+    config: tuple = ()
+    """Further ``RolloutConfig`` fields, ``((name, value), ...)`` (``--sampler-ab``: ``fused_sampler=False``)."""
 
 
 def cap_gib_for_slots(slots: int, longest_prompt: int, budget: int, kv_bytes_per_token: int) -> float:
@@ -241,8 +243,9 @@ def _selected(name: str, divisor: Optional[int], selectors: Optional[set[str]]) 
 
 
 def plan_candidates(cell: CellSpec, selectors: Optional[set[str]], has_cap_field: bool,
-                    cap_gib: Optional[float], upstream: bool) -> list[Candidate]:
-    """The candidates of a cell, in interleaving order (DeepSpeed last)."""
+                    cap_gib: Optional[float], upstream: bool, sampler_ab: bool = False) -> list[Candidate]:
+    """The candidates of a cell, in interleaving order (DeepSpeed last); ``sampler_ab``: on top-p cells, a
+    twin of each with ``fused_sampler=False`` (the sampler A/B in one process)."""
     capped = cell.cap_slots is not None
     cap = cap_gib if capped and has_cap_field else None
     out = []
@@ -260,6 +263,8 @@ def plan_candidates(cell: CellSpec, selectors: Optional[set[str]], has_cap_field
         if _selected(name, divisor, selectors):
             out.append(Candidate(name, "continuous", slots=slots, max_cache_gib=cap,
                                  note=f"max_cache_gib={cap:.4g}" if cap is not None else ""))
+    if sampler_ab and cell.temperature > 0 and cell.top_p < 1:  # each with the compiled search instead
+        out += [dataclasses.replace(c, name=f"{c.name} +search", config=(("fused_sampler", False),)) for c in out]
     if upstream and not capped and (selectors is None or "deepspeed" in selectors):
         out.append(Candidate("deepspeed", "deepspeed"))  # (it has no KV budget: not in the capped cell)
     return out
@@ -874,7 +879,7 @@ class Bench:
 
 
 def rollout_for(bench: Bench, cand: Candidate, tok) -> Rollout:
-    kwargs = {"route": cand.route}
+    kwargs = {"route": cand.route, **dict(cand.config)}
     if cand.max_cache_gib is not None:
         kwargs["max_cache_gib"] = cand.max_cache_gib
     return Rollout(bench.model, tok, RolloutConfig(**kwargs))
@@ -914,7 +919,7 @@ def make_runs(bench: Bench, cell: CellSpec, cands: list[Candidate], ids, mask, s
             except Exception as exc:  # e.g. deepspeed not installed: the row says so, the cell goes on
                 runs.append(CandidateRun(cand, None, None, error=f"{type(exc).__name__}: {exc}"[:300]))
             continue
-        key = (cand.route, cand.max_cache_gib) if shared else cand.name
+        key = (cand.route, cand.max_cache_gib, cand.config) if shared else cand.name
         if key not in cache:
             cache[key] = rollout_for(bench, cand, tok)
         ro, sampling = cache[key], sampling_for(cell, cand.slots)
@@ -948,7 +953,7 @@ def kept_bytes_estimate(bench: Bench, cell: CellSpec, cands: list[Candidate], wi
             continue
         slots = min(cand.slots or cell.rows, cell.rows)
         need = slots * cols * (2 if slots < cell.rows else 1) * kv
-        key = "continuous" if cand.route == "continuous" else cand.name
+        key = ("continuous", cand.config) if cand.route == "continuous" else cand.name
         per_route[key] = max(per_route.get(key, 0), need)
     return sum(per_route.values())
 
@@ -1075,7 +1080,8 @@ def run_cell(bench: Bench, spec: CellSpec) -> tuple[list[RlRow], dict]:
     if cell.cap_slots is not None:
         cap_gib = args.cap_gib or cap_gib_for_slots(cell.cap_slots, max(prompt_lens), cell.budget,
                                                     bench.geometry.kv_bytes_per_token)
-    cands = plan_candidates(cell, args.candidate_set, bench.has_cap_field, cap_gib, args.upstream)
+    cands = plan_candidates(cell, args.candidate_set, bench.has_cap_field, cap_gib, args.upstream,
+                            getattr(args, "sampler_ab", False))
     rows: list[RlRow] = []
     common = dict(source=bench.source, cell=spec.name, prompts=cell.num_prompts, n=cell.n, rows=cell.rows,
                   prompt_lens=f"{cell.prompt_lens[0]}..{cell.prompt_lens[1]}" if cell.prompt_lens[0] != cell.prompt_lens[1]
@@ -1242,6 +1248,8 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--cupti-teardown", action="store_true", help="set TEARDOWN_CUPTI=1 around each profiled "
                         "call so no CUPTI callbacks linger into later timed calls (torch warns that CUDA graphs and "
                         "CUPTI re-init have crashed on older CUDA)")
+    parser.add_argument("--sampler-ab", action="store_true", help="on top-p cells, also each candidate with "
+                        "fused_sampler=False (the compiled search instead of the one-kernel nucleus), interleaved")
     parser.add_argument("--sequential", action="store_true", help="one candidate at a time, released in between")
     parser.add_argument("--cap-gib", type=float, default=None, help="the capped cell's max_cache_gib (default: what "
                         "128 continuous slots with refills need, see cap_gib_for_slots)")

@@ -7,6 +7,7 @@ log-probabilities against the eager ``sampled_logprobs``. Prints one table; ``--
 
   python scripts/bench_sampler.py                      # rows 32 and 256, vocab 151936, bf16 logits
   python scripts/bench_sampler.py --rows 256 --old-compiled --json out.json
+  python scripts/bench_sampler.py --rows 8 256 --kernel-configs 2048x8 512x4   # the fused kernel's tiles
 
 Compiling takes a while on the first call of each sampler (greedy, T=1, top-p, each with and without
 log-probs); ``--cases`` runs a subset.
@@ -27,7 +28,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.config import SamplingConfig  # noqa: E402
-from rollout.ops.sampling import sampled_logprobs, sampler_fn, select_next_token  # noqa: E402
+from rollout.ops import fused_nucleus  # noqa: E402
+from rollout.ops.sampling import Sampler, sampled_logprobs, sampler_key, select_next_token  # noqa: E402
 from scripts.profile_decode_step import graph_ms  # noqa: E402
 
 
@@ -84,6 +86,7 @@ CASES = {
     "T=1": (dict(temperature=1.0), "random"),
     "T=1 top-p 0.9": (dict(temperature=1.0, top_p=0.9), "random"),
     "T=1 top-p 0.9 peaked": (dict(temperature=1.0, top_p=0.9), "peaked"),
+    "T=0.7 top-p 0.9": (dict(temperature=0.7, top_p=0.9), "random"),
 }
 RANDOM_SCALE = 3.0
 """Logits ~ N(0, 3^2), as in scripts/profile_decode_step.py."""
@@ -137,15 +140,35 @@ def token_check(fn, logits: torch.Tensor, sampling: SamplingConfig) -> str:
 _OLD_COMPILED: list = []
 
 
-def variants(sampling: SamplingConfig, old_compiled: bool):
+def _with_config(sampler, config, with_logprobs):
+    """A call of ``sampler`` with the fused kernel's ``(BLOCK, NUM_WARPS)`` set to ``config`` (None: as is)."""
+    def call(lg, s, r, t):
+        saved = fused_nucleus.BLOCK, fused_nucleus.NUM_WARPS
+        if config is not None:
+            fused_nucleus.BLOCK, fused_nucleus.NUM_WARPS = config
+        try:
+            return sampler(lg, None, s, r, t, with_logprobs)[0]
+        finally:
+            fused_nucleus.BLOCK, fused_nucleus.NUM_WARPS = saved
+    return call
+
+
+def variants(sampling: SamplingConfig, old_compiled: bool, kernel_configs=()):
     """``(name, fn(logits, seed, rows, step) -> tokens, sampler or None)``."""
-    compiled = sampler_fn(sampling, compiled=True)
+    key = sampler_key(sampling)
+    compiled = Sampler(key, compiled=True, fused=False)  # the sort-free search, compiled by Inductor
+    fused = Sampler(key, compiled=True)  # the one-kernel nucleus where it applies (top-p, no top-k)
     out = [
         ("old (eager, sort)", lambda lg, s, r, t: old_select(lg, sampling, None, s, r, t), None),
         ("new eager (fallback)", lambda lg, s, r, t: select_next_token(lg, sampling, None, s, r, t), None),
-        ("new compiled", lambda lg, s, r, t: compiled(lg, None, s, r, t, False)[0], compiled),
-        ("new compiled + logprobs", lambda lg, s, r, t: compiled(lg, None, s, r, t, True)[0], compiled),
+        ("compiled search", lambda lg, s, r, t: compiled(lg, None, s, r, t, False)[0], compiled),
+        ("compiled search + logprobs", lambda lg, s, r, t: compiled(lg, None, s, r, t, True)[0], compiled),
     ]
+    if fused._fused:
+        out.append(("fused kernel", _with_config(fused, None, False), fused))
+        out.append(("fused kernel + logprobs", _with_config(fused, None, True), fused))
+        for config in kernel_configs:
+            out.append((f"fused kernel {config[0]}x{config[1]}w", _with_config(fused, config, False), fused))
     if old_compiled:  # a code object per case: dynamo's recompile limit counts per code object
         code = old_select.__code__.replace(co_name=f"old_select_{len(_OLD_COMPILED)}")
         fresh = types.FunctionType(code, old_select.__globals__, code.co_name, old_select.__defaults__)
@@ -155,15 +178,16 @@ def variants(sampling: SamplingConfig, old_compiled: bool):
     return out
 
 
-def logprob_error(logits: torch.Tensor, sampling: SamplingConfig) -> float:
-    """Max |compiled - eager| log-probability of the compiled sampler's own tokens."""
+def logprob_error(sampler, logits: torch.Tensor, sampling: SamplingConfig) -> float:
+    """Max |sampler - eager| log-probability of the sampler's own tokens."""
     ids = torch.arange(logits.shape[0], device="cuda")
     seed, step = torch.tensor(3, device="cuda"), torch.tensor(4, device="cuda")
-    tokens, logprobs = sampler_fn(sampling, compiled=True)(logits, None, seed, ids, step, True)
+    tokens, logprobs = sampler(logits, None, seed, ids, step, True)
     return float((logprobs - sampled_logprobs(logits, sampling, None, tokens)).abs().max())
 
 
-def bench_case(rows: int, vocab: int, case: str, iters: int, old_compiled: bool) -> list[SamplerRow]:
+def bench_case(rows: int, vocab: int, case: str, iters: int, old_compiled: bool,
+               kernel_configs=()) -> list[SamplerRow]:
     kwargs, kind = CASES[case]
     sampling = SamplingConfig(max_new_tokens=8, **kwargs)
     logits, scale = make_logits(rows, vocab, kind, sampling.top_p)
@@ -171,7 +195,7 @@ def bench_case(rows: int, vocab: int, case: str, iters: int, old_compiled: bool)
     ids = torch.arange(rows, device="cuda")
     seed, step = torch.tensor(7, device="cuda"), torch.tensor(3, device="cuda")
     out = []
-    for name, fn, sampler in variants(sampling, old_compiled):
+    for name, fn, sampler in variants(sampling, old_compiled, kernel_configs):
         note = f"scale {scale:g}"
         try:
             ms = graph_ms(lambda fn=fn: fn(logits, seed, ids, step), iters)
@@ -180,8 +204,8 @@ def bench_case(rows: int, vocab: int, case: str, iters: int, old_compiled: bool)
             ms, equal, note = None, "-", f"failed: {exc!r:.160}"
         if sampler is not None and sampler.fallback_reason:
             note = f"FELL BACK: {sampler.fallback_reason:.200}"
-        elif name == "new compiled + logprobs" and ms is not None:
-            note += f"; max |logprob - eager| {logprob_error(logits, sampling):.2e}"
+        elif name.endswith("+ logprobs") and ms is not None:
+            note += f"; path {sampler.last_path}; max |logprob - eager| {logprob_error(sampler, logits, sampling):.2e}"
         out.append(SamplerRow(rows, case, name, ms, median_nucleus, equal, note))
     return out
 
@@ -193,12 +217,15 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--old-compiled", action="store_true", help="also torch.compile the previous implementation")
+    parser.add_argument("--kernel-configs", nargs="*", default=[],
+                        help="extra (BLOCK x warps) configs of the fused kernel, e.g. 2048x8 512x4")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.kernel_configs]
     if not torch.cuda.is_available():
         raise SystemExit("bench_sampler.py needs a CUDA device")
     results = [row for rows in args.rows for case in args.cases
-               for row in bench_case(rows, args.vocab, case, args.iters, args.old_compiled)]
+               for row in bench_case(rows, args.vocab, case, args.iters, args.old_compiled, configs)]
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; vocab {args.vocab}, bf16 logits, "
           f"each call captured in a CUDA graph, median of {args.iters} replays")
     print("| rows | case | variant | ms | median nucleus | tokens = old | note |")

@@ -118,6 +118,66 @@ def step_variants(model, rows: int, live: int, compiled: bool):
     return graph_ms(lambda: decode_logits(parts, keys, values, tokens, positions, col, keep), 10)
 
 
+def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, layers: int):
+    """A layer's projections at ``rows`` rows, separate weights (what runs) against concatenated ones
+    (q|k|v and gate|up as one GEMM each), times ``layers``; and the bf16 GEMM rate each reaches."""
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16)
+    w = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for name, n, k in (
+        ("q", q_dim, hidden), ("k", kv_dim, hidden), ("v", kv_dim, hidden), ("o", hidden, q_dim),
+        ("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter))}
+    qkv = torch.cat([w["q"], w["k"], w["v"]])
+    gate_up = torch.cat([w["gate"], w["up"]])
+    flops = {"qkv": 2 * rows * hidden * (q_dim + 2 * kv_dim), "o": 2 * rows * q_dim * hidden,
+             "gate_up": 2 * rows * hidden * 2 * inter, "down": 2 * rows * inter * hidden}
+    cases = {
+        "q, k, v separate (now)": ("qkv", lambda: (F.linear(x, w["q"]), F.linear(x, w["k"]), F.linear(x, w["v"]))),
+        "qkv concatenated": ("qkv", lambda: F.linear(x, qkv)),
+        "o": ("o", lambda: F.linear(x, w["o"])),
+        "gate, up separate (now)": ("gate_up", lambda: (F.linear(x, w["gate"]), F.linear(x, w["up"]))),
+        "gate|up concatenated": ("gate_up", lambda: F.linear(x, gate_up)),
+        "down": ("down", lambda: F.linear(h, w["down"])),
+    }
+    out = {}
+    for name, (kind, fn) in cases.items():
+        ms = graph_ms(fn, 20)
+        out[name] = (ms * layers, flops[kind] / (ms / 1000) / 1e12)
+    return out
+
+
+def step_kernels(model, rows: int, live: int, iters: int = 5) -> str:
+    """Kernels of the compiled decode step (one CUDA graph, ``iters`` replays under torch.profiler), by
+    total device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    spec, weights = spec_and_weights(model)
+    parts = StepParts(spec, weights, compiled_step_fns())
+    shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
+    keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    tokens = torch.randint(3, 1000, (rows,), device="cuda")
+    positions = torch.full((rows,), live, device="cuda")
+    col = torch.tensor(live, device="cuda")
+    keep = torch.ones(rows, 1, 1, live + 1, dtype=torch.bool, device="cuda")
+    fn = lambda: decode_logits(parts, keys, values, tokens, positions, col, keep)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            graph.replay()
+        torch.cuda.synchronize()
+    return (f"## kernels of {iters} replays of the compiled decode step, {rows} rows, {live} live columns\n"
+            + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
+
+
 def profile_call(model, prompts: int, samples: int, prompt_len: int, new: int, temperature: float) -> str:
     """Top kernels (by total device time) of one ``generate`` call after a warm-up (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -145,21 +205,35 @@ def main(argv=None) -> None:
     parser.add_argument("--live", type=int, default=512)
     parser.add_argument("--json")
     parser.add_argument("--profile-call", action="store_true", help="also profile one 64x4 x 256+256 sampled call")
+    parser.add_argument("--kernels", action="store_true", help="also the decode step's kernels and GEMM variants")
+    parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"],
+                        choices=["attention", "sampler", "step"], help="which tables to time")
     args = parser.parse_args(argv)
     model = shaped_model("qwen25-3b", dtype=torch.bfloat16, device="cuda")
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     rows_out = []
+    kernel_tables = []
     for rows in args.rows:
-        att, kv_bytes = attention_variants(rows, args.live, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                           head_dim, cfg.num_hidden_layers)
-        for name, ms in att.items():
-            rows_out.append(dict(rows=rows, part="attention x36", variant=name, ms=ms, kv_gb=kv_bytes / 1e9))
-        for name, ms in sampler_variants(rows, cfg.vocab_size).items():
-            rows_out.append(dict(rows=rows, part="sampler", variant=name, ms=ms))
-        for compiled in (False, True):
-            rows_out.append(dict(rows=rows, part="decode_logits", variant="compiled" if compiled else "eager",
-                                 ms=step_variants(model, rows, args.live, compiled)))
+        if "attention" in args.parts:
+            att, kv_bytes = attention_variants(rows, args.live, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                               head_dim, cfg.num_hidden_layers)
+            for name, ms in att.items():
+                rows_out.append(dict(rows=rows, part="attention x36", variant=name, ms=ms, kv_gb=kv_bytes / 1e9))
+        if "sampler" in args.parts:
+            for name, ms in sampler_variants(rows, cfg.vocab_size).items():
+                rows_out.append(dict(rows=rows, part="sampler", variant=name, ms=ms))
+        if "step" in args.parts:
+            for compiled in (False, True):
+                rows_out.append(dict(rows=rows, part="decode_logits", variant="compiled" if compiled else "eager",
+                                     ms=step_variants(model, rows, args.live, compiled)))
+        if args.kernels:
+            kv_dim = cfg.num_key_value_heads * head_dim
+            for name, (ms, tflops) in gemm_variants(rows, cfg.hidden_size, cfg.intermediate_size,
+                                                    cfg.num_attention_heads * head_dim, kv_dim,
+                                                    cfg.num_hidden_layers).items():
+                rows_out.append(dict(rows=rows, part="GEMM x36", variant=f"{name} ({tflops:.0f} TFLOP/s)", ms=ms))
+            kernel_tables.append(step_kernels(model, rows, args.live))
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; live {args.live} columns")
     print("| rows | part | variant | ms |")
     print("|---:|---|---|---:|")
@@ -169,6 +243,8 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows_out, f, indent=1)
+    for table in kernel_tables:
+        print(table)
     if args.profile_call:
         for temperature in (1.0, 0.0):
             print(f"## one call: 64 prompts x 4, prompt 256, 256 new, temperature {temperature}")

@@ -8,6 +8,10 @@ import pytest
 import torch
 
 os.environ.setdefault("OPSD_PROFILE", "0")  # tests opt in to profiling explicitly
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors through its interpreter (tests/test_fused_nucleus.py). It must be
+    # set before triton is imported: triton's own library functions are made interpreted at import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model  # noqa: E402
 

@@ -185,6 +185,16 @@ def test_plan_candidates():
     assert new[0].slots is None and all(c.max_cache_gib == 9.0 for c in new)
 
 
+def test_sampler_ab_twins_only_top_p_cells():
+    """``--sampler-ab``: each candidate of a top-p cell gets a twin with ``fused_sampler=False`` (same route,
+    slots and cap), DeepSpeed none; greedy cells get no twins."""
+    sampled, greedy = select_cells("wide-sampled")[0], select_cells("wide-greedy")[0]
+    cands = plan_candidates(sampled, {"auto", "continuous/1", "deepspeed"}, True, None, upstream=True, sampler_ab=True)
+    assert _names(cands) == ["auto", "continuous-256", "auto +search", "continuous-256 +search", "deepspeed"]
+    assert cands[3].slots == 256 and cands[3].config == (("fused_sampler", False),) and cands[1].config == ()
+    assert len(plan_candidates(greedy, None, False, None, upstream=False, sampler_ab=True)) == 5
+
+
 @pytest.mark.parametrize("slots, longest, budget, kv, columns", [
     (128, 1024, 1024, 36864, 4096),   # 3B: 2 x 2047 -> 4096 columns, 18.0 GiB
     (128, 64, 64, 512, 256),          # tiny --scale small: 2 x 127 = 254 -> 256

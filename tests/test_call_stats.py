@@ -18,7 +18,8 @@ NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
 CPU_REASON = "eager fast step: device cpu has no CUDA graphs"
 
 COMMON = dict(dp_skipped=True, route_estimates_ms={}, prefill_buckets=1, graph_decode_steps=0, num_steps=5,
-              compactions=0, trims=0, shifts=0, row_moves=0, bytes_moved=0, sampler_fallback_reason=None)
+              compactions=0, trims=0, shifts=0, row_moves=0, bytes_moved=0, sampler_fallback_reason=None,
+              sampler_path="eager")  # greedy on the CPU: the eager functions
 # ordinary: one pass over the 3 prompts of 6 tokens (each prompt's 2 samples share it), 4 decode steps of 6
 # rows; the cache holds the batch bucket of 6 rows (8) x (6 + 5) columns; no EOS ids -> no EOS check, no
 # compaction.

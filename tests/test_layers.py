@@ -20,11 +20,11 @@ LAYER = {
 }
 #: Third-party packages each layer may import (the standard library is always allowed).
 THIRD_PARTY = {
-    0: set(), 1: {"numpy", "scipy"}, 2: {"torch", "numpy", "instrumentation"},
+    0: set(), 1: {"numpy", "scipy"}, 2: {"torch", "numpy", "instrumentation", "triton"},  # ops: our GPU kernels
     3: {"torch", "numpy", "transformers", "deepspeed", "peft", "instrumentation"},
 }
 #: Allowed everywhere from layer 4 up.
-ANY = {"torch", "numpy", "scipy", "transformers", "deepspeed", "peft", "instrumentation", "gguf"}
+ANY = {"torch", "numpy", "scipy", "transformers", "deepspeed", "peft", "instrumentation", "gguf", "triton"}
 STDLIB = set(sys.stdlib_module_names)
 
 

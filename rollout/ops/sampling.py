@@ -31,6 +31,7 @@ import torch
 
 from rollout.checks import require
 from rollout.config import SamplingConfig
+from rollout.ops import fused_nucleus
 from rollout.ops.nucleus import top_p_keep
 
 _MASK32 = 0xFFFFFFFF
@@ -182,12 +183,19 @@ class Sampler:
     the first call (a CUDA graph's warm-up runs, outside capture; the batch dimension is dynamic). If
     building or a call raises, it falls back to the eager functions for good and says why in
     ``fallback_reason``. Tokens equal the eager ones except where rounding decides (see above).
+
+    ``fused`` (with ``compiled``): temperature + top-p sampling on CUDA logits without top-k or a
+    repetition penalty runs the one-kernel nucleus of :mod:`rollout.ops.fused_nucleus` instead (same
+    keys, same semantics); if it raises, the compiled functions take over for good, with the reason.
     """
 
-    def __init__(self, key: SamplerKey, compiled: bool):
+    def __init__(self, key: SamplerKey, compiled: bool, fused: bool = True):
         self.key = key
         self.fallback_reason: Optional[str] = None
-        """Why the compiled functions were dropped (None: never built or still in use)."""
+        """Why the compiled functions (or the fused kernel) were dropped (None: never built or still in use)."""
+        self._fused = bool(compiled and fused and not key.is_greedy and key.top_p < 1.0 and key.top_k <= 0)
+        self.last_path = "eager"
+        """What the latest call ran: ``"fused"``, ``"compiled"`` or ``"eager"``."""
         self._compiled: dict[bool, object] = {}
         if compiled:
             try:
@@ -206,16 +214,31 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seen: Optional[torch.Tensor], seed: torch.Tensor,
                  rows: torch.Tensor, step: torch.Tensor, with_logprobs: bool = False):
+        key = self.key
+        penalised = seen is not None and key.repetition_penalty != 1.0
+        if self._fused and fused_nucleus.supports(logits, key.temperature, key.top_k, key.top_p, penalised):
+            try:
+                result = fused_nucleus.sample_top_p(logits, key.temperature, key.top_p,
+                                                    _key_shift(logits.dtype, key, seen), seed, rows, step,
+                                                    bool(with_logprobs))
+                self.last_path = "fused"
+                return result
+            except Exception as exc:  # noqa: BLE001 - the compiled sampler still works; stats say why
+                self._fused = False
+                self.fallback_reason = f"fused nucleus kernel raised {exc!r:.300}; using the compiled sampler"
         fn = self._compiled.get(bool(with_logprobs))
         if fn is not None:
             try:
                 for tensor in (logits, seen, rows):  # one graph for every batch bucket
                     if tensor is not None:
                         torch._dynamo.maybe_mark_dynamic(tensor, 0)
-                return fn(logits, seen, seed, rows, step)
+                result = fn(logits, seen, seed, rows, step)
+                self.last_path = "compiled"
+                return result
             except Exception as exc:  # noqa: BLE001 - as above
                 self._drop("a call", exc)
-        return _select(logits, self.key, seen, seed, rows, step, bool(with_logprobs), search=False)
+        self.last_path = "eager"
+        return _select(logits, key, seen, seed, rows, step, bool(with_logprobs), search=False)
 
 
 def _entry(key: SamplerKey, with_logprobs: bool):
@@ -231,10 +254,11 @@ def _entry(key: SamplerKey, with_logprobs: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_sampler(key: SamplerKey, compiled: bool) -> Sampler:
-    return Sampler(key, compiled)
+def _cached_sampler(key: SamplerKey, compiled: bool, fused: bool) -> Sampler:
+    return Sampler(key, compiled, fused)
 
 
-def sampler_fn(sampling: SamplingConfig, compiled: bool) -> Sampler:
-    """The process-wide :class:`Sampler` of ``sampling``'s key (``compiled``: pass True on CUDA)."""
-    return _cached_sampler(sampler_key(sampling), bool(compiled))
+def sampler_fn(sampling: SamplingConfig, compiled: bool, fused: bool = True) -> Sampler:
+    """The process-wide :class:`Sampler` of ``sampling``'s key (``compiled``: pass True on CUDA; ``fused``:
+    the one-kernel nucleus where it applies)."""
+    return _cached_sampler(sampler_key(sampling), bool(compiled), bool(fused))

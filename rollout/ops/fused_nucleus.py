@@ -1,0 +1,100 @@
+"""Nucleus (top-p) sampling in one Triton kernel: the CUDA path of :class:`rollout.ops.sampling.Sampler`.
+
+Why: at 256 rows x 151,936 tokens the compiled sort-free nucleus (:mod:`rollout.ops.nucleus`) still
+ran ~22 passes over fp32 ``[B, V]`` tensors (softmax, keys, 4 search passes, the tie group, noise,
+argmax, log-softmax), ~3.9 ms a decode step. Here one program per row reads the row's logits in their
+own dtype (bf16: 2 bytes a token) ``4 + passes`` times and writes one token (and its log-probability):
+
+1. the row's maximum and ``Z = sum exp(s - max)`` (online);
+2. the search for the boundary key (:mod:`rollout.ops.nucleus`'s definition: the largest order-preserving
+   key ``t`` whose strictly-lower mass is ``<= 1 - top_p``), ``ARITY`` thresholds a pass;
+3. the straddling tie group: its member of rank ``floor((1 - top_p - mass below) / p)`` (clamped to the
+   group) is the first kept one, as a stable ascending sort's cumulative sum has it;
+4. Gumbel-max over the kept tokens with the counter-based noise of :func:`rollout.ops.sampling.uniform_noise`
+   (same hash, same ``(seed, sample id, token index, token id)`` keys, computed in uint32), and the kept
+   mass for the log-probability.
+
+Semantics are those of HF's ``TopPLogitsWarper`` after temperature; masses are summed in another order
+(and with the GPU's fast ``exp``), so, as with the compiled path, a token can differ from the eager
+(sorting) path only where a cumulative mass lies within rounding of ``1 - top_p``. Covers temperature +
+top-p without top-k and without a repetition penalty (the RL setting); :func:`supports` says when.
+No host sync; the kernel is captured in CUDA graphs like any other. ``TRITON_INTERPRET=1`` runs it on
+the CPU (the tests do).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+ARITY = 16
+"""Thresholds per search pass."""
+BLOCK = 1024
+"""Tokens a program reads per iteration."""
+NUM_WARPS = 8
+
+@functools.lru_cache(maxsize=None)
+def available() -> Optional[str]:
+    """None when the kernel can run; else why not (no triton)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: use the other path
+        return f"triton unavailable: {exc!r:.200}"
+    return None
+
+
+def applies(temperature: float, top_k: int, top_p: float, penalised: bool, vocab: int) -> bool:
+    """Whether the kernel computes this selection: sampling (T > 0) with 0 < top_p < 1, no top-k, no
+    repetition penalty."""
+    return temperature > 0.0 and 0.0 < top_p < 1.0 and (top_k <= 0 or top_k >= vocab) and not penalised
+
+
+def supports(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, penalised: bool) -> bool:
+    """:func:`applies`, for 2-D floating logits on a CUDA device, with triton importable."""
+    return (logits.dim() == 2 and logits.is_floating_point() and logits.device.type == "cuda"
+            and applies(temperature, top_k, top_p, penalised, logits.shape[-1]) and available() is None)
+
+
+def num_passes(key_bits: int) -> int:
+    """Search passes that narrow ``2**key_bits`` candidate keys to one."""
+    size, passes = 2 ** key_bits, 0
+    while size > 1:
+        size, passes = -(-size // ARITY), passes + 1
+    return passes
+
+
+def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, key_shift: int, seed: torch.Tensor,
+                 rows: torch.Tensor, step: torch.Tensor, with_logprobs: bool):
+    """``(tokens [B] int64, logprobs [B] fp32 or None)``: one nucleus sample per row of ``logits [B, V]``.
+
+    ``key_shift``: low key bits zero in every score (16 for bf16 logits at temperature 1), as in
+    :func:`rollout.ops.nucleus.top_p_keep`. ``seed`` (scalar), ``rows [B]`` and ``step`` (scalar or
+    ``[B]``) are int64 tensors keying the noise, as for :func:`rollout.ops.sampling.uniform_noise`.
+    """
+    kernel = _kernel()
+    num_rows, vocab = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device) if with_logprobs else tokens
+    step = step.reshape(-1)
+    if num_rows:
+        kernel[(num_rows,)](
+            logits, logits.stride(0), vocab, seed.reshape(1), rows, step, 1 if step.numel() > 1 else 0,
+            tokens, logprobs, float(temperature), _tau(top_p),
+            SHIFT=key_shift, PASSES=num_passes(32 - key_shift), SCALE=temperature != 1.0,
+            WITH_LOGPROBS=with_logprobs, ARITY=ARITY, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return tokens, (logprobs if with_logprobs else None)
+
+
+def _tau(top_p: float) -> float:
+    from rollout.ops.nucleus import _float32  # the fp32 rounding HF's comparison uses
+    return _float32(1.0 - top_p)
+
+
+def _kernel():
+    from rollout.ops import nucleus_kernel  # imports triton: only where the kernel runs
+    return nucleus_kernel.nucleus_sample

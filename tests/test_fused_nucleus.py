@@ -1,0 +1,219 @@
+"""The one-kernel nucleus sampler (``rollout/ops/fused_nucleus.py``): on the CPU through Triton's interpreter
+(``TRITON_INTERPRET=1``; skipped where triton is not installed), on CUDA compiled. Its tokens equal the
+eager sorting sampler's with ties in stable order (HF's order on CUDA), for bf16 logits at T=1 (16 key
+bits dropped) and fp32 logits at other temperatures, per-row and shared token indices; its draws follow
+the filtered softmax (chi-square); the Sampler routes to it only where it applies and falls back when it
+raises."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers.generation.logits_process import TopPLogitsWarper
+
+import rollout.ops as ops_pkg
+from rollout.config import SamplingConfig
+from rollout.ops import fused_nucleus
+from rollout.ops.sampling import Sampler, SamplerKey, _key_shift, _select, sampler_key
+
+CHI2_MIN_P = 1e-6
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """``fused_nucleus`` with its kernel module imported under ``TRITON_INTERPRET=1`` (runs on CPU tensors),
+    removed again afterwards so that a later CUDA import compiles."""
+    triton = pytest.importorskip("triton")
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not knobs.runtime.interpret:
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)")
+    _forget_kernel()
+    try:
+        importlib.import_module("rollout.ops.nucleus_kernel")
+    except Exception as exc:  # noqa: BLE001 - an old triton whose interpreter cannot run this kernel
+        pytest.skip(f"triton interpreter unavailable: {exc!r:.200}")
+    yield fused_nucleus
+    _forget_kernel()
+
+
+def _forget_kernel():
+    sys.modules.pop("rollout.ops.nucleus_kernel", None)
+    if hasattr(ops_pkg, "nucleus_kernel"):
+        delattr(ops_pkg, "nucleus_kernel")
+
+
+@pytest.fixture
+def stable_sort(monkeypatch):
+    """``torch.sort`` made stable: the eager oracle orders ties by index, as HF's sort does on CUDA."""
+    sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sort(*a, **{**k, "stable": True}))
+
+
+def _logits(rows, vocab, scale, seed, dtype, ties):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen) * scale
+    return (x.round() if ties else x).to(dtype)
+
+
+CASES = [  # dtype, temperature, top_p, scale, ties, per-row token indices
+    (torch.bfloat16, 1.0, 0.9, 3.0, False, False),
+    (torch.bfloat16, 1.0, 0.5, 3.0, False, True),
+    (torch.bfloat16, 1.0, 0.9, 2.0, True, False),
+    (torch.bfloat16, 1.0, 0.3, 2.0, True, True),
+    (torch.bfloat16, 1.0, 0.999, 0.5, False, False),
+    (torch.float32, 0.7, 0.8, 2.0, True, False),
+    (torch.float32, 1.3, 0.95, 4.0, False, True),
+    (torch.float32, 1.0, 0.05, 6.0, False, False),
+    (torch.bfloat16, 0.6, 0.9, 3.0, True, True),
+]
+
+
+@pytest.mark.parametrize("dtype, temperature, top_p, scale, ties, per_row", CASES)
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 3001])
+def test_tokens_and_logprobs_equal_the_sorting_sampler(interpreted, stable_sort, dtype, temperature, top_p, scale,
+                                                       ties, per_row, vocab):
+    logits = _logits(6, vocab, scale, vocab + int(top_p * 100), dtype, ties)
+    key = SamplerKey(temperature, 0, top_p, 1.0)
+    seed, rows = torch.tensor(2**32 - 5), torch.arange(6) * 7 + 3
+    step = torch.arange(6) + 11 if per_row else torch.tensor(4)
+    shift = _key_shift(dtype, key, None)
+    assert shift == (16 if dtype == torch.bfloat16 and temperature == 1.0 else 0)
+    tokens, logprobs = interpreted.sample_top_p(logits, temperature, top_p, shift, seed, rows, step, True)
+    expected, expected_lp = _select(logits, key, None, seed, rows, step, True, search=False)
+    assert tokens.dtype == torch.int64 and torch.equal(tokens, expected)
+    assert torch.allclose(logprobs, expected_lp, atol=2e-6)
+    again, none = interpreted.sample_top_p(logits, temperature, top_p, shift, seed, rows, step, False)
+    assert torch.equal(again, tokens) and none is None
+
+
+def test_dyadic_tie_groups_lose_their_lowest_indices(interpreted, stable_sort):
+    """Exact masses (1/4, 2 x 1/8, 4 x 1/16, 8 x 1/32; shuffled per row), so which members of the straddling
+    tie group survive is decided by index order alone: the draws equal the stable-sort sampler's for
+    every seed and cut."""
+    level = torch.tensor([0] + [1] * 2 + [2] * 4 + [3] * 8)
+    gen = torch.Generator().manual_seed(3)
+    order = torch.stack([torch.randperm(15, generator=gen) for _ in range(4)])
+    logits = (-level[order] * torch.log(torch.tensor(2.0))).float()
+    rows = torch.arange(4)
+    for top_p in (0.3, 0.6, 0.85):
+        key = SamplerKey(1.0, 0, top_p, 1.0)
+        for seed in range(12):
+            args = (torch.tensor(seed), rows, torch.tensor(seed % 3))
+            tokens, _ = interpreted.sample_top_p(logits, 1.0, top_p, 0, *args, False)
+            assert torch.equal(tokens, _select(logits, key, None, *args, False, search=False)[0]), (top_p, seed)
+
+
+def test_draws_follow_the_filtered_softmax(interpreted):
+    """Chi-square on V=8 over 600 draws against softmax(HF top-p(logits / T)); filtered tokens never drawn."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.5, -0.25, -1.0, -2.0, 0.0]])
+    temperature, top_p = 0.8, 0.85
+    expected = torch.softmax(TopPLogitsWarper(top_p)(None, logits / temperature).double(), dim=-1)[0]
+    draws = torch.cat([interpreted.sample_top_p(logits.expand(300, -1), temperature, top_p, 0, torch.tensor(9),
+                                                torch.arange(300), torch.tensor(step), False)[0]
+                       for step in range(2)])
+    counts = torch.bincount(draws, minlength=8).double()
+    kept = expected > 0
+    assert counts[~kept].sum() == 0 and kept.sum() < 8
+    frequencies = expected[kept] / expected[kept].sum() * counts.sum()
+    assert chisquare(counts[kept].numpy(), frequencies.numpy()).pvalue > CHI2_MIN_P
+
+
+@pytest.mark.parametrize("kwargs, applies", [
+    (dict(temperature=1.0, top_p=0.9), True), (dict(temperature=0.7, top_p=0.5), True),
+    (dict(temperature=1.0, top_p=0.9, top_k=50), False), (dict(temperature=1.0, top_p=0.9, top_k=1000), True),
+    (dict(temperature=1.0), False), (dict(temperature=0.0, top_p=0.9), False),
+])
+def test_applies_to_temperature_and_top_p_only(kwargs, applies):
+    key = sampler_key(SamplingConfig(max_new_tokens=1, **kwargs))
+    assert fused_nucleus.applies(key.temperature, key.top_k, key.top_p, False, 1000) is applies  # top_k >= V: off
+    assert fused_nucleus.applies(key.temperature, key.top_k, key.top_p, True, 1000) is False  # a penalty
+
+
+def test_supports_refuses_cpu_logits_and_missing_triton(monkeypatch):
+    assert not fused_nucleus.supports(torch.zeros(2, 10), 1.0, 0, 0.9, False)  # CPU tensors: other paths
+    fused_nucleus.available.cache_clear()
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError
+    try:
+        assert "triton unavailable" in fused_nucleus.available()
+    finally:
+        fused_nucleus.available.cache_clear()
+
+
+def _route_to_kernel(monkeypatch, kernel):
+    """CPU logits count as supported (the device check aside, ``applies`` decides); ``kernel`` runs."""
+    monkeypatch.setattr(fused_nucleus, "supports",
+                        lambda logits, t, k, p, penalised: fused_nucleus.applies(t, k, p, penalised, logits.shape[-1]))
+    monkeypatch.setattr(fused_nucleus, "sample_top_p", kernel)
+
+
+def test_sampler_runs_the_kernel_where_it_applies(interpreted, stable_sort, monkeypatch):
+    """A compiled Sampler of a temperature/top-p key calls the kernel (here interpreted on the CPU) and
+    returns what the eager sampler returns; ``fused=False`` or a repetition penalty keep the other paths."""
+    _route_to_kernel(monkeypatch, interpreted.sample_top_p)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the "compiled" functions run eagerly here
+    logits = _logits(5, 800, 3.0, 1, torch.bfloat16, True)
+    args = (torch.tensor(77), torch.arange(5), torch.tensor(3))
+    key = SamplerKey(1.0, 0, 0.9, 1.0)
+    sampler = Sampler(key, compiled=True)
+    tokens, logprobs = sampler(logits, None, *args, with_logprobs=True)
+    expected, expected_lp = _select(logits, key, None, *args, True, search=False)
+    assert sampler.last_path == "fused" and torch.equal(tokens, expected)
+    assert torch.allclose(logprobs, expected_lp, atol=2e-6)
+    unfused = Sampler(key, compiled=True, fused=False)
+    unfused(logits, None, *args)
+    assert unfused.last_path == "compiled"
+    penalised = Sampler(SamplerKey(1.0, 0, 0.9, 1.3), compiled=True)
+    penalised(logits, torch.zeros(5, 800, dtype=torch.bool), *args)
+    assert penalised.last_path == "compiled"
+    with_top_k = Sampler(SamplerKey(1.0, 5, 0.9, 1.0), compiled=True)
+    with_top_k(logits, None, *args)
+    assert with_top_k.last_path == "compiled"
+
+
+def test_sampler_falls_back_when_the_kernel_raises(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel today")
+
+    _route_to_kernel(monkeypatch, broken)
+    key = SamplerKey(0.9, 0, 0.8, 1.0)
+    sampler = Sampler(key, compiled=True)
+    logits = _logits(3, 300, 2.0, 4, torch.float32, False)
+    args = (torch.tensor(5), torch.arange(3), torch.tensor(0))
+    tokens, _ = sampler(logits, None, *args)
+    assert "no kernel today" in sampler.fallback_reason and sampler.last_path in ("compiled", "eager")
+    expected, _ = _select(logits, key, None, *args, False, search=False)
+    assert torch.equal(tokens, expected)
+    sampler(logits, None, *args)  # dropped for good: the kernel is not called again
+    assert sampler.last_path != "fused"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_kernel_in_a_cuda_graph_on_the_gpu(temperature):
+    """Compiled on CUDA, captured in a graph at the 3B vocabulary: tokens equal the eager stable-sort
+    sampler's except where rounding decides (fast exp on the GPU), log-probabilities close."""
+    from rollout.executors.graphs import capture_graph
+
+    if fused_nucleus.available() is not None:
+        pytest.skip(fused_nucleus.available())
+    key = SamplerKey(temperature, 0, 0.9, 1.0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(256, 151936, device="cuda", generator=gen) * 3).bfloat16()
+    seed, step, rows = torch.tensor(11, device="cuda"), torch.tensor(2, device="cuda"), torch.arange(256, device="cuda")
+    sampler = Sampler(key, compiled=True)
+    sampler(logits, None, seed, rows, step)  # compile outside the capture
+    out = torch.zeros(256, dtype=torch.long, device="cuda")
+    graph = capture_graph(lambda: out.copy_(sampler(logits, None, seed, rows, step)[0]), [],
+                          torch.cuda.graph_pool_handle())
+    graph.replay()
+    assert sampler.last_path == "fused" and sampler.fallback_reason is None
+    expected, expected_lp = _select(logits, key, None, seed, rows, step, True, search=False)  # CUDA sort: stable
+    assert (out == expected).float().mean() >= 0.99
+    tokens, logprobs = sampler(logits, None, seed, rows, step, True)
+    same = tokens == expected
+    assert torch.allclose(logprobs[same], expected_lp[same], atol=1e-4)
