@@ -101,7 +101,8 @@ class Rollout:
         if self.config.route != routes.ORDINARY:
             check_gather(self.config.route, self.config.gather, self.is_zero3)
         self._pool = CachePool(keep=self.config.keep_cache)
-        self._fast_step = FastStep(self.model, self.config.compile, mirror_weights=self.is_zero3)
+        self._fast_step = FastStep(self.model, self.config.compile, mirror_weights=self.is_zero3,
+                                   fuse_qkv=self.config.fuse_qkv)
         self._ordinary = OrdinaryExecutor(self._pool, self._fast_step)
         self._continuous = ContinuousExecutor(self._pool, self._fast_step)
         self._cost_model = None
@@ -120,7 +121,11 @@ class Rollout:
             raise ValueError(f"sampling: must be a SamplingConfig; got {type(sampling).__name__}")
         start = time.perf_counter()
         with collect_stages() as collector, stage(stages.ROLLOUT):
-            batch, stats = self._generate(request, sampling)
+            try:
+                batch, stats = self._generate(request, sampling)
+            finally:
+                if not self.config.keep_cache:  # nothing of the call stays but the ZeRO-3 weight mirror
+                    self._fast_step.release_copies()
         self.last_stats = stats
         if collector is not None:
             shape = CallShape(request.batch_size, sampling.n_samples_per_prompt, request.prompt_len,
@@ -142,7 +147,8 @@ class Rollout:
         self._pool.clear()
         self._ordinary.release()
         self._continuous.release()
-        self._fast_step = FastStep(self.model, self.config.compile, mirror_weights=self.is_zero3)
+        self._fast_step = FastStep(self.model, self.config.compile, mirror_weights=self.is_zero3,
+                                   fuse_qkv=self.config.fuse_qkv)
         self._ordinary.fast_step = self._continuous.fast_step = self._fast_step
 
     @property

@@ -243,9 +243,11 @@ def _selected(name: str, divisor: Optional[int], selectors: Optional[set[str]]) 
 
 
 def plan_candidates(cell: CellSpec, selectors: Optional[set[str]], has_cap_field: bool,
-                    cap_gib: Optional[float], upstream: bool, sampler_ab: bool = False) -> list[Candidate]:
+                    cap_gib: Optional[float], upstream: bool, sampler_ab: bool = False,
+                    twins: tuple = ()) -> list[Candidate]:
     """The candidates of a cell, in interleaving order (DeepSpeed last); ``sampler_ab``: on top-p cells, a
-    twin of each with ``fused_sampler=False`` (the sampler A/B in one process)."""
+    twin of each with ``fused_sampler=False`` (the sampler A/B in one process); ``twins``: ``((field,
+    value), ...)``, a twin of each with that ``RolloutConfig`` field set (an A/B of any switch)."""
     capped = cell.cap_slots is not None
     cap = cap_gib if capped and has_cap_field else None
     out = []
@@ -263,8 +265,11 @@ def plan_candidates(cell: CellSpec, selectors: Optional[set[str]], has_cap_field
         if _selected(name, divisor, selectors):
             out.append(Candidate(name, "continuous", slots=slots, max_cache_gib=cap,
                                  note=f"max_cache_gib={cap:.4g}" if cap is not None else ""))
+    base = list(out)
     if sampler_ab and cell.temperature > 0 and cell.top_p < 1:  # each with the compiled search instead
-        out += [dataclasses.replace(c, name=f"{c.name} +search", config=(("fused_sampler", False),)) for c in out]
+        out += [dataclasses.replace(c, name=f"{c.name} +search", config=(("fused_sampler", False),)) for c in base]
+    for name, value in twins:
+        out += [dataclasses.replace(c, name=f"{c.name} {name}={value}", config=((name, value),)) for c in base]
     if upstream and not capped and (selectors is None or "deepspeed" in selectors):
         out.append(Candidate("deepspeed", "deepspeed"))  # (it has no KV budget: not in the capped cell)
     return out
@@ -1081,7 +1086,7 @@ def run_cell(bench: Bench, spec: CellSpec) -> tuple[list[RlRow], dict]:
         cap_gib = args.cap_gib or cap_gib_for_slots(cell.cap_slots, max(prompt_lens), cell.budget,
                                                     bench.geometry.kv_bytes_per_token)
     cands = plan_candidates(cell, args.candidate_set, bench.has_cap_field, cap_gib, args.upstream,
-                            getattr(args, "sampler_ab", False))
+                            getattr(args, "sampler_ab", False), getattr(args, "twins", ()))
     rows: list[RlRow] = []
     common = dict(source=bench.source, cell=spec.name, prompts=cell.num_prompts, n=cell.n, rows=cell.rows,
                   prompt_lens=f"{cell.prompt_lens[0]}..{cell.prompt_lens[1]}" if cell.prompt_lens[0] != cell.prompt_lens[1]
@@ -1250,6 +1255,8 @@ def parse_args(argv) -> argparse.Namespace:
                         "CUPTI re-init have crashed on older CUDA)")
     parser.add_argument("--sampler-ab", action="store_true", help="on top-p cells, also each candidate with "
                         "fused_sampler=False (the compiled search instead of the one-kernel nucleus), interleaved")
+    parser.add_argument("--twin", action="append", default=[], metavar="FIELD=VALUE",
+                        help="also each candidate with this RolloutConfig field set, e.g. fuse_qkv=False (repeatable)")
     parser.add_argument("--sequential", action="store_true", help="one candidate at a time, released in between")
     parser.add_argument("--cap-gib", type=float, default=None, help="the capped cell's max_cache_gib (default: what "
                         "128 continuous slots with refills need, see cap_gib_for_slots)")
@@ -1266,6 +1273,7 @@ def parse_args(argv) -> argparse.Namespace:
         parser.error("--repeats: must be >= 1")
     args.cell_specs = select_cells(args.cells)
     args.candidate_set = _parse_candidates(parser, args.candidates)
+    args.twins = tuple(_parse_twin(parser, spec) for spec in args.twin)
     if args.eos_scales is None and args.json:
         args.eos_scales = os.path.join(os.path.dirname(os.path.abspath(args.json)), "rl-scales.json")
     for name in ("json", "eos_scales"):  # output folders exist before any work starts
@@ -1276,6 +1284,21 @@ def parse_args(argv) -> argparse.Namespace:
         if not os.path.isfile(path):
             parser.error(f"--merge: no such file {path!r}")
     return args
+
+
+def _parse_twin(parser, spec: str) -> tuple:
+    """``"fuse_qkv=False"`` -> ``("fuse_qkv", False)``; the field must be a ``RolloutConfig`` field."""
+    import ast
+
+    name, sep, text = spec.partition("=")
+    fields = {f.name for f in dataclasses.fields(RolloutConfig)}
+    if not sep or name not in fields:
+        parser.error(f"--twin: {spec!r} is not FIELD=VALUE with FIELD one of {sorted(fields)}")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        parser.error(f"--twin: {spec!r}: the value must be a Python literal (True, 0.5, 'ordinary')")
+    return name, value
 
 
 def _parse_candidates(parser, spec: Optional[str]) -> Optional[set[str]]:

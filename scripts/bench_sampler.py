@@ -138,18 +138,23 @@ def token_check(fn, logits: torch.Tensor, sampling: SamplingConfig) -> str:
 
 
 _OLD_COMPILED: list = []
+_SKIP_COMPILED = False  # --skip-compiled: Inductor's compile of the search takes ~30 s a case
+
+
+_KNOBS = ("BLOCK", "NUM_WARPS", "ARITY")
 
 
 def _with_config(sampler, config, with_logprobs):
-    """A call of ``sampler`` with the fused kernel's ``(BLOCK, NUM_WARPS)`` set to ``config`` (None: as is)."""
+    """A call of ``sampler`` with the fused kernel's ``(BLOCK, NUM_WARPS[, ARITY])`` set to ``config`` (None: as is)."""
     def call(lg, s, r, t):
-        saved = fused_nucleus.BLOCK, fused_nucleus.NUM_WARPS
-        if config is not None:
-            fused_nucleus.BLOCK, fused_nucleus.NUM_WARPS = config
+        saved = [getattr(fused_nucleus, k) for k in _KNOBS]
+        for knob, value in zip(_KNOBS, config or ()):
+            setattr(fused_nucleus, knob, value)
         try:
             return sampler(lg, None, s, r, t, with_logprobs)[0]
         finally:
-            fused_nucleus.BLOCK, fused_nucleus.NUM_WARPS = saved
+            for knob, value in zip(_KNOBS, saved):
+                setattr(fused_nucleus, knob, value)
     return call
 
 
@@ -161,14 +166,16 @@ def variants(sampling: SamplingConfig, old_compiled: bool, kernel_configs=()):
     out = [
         ("old (eager, sort)", lambda lg, s, r, t: old_select(lg, sampling, None, s, r, t), None),
         ("new eager (fallback)", lambda lg, s, r, t: select_next_token(lg, sampling, None, s, r, t), None),
-        ("compiled search", lambda lg, s, r, t: compiled(lg, None, s, r, t, False)[0], compiled),
-        ("compiled search + logprobs", lambda lg, s, r, t: compiled(lg, None, s, r, t, True)[0], compiled),
     ]
+    if not _SKIP_COMPILED:
+        out += [("compiled search", lambda lg, s, r, t: compiled(lg, None, s, r, t, False)[0], compiled),
+                ("compiled search + logprobs", lambda lg, s, r, t: compiled(lg, None, s, r, t, True)[0], compiled)]
     if fused._fused:
         out.append(("fused kernel", _with_config(fused, None, False), fused))
         out.append(("fused kernel + logprobs", _with_config(fused, None, True), fused))
         for config in kernel_configs:
-            out.append((f"fused kernel {config[0]}x{config[1]}w", _with_config(fused, config, False), fused))
+            label = f"{config[0]}x{config[1]}w" + (f" arity {config[2]}" if len(config) > 2 else "")
+            out.append((f"fused kernel {label}", _with_config(fused, config, False), fused))
     if old_compiled:  # a code object per case: dynamo's recompile limit counts per code object
         code = old_select.__code__.replace(co_name=f"old_select_{len(_OLD_COMPILED)}")
         fresh = types.FunctionType(code, old_select.__globals__, code.co_name, old_select.__defaults__)
@@ -218,24 +225,31 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--old-compiled", action="store_true", help="also torch.compile the previous implementation")
     parser.add_argument("--kernel-configs", nargs="*", default=[],
-                        help="extra (BLOCK x warps) configs of the fused kernel, e.g. 2048x8 512x4")
+                        help="extra BLOCKxWARPS[xARITY] configs of the fused kernel, e.g. 2048x8 512x4x8")
+    parser.add_argument("--skip-compiled", action="store_true", help="leave out the compiled search variants")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     configs = [tuple(int(v) for v in c.split("x")) for c in args.kernel_configs]
+    global _SKIP_COMPILED
+    _SKIP_COMPILED = args.skip_compiled
     if not torch.cuda.is_available():
         raise SystemExit("bench_sampler.py needs a CUDA device")
-    results = [row for rows in args.rows for case in args.cases
-               for row in bench_case(rows, args.vocab, case, args.iters, args.old_compiled, configs)]
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; vocab {args.vocab}, bf16 logits, "
-          f"each call captured in a CUDA graph, median of {args.iters} replays")
+          f"each call captured in a CUDA graph, median of {args.iters} replays; fused kernel defaults "
+          f"{fused_nucleus.BLOCK}x{fused_nucleus.NUM_WARPS}w arity {fused_nucleus.ARITY}", flush=True)
     print("| rows | case | variant | ms | median nucleus | tokens = old | note |")
-    print("|---:|---|---|---:|---:|---:|---|")
-    for r in results:
-        ms = f"{r.ms:.3f}" if r.ms is not None else "-"
-        print(f"| {r.rows} | {r.case} | {r.variant} | {ms} | {r.median_nucleus} | {r.tokens_equal_old} | {r.note} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=1)
+    print("|---:|---|---|---:|---:|---:|---|", flush=True)
+    results = []
+    for rows in args.rows:  # rows printed (and the JSON rewritten) as they come: a time limit keeps what ran
+        for case in args.cases:
+            for r in bench_case(rows, args.vocab, case, args.iters, args.old_compiled, configs):
+                results.append(r)
+                ms = f"{r.ms:.3f}" if r.ms is not None else "-"
+                print(f"| {r.rows} | {r.case} | {r.variant} | {ms} | {r.median_nucleus} | {r.tokens_equal_old} "
+                      f"| {r.note} |", flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump([asdict(r) for r in results], f, indent=1)
 
 
 if __name__ == "__main__":

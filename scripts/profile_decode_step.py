@@ -21,7 +21,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.config import SamplingConfig  # noqa: E402
-from rollout.model.step import StepFns, StepParts, compiled_step_fns, decode_logits, spec_and_weights  # noqa: E402
+from rollout.model.step import (FusedQKV, StepFns, StepParts, compiled_step_fns, decode_logits,  # noqa: E402
+                                spec_and_weights)
 from rollout.ops.sampling import select_next_token  # noqa: E402
 from rollout.testing import shaped_model  # noqa: E402
 
@@ -105,8 +106,10 @@ def sampler_variants(rows: int, vocab: int):
     return out
 
 
-def step_variants(model, rows: int, live: int, compiled: bool):
+def step_variants(model, rows: int, live: int, compiled: bool, fuse_qkv: bool = False):
     spec, weights = spec_and_weights(model)
+    if fuse_qkv:
+        weights = FusedQKV().refresh(weights)
     parts = StepParts(spec, weights, compiled_step_fns() if compiled else StepFns())
     shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
     keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -145,13 +148,13 @@ def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, l
     return out
 
 
-def step_kernels(model, rows: int, live: int, iters: int = 5) -> str:
+def step_kernels(model, rows: int, live: int, iters: int = 5, fuse_qkv: bool = True) -> str:
     """Kernels of the compiled decode step (one CUDA graph, ``iters`` replays under torch.profiler), by
     total device time."""
     from torch.profiler import ProfilerActivity, profile
 
     spec, weights = spec_and_weights(model)
-    parts = StepParts(spec, weights, compiled_step_fns())
+    parts = StepParts(spec, FusedQKV().refresh(weights) if fuse_qkv else weights, compiled_step_fns())
     shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
     keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     values = torch.randn_like(keys)
@@ -224,9 +227,10 @@ def main(argv=None) -> None:
             for name, ms in sampler_variants(rows, cfg.vocab_size).items():
                 rows_out.append(dict(rows=rows, part="sampler", variant=name, ms=ms))
         if "step" in args.parts:
-            for compiled in (False, True):
-                rows_out.append(dict(rows=rows, part="decode_logits", variant="compiled" if compiled else "eager",
-                                     ms=step_variants(model, rows, args.live, compiled)))
+            for compiled, fuse in ((False, False), (True, False), (True, True)):
+                name = ("compiled" if compiled else "eager") + (" + fused q|k|v" if fuse else "")
+                rows_out.append(dict(rows=rows, part="decode_logits", variant=name,
+                                     ms=step_variants(model, rows, args.live, compiled, fuse)))
         if args.kernels:
             kv_dim = cfg.num_key_value_heads * head_dim
             for name, (ms, tflops) in gemm_variants(rows, cfg.hidden_size, cfg.intermediate_size,

@@ -195,6 +195,17 @@ def test_sampler_ab_twins_only_top_p_cells():
     assert len(plan_candidates(greedy, None, False, None, upstream=False, sampler_ab=True)) == 5
 
 
+def test_twins_of_any_config_field():
+    greedy = select_cells("wide-greedy")[0]
+    cands = plan_candidates(greedy, {"auto", "ordinary"}, True, None, upstream=False, twins=(("fuse_qkv", False),))
+    assert _names(cands) == ["auto", "ordinary", "auto fuse_qkv=False", "ordinary fuse_qkv=False"]
+    assert cands[3].route == "ordinary" and cands[3].config == (("fuse_qkv", False),)
+    assert bench_rl.parse_args(["--twin", "fuse_qkv=False", "--cells", "wide-greedy"]).twins == (("fuse_qkv", False),)
+    for bad in ("no_such_field=1", "fuse_qkv", "fuse_qkv=maybe"):
+        with pytest.raises(SystemExit):
+            bench_rl.parse_args(["--twin", bad])
+
+
 @pytest.mark.parametrize("slots, longest, budget, kv, columns", [
     (128, 1024, 1024, 36864, 4096),   # 3B: 2 x 2047 -> 4096 columns, 18.0 GiB
     (128, 64, 64, 512, 256),          # tiny --scale small: 2 x 127 = 254 -> 256

@@ -90,6 +90,18 @@ def test_tokens_and_logprobs_equal_the_sorting_sampler(interpreted, stable_sort,
     assert torch.equal(again, tokens) and none is None
 
 
+@pytest.mark.parametrize("vocab", [1, 5, 2500])
+def test_rows_of_one_value(interpreted, stable_sort, vocab):
+    """Every score equal (no search pass runs): the row is one tie group, of which the lowest
+    ``floor((1 - top_p) * V)`` indices are dropped, as HF's stable sort drops them."""
+    logits = torch.full((3, vocab), 1.5)
+    key = SamplerKey(1.0, 0, 0.7, 1.0)
+    args = (torch.tensor(4), torch.arange(3), torch.tensor(1))
+    tokens, logprobs = interpreted.sample_top_p(logits, 1.0, 0.7, 0, *args, True)
+    expected, expected_lp = _select(logits, key, None, *args, True, search=False)
+    assert torch.equal(tokens, expected) and torch.allclose(logprobs, expected_lp, atol=2e-6)
+
+
 def test_dyadic_tie_groups_lose_their_lowest_indices(interpreted, stable_sort):
     """Exact masses (1/4, 2 x 1/8, 4 x 1/16, 8 x 1/32; shuffled per row), so which members of the straddling
     tie group survive is decided by index order alone: the draws equal the stable-sort sampler's for

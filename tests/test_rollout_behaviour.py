@@ -117,7 +117,10 @@ def _live_storage_ptrs() -> set[int]:
     ptrs = set()
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor):  # type(): isinstance would touch deprecated proxies' __class__
-            ptrs.add(obj.untyped_storage().data_ptr())
+            try:
+                ptrs.add(obj.untyped_storage().data_ptr())
+            except RuntimeError:  # a fake tensor of an earlier test's torch.compile: it holds no memory
+                continue
     return ptrs
 
 

@@ -20,7 +20,7 @@ import torch
 
 from rollout.config import RolloutConfig
 from rollout.model import prefill
-from rollout.model.step import StepFns, StepParts, WeightMirror, compiled_step_fns, spec_and_weights, \
+from rollout.model.step import FusedQKV, StepFns, StepParts, WeightMirror, compiled_step_fns, spec_and_weights, \
     unsupported_reason
 
 DECODE_PATHS = ("graph", "fast_eager", "hf")
@@ -48,10 +48,11 @@ class DecodeChoice:
 class FastStep:
     """Our fused step for one model: ``StepParts`` read at each call (weights may move between calls)."""
 
-    def __init__(self, model: torch.nn.Module, use_compile: bool, mirror_weights: bool):
+    def __init__(self, model: torch.nn.Module, use_compile: bool, mirror_weights: bool, fuse_qkv: bool = True):
         self.model = model
         self.use_compile = use_compile
         self.mirror = WeightMirror() if mirror_weights else None
+        self.fused_qkv = FusedQKV() if fuse_qkv else None
         self.last_weight_signature: Optional[tuple[int, ...]] = None
         """Addresses of the weights the last captured-step parts read (stable across calls under ZeRO-3)."""
 
@@ -62,15 +63,23 @@ class FastStep:
         spec, weights = spec_and_weights(self.model)
         if mirrored and self.mirror is not None:
             weights = self.mirror.refresh(weights)
+        if self.fused_qkv is not None:
+            weights = self.fused_qkv.refresh(weights)
         if mirrored:
             self.last_weight_signature = weights.signature()
         fns = compiled_step_fns() if (self.use_compile and device.type == "cuda") else StepFns()
         return StepParts(spec, weights, fns)
 
+    def release_copies(self) -> None:
+        """Drop the fused q|k|v weights (``keep_cache=False``: rebuilt at the next call)."""
+        if self.fused_qkv is not None:
+            self.fused_qkv.clear()
+
     @property
     def nbytes(self) -> int:
-        """Bytes held between calls: the weight mirror (ZeRO-3 only)."""
-        return self.mirror.nbytes if self.mirror is not None else 0
+        """Bytes held between calls: the weight mirror (ZeRO-3 only) and the fused q|k|v weights."""
+        return ((self.mirror.nbytes if self.mirror is not None else 0)
+                + (self.fused_qkv.nbytes if self.fused_qkv is not None else 0))
 
 
 def choose_decode(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool, device: torch.device) -> DecodeChoice:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rollout.model.step import StepParts, rotary
+from rollout.model.step import StepParts, layer_qkv, rotary
 from rollout.ops import masks
 from rollout.plan.layout import RowSpans
 
@@ -54,12 +54,11 @@ def prefill_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch
             raise ValueError(f"prefill group rows [{first}, {stop}) of length {length} misses real prompt tokens")
     attend = _attention(parts, key_cache, value_cache, packed, prompt_mask, groups)
     spec, weights, fns = parts.spec, parts.weights, parts.fns
-    eps, heads, kv_heads, dim = spec.rms_eps, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    eps = spec.rms_eps
     h = F.embedding(packed.tokens, weights.embed)  # [T, H]
     cos, sin = rotary(packed.positions, weights.inv_freq, spec.attention_scaling, h.dtype)
     for i, w in enumerate(weights.layers):
-        q, k, v = fns.attention_inputs(h, w.input_norm, w.q, w.q_bias, w.k, w.k_bias, w.v, w.v_bias, cos, sin, eps,
-                                       heads, kv_heads, dim)  # q [T, Hq, 1, D], k/v [T, Hkv, 1, D]
+        q, k, v = layer_qkv(fns, h, w, cos, sin, spec)  # q [T, Hq, 1, D], k/v [T, Hkv, 1, D]
         key_cache[i].transpose(1, 2)[packed.row_of, packed.col_of] = k[:, :, 0]
         value_cache[i].transpose(1, 2)[packed.row_of, packed.col_of] = v[:, :, 0]
         h = fns.attention_output_and_mlp(h, attend(i, q, k, v), w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down,
@@ -107,7 +106,8 @@ def _attention(parts: StepParts, key_cache, value_cache, packed: _Packed, prompt
         longest = max(packed.rows.real_counts)
 
         def attend(layer: int, q, k, v):
-            return varlen(q[:, :, 0], k[:, :, 0], v[:, :, 0], cu_seq, longest, dim ** -0.5).unsqueeze(2)
+            # (v is a view of the fused q|k|v projection's output: strided rows)
+            return varlen(q[:, :, 0], k[:, :, 0], v[:, :, 0].contiguous(), cu_seq, longest, dim ** -0.5).unsqueeze(2)
         return attend
     prompt_len = prompt_mask.shape[1]
     plans = [_group_plan(prompt_mask, packed, group, prompt_len) for group in groups]

@@ -3,11 +3,13 @@
 Why: at 256 rows x 151,936 tokens the compiled sort-free nucleus (:mod:`rollout.ops.nucleus`) still
 ran ~22 passes over fp32 ``[B, V]`` tensors (softmax, keys, 4 search passes, the tie group, noise,
 argmax, log-softmax), ~3.9 ms a decode step. Here one program per row reads the row's logits in their
-own dtype (bf16: 2 bytes a token) ``4 + passes`` times and writes one token (and its log-probability):
+own dtype (bf16: 2 bytes a token) ``3 + passes`` times and writes one token (and its log-probability).
+Each pass keeps per-lane partial results in registers and reduces across the program once, at its end:
 
-1. the row's maximum and ``Z = sum exp(s - max)`` (online);
+1. the row's largest score and smallest key;
 2. the search for the boundary key (:mod:`rollout.ops.nucleus`'s definition: the largest order-preserving
-   key ``t`` whose strictly-lower mass is ``<= 1 - top_p``), ``ARITY`` thresholds a pass;
+   key ``t`` whose strictly-lower mass is ``<= 1 - top_p``) between the smallest and the largest key,
+   ``ARITY`` thresholds a pass, until one key is left (``Z = sum exp(s - max)`` on the first pass);
 3. the straddling tie group: its member of rank ``floor((1 - top_p - mass below) / p)`` (clamped to the
    group) is the first kept one, as a stable ascending sort's cumulative sum has it;
 4. Gumbel-max over the kept tokens with the counter-based noise of :func:`rollout.ops.sampling.uniform_noise`
@@ -30,7 +32,7 @@ from typing import Optional
 import torch
 
 ARITY = 16
-"""Thresholds per search pass."""
+"""Thresholds per search pass (more: fewer passes over the row, more work per token and pass)."""
 BLOCK = 1024
 """Tokens a program reads per iteration."""
 NUM_WARPS = 8
@@ -58,14 +60,6 @@ def supports(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
             and applies(temperature, top_k, top_p, penalised, logits.shape[-1]) and available() is None)
 
 
-def num_passes(key_bits: int) -> int:
-    """Search passes that narrow ``2**key_bits`` candidate keys to one."""
-    size, passes = 2 ** key_bits, 0
-    while size > 1:
-        size, passes = -(-size // ARITY), passes + 1
-    return passes
-
-
 def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, key_shift: int, seed: torch.Tensor,
                  rows: torch.Tensor, step: torch.Tensor, with_logprobs: bool):
     """``(tokens [B] int64, logprobs [B] fp32 or None)``: one nucleus sample per row of ``logits [B, V]``.
@@ -85,8 +79,8 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, key_shi
         kernel[(num_rows,)](
             logits, logits.stride(0), vocab, seed.reshape(1), rows, step, 1 if step.numel() > 1 else 0,
             tokens, logprobs, float(temperature), _tau(top_p),
-            SHIFT=key_shift, PASSES=num_passes(32 - key_shift), SCALE=temperature != 1.0,
-            WITH_LOGPROBS=with_logprobs, ARITY=ARITY, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            SHIFT=key_shift, SCALE=temperature != 1.0, WITH_LOGPROBS=with_logprobs, ARITY=ARITY, BLOCK=BLOCK,
+            num_warps=NUM_WARPS)
     return tokens, (logprobs if with_logprobs else None)
 
 

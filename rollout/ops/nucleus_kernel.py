@@ -26,37 +26,47 @@ def keys_of(s, SHIFT: tl.constexpr):  # nucleus.ordered_keys(s) >> SHIFT; -0.0 c
 @triton.jit
 def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, step_stride,
                    tokens_ptr, logprobs_ptr, temperature, tau,
-                   SHIFT: tl.constexpr, PASSES: tl.constexpr, SCALE: tl.constexpr,
-                   WITH_LOGPROBS: tl.constexpr, ARITY: tl.constexpr, BLOCK: tl.constexpr):
+                   SHIFT: tl.constexpr, SCALE: tl.constexpr, WITH_LOGPROBS: tl.constexpr,
+                   ARITY: tl.constexpr, BLOCK: tl.constexpr):
+    # Every pass keeps per-lane partial results in registers ([BLOCK] or [ARITY, BLOCK]) and reduces
+    # across the program once, at its end: no cross-warp reduction inside the loops over the row.
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
     offs = tl.arange(0, BLOCK)
 
-    # 1. max and Z = sum exp(s - max), online
-    top = tl.full((), float("-inf"), tl.float32)
-    total = tl.zeros((), tl.float32)
+    # 1. the row's largest score and smallest key
+    lane_top = tl.full((BLOCK,), float("-inf"), tl.float32)
+    lane_low = tl.full((BLOCK,), 2 ** 31 - 1, tl.int32)
     for start in range(0, vocab, BLOCK):
-        s = scores_at(row_ptr, start + offs, vocab, temperature, SCALE)
-        new_top = tl.maximum(top, tl.max(s, 0))
-        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(s - new_top), 0)
-        top = new_top
-    limit = tau * total  # masses below are compared unnormalised: sum exp(s - top) <= tau * Z
+        idx = start + offs
+        s = scores_at(row_ptr, idx, vocab, temperature, SCALE)
+        lane_top = tl.maximum(lane_top, s)
+        lane_low = tl.minimum(lane_low, tl.where(idx < vocab, keys_of(s, SHIFT), 2 ** 31 - 1))
+    top = tl.max(lane_top, 0)
 
-    # 2. boundary: the largest key t in [lo, hi] with sum_{key < t} exp(s - top) <= limit
-    lo = tl.full((), -(2 ** 31), tl.int64) >> SHIFT
+    # 2. boundary: the largest key t in [lo, hi] with sum_{key < t} exp(s - top) <= tau * Z, where
+    #    Z = sum exp(s - top) (summed along, in the same order, on the first pass)
+    lo = tl.min(lane_low, 0).to(tl.int64)  # nothing lies below the smallest key
     hi = keys_of(top, SHIFT).to(tl.int64)
     at_lo = tl.zeros((), tl.float32)
+    limit = tl.zeros((), tl.float32)
+    passes = tl.zeros((), tl.int32)
     lanes = tl.arange(0, ARITY)
-    for _ in range(PASSES):
+    while lo < hi:
         step = (hi - lo) // ARITY + 1
         thresholds = tl.minimum(lo + (lanes + 1).to(tl.int64) * step, hi).to(tl.int32)  # [ARITY]
-        below = tl.zeros((ARITY,), tl.float32)
+        lane_below = tl.zeros((ARITY, BLOCK), tl.float32)
+        lane_total = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, vocab, BLOCK):
             s = scores_at(row_ptr, start + offs, vocab, temperature, SCALE)
             keys = keys_of(s, SHIFT)
             mass = tl.exp(s - top)
-            below += tl.sum(tl.where(keys[None, :] < thresholds[:, None], mass[None, :], 0.0), 1)
-        ok = below <= limit  # a prefix of the lanes (mass below is nondecreasing in t)
+            lane_below += tl.where(keys[None, :] < thresholds[:, None], mass[None, :], 0.0)
+            lane_total += mass
+        limit = tl.where(passes == 0, tau * tl.sum(lane_total, 0), limit)
+        passes += 1
+        below = tl.sum(lane_below, 1)  # [ARITY], nondecreasing: a prefix of the lanes is <= limit
+        ok = below <= limit
         num_ok = tl.sum(ok.to(tl.int32), 0)
         last_ok_t = tl.max(tl.where(ok, thresholds, -(2 ** 31)), 0).to(tl.int64)
         last_ok_v = tl.max(tl.where(ok, below, 0.0), 0)
@@ -65,33 +75,40 @@ def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, 
         at_lo = tl.where(num_ok > 0, last_ok_v, at_lo)
         lo = tl.where(num_ok > 0, last_ok_t, lo)
     boundary = lo.to(tl.int32)
+    if passes == 0:  # one key in the row (one token, or all scores equal): Z without a search
+        lane_total = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, vocab, BLOCK):
+            lane_total += tl.exp(scores_at(row_ptr, start + offs, vocab, temperature, SCALE) - top)
+        limit = tau * tl.sum(lane_total, 0)
 
-    # 3. the tie group at the boundary: its members of rank < removed are dropped
-    bits = (boundary << SHIFT)
+    # 3. the tie group at the boundary: members of rank <= removed (1-based) are dropped
+    bits = boundary << SHIFT
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     group_mass = tl.exp(bits.to(tl.float32, bitcast=True) - top)
     removed = tl.maximum(tl.floor((limit - at_lo) / group_mass), 0.0)
-    removed = tl.minimum(removed, 2.0 ** 30).to(tl.int32)
+    target = tl.minimum(removed, 2.0 ** 30).to(tl.int32) + 1  # 1-based rank of the first kept member
     seen = tl.zeros((), tl.int32)
     first_kept = tl.full((), 2 ** 31 - 1, tl.int32)
-    last_member = tl.full((), -1, tl.int32)
+    lane_last = tl.full((BLOCK,), -1, tl.int32)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
         member = keys_of(scores_at(row_ptr, idx, vocab, temperature, SCALE), SHIFT) == boundary
-        rank = seen + tl.cumsum(member.to(tl.int32), 0)  # 1-based rank of each member
-        first_kept = tl.minimum(first_kept, tl.min(tl.where(member & (rank == removed + 1), idx, 2 ** 31 - 1), 0))
-        last_member = tl.maximum(last_member, tl.max(tl.where(member, idx, -1), 0))
-        seen += tl.sum(member.to(tl.int32), 0)
-    first_kept = tl.minimum(first_kept, last_member)  # the most likely token always stays
+        lane_last = tl.maximum(lane_last, tl.where(member, idx, -1))
+        count = tl.sum(member.to(tl.int32), 0)
+        if (seen < target) & (target <= seen + count):  # the one block holding it: rank its members
+            rank = seen + tl.cumsum(member.to(tl.int32), 0)
+            first_kept = tl.min(tl.where(member & (rank == target), idx, 2 ** 31 - 1), 0)
+        seen += count
+    first_kept = tl.minimum(first_kept, tl.max(lane_last, 0))  # the most likely token always stays
 
     # 4. Gumbel-max over the kept tokens; the kept mass for the log-probability
     sample = tl.load(rows_ptr + row).to(tl.uint32)
     token_step = tl.load(step_ptr + row * step_stride).to(tl.uint32)
     base = hash32(hash32(tl.load(seed_ptr).to(tl.uint32) ^ (sample * 0x063779B1)) ^ (token_step * 0x05EBCA6B))
-    best = tl.full((), float("-inf"), tl.float32)
-    best_idx = tl.zeros((), tl.int32)
-    best_score = tl.zeros((), tl.float32)
-    kept_mass = tl.zeros((), tl.float32)
+    lane_best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    lane_idx = tl.full((BLOCK,), 2 ** 31 - 1, tl.int32)
+    lane_score = tl.zeros((BLOCK,), tl.float32)
+    lane_kept = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
         s = scores_at(row_ptr, idx, vocab, temperature, SCALE)
@@ -100,14 +117,15 @@ def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, 
         noise = hash32(base ^ (idx.to(tl.uint32) * 0x45D9F3B))
         uniform = (noise.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
         value = tl.where(kept, s - tl.log(-tl.log(uniform)), float("-inf"))
-        block_best = tl.max(value, 0)
-        block_idx = tl.min(tl.where(value == block_best, idx, 2 ** 31 - 1), 0)  # first of equals
-        better = block_best > best
-        best_score = tl.where(better, tl.max(tl.where(idx == block_idx, s, float("-inf")), 0), best_score)
-        best_idx = tl.where(better, block_idx, best_idx)
-        best = tl.maximum(best, block_best)
+        better = value > lane_best  # strictly: a lane keeps its first index among equal values
+        lane_best = tl.where(better, value, lane_best)
+        lane_idx = tl.where(better, idx, lane_idx)
+        lane_score = tl.where(better, s, lane_score)
         if WITH_LOGPROBS:
-            kept_mass += tl.sum(tl.where(kept, tl.exp(s - top), 0.0), 0)
+            lane_kept += tl.where(kept, tl.exp(s - top), 0.0)
+    best = tl.max(lane_best, 0)
+    best_idx = tl.min(tl.where(lane_best == best, lane_idx, 2 ** 31 - 1), 0)  # the first index of the maximum
     tl.store(tokens_ptr + row, best_idx.to(tl.int64))
     if WITH_LOGPROBS:
-        tl.store(logprobs_ptr + row, (best_score - top) - tl.log(kept_mass))
+        best_score = tl.max(tl.where(lane_idx == best_idx, lane_score, float("-inf")), 0)
+        tl.store(logprobs_ptr + row, (best_score - top) - tl.log(tl.sum(lane_kept, 0)))

@@ -1,0 +1,90 @@
+"""The fused q|k|v projection of our step (``RolloutConfig.fuse_qkv``, ``rollout.model.step.FusedQKV``): the
+same tokens as three projections and as HF ``generate`` (fp32), weights changed between calls are followed,
+its copy is counted in ``held_bytes`` and dropped with ``keep_cache=False``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout.model.step import FusedQKV, spec_and_weights
+from rollout.testing import TinyTokenizer, random_prompts, tiny_model
+from tests.conftest import hf_greedy, response_of
+
+NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
+
+
+def _qkv_bytes(model) -> int:
+    total = 0
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            total += proj.weight.nbytes + (proj.bias.nbytes if proj.bias is not None else 0)
+    return total
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # q/k/v biases, none
+@pytest.mark.parametrize("route", ["ordinary", "continuous"])
+def test_same_tokens_as_three_projections_and_hf(family, route):
+    model = tiny_model(family, seed=5)
+    ids, mask = random_prompts(4, 9, seed=3, vocab_size=model.config.vocab_size, min_len=2)
+    sampling = SamplingConfig(max_new_tokens=7, temperature=0.0, continuous_batch_size=2)
+    fused = Rollout(model, NO_EOS, RolloutConfig(route=route)).generate(RolloutRequest(ids, mask), sampling)
+    plain = Rollout(model, NO_EOS, RolloutConfig(route=route, fuse_qkv=False)).generate(RolloutRequest(ids, mask),
+                                                                                        sampling)
+    assert torch.equal(fused.input_ids, plain.input_ids)
+    for row in range(ids.shape[0]):
+        assert response_of(fused, row) == hf_greedy(model, ids[row], mask[row], 7)
+
+
+def test_weights_changed_between_calls_are_followed():
+    """The fused copy is refreshed at every call: after an in-place update of k_proj (what an optimizer
+    step does), the next call decodes with the new weights."""
+    model = tiny_model("qwen2", seed=6)
+    ids, mask = random_prompts(3, 8, seed=4, vocab_size=model.config.vocab_size, min_len=3)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    ro = Rollout(model, NO_EOS, RolloutConfig())
+    before = ro.generate(RolloutRequest(ids, mask), sampling)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(-3.0)
+            layer.self_attn.v_proj.bias.add_(0.5)
+    after = ro.generate(RolloutRequest(ids, mask), sampling)
+    fresh = Rollout(model, NO_EOS, RolloutConfig(fuse_qkv=False)).generate(RolloutRequest(ids, mask), sampling)
+    assert torch.equal(after.input_ids, fresh.input_ids)
+    assert not torch.equal(after.input_ids, before.input_ids)
+    for row in range(ids.shape[0]):
+        assert response_of(after, row) == hf_greedy(model, ids[row], mask[row], 6)
+
+
+def test_held_bytes_count_the_copy_and_keep_cache_false_drops_it():
+    model = tiny_model("qwen2", seed=7)
+    ids, mask = random_prompts(2, 6, seed=5, vocab_size=model.config.vocab_size, min_len=2)
+    sampling = SamplingConfig(max_new_tokens=3, temperature=0.0)
+    kept = Rollout(model, NO_EOS, RolloutConfig(route="ordinary"))
+    kept.generate(RolloutRequest(ids, mask), sampling)
+    assert kept._fast_step.nbytes == _qkv_bytes(model)
+    unfused = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", fuse_qkv=False))
+    unfused.generate(RolloutRequest(ids, mask), sampling)
+    assert kept.held_bytes - unfused.held_bytes == _qkv_bytes(model)
+    loose = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", keep_cache=False))
+    loose.generate(RolloutRequest(ids, mask), sampling)
+    assert loose.held_bytes == 0
+
+
+def test_fused_copy_layout_and_reuse():
+    """``[q; k; v]`` rows in that order; a missing bias is zeros; the buffers keep their addresses across
+    refreshes (captured graphs read them) and follow the source values."""
+    model = tiny_model("qwen2", seed=8)
+    _, weights = spec_and_weights(model)
+    with torch.no_grad():
+        weights.layers[0].k_bias = None  # as if k had no bias
+    fused = FusedQKV()
+    first = fused.refresh(weights).layers[0]
+    w = weights.layers[0]
+    assert torch.equal(first.qkv, torch.cat([w.q, w.k, w.v]))
+    assert torch.equal(first.qkv_bias, torch.cat([w.q_bias, torch.zeros(w.k.shape[0]), w.v_bias]))
+    with torch.no_grad():
+        w.q.add_(1.0)
+    second = fused.refresh(weights).layers[0]
+    assert second.qkv.data_ptr() == first.qkv.data_ptr() and torch.equal(second.qkv[: w.q.shape[0]], w.q)
