@@ -18,7 +18,7 @@ from transformers.generation.logits_process import TopPLogitsWarper
 import rollout.ops as ops_pkg
 from rollout.config import SamplingConfig
 from rollout.ops import fused_nucleus
-from rollout.ops.sampling import Sampler, SamplerKey, _key_shift, _select, sampler_key
+from rollout.ops.sampling import Sampler, SamplerKey, _select, sampler_key
 
 CHI2_MIN_P = 1e-6
 
@@ -69,6 +69,8 @@ CASES = [  # dtype, temperature, top_p, scale, ties, per-row token indices
     (torch.float32, 1.3, 0.95, 4.0, False, True),
     (torch.float32, 1.0, 0.05, 6.0, False, False),
     (torch.bfloat16, 0.6, 0.9, 3.0, True, True),
+    (torch.float16, 0.8, 0.9, 3.0, True, False),
+    (torch.float16, 1.0, 0.7, 2.0, False, True),
 ]
 
 
@@ -80,13 +82,12 @@ def test_tokens_and_logprobs_equal_the_sorting_sampler(interpreted, stable_sort,
     key = SamplerKey(temperature, 0, top_p, 1.0)
     seed, rows = torch.tensor(2**32 - 5), torch.arange(6) * 7 + 3
     step = torch.arange(6) + 11 if per_row else torch.tensor(4)
-    shift = _key_shift(dtype, key, None)
-    assert shift == (16 if dtype == torch.bfloat16 and temperature == 1.0 else 0)
-    tokens, logprobs = interpreted.sample_top_p(logits, temperature, top_p, shift, seed, rows, step, True)
+    assert fused_nucleus.key_shift(dtype) == {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}[dtype]
+    tokens, logprobs = interpreted.sample_top_p(logits, temperature, top_p, seed, rows, step, True)
     expected, expected_lp = _select(logits, key, None, seed, rows, step, True, search=False)
     assert tokens.dtype == torch.int64 and torch.equal(tokens, expected)
     assert torch.allclose(logprobs, expected_lp, atol=2e-6)
-    again, none = interpreted.sample_top_p(logits, temperature, top_p, shift, seed, rows, step, False)
+    again, none = interpreted.sample_top_p(logits, temperature, top_p, seed, rows, step, False)
     assert torch.equal(again, tokens) and none is None
 
 
@@ -97,7 +98,7 @@ def test_rows_of_one_value(interpreted, stable_sort, vocab):
     logits = torch.full((3, vocab), 1.5)
     key = SamplerKey(1.0, 0, 0.7, 1.0)
     args = (torch.tensor(4), torch.arange(3), torch.tensor(1))
-    tokens, logprobs = interpreted.sample_top_p(logits, 1.0, 0.7, 0, *args, True)
+    tokens, logprobs = interpreted.sample_top_p(logits, 1.0, 0.7, *args, True)
     expected, expected_lp = _select(logits, key, None, *args, True, search=False)
     assert torch.equal(tokens, expected) and torch.allclose(logprobs, expected_lp, atol=2e-6)
 
@@ -115,7 +116,7 @@ def test_dyadic_tie_groups_lose_their_lowest_indices(interpreted, stable_sort):
         key = SamplerKey(1.0, 0, top_p, 1.0)
         for seed in range(12):
             args = (torch.tensor(seed), rows, torch.tensor(seed % 3))
-            tokens, _ = interpreted.sample_top_p(logits, 1.0, top_p, 0, *args, False)
+            tokens, _ = interpreted.sample_top_p(logits, 1.0, top_p, *args, False)
             assert torch.equal(tokens, _select(logits, key, None, *args, False, search=False)[0]), (top_p, seed)
 
 
@@ -124,7 +125,7 @@ def test_draws_follow_the_filtered_softmax(interpreted):
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.5, -0.25, -1.0, -2.0, 0.0]])
     temperature, top_p = 0.8, 0.85
     expected = torch.softmax(TopPLogitsWarper(top_p)(None, logits / temperature).double(), dim=-1)[0]
-    draws = torch.cat([interpreted.sample_top_p(logits.expand(300, -1), temperature, top_p, 0, torch.tensor(9),
+    draws = torch.cat([interpreted.sample_top_p(logits.expand(300, -1), temperature, top_p, torch.tensor(9),
                                                 torch.arange(300), torch.tensor(step), False)[0]
                        for step in range(2)])
     counts = torch.bincount(draws, minlength=8).double()

@@ -27,14 +27,16 @@ the CPU (the tests do).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
 
 ARITY = 16
 """Thresholds per search pass (more: fewer passes over the row, more work per token and pass)."""
-BLOCK = 1024
-"""Tokens a program reads per iteration."""
+BLOCK = 2048
+"""Tokens a program reads per iteration (2048 x 8 warps measured best on the H200 at 8 and 256 rows,
+``docs/BENCHMARKS.md``)."""
 NUM_WARPS = 8
 
 @functools.lru_cache(maxsize=None)
@@ -60,13 +62,19 @@ def supports(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
             and applies(temperature, top_k, top_p, penalised, logits.shape[-1]) and available() is None)
 
 
-def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, key_shift: int, seed: torch.Tensor,
-                 rows: torch.Tensor, step: torch.Tensor, with_logprobs: bool):
+def key_shift(dtype: torch.dtype) -> int:
+    """Low bits of an fp32 key that are zero for logits of ``dtype`` (bf16: 16, fp16: 13, fp32: 0)."""
+    return 23 - round(-math.log2(torch.finfo(dtype).eps)) if torch.finfo(dtype).bits < 32 else 0
+
+
+def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, seed: torch.Tensor, rows: torch.Tensor,
+                 step: torch.Tensor, with_logprobs: bool):
     """``(tokens [B] int64, logprobs [B] fp32 or None)``: one nucleus sample per row of ``logits [B, V]``.
 
-    ``key_shift``: low key bits zero in every score (16 for bf16 logits at temperature 1), as in
-    :func:`rollout.ops.nucleus.top_p_keep`. ``seed`` (scalar), ``rows [B]`` and ``step`` (scalar or
-    ``[B]``) are int64 tensors keying the noise, as for :func:`rollout.ops.sampling.uniform_noise`.
+    The boundary is searched over the raw logits' keys (``key_shift`` of their dtype): dividing by
+    ``temperature`` keeps their order and ties, so bf16 logits need 16-bit keys at any temperature.
+    ``seed`` (scalar), ``rows [B]`` and ``step`` (scalar or ``[B]``) are int64 tensors keying the noise, as
+    for :func:`rollout.ops.sampling.uniform_noise`.
     """
     kernel = _kernel()
     num_rows, vocab = logits.shape
@@ -79,7 +87,7 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, key_shi
         kernel[(num_rows,)](
             logits, logits.stride(0), vocab, seed.reshape(1), rows, step, 1 if step.numel() > 1 else 0,
             tokens, logprobs, float(temperature), _tau(top_p),
-            SHIFT=key_shift, SCALE=temperature != 1.0, WITH_LOGPROBS=with_logprobs, ARITY=ARITY, BLOCK=BLOCK,
+            SHIFT=key_shift(logits.dtype), SCALE=temperature != 1.0, WITH_LOGPROBS=with_logprobs, ARITY=ARITY, BLOCK=BLOCK,
             num_warps=NUM_WARPS)
     return tokens, (logprobs if with_logprobs else None)
 

@@ -12,11 +12,15 @@ def hash32(x):  # uint32 in, uint32 out: sampling.hash32
     return (x >> 16) ^ x
 
 @triton.jit
-def scores_at(row_ptr, idx, vocab, temperature, SCALE: tl.constexpr):
-    s = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+def logits_at(row_ptr, idx, vocab):  # the raw logits (fp32); -inf past the vocabulary
+    return tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def scaled(raw, temperature, SCALE: tl.constexpr):  # the scores sampled from: logits / T, as torch divides
     if SCALE:
-        s = tl.math.div_rn(s, temperature)
-    return s
+        raw = tl.math.div_rn(raw, temperature)
+    return raw
 
 @triton.jit
 def keys_of(s, SHIFT: tl.constexpr):  # nucleus.ordered_keys(s) >> SHIFT; -0.0 counts as +0.0
@@ -35,19 +39,22 @@ def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, 
     offs = tl.arange(0, BLOCK)
 
     # 1. the row's largest score and smallest key
+    # (keys are the raw logits' keys: dividing by T > 0 keeps their order and their ties, so the boundary
+    #  found over them is the one over the scaled scores, and bf16 logits keep 16-bit keys at any T)
     lane_top = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_low = tl.full((BLOCK,), 2 ** 31 - 1, tl.int32)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
-        s = scores_at(row_ptr, idx, vocab, temperature, SCALE)
-        lane_top = tl.maximum(lane_top, s)
-        lane_low = tl.minimum(lane_low, tl.where(idx < vocab, keys_of(s, SHIFT), 2 ** 31 - 1))
-    top = tl.max(lane_top, 0)
+        raw = logits_at(row_ptr, idx, vocab)
+        lane_top = tl.maximum(lane_top, raw)
+        lane_low = tl.minimum(lane_low, tl.where(idx < vocab, keys_of(raw, SHIFT), 2 ** 31 - 1))
+    top_raw = tl.max(lane_top, 0)
+    top = scaled(top_raw, temperature, SCALE)  # the largest score (division is monotone)
 
     # 2. boundary: the largest key t in [lo, hi] with sum_{key < t} exp(s - top) <= tau * Z, where
     #    Z = sum exp(s - top) (summed along, in the same order, on the first pass)
     lo = tl.min(lane_low, 0).to(tl.int64)  # nothing lies below the smallest key
-    hi = keys_of(top, SHIFT).to(tl.int64)
+    hi = keys_of(top_raw, SHIFT).to(tl.int64)
     at_lo = tl.zeros((), tl.float32)
     limit = tl.zeros((), tl.float32)
     passes = tl.zeros((), tl.int32)
@@ -58,9 +65,9 @@ def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, 
         lane_below = tl.zeros((ARITY, BLOCK), tl.float32)
         lane_total = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, vocab, BLOCK):
-            s = scores_at(row_ptr, start + offs, vocab, temperature, SCALE)
-            keys = keys_of(s, SHIFT)
-            mass = tl.exp(s - top)
+            raw = logits_at(row_ptr, start + offs, vocab)
+            keys = keys_of(raw, SHIFT)
+            mass = tl.exp(scaled(raw, temperature, SCALE) - top)
             lane_below += tl.where(keys[None, :] < thresholds[:, None], mass[None, :], 0.0)
             lane_total += mass
         limit = tl.where(passes == 0, tau * tl.sum(lane_total, 0), limit)
@@ -78,13 +85,13 @@ def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, 
     if passes == 0:  # one key in the row (one token, or all scores equal): Z without a search
         lane_total = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, vocab, BLOCK):
-            lane_total += tl.exp(scores_at(row_ptr, start + offs, vocab, temperature, SCALE) - top)
+            lane_total += tl.exp(scaled(logits_at(row_ptr, start + offs, vocab), temperature, SCALE) - top)
         limit = tau * tl.sum(lane_total, 0)
 
     # 3. the tie group at the boundary: members of rank <= removed (1-based) are dropped
     bits = boundary << SHIFT
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    group_mass = tl.exp(bits.to(tl.float32, bitcast=True) - top)
+    group_mass = tl.exp(scaled(bits.to(tl.float32, bitcast=True), temperature, SCALE) - top)
     removed = tl.maximum(tl.floor((limit - at_lo) / group_mass), 0.0)
     target = tl.minimum(removed, 2.0 ** 30).to(tl.int32) + 1  # 1-based rank of the first kept member
     seen = tl.zeros((), tl.int32)
@@ -92,7 +99,7 @@ def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, 
     lane_last = tl.full((BLOCK,), -1, tl.int32)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
-        member = keys_of(scores_at(row_ptr, idx, vocab, temperature, SCALE), SHIFT) == boundary
+        member = keys_of(logits_at(row_ptr, idx, vocab), SHIFT) == boundary
         lane_last = tl.maximum(lane_last, tl.where(member, idx, -1))
         count = tl.sum(member.to(tl.int32), 0)
         if (seen < target) & (target <= seen + count):  # the one block holding it: rank its members
@@ -111,8 +118,9 @@ def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, 
     lane_kept = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
-        s = scores_at(row_ptr, idx, vocab, temperature, SCALE)
-        keys = keys_of(s, SHIFT)
+        raw = logits_at(row_ptr, idx, vocab)
+        s = scaled(raw, temperature, SCALE)
+        keys = keys_of(raw, SHIFT)
         kept = (keys > boundary) | ((keys == boundary) & (idx >= first_kept))
         noise = hash32(base ^ (idx.to(tl.uint32) * 0x45D9F3B))
         uniform = (noise.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)

@@ -218,8 +218,7 @@ class Sampler:
         penalised = seen is not None and key.repetition_penalty != 1.0
         if self._fused and fused_nucleus.supports(logits, key.temperature, key.top_k, key.top_p, penalised):
             try:
-                result = fused_nucleus.sample_top_p(logits, key.temperature, key.top_p,
-                                                    _key_shift(logits.dtype, key, seen), seed, rows, step,
+                result = fused_nucleus.sample_top_p(logits, key.temperature, key.top_p, seed, rows, step,
                                                     bool(with_logprobs))
                 self.last_path = "fused"
                 return result
