@@ -37,6 +37,10 @@ class OrdinaryExecutor:
         self.graphs = GraphSet("ordinary")
         self.scratch: Optional[ScratchArena] = None
         """Where prompts with several samples are prefilled once before their copies (kept like the cache)."""
+        self.eos_tensors: dict = {}
+        """The EOS-id tensor each set of ids was captured with, kept as long as the graphs: a replay reads
+        the tensor at its captured address, so a later call must not bring a new one (the first call's
+        would be freed and its memory reused; rows then never finish in graph replays)."""
 
     def run(self, ctx: CallContext, choice: DecodeChoice, batch: PromptBatch, order: RowOrder) -> Generation:
         """The batch's ``N = B * n`` rows, in request order."""
@@ -70,6 +74,7 @@ class OrdinaryExecutor:
         if self.buffers is None or not self.buffers.fits(bucket, cache.shape.capacity, sampling.max_new_tokens,
                                                          ctx.vocab_size, device):
             self.graphs.clear()
+            self.eos_tensors.clear()
             self.buffers = None
             self.buffers = DecodeBuffers(bucket, length_round(cache.shape.capacity),
                                          length_round(sampling.max_new_tokens), ctx.vocab_size, device)
@@ -78,12 +83,13 @@ class OrdinaryExecutor:
         use_graphs = choice.path == "graph"
         key = (sampling_key(sampling), ctx.eos.ids, has_seen, cache.key_storage.data_ptr(),
                tuple(cache.key_storage.shape), parts.weights.signature())
+        eos = self.eos_tensors.setdefault(ctx.eos.ids, ctx.eos.tensor) if use_graphs else ctx.eos.tensor
 
         def step(live_len: int, rows: int) -> str:
             shape = (rows, length_bucket(live_len, cache.shape.capacity))
 
             def work():
-                decode_step(parts, cache, bufs, shape, ctx.sampler, ctx.eos.tensor, has_seen, ctx.with_logprobs)
+                decode_step(parts, cache, bufs, shape, ctx.sampler, eos, has_seen, ctx.with_logprobs)
 
             if not use_graphs:
                 work()
@@ -95,6 +101,7 @@ class OrdinaryExecutor:
     def release(self) -> None:
         """Drop the static buffers, the prefill scratch and the captured graphs (``keep_cache=False``)."""
         self.graphs.clear()
+        self.eos_tensors.clear()
         self.buffers = None
         if self.scratch is not None:
             self.scratch.release()
