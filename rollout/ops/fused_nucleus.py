@@ -2,8 +2,11 @@
 
 Why: at 256 rows x 151,936 tokens the compiled sort-free nucleus (:mod:`rollout.ops.nucleus`) still
 ran ~22 passes over fp32 ``[B, V]`` tensors (softmax, keys, 4 search passes, the tie group, noise,
-argmax, log-softmax), ~3.9 ms a decode step. Here one program per row reads the row's logits in their
-own dtype (bf16: 2 bytes a token) ``3 + passes`` times and writes one token (and its log-probability).
+argmax, log-softmax), ~3.9 ms a decode step (sampled minus greedy in the RL wide cell). Here one program
+per row reads the row's logits in their own dtype (bf16: 2 bytes a token) ``3 + passes`` times and writes
+one token (and its log-probability): 0.90 ms at 256 rows, 0.43 ms at 8 on the H200 (``docs/BENCHMARKS.md``).
+Keys are those of the raw logits (dividing by ``T > 0`` keeps order and ties), so bf16 logits search 16-bit
+keys at any temperature.
 Each pass keeps per-lane partial results in registers and reduces across the program once, at its end:
 
 1. the row's largest score and smallest key;
