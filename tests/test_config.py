@@ -37,6 +37,8 @@ def test_sampling_config_keeps_upstream_defaults():
     (dict(gather="sometimes"), "gather"),
     (dict(keep_cache="yes"), "keep_cache"),
     (dict(fuse_lora=1), "fuse_lora"),
+    (dict(fuse_qkv="no"), "fuse_qkv"),
+    (dict(fused_sampler=0), "fused_sampler"),
     (dict(eos_check_interval=0), "eos_check_interval"),
     (dict(max_context=0), "max_context"),
 ])
