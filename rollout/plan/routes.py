@@ -50,7 +50,9 @@ class RouteChoice:
 #: Auto sends calls with EOS ids and at least this many new tokens to continuous batching: rows then end
 #: at very different steps. Measured on the H200 (docs/BENCHMARKS.md, RL scale, 2026-12-01): 256 rows,
 #: budget 1024, sampled lengths mean ~81 / max ~600: continuous 3.9 s, the ordinary route with compaction
-#: 7.7 s; without EOS (every row runs to the budget) the two are within 1%.
+#: 7.7 s; without EOS (every row runs to the budget) the two are within 1%. Caveat (found later that day):
+#: those ordinary-route times were inflated by a bug (its graphs read a freed EOS tensor from the second
+#: call on, so rows never finished in replays; fixed in 2de1de7); the rule awaits a re-measurement.
 RAGGED_MIN_NEW_TOKENS = 256
 
 
