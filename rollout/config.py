@@ -88,7 +88,10 @@ class RolloutConfig:
     fuse_lora: bool = True
     """Merge peft LoRA adapters into the base weights for generation (restored bit-exactly afterwards)."""
     eos_check_interval: int = 1
-    """Decode steps between the checks whether every row has finished (each check is one host sync)."""
+    """Decode steps between the checks whether rows have finished (each check is one host sync): the
+    ordinary route stops when all have; the continuous route retires them then, so a row that ended in
+    between decodes up to ``k - 1`` more tokens (masked in the output) while the host, not waiting, runs
+    ahead of the GPU."""
     max_context: Optional[int] = None
     """Upper bound on prompt + new tokens; None reads ``max_position_embeddings`` from the model config."""
     fast_decode: bool = True

@@ -16,7 +16,9 @@ contract (:mod:`rollout.plan.scheduler`)::
 A pass is one bucket through the HF layers; with the packed prefill (``fast_prefill``) it is the whole
 admission wave, whose buckets then only group attention and the KV copies (planned on
 ``CostModel.packed(copy_kv=True, ...)``).
-    eos flags of the live rows           # the step's one host sync (none without EOS ids)
+    eos flags of the live rows           # the step's one host sync (none without EOS ids); with
+                                         #   eos_check_interval k > 1 only every k-th step reads them
+                                         #   (sticky flags on the device), so the host runs ahead
 
 Shared prefill: a prompt with ``n`` samples is one row of its bucket; its keys/values are copied
 into its ``n`` slots and its logits repeated, so each sample selects its own first token.
@@ -49,7 +51,7 @@ from rollout.cache.pool import ScratchArena
 from rollout.cache.static import cache_shape
 from rollout.executors.context import CallContext
 from rollout.executors.continuous.prefill import admit
-from rollout.executors.continuous.state import (GraphDecode, RunState, emit, extent, finished_flags,
+from rollout.executors.continuous.state import (GraphDecode, RunState, emit, extent, finished_flags, mark_done,
                                                 new_run_state, record_cache, row_data)
 from rollout.model import hf
 from rollout.model.step import decode_logits
@@ -148,7 +150,7 @@ def _new_cache(ctx: CallContext, layout: PromptLayout, slots: SlotSpec, num_slot
 
 # ---- the loop ----------------------------------------------------------------------------------
 def _loop(run: RunState, num_slots: int) -> None:
-    sampling = run.ctx.sampling
+    sampling, interval = run.ctx.sampling, run.ctx.eos_check_interval
     scheduler = ContinuousScheduler(SchedulerConfig(num_slots=num_slots, max_new_tokens=sampling.max_new_tokens,
                                                     min_free_slots=refill_threshold(num_slots, run.num_samples)))
     for prompt, span in enumerate(run.layout.spans):
@@ -169,8 +171,9 @@ def _loop(run: RunState, num_slots: int) -> None:
             _decode(run, survivors)
         if update.admitted:
             admit(run, update.admitted, survivors)
-        flags = finished_flags(run, update.num_live)
+        mark_done(run, update.num_survivors, update.num_live)
         run.stats.steps += 1
+        flags = finished_flags(run, update.num_live, check=run.stats.steps % interval == 0)
 
 
 def _compact(run: RunState, moves, survivors) -> None:
@@ -179,6 +182,8 @@ def _compact(run: RunState, moves, survivors) -> None:
     dst = to_device([m[1] for m in moves], device)
     run.cache.move_rows(src, dst, max(extent(run, survivors[d]) for _, d in moves))
     run.last_tokens.index_copy_(0, dst, run.last_tokens.index_select(0, src))
+    if run.done is not None:
+        run.done.index_copy_(0, dst, run.done.index_select(0, src))
     if run.seen is not None:
         run.seen.index_copy_(0, dst, run.seen.index_select(0, src))
 

@@ -58,6 +58,10 @@ class RunState:
     plan_costs: CostModel  # what admissions are planned on (the packed view with the packed prefill)
     graph: Optional[GraphDecode] = None
     width: int = 0
+    done: Optional[torch.Tensor] = None
+    """``[num_slots]`` bool: whether each slot's row has emitted an EOS id, kept on the device between the
+    EOS checks when they are ``eos_check_interval > 1`` steps apart (None otherwise: each check reads
+    the newest tokens)."""
 
     @property
     def num_samples(self) -> int:
@@ -84,9 +88,11 @@ def new_run_state(ctx: CallContext, cache: AlignedKVCache, arena: ScratchArena, 
     else:
         seen, last_tokens, generated, seed_t = graph.buffers.start(seed, use_seen)
         logprobs = graph.buffers.logprobs if ctx.with_logprobs else None
+    done = (torch.zeros(num_slots, dtype=torch.bool, device=device)
+            if ctx.eos.tensor is not None and ctx.eos_check_interval > 1 else None)
     return RunState(ctx, cache, arena, prompt_ids, prompt_mask, layout, suffix_max, seen, last_tokens, generated,
                     logprobs, seed_t, CallStats(route="continuous"), compat.mask_dtype(ctx.model),
-                    _plan_costs(ctx, device), graph)
+                    _plan_costs(ctx, device), graph, done=done)
 
 
 def _plan_costs(ctx: CallContext, device) -> CostModel:
@@ -142,9 +148,23 @@ def emit(run: RunState, rows, logits: torch.Tensor, packed: torch.Tensor) -> Non
     run.generated.index_put_((packed[0], packed[1]), tokens)
 
 
-def finished_flags(run: RunState, num_live: int):
-    """EOS flag of every live row's newest token: the step's one host sync (none without EOS ids)."""
-    if run.ctx.eos.tensor is None:
+def mark_done(run: RunState, num_survivors: int, num_live: int) -> None:
+    """With EOS checks ``eos_check_interval > 1`` steps apart: fold the live rows' newest tokens into
+    their sticky EOS flags, on the device (no sync); admitted slots ``[num_survivors, num_live)`` start
+    clear."""
+    if run.done is None:
+        return
+    run.done[num_survivors:num_live] = False
+    run.done[:num_live] |= torch.isin(run.last_tokens[:num_live], run.ctx.eos.tensor)
+
+
+def finished_flags(run: RunState, num_live: int, check: bool = True):
+    """Whether each live row has ended at an EOS id: at a check, one host sync (the step's only one);
+    between checks (``check=False``) or without EOS ids, all False (rows then end at the budget or at
+    a later check; the tokens a row decodes after its EOS are masked in the output)."""
+    if run.ctx.eos.tensor is None or not check:
         return (False,) * num_live
     run.stats.host_syncs += 1
+    if run.done is not None:
+        return run.done[:num_live].tolist()
     return torch.isin(run.last_tokens[:num_live], run.ctx.eos.tensor).tolist()
