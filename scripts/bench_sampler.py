@@ -170,7 +170,7 @@ def variants(sampling: SamplingConfig, old_compiled: bool, kernel_configs=()):
     if not _SKIP_COMPILED:
         out += [("compiled search", lambda lg, s, r, t: compiled(lg, None, s, r, t, False)[0], compiled),
                 ("compiled search + logprobs", lambda lg, s, r, t: compiled(lg, None, s, r, t, True)[0], compiled)]
-    if fused._fused:
+    if fused.is_fused:
         out.append(("fused kernel", _with_config(fused, None, False), fused))
         out.append(("fused kernel + logprobs", _with_config(fused, None, True), fused))
         for config in kernel_configs:

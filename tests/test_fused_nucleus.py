@@ -174,7 +174,7 @@ def test_sampler_runs_the_kernel_where_it_applies(interpreted, stable_sort, monk
     sampler = Sampler(key, compiled=True)
     tokens, logprobs = sampler(logits, None, *args, with_logprobs=True)
     expected, expected_lp = _select(logits, key, None, *args, True, search=False)
-    assert sampler.last_path == "fused" and torch.equal(tokens, expected)
+    assert sampler.is_fused and sampler.last_path == "fused" and torch.equal(tokens, expected)
     assert torch.allclose(logprobs, expected_lp, atol=2e-6)
     unfused = Sampler(key, compiled=True, fused=False)
     unfused(logits, None, *args)
@@ -201,7 +201,7 @@ def test_sampler_falls_back_when_the_kernel_raises(monkeypatch):
     expected, _ = _select(logits, key, None, *args, False, search=False)
     assert torch.equal(tokens, expected)
     sampler(logits, None, *args)  # dropped for good: the kernel is not called again
-    assert sampler.last_path != "fused"
+    assert sampler.last_path != "fused" and not sampler.is_fused
 
 
 @pytest.mark.gpu

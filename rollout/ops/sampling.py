@@ -208,6 +208,11 @@ class Sampler:
     def is_compiled(self) -> bool:
         return bool(self._compiled)
 
+    @property
+    def is_fused(self) -> bool:
+        """Whether CUDA calls of this key run the one-kernel nucleus (until it raises)."""
+        return self._fused
+
     def _drop(self, where: str, exc: Exception) -> None:
         self._compiled = {}
         self.fallback_reason = f"compiled sampler: {where} raised {exc!r:.300}; sampling eagerly"
