@@ -11,6 +11,7 @@ def hash32(x):  # uint32 in, uint32 out: sampling.hash32
     x = ((x >> 16) ^ x) * 0x45D9F3B
     return (x >> 16) ^ x
 
+
 @triton.jit
 def logits_at(row_ptr, idx, vocab):  # the raw logits (fp32); -inf past the vocabulary
     return tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
@@ -22,10 +23,12 @@ def scaled(raw, temperature, SCALE: tl.constexpr):  # the scores sampled from: l
         raw = tl.math.div_rn(raw, temperature)
     return raw
 
+
 @triton.jit
 def keys_of(s, SHIFT: tl.constexpr):  # nucleus.ordered_keys(s) >> SHIFT; -0.0 counts as +0.0
     bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
     return (bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> SHIFT
+
 
 @triton.jit
 def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, step_stride,
