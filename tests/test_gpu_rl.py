@@ -116,3 +116,27 @@ def test_graph_decode_with_compaction_equals_eager_and_hf_fp32(setup, n):
         hf = Rollout(model, tok, RolloutConfig(fast_decode=False))
         assert torch.equal(got.input_ids, eager.generate(RolloutRequest(ids, mask), sampling).input_ids)
         assert torch.equal(got.input_ids, hf.generate(RolloutRequest(ids, mask), sampling).input_ids)
+
+
+@cuda
+def test_continuous_eos_check_interval_on_graphs(setup):
+    """``eos_check_interval=4`` on the continuous route's graph path: the same responses as every-step
+    checks (fp32, greedy and seeded top-p), one host sync per check."""
+    model, ids, mask, tok = setup
+    for sampling in (SamplingConfig(max_new_tokens=40, temperature=0.0, n_samples_per_prompt=3,
+                                    continuous_batch_size=24),
+                     SamplingConfig(max_new_tokens=40, temperature=1.0, top_p=0.9, seed=4, n_samples_per_prompt=3,
+                                    continuous_batch_size=24)):
+        outs = {}
+        for interval in (1, 4):
+            ro = Rollout(model, tok, RolloutConfig(route="continuous", compile=False, eos_check_interval=interval))
+            outs[interval] = ro.generate(RolloutRequest(ids, mask), sampling)
+            stats = ro.last_stats
+            assert stats.decode_path == "graph", stats.decode_fallback_reason
+            assert stats.host_syncs == stats.steps // interval
+        width = min(outs[1].input_ids.shape[1], outs[4].input_ids.shape[1])
+        for row in range(outs[1].input_ids.shape[0]):
+            a, b = outs[1], outs[4]
+            assert torch.equal(a.input_ids[row, :width][a.attention_mask[row, :width].bool()],
+                               b.input_ids[row, :width][b.attention_mask[row, :width].bool()])
+            assert int(a.attention_mask[row].sum()) == int(b.attention_mask[row].sum())
