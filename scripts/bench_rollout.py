@@ -338,8 +338,9 @@ def main(argv=None) -> None:
     if args.plot:
         plot_rows(rows, args.plot)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+        from scripts.bench_rl import json_safe
+        with open(args.json, "w") as f:  # strict JSON: a missing figure (NaN) is written as null
+            json.dump(json_safe([asdict(r) for r in rows]), f, indent=1, allow_nan=False)
 
 
 if __name__ == "__main__":
