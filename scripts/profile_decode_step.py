@@ -23,21 +23,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rollout.config import SamplingConfig  # noqa: E402
 from rollout.model.step import (FusedQKV, StepFns, StepParts, compiled_step_fns, decode_logits,  # noqa: E402
                                 spec_and_weights)
+from rollout.executors.graphs import capture_graph  # noqa: E402
 from rollout.ops.sampling import select_next_token  # noqa: E402
 from rollout.testing import shaped_model  # noqa: E402
 
 
+def capture(fn) -> "torch.cuda.CUDAGraph":
+    """``fn`` captured in a CUDA graph after two warm-up runs (the executors' own capture)."""
+    return capture_graph(fn, [], torch.cuda.graph_pool_handle())
+
+
 def graph_ms(fn, iters: int) -> float:
     """Median ms of one replay of ``fn`` captured in a CUDA graph (after two warm-up runs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture(fn)
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -106,7 +104,8 @@ def sampler_variants(rows: int, vocab: int):
     return out
 
 
-def step_variants(model, rows: int, live: int, compiled: bool, fuse_qkv: bool = False):
+def decode_step_fn(model, rows: int, live: int, compiled: bool, fuse_qkv: bool):
+    """One decode step of ``rows`` rows over ``live`` cached columns (random cache), as a closure."""
     spec, weights = spec_and_weights(model)
     if fuse_qkv:
         weights = FusedQKV().refresh(weights)
@@ -118,7 +117,11 @@ def step_variants(model, rows: int, live: int, compiled: bool, fuse_qkv: bool = 
     positions = torch.full((rows,), live, device="cuda")
     col = torch.tensor(live, device="cuda")
     keep = torch.ones(rows, 1, 1, live + 1, dtype=torch.bool, device="cuda")
-    return graph_ms(lambda: decode_logits(parts, keys, values, tokens, positions, col, keep), 10)
+    return lambda: decode_logits(parts, keys, values, tokens, positions, col, keep)
+
+
+def step_variants(model, rows: int, live: int, compiled: bool, fuse_qkv: bool = False):
+    return graph_ms(decode_step_fn(model, rows, live, compiled, fuse_qkv), 10)
 
 
 def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, layers: int):
@@ -153,25 +156,7 @@ def step_kernels(model, rows: int, live: int, iters: int = 5, fuse_qkv: bool = T
     total device time."""
     from torch.profiler import ProfilerActivity, profile
 
-    spec, weights = spec_and_weights(model)
-    parts = StepParts(spec, FusedQKV().refresh(weights) if fuse_qkv else weights, compiled_step_fns())
-    shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
-    keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    values = torch.randn_like(keys)
-    tokens = torch.randint(3, 1000, (rows,), device="cuda")
-    positions = torch.full((rows,), live, device="cuda")
-    col = torch.tensor(live, device="cuda")
-    keep = torch.ones(rows, 1, 1, live + 1, dtype=torch.bool, device="cuda")
-    fn = lambda: decode_logits(parts, keys, values, tokens, positions, col, keep)  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture(decode_step_fn(model, rows, live, compiled=True, fuse_qkv=fuse_qkv))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
