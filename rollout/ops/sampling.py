@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import types
 from dataclasses import dataclass
 from typing import Optional
@@ -114,9 +113,7 @@ def sampler_key(sampling: SamplingConfig) -> SamplerKey:
 def _key_shift(dtype: torch.dtype, key: SamplerKey, seen: Optional[torch.Tensor]) -> int:
     """Key bits that are zero in every score: fp32 scores cast exactly from bf16/fp16 logits."""
     exact = key.temperature == 1.0 and (seen is None or key.repetition_penalty == 1.0)
-    if not exact or not dtype.is_floating_point or torch.finfo(dtype).bits >= 32:
-        return 0
-    return 23 - round(-math.log2(torch.finfo(dtype).eps))
+    return fused_nucleus.key_shift(dtype) if exact and dtype.is_floating_point else 0
 
 
 def _scores(logits: torch.Tensor, key: SamplerKey, seen: Optional[torch.Tensor], search: bool) -> torch.Tensor:
