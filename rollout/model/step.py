@@ -150,6 +150,15 @@ def spec_and_weights(model: torch.nn.Module) -> tuple[DecoderSpec, DecoderWeight
     return spec, weights
 
 
+def kept_buffer(buffers: dict, key, shape, like: torch.Tensor) -> torch.Tensor:
+    """``buffers[key]`` if it has ``shape`` and ``like``'s dtype and device, else a new one stored there:
+    persistent storage whose address captured graphs can keep reading."""
+    buffer = buffers.get(key)
+    if buffer is None or buffer.shape != tuple(shape) or buffer.dtype != like.dtype or buffer.device != like.device:
+        buffer = buffers[key] = torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
+    return buffer
+
+
 class WeightMirror:
     """Persistent copies of the decode weights, refreshed in place at every call.
 
@@ -167,12 +176,7 @@ class WeightMirror:
         keys = itertools.count()  # a tensor's key: its position in the fixed order of ``map``
 
         def stable(tensor: torch.Tensor) -> torch.Tensor:
-            key = next(keys)
-            buffer = self._buffers.get(key)
-            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype \
-                    or buffer.device != tensor.device:
-                buffer = self._buffers[key] = torch.empty_like(tensor)
-            return buffer.copy_(tensor)
+            return kept_buffer(self._buffers, next(keys), tensor.shape, tensor).copy_(tensor)
         return weights.map(stable)
 
     @property
@@ -193,11 +197,8 @@ class FusedQKV:
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
 
     def _buffer(self, key, parts: list) -> torch.Tensor:
-        rows = sum(p.shape[0] for p in parts)
-        shape, like = (rows, *parts[0].shape[1:]), parts[0]
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != shape or buffer.dtype != like.dtype or buffer.device != like.device:
-            buffer = self._buffers[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        buffer = kept_buffer(self._buffers, key, shape, parts[0])
         torch.cat(parts, out=buffer)
         return buffer
 
