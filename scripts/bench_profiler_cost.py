@@ -61,7 +61,7 @@ def _sync() -> None:
 class OpsdWorkload:
     """``scripts/train_opsd.py``'s OPSD step (its flags), one call per training step."""
 
-    def __init__(self, train_args: list[str], num_steps: int):
+    def __init__(self, train_args: list[str], num_steps: int, fixed_work: bool = False):
         import train_opsd as T
         from rollout import SamplingConfig
 
@@ -74,6 +74,7 @@ class OpsdWorkload:
         self.sampling = SamplingConfig(max_new_tokens=job.max_new_tokens, temperature=job.sampling_temperature,
                                        n_samples_per_prompt=job.samples_per_prompt)
         self.params = _num_params(getattr(self.step, "student", None)), _num_params(getattr(self.step, "teacher", None))
+        self.fixed_work = fixed_work
 
     def run(self, index: int) -> dict:
         import dataclasses
@@ -81,6 +82,8 @@ class OpsdWorkload:
         from instrumentation.mfu import mfu, opsd_step_flops, peak_flops
 
         job = self.job
+        if self.fixed_work:  # the same prompts and sampling seed every step: same shapes, no recompiles
+            index = 0
         rows = slice(index * job.batch_size, (index + 1) * job.batch_size)
         extra = {}
         if job.teacher == self.T.SELF_TEACHER:
@@ -154,7 +157,7 @@ def capture_graph(fn):
 def make_workload(args, num_steps: int):
     if args.workload == "synthetic":
         return SyntheticWorkload()
-    return OpsdWorkload(args.train_args, num_steps)
+    return OpsdWorkload(args.train_args, num_steps, fixed_work=args.fixed_work)
 
 
 # ---- statistics -------------------------------------------------------------------------------------
@@ -220,14 +223,16 @@ def measure_light(args) -> dict:
                 (on_ms if on else off_ms).append(ms)
                 order.append("on" if on else "off")
     configure(off_cfg)
-    result = {"measure": "light", "workload": args.workload, "device": _device(), **paired_cost(on_ms, off_ms),
+    result = {"measure": "light", "workload": args.workload, "fixed_work": args.fixed_work, "device": _device(),
+              **paired_cost(on_ms, off_ms),
               "on_ms": on_ms, "off_ms": off_ms, "order": order, "scalars_dir": prof.scalars_dir}
     print_light(result)
     return result
 
 
 def print_light(r: dict) -> None:
-    print(f"light mode (OPSD_PROFILE=timers + log_step) vs off, {r['workload']} on {r['device']}, "
+    work = ", fixed work" if r.get("fixed_work") else ""
+    print(f"light mode (OPSD_PROFILE=timers + log_step) vs off, {r['workload']}{work} on {r['device']}, "
           f"{r['pairs']} ABBA pairs")
     print("| off mean ms | on mean ms | mean diff ms | cost | 95% upper bound (t) | (bootstrap) | <= 1% |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -363,6 +368,9 @@ def parse_args(argv=None):
     p.add_argument("--window", default="10-12", help="linger: the early recorded window, 'A-B'")
     p.add_argument("--teardown-cupti", type=int, choices=(0, 1), default=None)
     p.add_argument("--processes", type=int, default=0, help="linger: K child processes, teardown 0/1 alternating")
+    p.add_argument("--fixed-work", action="store_true",
+                   help="opsd: every step reuses step 0's prompts and sampling seed (fixed shapes and lengths, "
+                        "so the step's own variation does not swamp a small cost)")
     p.add_argument("--output-dir", default=None, help="where traces and scalars go (default: a temp dir)")
     p.add_argument("--json-out", default=None)
     args, rest = p.parse_known_args(argv)
