@@ -12,6 +12,11 @@ Tags (the same as ``opsd-summarize --tensorboard`` writes from traces; x = the t
   ``step_ms``, ``mfu`` ...).
 
 A writer that cannot be created or written gives one warning and is dropped; training goes on.
+
+Writing never waits for the disk: ``SummaryWriter``'s default queue holds 10 events, and an ``add_scalar``
+that finds it full blocks the training thread until TensorBoard's writer thread has taken one (a step of
+light mode writes ~20-60 scalars). The queue here holds :data:`MAX_QUEUE` events, and the writer thread
+flushes every :data:`FLUSH_SECS` seconds, so a live TensorBoard lags by at most that.
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ from __future__ import annotations
 from typing import Optional
 
 from instrumentation import stages, state
+
+MAX_QUEUE = 4096
+"""Events ``add_scalar`` can queue before it would block (~100 bytes each)."""
+FLUSH_SECS = 30
+"""How often TensorBoard's writer thread flushes the event file."""
 
 
 class ScalarWriter:
@@ -32,7 +42,7 @@ class ScalarWriter:
         if self._writer is None and self.log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=self.log_dir)
+            self._writer = SummaryWriter(log_dir=self.log_dir, max_queue=MAX_QUEUE, flush_secs=FLUSH_SECS)
         return self._writer
 
     def _guarded(self, write) -> None:

@@ -32,6 +32,7 @@ for trying the script on a CPU. ``--json-out`` writes every step time and the su
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -177,7 +178,7 @@ def paired_cost(on: list[float], off: list[float], seed: int = 0) -> dict:
     ucb = (float(d.mean()) + t_quantile_95(n - 1) * sd / math.sqrt(n)) / base if n > 1 else None
     rng = np.random.default_rng(seed)
     boot = [rng.choice(d, n).mean() / base for _ in range(4000)]
-    return {"pairs": n, "off_mean_ms": base, "on_mean_ms": float(np.mean(on)), "diff_mean_ms": float(d.mean()),
+    return {"pairs": n, "off_mean_ms": base, "diff_sd_ms": sd, "on_mean_ms": float(np.mean(on)), "diff_mean_ms": float(d.mean()),
             "relative": float(d.mean()) / base, "ucb95_t": ucb, "ucb95_bootstrap": float(np.quantile(boot, 0.95))}
 
 
@@ -208,6 +209,9 @@ def measure_light(args) -> dict:
     on_ms, off_ms, order = [], [], []
     with opsd_profiler(on_cfg) as prof:
         for index in range(total):
+            if index == args.warmup and args.gc_freeze:  # both arms alike: no long gen-2 collections in pairs
+                gc.collect()
+                gc.freeze()
             pair, first = divmod(index - args.warmup, 2)
             on = index < args.warmup or (first == 0) == (pair % 2 == 0)
             configure(on_cfg if on else off_cfg)
@@ -223,7 +227,8 @@ def measure_light(args) -> dict:
                 (on_ms if on else off_ms).append(ms)
                 order.append("on" if on else "off")
     configure(off_cfg)
-    result = {"measure": "light", "workload": args.workload, "fixed_work": args.fixed_work, "device": _device(),
+    result = {"measure": "light", "workload": args.workload, "fixed_work": args.fixed_work,
+              "gc_freeze": args.gc_freeze, "device": _device(),
               **paired_cost(on_ms, off_ms),
               "on_ms": on_ms, "off_ms": off_ms, "order": order, "scalars_dir": prof.scalars_dir}
     print_light(result)
@@ -231,7 +236,7 @@ def measure_light(args) -> dict:
 
 
 def print_light(r: dict) -> None:
-    work = ", fixed work" if r.get("fixed_work") else ""
+    work = (", fixed work" if r.get("fixed_work") else "") + (", gc frozen" if r.get("gc_freeze") else "")
     print(f"light mode (OPSD_PROFILE=timers + log_step) vs off, {r['workload']}{work} on {r['device']}, "
           f"{r['pairs']} ABBA pairs")
     print("| off mean ms | on mean ms | mean diff ms | cost | 95% upper bound (t) | (bootstrap) | <= 1% |")
@@ -371,6 +376,9 @@ def parse_args(argv=None):
     p.add_argument("--fixed-work", action="store_true",
                    help="opsd: every step reuses step 0's prompts and sampling seed (fixed shapes and lengths, "
                         "so the step's own variation does not swamp a small cost)")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="light: gc.collect() + gc.freeze() after the warm-up (the model's objects leave the "
+                        "collector's generations, as training loops that freeze after setup do)")
     p.add_argument("--output-dir", default=None, help="where traces and scalars go (default: a temp dir)")
     p.add_argument("--json-out", default=None)
     args, rest = p.parse_known_args(argv)

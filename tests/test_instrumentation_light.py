@@ -197,3 +197,41 @@ def test_timers_mode_on_cuda_writes_gpu_ms_every_step_and_reuses_events(tmp_path
     assert all(v > 0 for _, v in scalars["opsd/decode/gpu_ms"])
     assert not any(tag.endswith("peak_allocated_mib") for tag in scalars)  # no allocator reads
     assert pool > 0  # resolved events went back to the pool
+
+
+def test_scalars_never_wait_for_the_disk(tmp_path, monkeypatch):
+    """A stalled event file (slow or network disk) must not block the training thread: with
+    SummaryWriter's default queue of 10 events the 11th ``add_scalar`` would wait for the disk."""
+    import threading
+
+    from tensorboard.summary.writer import record_writer
+
+    from instrumentation.scalars import ScalarWriter
+
+    writer = ScalarWriter(str(tmp_path / "scalars"))
+    writer.train(0, {"loss": 1.0})  # creating the event file flushes once; the stall comes after
+    disk = threading.Event()
+    original = record_writer.RecordWriter.write
+
+    def stalled_write(self, data):
+        disk.wait()
+        return original(self, data)
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", stalled_write)
+    done = threading.Event()
+
+    def training_thread():
+        for step in range(1, 51):  # 200 events
+            writer.train(step, {"loss": 1.0 / (step + 1), "tokens_per_s": 10.0, "step_ms": 5.0, "mfu": 0.1})
+        done.set()
+
+    thread = threading.Thread(target=training_thread, daemon=True)
+    thread.start()
+    finished = done.wait(timeout=20)
+    disk.set()  # let the writer thread drain, then check every event reached the file
+    thread.join(timeout=20)
+    writer.close()
+    assert finished, "add_scalar blocked while the event file was stalled"
+    scalars = _scalars(str(tmp_path / "scalars"))
+    assert [s for s, _ in scalars["train/loss"]] == list(range(51))
+    assert [s for s, _ in scalars["train/mfu"]] == list(range(1, 51))
