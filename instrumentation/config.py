@@ -16,8 +16,8 @@ variable                    accepted values                                     
 ``OPSD_PROFILE_RUN_NAME``   a plain name (letters, digits, ``._-``; not ``.``/``..``)  generated
 ``OPSD_PROFILE_OOM_SNAPSHOT``  same as ``OPSD_PROFILE_MEMORY``                         off
 ``OPSD_PROFILE_EVERY``      an integer >= 1: ``timers`` mode times every N-th step     ``1``
-``OPSD_PROFILE_TEARDOWN_CUPTI``  same as ``OPSD_PROFILE_MEMORY``: set ``TEARDOWN_CUPTI=1`` off
-                            for Kineto (finalize CUPTI after each trace window)
+``OPSD_PROFILE_TEARDOWN_CUPTI``  same as ``OPSD_PROFILE_MEMORY``: set ``TEARDOWN_CUPTI=1`` on, CUDA
+                            for Kineto (finalize CUPTI after each trace window)       >= 12.6
 ==========================  =========================================================  ================
 
 An empty variable counts as unset. :func:`instrumentation.check_environment` validates every
@@ -159,6 +159,23 @@ def parse_bool(value, source: str) -> bool:
     raise _bad(source, value, _BOOL_ACCEPTED)
 
 
+#: The CUDA runtime from which torch allows CUPTI teardown with CUDA graphs (below it, torch resets
+#: ``TEARDOWN_CUPTI`` to 0: teardown crashed graph capture on CUDA 11-12).
+TEARDOWN_MIN_CUDA = (12, 6)
+
+
+def teardown_by_default(cuda_version: Optional[str]) -> bool:
+    """Whether CUPTI is torn down after trace windows by default: torch built for CUDA >= 12.6
+    (``cuda_version`` as ``torch.version.cuda`` spells it; None, a CPU build: False)."""
+    if not cuda_version:
+        return False
+    try:
+        major_minor = tuple(int(part) for part in str(cuda_version).split(".")[:2])
+    except ValueError:
+        return False
+    return major_minor >= TEARDOWN_MIN_CUDA
+
+
 @dataclass(frozen=True)
 class ProfileConfig:
     """What to profile; built once per process (see :func:`instrumentation.get_config`)."""
@@ -183,9 +200,13 @@ class ProfileConfig:
     """On CUDA OOM inside a recorded step, dump ``torch.cuda.memory._dump_snapshot`` and re-raise."""
     every: int = 1
     """Mode ``"timers"``: time the stages of every ``every``-th step (steps 0, N, 2N, ...)."""
-    teardown_cupti: bool = False
+    teardown_cupti: Optional[bool] = None
     """Mode ``"1"``: set ``TEARDOWN_CUPTI=1`` before torch.profiler starts and stops, so that Kineto
-    finalizes CUPTI after each trace window (no lingering CUPTI callbacks on unrecorded steps)."""
+    finalizes CUPTI after each trace window (no lingering CUPTI callbacks on unrecorded steps). None
+    (default): on where torch's CUDA runtime is >= 12.6 (:func:`teardown_by_default`, resolved when the
+    profiler starts, so that reading the config never imports torch), off elsewhere.
+    Measured on an H200, CUDA 13: without it the steps after a 3-step window ran 27% slower to the end
+    of the run; with it, as before the window, and CUDA graphs captured and replayed after each window."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -200,7 +221,8 @@ class ProfileConfig:
         set_(self, "run_name", parse_run_name(self.run_name, "run_name"))
         set_(self, "oom_snapshot", parse_bool(self.oom_snapshot, "oom_snapshot"))
         set_(self, "every", parse_every(self.every, "every"))
-        set_(self, "teardown_cupti", parse_bool(self.teardown_cupti, "teardown_cupti"))
+        if self.teardown_cupti is not None:
+            set_(self, "teardown_cupti", parse_bool(self.teardown_cupti, "teardown_cupti"))
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides) -> "ProfileConfig":

@@ -2,9 +2,10 @@
 
 ``TEARDOWN_CUPTI``: Kineto keeps CUPTI's callbacks installed after a trace window unless the
 environment variable ``TEARDOWN_CUPTI=1`` is set (pytorch/pytorch#144455, pytorch/kineto#1264);
-they can slow the unrecorded steps that follow. ``OPSD_PROFILE_TEARDOWN_CUPTI=1`` sets it before
-the profiler starts and again before it stops (torch resets it to ``0`` where it believes CUDA graphs
-and CUPTI teardown do not mix: CUDA < 12.6). ``scripts/bench_profiler_cost.py --linger`` measures
+they can slow the unrecorded steps that follow (measured on an H200, CUDA 13: +27% on every later
+step). It is set before the profiler starts and again before it stops (torch resets it to ``0`` where
+it believes CUDA graphs and CUPTI teardown do not mix: CUDA < 12.6), by default wherever torch's CUDA
+runtime is >= 12.6; ``OPSD_PROFILE_TEARDOWN_CUPTI=0`` leaves Kineto's default. ``scripts/bench_profiler_cost.py --linger`` measures
 the lingering cost and checks that CUDA graphs still capture and replay after a window.
 
 Trace files are written by :func:`instrumentation.export.export_trace` (atomically, validated, all
@@ -20,7 +21,16 @@ from typing import Optional
 import torch
 
 from instrumentation import export, runfiles, schedule, state
-from instrumentation.config import ProfileConfig
+from instrumentation.config import ProfileConfig, teardown_by_default
+
+
+def teardown_cupti(config: ProfileConfig) -> bool:
+    """Whether this session tears CUPTI down after its trace windows: the config's switch, or where it
+    is None (the default) torch's CUDA runtime >= 12.6."""
+    if config.teardown_cupti is not None:
+        return config.teardown_cupti
+    return teardown_by_default(torch.version.cuda)
+
 
 _ACTIONS = {
     schedule.NONE: torch.profiler.ProfilerAction.NONE,
@@ -68,7 +78,7 @@ class TraceWindows:
 
     @staticmethod
     def _teardown_env(config: ProfileConfig) -> None:
-        if config.teardown_cupti:
+        if teardown_cupti(config):
             os.environ["TEARDOWN_CUPTI"] = "1"
 
     def step(self) -> None:

@@ -16,7 +16,8 @@ step time before the first window, of the recorded steps, and after it (the step
 window's warm-up), the ratio after / before with a 95% bootstrap interval, the time of the trace
 export, and whether CUDA graphs still capture and replay after each window (a graph captured before
 any profiling is replayed, and a new one captured and replayed; results checked against eager).
-``--teardown-cupti 1`` sets ``OPSD_PROFILE_TEARDOWN_CUPTI=1`` (Kineto's ``TEARDOWN_CUPTI=1``).
+``--teardown-cupti 0|1`` sets ``OPSD_PROFILE_TEARDOWN_CUPTI`` (Kineto's ``TEARDOWN_CUPTI=1``; left out: the
+default, on where torch's CUDA runtime is >= 12.6).
 ``--processes K`` runs K child processes alternating ``--teardown-cupti 0`` / ``1`` and prints one
 table of all of them.
 
@@ -51,6 +52,7 @@ import torch  # noqa: E402
 
 from instrumentation import ProfileConfig, configure, opsd_profiler, stage, stages  # noqa: E402
 from instrumentation.config import parse_int_list  # noqa: E402
+from instrumentation.tracing import teardown_cupti  # noqa: E402
 
 
 # ---- workloads --------------------------------------------------------------------------------------
@@ -306,7 +308,7 @@ def measure_linger(args) -> dict:
     before, recorded = step_ms[1:a - 1], step_ms[a:b + 1]
     after = step_ms[b + 1:second[0] - 1]
     result = {"measure": "linger", "workload": args.workload, "device": _device(),
-              "teardown_cupti": cfg.teardown_cupti, "torch": torch.__version__, "cuda": torch.version.cuda,
+              "teardown_cupti": teardown_cupti(cfg), "torch": torch.__version__, "cuda": torch.version.cuda,
               "window": [a, b], "second_window": list(second), "median_before_ms": statistics.median(before),
               "median_recorded_ms": statistics.median(recorded), "median_after_ms": statistics.median(after),
               "after_over_before": ratio_of_medians(after, before),

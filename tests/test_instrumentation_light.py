@@ -125,8 +125,11 @@ def test_mode_1_logs_training_scalars_every_step(tmp_path):
     assert [s for s, _ in scalars["opsd/step/cpu_ms"]] == [1]  # stages only on recorded steps
 
 
-@pytest.mark.parametrize("switch,expected", [(True, "1"), (False, None)])
+@pytest.mark.parametrize("switch,expected", [(True, "1"), (False, None),
+                                             (None, "1" if torch.version.cuda and tuple(
+                                                 map(int, torch.version.cuda.split(".")[:2])) >= (12, 6) else None)])
 def test_cupti_teardown_switch(tmp_path, monkeypatch, switch, expected):
+    """On, off, and the default (None): on where torch's CUDA runtime is >= 12.6, else Kineto's default."""
     monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
     with opsd_profiler(_config(tmp_path, mode="1", steps="0", teardown_cupti=switch)) as prof:
         train(prof, num_steps=1)
@@ -199,16 +202,18 @@ def test_timers_mode_on_cuda_writes_gpu_ms_every_step_and_reuses_events(tmp_path
     assert pool > 0  # resolved events went back to the pool
 
 
-def test_scalars_never_wait_for_the_disk(tmp_path, monkeypatch):
+@pytest.mark.parametrize("background", [False, True])
+def test_scalars_never_wait_for_the_disk(tmp_path, monkeypatch, background):
     """A stalled event file (slow or network disk) must not block the training thread: with
-    SummaryWriter's default queue of 10 events the 11th ``add_scalar`` would wait for the disk."""
+    SummaryWriter's default queue of 10 events the 11th ``add_scalar`` would wait for the disk. In the
+    background mode (light mode) every step still reaches the file, in order, once closed."""
     import threading
 
     from tensorboard.summary.writer import record_writer
 
     from instrumentation.scalars import ScalarWriter
 
-    writer = ScalarWriter(str(tmp_path / "scalars"))
+    writer = ScalarWriter(str(tmp_path / "scalars"), background=background)
     writer.train(0, {"loss": 1.0})  # creating the event file flushes once; the stall comes after
     disk = threading.Event()
     original = record_writer.RecordWriter.write
