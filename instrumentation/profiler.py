@@ -126,7 +126,7 @@ class ProfilerSession:
             return self
         if self.run_dir is not None:
             self.scalars_dir = os.path.join(self.run_dir, f"rank{self.rank}")
-            self._scalars = ScalarWriter(self.scalars_dir, background=config.light)
+            self._scalars = ScalarWriter(self.scalars_dir)
             if config.timing:
                 self._traces = TraceWindows.start(config, self.run_dir, self.rank)
         if config.light:

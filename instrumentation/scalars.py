@@ -16,17 +16,11 @@ A writer that cannot be created or written gives one warning and is dropped; tra
 Writing never waits for the disk: ``SummaryWriter``'s default queue holds 10 events, and an ``add_scalar``
 that finds it full blocks the training thread until TensorBoard's writer thread has taken one (a step of
 light mode writes ~20-60 scalars). The queue here holds :data:`MAX_QUEUE` events, and the writer thread
-flushes every :data:`FLUSH_SECS` seconds, so a live TensorBoard lags by at most that. In light mode
-(``background=True``) even building the events (~40 us per ``add_scalar``) leaves the training thread: a
-step's scalars are handed to one daemon thread as plain floats, written in order, and ``close`` waits
-for them. Mode ``1`` writes on the calling thread and flushes per recorded step, so a live TensorBoard
-shows a recorded step as soon as it is resolved.
+flushes every :data:`FLUSH_SECS` seconds, so a live TensorBoard lags by at most that.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from typing import Optional
 
 from instrumentation import stages, state
@@ -40,32 +34,9 @@ FLUSH_SECS = 30
 class ScalarWriter:
     """A lazily created ``SummaryWriter`` in ``log_dir`` (see the module docstring)."""
 
-    def __init__(self, log_dir: Optional[str], background: bool = False):
+    def __init__(self, log_dir: Optional[str]):
         self.log_dir = log_dir
         self._writer = None
-        self._background = background
-        self._jobs: Optional[queue.SimpleQueue] = None
-        self._thread: Optional[threading.Thread] = None
-
-    def _submit(self, write) -> None:
-        """Run ``write(writer)`` guarded: on the calling thread, or queued for the writer thread."""
-        if self.log_dir is None:
-            return
-        if not self._background:
-            self._guarded(write)
-            return
-        if self._thread is None:
-            self._jobs = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._drain, name="opsd-scalars", daemon=True)
-            self._thread.start()
-        self._jobs.put(write)
-
-    def _drain(self) -> None:
-        while True:
-            write = self._jobs.get()
-            if write is None:
-                return
-            self._guarded(write)
 
     def _get(self):
         if self._writer is None and self.log_dir is not None:
@@ -96,7 +67,7 @@ class ScalarWriter:
             if flush:
                 writer.flush()
 
-        self._submit(write)
+        self._guarded(write)
 
     def train(self, step: int, values: dict) -> None:
         """``train/<name>`` scalars of one step (None values are skipped)."""
@@ -105,13 +76,9 @@ class ScalarWriter:
                 if value is not None:
                     writer.add_scalar(f"train/{name}", value, step)
 
-        self._submit(write)
+        self._guarded(write)
 
     def close(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is not None:  # every queued step reaches the file before it is closed
-            self._jobs.put(None)
-            thread.join()
         writer, self._writer = self._writer, None
         if writer is not None:
             try:
