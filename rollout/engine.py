@@ -175,9 +175,7 @@ class Rollout:
         with stage(stages.PLAN):
             route = routes.choose_route(self.config.route, layout, sampling.n_samples_per_prompt,
                                         fit.slots if fit else sampling.continuous_batch_size, self._costs(),
-                                        self.config.max_prefill_tokens, decode.prefill_path,
-                                        ragged=bool(self.eos_token_ids)
-                                        and sampling.max_new_tokens >= routes.RAGGED_MIN_NEW_TOKENS)
+                                        self.config.max_prefill_tokens, decode.prefill_path)
         with self._inference_mode(), self._generation_weights():
             ctx = self._context(sampling, decode, device)  # after the gather: ZeRO-3 weights are resident
             if route.route == routes.CONTINUOUS:

@@ -191,24 +191,24 @@ def test_continuous_route_decodes_through_the_fast_step_and_reports_it(model):
     assert fast.last_stats["decode_path"] == "fast_eager" and slow.last_stats["decode_path"] == "hf"
 
 
-def test_auto_sends_long_budgets_with_eos_to_continuous_batching():
-    """Rows that end at very different steps (EOS, long budget) are retired by continuous batching; short
-    budgets or no EOS keep the ordinary batch (measured: docs/BENCHMARKS.md, RL scale)."""
-    from rollout.plan.routes import RAGGED_MIN_NEW_TOKENS
+def test_auto_keeps_the_ordinary_batch_for_eos_over_long_budgets():
+    """Rows that fit at once stay in the ordinary batch, EOS or not (compaction retires finished rows;
+    measured faster than continuous batching on the H200, docs/BENCHMARKS.md); only a slot bound below
+    the number of rows sends a call to continuous batching."""
     layout = PromptLayout((16,) * 8, (16,) * 8, 16)
     costs = CostModel(**CHEAP_FIXED)
-    ragged = choose_route("auto", layout, 4, None, costs, None, ragged=True)
-    assert ragged.route == "continuous" and "EOS" in ragged.reason
-    assert choose_route("auto", layout, 4, None, costs, None, ragged=False).route == "ordinary"
-    assert choose_route("ordinary", layout, 4, None, costs, None, ragged=True).route == "ordinary"
-    assert RAGGED_MIN_NEW_TOKENS == 256
+    assert choose_route("auto", layout, 4, None, costs, None).route == "ordinary"
+    assert choose_route("auto", layout, 4, 32, costs, None).route == "ordinary"
+    bounded = choose_route("auto", layout, 4, 31, costs, None)
+    assert bounded.route == "continuous" and "32 rows exceed continuous_batch_size=31" in bounded.reason
 
 
-@pytest.mark.parametrize("max_new, eos, route", [(300, 2, "continuous"), (300, None, "ordinary"),
-                                                 (16, 2, "ordinary")])
-def test_engine_auto_route_follows_eos_and_budget(max_new, eos, route):
+@pytest.mark.parametrize("max_new, eos, slots, route", [(300, 2, None, "ordinary"), (300, None, None, "ordinary"),
+                                                        (16, 2, None, "ordinary"), (300, 2, 1, "continuous")])
+def test_engine_auto_route_follows_the_slot_bound(max_new, eos, slots, route):
     model = tiny_model("qwen2", seed=0, max_position_embeddings=1024)
     ids, mask = torch.randint(3, 500, (2, 6)), torch.ones(2, 6, dtype=torch.long)
     ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=eos), RolloutConfig(route="auto"))
-    ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=max_new, temperature=0.0))
+    ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=max_new, temperature=0.0,
+                                                          continuous_batch_size=slots))
     assert ro.last_stats.route == route

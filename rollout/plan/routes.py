@@ -7,11 +7,14 @@
 - ``"auto"``: per call:
 
   * fewer slots than rows -> continuous (the only route that honours the bound);
-  * EOS ids and a long budget (``RAGGED_MIN_NEW_TOKENS``) -> continuous: rows end at very different
-    steps, and retiring them as they end measured twice as fast as the ordinary route's compaction;
-  * otherwise every row fits at once and all run about as long, so nothing is ever refilled and
-    continuous batching reduces to bucketed prefill. Auto then keeps the ordinary route's batch and fast decoder and chooses only how
-    to prefill it: one padded forward, or the planner's buckets (each padded to its longest prompt).
+  * otherwise every row fits at once: Auto keeps the ordinary route's batch and fast decoder, EOS or
+    not (rows that end early are compacted out of the batch into smaller graph buckets), and chooses
+    only how to prefill it: one padded forward, or the planner's buckets (each padded to its longest
+    prompt). Measured on the H200 with sampled long-tailed lengths (256 and 512 rows, budget 1024,
+    mean length ~80, max 640-950; docs/BENCHMARKS.md, 2026-12-01 evening): the ordinary route ran
+    2.32-2.46x its roofline against continuous batching's 2.62-2.73x (2.41-2.46x with EOS checks
+    every 4 steps), so the earlier rule that sent EOS calls of >= 256 new tokens to continuous batching
+    (chosen against ordinary-route times inflated by the EOS-graph bug fixed in 2de1de7) is gone.
     With the packed prefill (``prefill="packed"``, :mod:`rollout.model.prefill`) there is one pass over
     the weights either way and the buckets only group attention: the same decision runs on
     ``CostModel.packed()``, whose per-bucket cost is the group overhead plus attention. With
@@ -47,21 +50,10 @@ class RouteChoice:
     reason: str = ""
 
 
-#: Auto sends calls with EOS ids and at least this many new tokens to continuous batching: rows then end
-#: at very different steps. Measured on the H200 (docs/BENCHMARKS.md, RL scale, 2026-12-01): 256 rows,
-#: budget 1024, sampled lengths mean ~81 / max ~600: continuous 3.9 s, the ordinary route with compaction
-#: 7.7 s; without EOS (every row runs to the budget) the two are within 1%. Caveat (found later that day):
-#: those ordinary-route times were inflated by a bug (its graphs read a freed EOS tensor from the second
-#: call on, so rows never finished in replays; fixed in 2de1de7); the rule awaits a re-measurement.
-RAGGED_MIN_NEW_TOKENS = 256
-
-
 def choose_route(route: str, layout: PromptLayout, num_samples: int, num_slots: int | None,
-                 cost_model: CostModel, max_tokens: int | None, prefill: str = "hf",
-                 ragged: bool = False) -> RouteChoice:
+                 cost_model: CostModel, max_tokens: int | None, prefill: str = "hf") -> RouteChoice:
     """The route and prefill plan of one call (``route`` is ``RolloutConfig.route``; ``prefill`` one of
-    ``PREFILL_PATHS``: how the ordinary route would prefill; ``ragged``: rows may end at very different
-    steps, i.e. EOS ids and a budget of at least ``RAGGED_MIN_NEW_TOKENS``)."""
+    ``PREFILL_PATHS``: how the ordinary route would prefill)."""
     if prefill not in PREFILL_PATHS:
         raise ValueError(f"prefill: must be one of {PREFILL_PATHS}; got {prefill!r}")
     num_rows = len(layout.spans) * num_samples
@@ -71,9 +63,6 @@ def choose_route(route: str, layout: PromptLayout, num_samples: int, num_slots: 
         return RouteChoice(CONTINUOUS, reason="route=continuous")
     if num_slots is not None and num_slots < num_rows:
         return RouteChoice(CONTINUOUS, reason=f"{num_rows} rows exceed continuous_batch_size={num_slots}")
-    if ragged:
-        return RouteChoice(CONTINUOUS, reason="EOS over a long budget: rows end at very different steps, "
-                                              "continuous batching retires them")
     if prefill == "varlen":
         return RouteChoice(ORDINARY, reason="packed prefill, attention per row: no buckets to plan")
     spans = layout.spans
