@@ -87,11 +87,13 @@ class RolloutConfig:
     """Keep the KV cache allocated between compatible calls (no re-allocation) or release it after each call."""
     fuse_lora: bool = True
     """Merge peft LoRA adapters into the base weights for generation (restored bit-exactly afterwards)."""
-    eos_check_interval: int = 1
+    eos_check_interval: Optional[int] = None
     """Decode steps between the checks whether rows have finished (each check is one host sync): the
     ordinary route stops when all have; the continuous route retires them then, so a row that ended in
     between decodes up to ``k - 1`` more tokens (masked in the output) while the host, not waiting, runs
-    ahead of the GPU."""
+    ahead of the GPU. Outputs are the same for every ``k``. None: the route's default
+    (``rollout.plan.routes.EOS_CHECK_INTERVAL``: 1 for the ordinary route, 4 for continuous batching,
+    chosen by measurement on the H200)."""
     max_context: Optional[int] = None
     """Upper bound on prompt + new tokens; None reads ``max_position_embeddings`` from the model config."""
     fast_decode: bool = True
@@ -129,8 +131,8 @@ class RolloutConfig:
         for name in ("fuse_lora", "fast_decode", "fast_prefill", "cuda_graphs", "compile", "fuse_qkv",
                      "fused_sampler"):
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
-        require(is_int(self.eos_check_interval) and self.eos_check_interval >= 1, "eos_check_interval",
-                 f"must be an int >= 1; got {self.eos_check_interval!r}")
+        require(self.eos_check_interval is None or (is_int(self.eos_check_interval) and self.eos_check_interval >= 1),
+                 "eos_check_interval", f"must be None or an int >= 1; got {self.eos_check_interval!r}")
         require(self.max_prefill_tokens is None or (is_int(self.max_prefill_tokens) and self.max_prefill_tokens > 0),
                  "max_prefill_tokens", f"must be None or a positive int; got {self.max_prefill_tokens!r}")
         from rollout.plan.planner import CostModel  # light, pure Python

@@ -177,7 +177,7 @@ class Rollout:
                                         fit.slots if fit else sampling.continuous_batch_size, self._costs(),
                                         self.config.max_prefill_tokens, decode.prefill_path)
         with self._inference_mode(), self._generation_weights():
-            ctx = self._context(sampling, decode, device)  # after the gather: ZeRO-3 weights are resident
+            ctx = self._context(sampling, decode, device, route.route)  # after the gather: ZeRO-3 weights are resident
             if route.route == routes.CONTINUOUS:
                 result = self._continuous.run(ctx, decode, ids, mask, layout, fit)
             else:
@@ -187,6 +187,7 @@ class Rollout:
         generated, stats = result.tokens, result.stats
         stats.sampler_fallback_reason, stats.sampler_path = ctx.sampler.fallback_reason, ctx.sampler.last_path
         stats.route, stats.route_reason, stats.dp_skipped = route.route, route.reason, route.dp_skipped
+        stats.eos_check_interval = ctx.eos_check_interval
         stats.route_estimates_ms, stats.prefill_path = route.estimates_ms, decode.prefill_path
         stats.prefill_buckets = len(route.buckets) if route.buckets else 1
         stats.plans += 0 if route.dp_skipped else 1  # Auto's bucket DP ran for this call
@@ -201,14 +202,16 @@ class Rollout:
             output = assemble(expanded_ids, expanded_mask, generated, responses, self.pad_token_id, extras)
         return output, stats
 
-    def _context(self, sampling: SamplingConfig, decode: DecodeChoice, device: torch.device) -> CallContext:
+    def _context(self, sampling: SamplingConfig, decode: DecodeChoice, device: torch.device,
+                 route: str) -> CallContext:
         """What the executors need of this call (inside the gather). Prefill is not captured in graphs, so it
         reads the (gathered) parameters directly, as eager decode steps do."""
         parts = self._fast_step.parts(device, mirrored=False) if decode.is_fast else None
         sampler = sampler_fn(sampling, compiled=self.config.compile and device.type == "cuda",
                              fused=self.config.fused_sampler)
         return CallContext(self.model, sampling, EosIds.on(self.eos_token_ids, device), self._costs(),
-                           self.config.max_prefill_tokens, self.config.eos_check_interval, stage, self._busy,
+                           self.config.max_prefill_tokens,
+                           routes.eos_check_interval(self.config.eos_check_interval, route), stage, self._busy,
                            fast=parts, fast_prefill=parts if decode.prefill_path != "hf" else None, sampler=sampler)
 
     def _slots_within_budget(self, layout: PromptLayout, sampling: SamplingConfig, decode: DecodeChoice,

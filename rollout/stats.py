@@ -41,6 +41,9 @@ class CallStats:
     sampler_path: str = "eager"
     """What the call's last token selection ran: ``"fused"`` (the one-kernel nucleus), ``"compiled"`` or
     ``"eager"`` (``rollout.ops.sampling.Sampler.last_path``)."""
+    eos_check_interval: int = 1
+    """Decode steps between EOS checks in this call: ``RolloutConfig.eos_check_interval``, or the route's
+    default when that is None (``rollout.plan.routes.EOS_CHECK_INTERVAL``)."""
     prefill_buckets: int = 1
     """Prefill buckets of the plan (ordinary route; 1 when unplanned)."""
     prefill_forwards: int = 0

@@ -23,14 +23,15 @@ COMMON = dict(dp_skipped=True, route_estimates_ms={}, prefill_buckets=1, graph_d
 # ordinary: one pass over the 3 prompts of 6 tokens (each prompt's 2 samples share it), 4 decode steps of 6
 # rows; the cache holds the batch bucket of 6 rows (8) x (6 + 5) columns; no EOS ids -> no EOS check, no
 # compaction.
-ORDINARY = dict(COMMON, route="ordinary", route_reason="route=ordinary", prefill_forwards=1,
+ORDINARY = dict(COMMON, route="ordinary", route_reason="route=ordinary", eos_check_interval=1, prefill_forwards=1,
                 prefill_attention_groups=1, prefill_rows=3, prefill_tokens=18, decode_forwards=4, decode_rows=24,
                 steps=5, host_syncs=0, plans=0, prefill_copy_bytes=0, scratch_bytes=0, scratch_allocations=0)
 # continuous, 4 slots: prompts 0 and 1 (4 rows) admitted first, decoded 4 times, retired together at the
 # budget; then prompt 2 (2 rows), decoded 4 times: 2 plans, 2 packed passes of one group each, 3 distinct
 # prompts (shared prefill) of 6 tokens; 10 scheduler iterations (2 admissions + 8 decodes); the copies
 # into the slots: 6 slots x 6 columns; scratch: the first wave's 2 prompts x 6 columns, allocated once.
-CONTINUOUS = dict(COMMON, route="continuous", route_reason="route=continuous", prefill_forwards=2,
+CONTINUOUS = dict(COMMON, route="continuous", route_reason="route=continuous", eos_check_interval=4,
+                  prefill_forwards=2,
                   prefill_attention_groups=2, prefill_rows=3, prefill_tokens=18, decode_forwards=8, decode_rows=24,
                   steps=10, host_syncs=0, plans=2, prefill_copy_bytes=6 * 6 * COLUMN_BYTES,
                   scratch_bytes=2 * 6 * COLUMN_BYTES, scratch_allocations=1)
@@ -89,16 +90,19 @@ def test_auto_with_every_row_in_one_batch_runs_the_ordinary_route(prompts):
     assert (stats.decode_path, stats.decode_forwards, stats.eager_decode_steps) == ("fast_eager", 4, 4)
 
 
-@pytest.mark.parametrize("route, slots", [("ordinary", None), ("continuous", 4)])
-def test_eos_checks_are_counted_as_host_syncs(route, slots, prompts):
-    """An EOS id that never comes: the ordinary route checks before each of its 4 decode steps; the
-    continuous route reads the flags once per scheduler iteration (10, as above)."""
+@pytest.mark.parametrize("route, slots, interval, checks, syncs", [
+    ("ordinary", None, None, 1, 4), ("ordinary", None, 2, 2, 2), ("continuous", 4, 1, 1, 10),
+    ("continuous", 4, None, 4, 2)])
+def test_eos_checks_are_counted_as_host_syncs(route, slots, interval, checks, syncs, prompts):
+    """An EOS id that never comes: the ordinary route checks before each of its 4 decode steps (by
+    default; every 2nd: 2); the continuous route reads the flags once per scheduler iteration with k = 1
+    (10, as above) and, by default (k = 4), after iterations 4 and 8."""
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=1)
-    ro = Rollout(tiny_model("qwen2", seed=0), tok, RolloutConfig(route=route))
+    ro = Rollout(tiny_model("qwen2", seed=0), tok, RolloutConfig(route=route, eos_check_interval=interval))
     batch = ro.generate(RolloutRequest(*prompts), SamplingConfig(max_new_tokens=5, temperature=0.0,
                                                                  n_samples_per_prompt=2, continuous_batch_size=slots))
     assert not (batch.input_ids[:, 6:] == 1).any()  # precondition: the EOS id is never generated
-    assert ro.last_stats.host_syncs == (4 if route == "ordinary" else 10)
+    assert (ro.last_stats.eos_check_interval, ro.last_stats.host_syncs) == (checks, syncs)
 
 
 def test_mapping_access_keeps_old_callers_working(prompts):

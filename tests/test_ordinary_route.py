@@ -123,9 +123,11 @@ def test_continuous_refills_come_in_waves(model, prompts, frequent_eos, monkeypa
         (4, 4, 2, 4)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=frequent_eos)
     sampling = SamplingConfig(max_new_tokens=30, temperature=0.0, continuous_batch_size=16)
-    waves = Rollout(model, tok, RolloutConfig(route="continuous"))
+    # EOS checks every step: with the default (every 4th) retirements already come 4 steps apart
+    config = RolloutConfig(route="continuous", eos_check_interval=1)
+    waves = Rollout(model, tok, config)
     got = waves.generate(RolloutRequest(*prompts), sampling)
     monkeypatch.setattr(loop, "refill_threshold", lambda slots, n: n)
-    eager = Rollout(model, tok, RolloutConfig(route="continuous"))
+    eager = Rollout(model, tok, config)
     assert torch.equal(eager.generate(RolloutRequest(*prompts), sampling).input_ids, got.input_ids)
     assert waves.last_stats.plans < eager.last_stats.plans
