@@ -205,8 +205,7 @@ class ProfileConfig:
     finalizes CUPTI after each trace window (no lingering CUPTI callbacks on unrecorded steps). None
     (default): on where torch's CUDA runtime is >= 12.6 (:func:`teardown_by_default`, resolved when the
     profiler starts, so that reading the config never imports torch), off elsewhere.
-    Measured on an H200, CUDA 13: without it the steps after a 3-step window ran 27% slower to the end
-    of the run; with it, as before the window, and CUDA graphs captured and replayed after each window."""
+    On an H200 (CUDA 13) CUDA graphs capture and replay after windows with it (docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

@@ -2,11 +2,14 @@
 
 ``TEARDOWN_CUPTI``: Kineto keeps CUPTI's callbacks installed after a trace window unless the
 environment variable ``TEARDOWN_CUPTI=1`` is set (pytorch/pytorch#144455, pytorch/kineto#1264);
-they can slow the unrecorded steps that follow (measured on an H200, CUDA 13: +27% on every later
-step). It is set before the profiler starts and again before it stops (torch resets it to ``0`` where
-it believes CUDA graphs and CUPTI teardown do not mix: CUDA < 12.6), by default wherever torch's CUDA
-runtime is >= 12.6; ``OPSD_PROFILE_TEARDOWN_CUPTI=0`` leaves Kineto's default. ``scripts/bench_profiler_cost.py --linger`` measures
-the lingering cost and checks that CUDA graphs still capture and replay after a window.
+they can slow the unrecorded steps that follow. It is set before the profiler starts and again before
+it stops, by default wherever torch's CUDA runtime is >= 12.6 (torch resets it to ``0`` below, where
+CUDA graphs and CUPTI teardown do not mix); ``OPSD_PROFILE_TEARDOWN_CUPTI=0`` leaves torch's default.
+On the H200 (CUDA 13) CUDA graphs captured before a window replay, and new ones capture and replay,
+after windows with teardown. Whether the lingering cost is real there is not settled: in the one pair
+of runs (docs/BENCHMARKS.md, 2026-12-01 evening) the steps after the window ran 27% slower than before
+it without teardown, but the run with teardown had already drifted to the same ~550 ms before its
+window. ``scripts/bench_profiler_cost.py linger`` measures it and checks the graphs.
 
 Trace files are written by :func:`instrumentation.export.export_trace` (atomically, validated, all
 temporary files inside the run directory).

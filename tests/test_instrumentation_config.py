@@ -51,8 +51,7 @@ GOOD_ENV = [
 @pytest.mark.parametrize("cuda,expected", [("13.0", True), ("12.6", True), ("12.8", True), ("12.4", False),
                                            ("11.8", False), (None, False), ("", False), ("rocm", False)])
 def test_cupti_teardown_is_the_default_from_cuda_12_6(cuda, expected):
-    """Measured on the H200 (CUDA 13): without teardown the steps after a trace window ran 27% slower;
-    torch itself refuses teardown with CUDA graphs below 12.6."""
+    """On by default where torch allows it with CUDA graphs (CUDA >= 12.6; torch resets it below)."""
     assert teardown_by_default(cuda) is expected
 
 
