@@ -54,16 +54,30 @@ class ScalarWriter:
             state.warn_once("scalars", f"opsd TensorBoard scalars disabled: {exc!r}")
             self.log_dir = None
 
+    @staticmethod
+    def _write_step(writer, step: int, tagged: list) -> None:
+        """All ``(tag, value)`` scalars of one step as one event (one ``Summary`` with a value per tag):
+        TensorBoard reads them exactly as ``add_scalar``'s one-value events, for a fraction of the host
+        time (one event built, serialised and queued per step instead of one per scalar)."""
+        if not tagged:
+            return
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in tagged]
+        writer._get_file_writer().add_summary(Summary(value=values), step)
+
     def stages(self, step: int, summary: dict, has_device_clock: bool, flush: bool = True) -> None:
         """Per-stage scalars of one step from ``collect.summarize`` output."""
         def write(writer) -> None:
+            tagged = []
             for name, entry in summary.items():
                 prefix = stages.range_name(name) + "/"
-                writer.add_scalar(prefix + "cpu_ms", entry["host_ms"], step)
+                tagged.append((prefix + "cpu_ms", entry["host_ms"]))
                 if has_device_clock:
-                    writer.add_scalar(prefix + "gpu_ms", entry["device_ms"], step)
+                    tagged.append((prefix + "gpu_ms", entry["device_ms"]))
                 if entry["peak_allocated_mib"] is not None:
-                    writer.add_scalar(prefix + "peak_allocated_mib", entry["peak_allocated_mib"], step)
+                    tagged.append((prefix + "peak_allocated_mib", entry["peak_allocated_mib"]))
+            self._write_step(writer, step, tagged)
             if flush:
                 writer.flush()
 
@@ -72,9 +86,8 @@ class ScalarWriter:
     def train(self, step: int, values: dict) -> None:
         """``train/<name>`` scalars of one step (None values are skipped)."""
         def write(writer) -> None:
-            for name, value in values.items():
-                if value is not None:
-                    writer.add_scalar(f"train/{name}", value, step)
+            self._write_step(writer, step, [(f"train/{name}", value) for name, value in values.items()
+                                            if value is not None])
 
         self._guarded(write)
 

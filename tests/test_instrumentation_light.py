@@ -225,7 +225,7 @@ def test_scalars_never_wait_for_the_disk(tmp_path, monkeypatch):
     done = threading.Event()
 
     def training_thread():
-        for step in range(1, 51):  # 200 events
+        for step in range(1, 51):  # 50 events (one per step), 200 scalars
             writer.train(step, {"loss": 1.0 / (step + 1), "tokens_per_s": 10.0, "step_ms": 5.0, "mfu": 0.1})
         done.set()
 
@@ -239,3 +239,27 @@ def test_scalars_never_wait_for_the_disk(tmp_path, monkeypatch):
     scalars = _scalars(str(tmp_path / "scalars"))
     assert [s for s, _ in scalars["train/loss"]] == list(range(51))
     assert [s for s, _ in scalars["train/mfu"]] == list(range(1, 51))
+
+
+def test_a_steps_scalars_are_one_event(tmp_path):
+    """Building, serialising and queueing one event per scalar cost ~0.6 ms a step for ~34 scalars on
+    the CPU VM; one event per step carries them all, and TensorBoard reads the same scalars."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from instrumentation.scalars import ScalarWriter
+
+    writer = ScalarWriter(str(tmp_path / "scalars"))
+    summary = {name: {"host_ms": 1.0, "device_ms": 2.0, "peak_allocated_mib": None}
+               for name in (stages.STEP, stages.ROLLOUT, stages.DECODE, stages.LOSS)}
+    for step in range(3):
+        writer.stages(step, summary, has_device_clock=True, flush=False)
+        writer.train(step, {"loss": float(step), "tokens_per_s": 10.0, "mfu": None})
+    writer.close()
+    (path,) = glob.glob(str(tmp_path / "scalars" / "events.out.tfevents.*"))
+    events = [e for e in EventFileLoader(path).Load() if e.HasField("summary")]
+    assert [(e.step, len(e.summary.value)) for e in events] == [(0, 8), (0, 2), (1, 8), (1, 2), (2, 8), (2, 2)]
+    scalars = _scalars(str(tmp_path / "scalars"))
+    assert scalars["opsd/decode/gpu_ms"] == [(0, 2.0), (1, 2.0), (2, 2.0)]
+    assert scalars["train/loss"] == [(0, 0.0), (1, 1.0), (2, 2.0)] and "train/mfu" not in scalars
