@@ -49,7 +49,8 @@ Columns
 - wall ms: mean over ``--repeats`` timed calls (min-max too), CUDA synchronised around each call.
 - roofline ms, x roof: see :func:`call_roofline_s`; each call's own realised lengths; x roof = wall / roofline.
 - GPU busy: union of the kernel / memcpy / memset intervals of one extra profiled call (torch.profiler, CUDA
-  activity; after every timed call of the cell) / the candidate's median timed wall. ``n/a (skipped)`` above
+  activity; after every timed call of the cell) / that call's own wall (both under the profiler: against the
+  timed wall, traced kernels' longer durations gave up to 125% on the H200). ``n/a (skipped)`` above
   ``--busy-max-events`` events. ``after_profile``: the row's timed calls followed a profiled call of this
   process (CUPTI callbacks may linger; ``--cupti-teardown`` sets ``TEARDOWN_CUPTI=1``, ``--busy off`` skips).
 - peak GiB: ``torch.cuda.max_memory_allocated`` over the call (reset before), minus what the other candidates'
@@ -799,7 +800,7 @@ def scalar_stats(stats) -> dict:
 
 
 def profile_busy(run: CandidateRun, device: str, max_events: int, teardown: bool = False) -> None:
-    """GPU-busy % of one extra profiled call against the median timed wall."""
+    """GPU-busy % of one extra profiled call: its GPU activity over its own wall."""
     if run.error is not None or not run.walls_ms:
         return
     from torch.profiler import ProfilerActivity, profile
@@ -812,8 +813,10 @@ def profile_busy(run: CandidateRun, device: str, max_events: int, teardown: bool
         if teardown:  # before start and stop: torch resets it where it thinks graphs and teardown clash
             os.environ["TEARDOWN_CUPTI"] = "1"
         with prof:
+            start = time.perf_counter_ns()
             run.call()
             sync(device)
+            wall_ns = time.perf_counter_ns() - start
             if teardown:
                 os.environ["TEARDOWN_CUPTI"] = "1"
         intervals, why = gpu_intervals(prof, max_events)
@@ -827,7 +830,7 @@ def profile_busy(run: CandidateRun, device: str, max_events: int, teardown: bool
     elif not intervals:
         run.busy = (None, "n/a (no GPU events recorded)")
     else:
-        run.busy = (busy_percent(intervals, statistics.median(run.walls_ms) * 1e6), f"{len(intervals)} events")
+        run.busy = (busy_percent(intervals, wall_ns), f"{len(intervals)} events, profiled call {wall_ns / 1e6:.0f} ms")
 
 
 def release(runs: list[CandidateRun], device: str) -> None:
