@@ -17,6 +17,8 @@ ROUTES = ("ordinary", "continuous", "auto")
 #: Seeds key the sampling noise through 32-bit hashes: larger ones would alias smaller ones.
 MAX_SEED = 2**32
 GATHER_MODES = ("once", "per_forward")
+#: ``RolloutConfig.compile_mode`` values: torch.compile modes without inductor CUDA graphs.
+COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,12 @@ class RolloutConfig:
     """On CUDA, capture the fast decode step in CUDA graphs (per batch and length bucket) and replay them."""
     compile: bool = True
     """On CUDA, ``torch.compile`` the fast step's fusable pieces (norms, rotary, MLP activation)."""
+    compile_mode: Optional[str] = None
+    """``torch.compile`` mode of those pieces: None (torch's default: cuBLAS GEMMs, inductor's fusions) or
+    ``"max-autotune-no-cudagraphs"`` (inductor benchmarks Triton GEMM templates against cuBLAS per shape and
+    batch bucket, at a compile time of minutes; aimed at small-batch decode, where the weight GEMMs run at
+    ~58% of the copy rate on an H200). Modes that add inductor's own CUDA graphs are refused: ours capture
+    the whole step. An experiment: not yet measured on a GPU."""
     fuse_qkv: bool = True
     """Our step computes q, k and v with one GEMM over a concatenated copy of their weights (refreshed at
     every call; ~1/8 of the weights for Qwen2.5-3B) instead of three; False reads the model's own tensors."""
@@ -131,6 +139,9 @@ class RolloutConfig:
         for name in ("fuse_lora", "fast_decode", "fast_prefill", "cuda_graphs", "compile", "fuse_qkv",
                      "fused_sampler"):
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
+        require(self.compile_mode in COMPILE_MODES, "compile_mode",
+                 f"must be one of {COMPILE_MODES} (modes with inductor CUDA graphs clash with ours); "
+                 f"got {self.compile_mode!r}")
         require(self.eos_check_interval is None or (is_int(self.eos_check_interval) and self.eos_check_interval >= 1),
                  "eos_check_interval", f"must be None or an int >= 1; got {self.eos_check_interval!r}")
         require(self.max_prefill_tokens is None or (is_int(self.max_prefill_tokens) and self.max_prefill_tokens > 0),

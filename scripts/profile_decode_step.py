@@ -104,12 +104,13 @@ def sampler_variants(rows: int, vocab: int):
     return out
 
 
-def decode_step_fn(model, rows: int, live: int, compiled: bool, fuse_qkv: bool):
-    """One decode step of ``rows`` rows over ``live`` cached columns (random cache), as a closure."""
+def decode_step_fn(model, rows: int, live: int, compiled: bool, fuse_qkv: bool, mode: str | None = None):
+    """One decode step of ``rows`` rows over ``live`` cached columns (random cache), as a closure
+    (``mode``: the ``torch.compile`` mode of the compiled pieces, ``RolloutConfig.compile_mode``)."""
     spec, weights = spec_and_weights(model)
     if fuse_qkv:
         weights = FusedQKV().refresh(weights)
-    parts = StepParts(spec, weights, compiled_step_fns() if compiled else StepFns())
+    parts = StepParts(spec, weights, compiled_step_fns(mode) if compiled else StepFns())
     shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
     keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     values = torch.randn_like(keys)
@@ -120,8 +121,8 @@ def decode_step_fn(model, rows: int, live: int, compiled: bool, fuse_qkv: bool):
     return lambda: decode_logits(parts, keys, values, tokens, positions, col, keep)
 
 
-def step_variants(model, rows: int, live: int, compiled: bool, fuse_qkv: bool = False):
-    return graph_ms(decode_step_fn(model, rows, live, compiled, fuse_qkv), 10)
+def step_variants(model, rows: int, live: int, compiled: bool, fuse_qkv: bool = False, mode: str | None = None):
+    return graph_ms(decode_step_fn(model, rows, live, compiled, fuse_qkv, mode), 10)
 
 
 def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, layers: int):
@@ -194,6 +195,9 @@ def main(argv=None) -> None:
     parser.add_argument("--json")
     parser.add_argument("--profile-call", action="store_true", help="also profile one 64x4 x 256+256 sampled call")
     parser.add_argument("--kernels", action="store_true", help="also the decode step's kernels and GEMM variants")
+    parser.add_argument("--compile-modes", nargs="+", default=[],
+                        choices=["max-autotune-no-cudagraphs"],
+                        help="step: also the compiled + fused q|k|v step under these torch.compile modes")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"],
                         choices=["attention", "sampler", "step"], help="which tables to time")
     args = parser.parse_args(argv)
@@ -212,10 +216,12 @@ def main(argv=None) -> None:
             for name, ms in sampler_variants(rows, cfg.vocab_size).items():
                 rows_out.append(dict(rows=rows, part="sampler", variant=name, ms=ms))
         if "step" in args.parts:
-            for compiled, fuse in ((False, False), (True, False), (True, True)):
-                name = ("compiled" if compiled else "eager") + (" + fused q|k|v" if fuse else "")
+            for compiled, fuse, mode in ((False, False, None), (True, False, None), (True, True, None),
+                                         *((True, True, m) for m in args.compile_modes)):
+                name = ("compiled" if compiled else "eager") + (" + fused q|k|v" if fuse else "") + (
+                    f", mode {mode}" if mode else "")
                 rows_out.append(dict(rows=rows, part="decode_logits", variant=name,
-                                     ms=step_variants(model, rows, args.live, compiled, fuse)))
+                                     ms=step_variants(model, rows, args.live, compiled, fuse, mode)))
         if args.kernels:
             kv_dim = cfg.num_key_value_heads * head_dim
             for name, (ms, tflops) in gemm_variants(rows, cfg.hidden_size, cfg.intermediate_size,

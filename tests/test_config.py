@@ -40,6 +40,10 @@ def test_sampling_config_keeps_upstream_defaults():
     (dict(fuse_qkv="no"), "fuse_qkv"),
     (dict(fused_sampler=0), "fused_sampler"),
     (dict(eos_check_interval=0), "eos_check_interval"),
+    (dict(eos_check_interval=2.0), "eos_check_interval"),
+    (dict(compile_mode="reduce-overhead"), "compile_mode"),  # inductor CUDA graphs inside ours
+    (dict(compile_mode="max-autotune"), "compile_mode"),
+    (dict(compile_mode=1), "compile_mode"),
     (dict(max_context=0), "max_context"),
 ])
 def test_rollout_config_rejects_bad_values(kwargs, field):

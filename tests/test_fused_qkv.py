@@ -88,3 +88,33 @@ def test_fused_copy_layout_and_reuse():
         w.q.add_(1.0)
     second = fused.refresh(weights).layers[0]
     assert second.qkv.data_ptr() == first.qkv.data_ptr() and torch.equal(second.qkv[: w.q.shape[0]], w.q)
+
+
+def test_compile_mode_reaches_torch_compile(monkeypatch):
+    """``RolloutConfig.compile_mode`` is the mode every compiled piece of the step is built with (on CUDA;
+    checked here through the pieces a CUDA call would read, with torch.compile recorded)."""
+    from rollout.executors.decode import FastStep
+    from rollout.model import step
+
+    seen = []
+
+    def recording_compile(fn, **kwargs):
+        seen.append((fn.__name__, kwargs.get("mode")))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    step.compiled_step_fns.cache_clear()
+    try:
+        model = tiny_model("qwen2", seed=0)
+        ro = Rollout(model, TinyTokenizer(), RolloutConfig(compile_mode="max-autotune-no-cudagraphs"))
+        parts = ro._fast_step.parts(torch.device("cuda"), mirrored=False)  # no CUDA needed to build them
+        assert {mode for _, mode in seen} == {"max-autotune-no-cudagraphs"}
+        assert parts.fns.attention_output_and_mlp is step.attention_output_and_mlp  # the recorder's output
+        seen.clear()
+        FastStep(model, use_compile=True, mirror_weights=False).parts(torch.device("cuda"), mirrored=False)
+        assert seen and {mode for _, mode in seen} == {None}  # the default: torch's default mode
+        seen.clear()
+        FastStep(model, use_compile=True, mirror_weights=False).parts(torch.device("cpu"), mirrored=False)
+        assert seen == []  # never compiled on the CPU
+    finally:
+        step.compiled_step_fns.cache_clear()

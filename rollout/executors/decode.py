@@ -48,9 +48,11 @@ class DecodeChoice:
 class FastStep:
     """Our fused step for one model: ``StepParts`` read at each call (weights may move between calls)."""
 
-    def __init__(self, model: torch.nn.Module, use_compile: bool, mirror_weights: bool, fuse_qkv: bool = True):
+    def __init__(self, model: torch.nn.Module, use_compile: bool, mirror_weights: bool, fuse_qkv: bool = True,
+                 compile_mode: Optional[str] = None):
         self.model = model
         self.use_compile = use_compile
+        self.compile_mode = compile_mode
         self.mirror = WeightMirror() if mirror_weights else None
         self.fused_qkv = FusedQKV() if fuse_qkv else None
         self.last_weight_signature: Optional[tuple[int, ...]] = None
@@ -67,7 +69,7 @@ class FastStep:
             weights = self.fused_qkv.refresh(weights)
         if mirrored:
             self.last_weight_signature = weights.signature()
-        fns = compiled_step_fns() if (self.use_compile and device.type == "cuda") else StepFns()
+        fns = compiled_step_fns(self.compile_mode) if (self.use_compile and device.type == "cuda") else StepFns()
         return StepParts(spec, weights, fns)
 
     def release_copies(self) -> None:

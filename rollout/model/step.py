@@ -296,10 +296,11 @@ class StepFns:
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_step_fns() -> StepFns:
+def compiled_step_fns(mode: str | None = None) -> StepFns:
     """``torch.compile``d pieces (inductor fuses norms, rotary, SiLU and residual adds; no inductor
-    CUDA graphs: ours wrap the whole step). One compiled graph serves every layer."""
-    compile_fn = functools.partial(torch.compile, dynamic=None, fullgraph=True)
+    CUDA graphs: ours wrap the whole step). One compiled graph serves every layer. ``mode``: the
+    ``torch.compile`` mode (``RolloutConfig.compile_mode``; None: torch's default)."""
+    compile_fn = functools.partial(torch.compile, dynamic=None, fullgraph=True, mode=mode)
     return StepFns(compile_fn(attention_inputs), compile_fn(attention_inputs_qkv), compile_fn(attention_output_and_mlp),
                    compile_fn(final_logits))
 
