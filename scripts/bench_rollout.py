@@ -174,7 +174,25 @@ def upstream_rollout(model, tok, device, continuous: bool):
     return HybridEngineRollout(engine, tok, cfg)
 
 
-def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_config=None) -> list[Row]:
+SEED004_NEW_TOKENS = 16
+
+
+def seed004_roofline_ms(prompt_lens: list[int], geo, bw_bytes_s: float, flops_s: float) -> float:
+    """Issue 15's roofline of one seed-004 call (``scripts/bench_rl.call_roofline_s``): one sample per
+    prompt, greedy, no EOS, so every row decodes ``SEED004_NEW_TOKENS`` tokens."""
+    from scripts.bench_rl import call_roofline_s
+
+    return 1e3 * call_roofline_s(prompt_lens, 1, [SEED004_NEW_TOKENS] * len(prompt_lens), geo, bw_bytes_s, flops_s)
+
+
+def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_config=None,
+                  rates: tuple[float, float] | None = None) -> list[Row]:
+    """``rates``: (copy bytes/s, GEMM FLOP/s) measured in this run; with them every row carries its
+    ``roofline_ms`` and ``x_roofline`` (issue 15's target: <= 3x)."""
+    geo = None
+    if rates is not None:
+        from scripts.bench_rl import model_geometry
+        geo = model_geometry(model)
     ours = {f"ours_{route}": Rollout(model, tok, RolloutConfig(route=route, cost_model=cost_config))
             for route in ("ordinary", "auto", "continuous")}
     # A/B of the prefill path: the ordinary route with the HF layers' prefill (not a route of its own)
@@ -184,7 +202,8 @@ def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_confi
     for name in names:
         lengths = SEED004[name]
         ids, mask = left_padded(lengths, model.config.vocab_size, device, token=FILL_TOKEN % model.config.vocab_size)
-        sampling = SamplingConfig(max_new_tokens=16, temperature=0.0)
+        sampling = SamplingConfig(max_new_tokens=SEED004_NEW_TOKENS, temperature=0.0)
+        roofline = seed004_roofline_ms(lengths, geo, *rates) if geo is not None else None
         candidates = {name: (lambda ro=ro: ro.generate(RolloutRequest(ids, mask), sampling))
                       for name, ro in ours.items()}
         if up is not None:
@@ -205,6 +224,8 @@ def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_confi
         best_ours = min(means[k] for k in ("ours_ordinary", "ours_continuous"))
         for cand, ms in means.items():
             extra = {"tokens_per_s": 512 / (ms / 1000.0), "vs_best_upstream": ms / best_up}
+            if roofline is not None:
+                extra.update(roofline_ms=roofline, x_roofline=ms / roofline)
             if cand in ours:
                 stats = ours[cand].last_stats
                 extra.update(route=stats.get("route"), prefill_forwards=stats.get("prefill_forwards"),
@@ -328,7 +349,13 @@ def main(argv=None) -> None:
         names = args.workloads.split(",") if args.workloads else list(SEED004)
         if model_name == "tiny":
             names = [n for n in names if n != "1x8192+31x256"]
-        rows += suite_seed004(model, tok, args.device, args.repeats, args.upstream, names, args.cost_config)
+        rates = None
+        if args.device.startswith("cuda"):  # the roofline's rates, measured here (issue 15, Definitions)
+            from scripts.bench_rl import measure_rates
+            bw_gbps, gemm_tflops = measure_rates(args.device, dtype)
+            rates = (bw_gbps * 1e9, gemm_tflops * 1e12)
+            print(f"roofline rates: copy {bw_gbps:.0f} GB/s, GEMM {gemm_tflops:.0f} TFLOP/s")
+        rows += suite_seed004(model, tok, args.device, args.repeats, args.upstream, names, args.cost_config, rates)
     if args.suite in ("smoke000", "all"):
         from scripts.bench_smoke000 import CELLS
         rows += suite_smoke000(model_name, dtype, tok, args.device, args.repeats, parse_cells(args.cells, len(CELLS)),

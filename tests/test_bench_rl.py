@@ -307,3 +307,24 @@ def test_merge_recomputes_across_shards(tmp_path, capsys):
     result = bench_rl.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     assert result.rows[0].auto_vs_best == pytest.approx(0.9)
     assert "wide-greedy" in capsys.readouterr().out
+
+
+def test_seed004_rows_carry_their_roofline():
+    """``bench_rollout --suite seed004`` with measured rates: each row's roofline is that of its workload
+    (one sample per prompt, 16 greedy tokens each) and ``x_roofline`` its time over it."""
+    from rollout.testing import TinyTokenizer, tiny_model
+    from scripts import bench_rollout
+
+    model = tiny_model("qwen2", seed=0, max_position_embeddings=1024)
+    geo = bench_rl.model_geometry(model)
+    rates = (1e9, 1e12)
+    rows = bench_rollout.suite_seed004(model, TinyTokenizer(pad_token_id=0, eos_token_id=None), "cpu", 1, False,
+                                       ["1x20+31x1"], rates=rates)
+    expected = 1e3 * bench_rl.call_roofline_s([20] + [1] * 31, 1, [16] * 32, geo, *rates)
+    assert {r.candidate for r in rows} >= {"ours_ordinary", "ours_auto", "ours_continuous"}
+    for r in rows:
+        assert r.extra["roofline_ms"] == pytest.approx(expected)
+        assert r.extra["x_roofline"] == pytest.approx(r.e2e_ms / expected)
+    without = bench_rollout.suite_seed004(model, TinyTokenizer(pad_token_id=0, eos_token_id=None), "cpu", 1, False,
+                                          ["1x20+31x1"])
+    assert all("x_roofline" not in r.extra for r in without)
