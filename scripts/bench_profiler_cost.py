@@ -11,7 +11,7 @@ both ends). Prints the mean relative cost mean(d) / mean(off) and its one-sided 
 bound (Student t on the paired differences; also a bootstrap bound). Target: upper bound <= 1%.
 
 ``linger``: profiling leaves no lasting cost. One process runs ``--steps`` steps in mode ``1`` with a
-recorded window early (``--window``, default 10-12) and a second window at the end; prints the median
+recorded window early (``--window``, default 24-26 of 60 steps) and a second window at the end; prints the median
 step time before the first window, of the recorded steps, and after it (the steps up to the second
 window's warm-up), the ratio after / before with a 95% bootstrap interval, the time of the trace
 export, and whether CUDA graphs still capture and replay after each window (a graph captured before
@@ -27,7 +27,7 @@ arguments after ``--`` (the same flags, e.g. ``--student qwen25-3b --teacher qwe
 for trying the script on a CPU. ``--json-out`` writes every step time and the summary.
 
     python scripts/bench_profiler_cost.py light --pairs 60 -- --student qwen25-3b --teacher qwen25-3b
-    python scripts/bench_profiler_cost.py linger --steps 40 --teardown-cupti 0 -- --student qwen25-3b ...
+    python scripts/bench_profiler_cost.py linger --processes 4 --fixed-work -- --student qwen25-3b --teacher qwen25-3b
 """
 
 from __future__ import annotations
@@ -184,6 +184,19 @@ def paired_cost(on: list[float], off: list[float], seed: int = 0) -> dict:
             "relative": float(d.mean()) / base, "ucb95_t": ucb, "ucb95_bootstrap": float(np.quantile(boot, 0.95))}
 
 
+#: |drift| above which the steps before a window are called not steady (``before_drift``).
+DRIFT_WARN = 0.05
+
+
+def before_drift(before: list[float]) -> float | None:
+    """median(second half) / median(first half) - 1 of the steps before a window: a workload that is still
+    speeding up or slowing down (clocks, caches, the model changing) makes after / before meaningless."""
+    if len(before) < 4:
+        return None
+    half = len(before) // 2
+    return statistics.median(before[half:]) / statistics.median(before[:half]) - 1.0
+
+
 def ratio_of_medians(after: list[float], before: list[float], seed: int = 0) -> dict:
     """median(after) / median(before) with a 95% bootstrap interval (steps resampled)."""
     rng = np.random.default_rng(seed)
@@ -313,6 +326,7 @@ def measure_linger(args) -> dict:
               "median_recorded_ms": statistics.median(recorded), "median_after_ms": statistics.median(after),
               "after_over_before": ratio_of_medians(after, before),
               "recorded_over_before": statistics.median(recorded) / statistics.median(before),
+              "before_drift": before_drift(before),
               "export_ms": prof_ms[b], "graph_checks": checks, "step_ms": step_ms, "prof_step_ms": prof_ms,
               "traces": prof.trace_paths()}
     print_linger(result)
@@ -329,6 +343,11 @@ def print_linger(r: dict) -> None:
           f"{r['median_after_ms']:.1f} ({b + 1}-{r['second_window'][0] - 2})")
     print(f"after / before: {q['ratio']:.4f} (95% bootstrap {q['low']:.4f}-{q['high']:.4f}); "
           f"trace export in prof.step(): {r['export_ms']:.0f} ms")
+    drift = r.get("before_drift")
+    if drift is not None and abs(drift) > DRIFT_WARN:
+        print(f"WARNING: the steps before the window drifted by {100 * drift:+.1f}% (second half vs first half): "
+              "the workload was not steady, so after / before mixes that drift with any lingering cost; "
+              "start the window later (--window, --steps)")
     for c in r["graph_checks"]:
         print(f"cuda graphs {c['label']}: {c['status']}")
 
@@ -347,15 +366,18 @@ def run_processes(args, passthrough: list[str]) -> list[dict]:
             continue
         with open(out) as f:
             results.append(json.load(f))
-    print("| process | TEARDOWN_CUPTI | before ms | recorded ms | after ms | after/before (95%) | graphs |")
-    print("| ---: | --- | ---: | ---: | ---: | --- | --- |")
+    print("| process | TEARDOWN_CUPTI | before ms | drift before | recorded ms | after ms | after/before (95%) | graphs |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | --- | --- |")
     for k, r in enumerate(results):
         if "failed" in r:
-            print(f"| {k} | {int(r['teardown_cupti'])} | process failed (exit {r['failed']}) | | | | |")
+            print(f"| {k} | {int(r['teardown_cupti'])} | process failed (exit {r['failed']}) | | | | | |")
             continue
         q = r["after_over_before"]
         graphs = ", ".join(c["status"] for c in r["graph_checks"])
-        print(f"| {k} | {int(r['teardown_cupti'])} | {r['median_before_ms']:.1f} | {r['median_recorded_ms']:.1f} | "
+        drift = r.get("before_drift")
+        drift_text = f"{100 * drift:+.1f}%" if drift is not None else "n/a"
+        print(f"| {k} | {int(r['teardown_cupti'])} | {r['median_before_ms']:.1f} | {drift_text} | "
+              f"{r['median_recorded_ms']:.1f} | "
               f"{r['median_after_ms']:.1f} | {q['ratio']:.4f} ({q['low']:.4f}-{q['high']:.4f}) | {graphs} |")
     return results
 
@@ -371,8 +393,10 @@ def parse_args(argv=None):
     p.add_argument("--workload", choices=("opsd", "synthetic"), default="opsd")
     p.add_argument("--pairs", type=int, default=60, help="light: on/off pairs (>= 50 for the report)")
     p.add_argument("--warmup", type=int, default=6, help="light: steps before the pairs (on)")
-    p.add_argument("--steps", type=int, default=40, help="linger: steps before the second window")
-    p.add_argument("--window", default="10-12", help="linger: the early recorded window, 'A-B'")
+    p.add_argument("--steps", type=int, default=60, help="linger: steps before the second window")
+    p.add_argument("--window", default="24-26",
+                   help="linger: the early recorded window, 'A-B' (late enough for the steps before it to be "
+                        "steady: on the H200 a 3B OPSD step drifted up ~25%% within its first ten steps)")
     p.add_argument("--teardown-cupti", type=int, choices=(0, 1), default=None)
     p.add_argument("--processes", type=int, default=0, help="linger: K child processes, teardown 0/1 alternating")
     p.add_argument("--fixed-work", action="store_true",

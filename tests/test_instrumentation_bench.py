@@ -59,3 +59,21 @@ def test_linger_measure_runs(tmp_path):
     assert result["window"] == [3, 4] and len(result["step_ms"]) == 13 and len(result["traces"]) == 2
     assert [c["label"] for c in result["graph_checks"]] == ["after window 3-4", "after window 9-10"]
     assert "after / before" in stdout
+
+
+def test_before_drift_flags_a_workload_still_warming_up():
+    b = bench_module()
+    assert b.before_drift([100.0, 100.0, 100.0, 100.0]) == 0.0
+    assert b.before_drift([440.0, 430.0, 450.0, 560.0, 590.0, 620.0]) == pytest.approx(590.0 / 440.0 - 1)
+    assert b.before_drift([1.0, 2.0, 3.0]) is None  # too few steps to split
+    rising = {"window": [5, 6], "second_window": [9, 10], "median_before_ms": 1.0, "median_recorded_ms": 1.0,
+              "median_after_ms": 1.0, "recorded_over_before": 1.0, "export_ms": 0.0, "graph_checks": [],
+              "after_over_before": {"ratio": 1.0, "low": 1.0, "high": 1.0}, "workload": "synthetic",
+              "device": "cpu", "torch": "x", "cuda": None, "teardown_cupti": False}
+    import contextlib
+    import io
+    for drift, warned in ((0.25, True), (0.01, False), (None, False)):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            b.print_linger({**rising, "before_drift": drift})
+        assert ("WARNING: the steps before the window drifted" in out.getvalue()) is warned
