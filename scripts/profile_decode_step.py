@@ -104,9 +104,12 @@ def sampler_variants(rows: int, vocab: int):
     return out
 
 
-def decode_step_fn(model, rows: int, live: int, compiled: bool, fuse_qkv: bool, mode: str | None = None):
+def decode_step_fn(model, rows: int, live: int, compiled: bool, fuse_qkv: bool, mode: str | None = None,
+                   additive_mask: bool = False):
     """One decode step of ``rows`` rows over ``live`` cached columns (random cache), as a closure
-    (``mode``: the ``torch.compile`` mode of the compiled pieces, ``RolloutConfig.compile_mode``)."""
+    (``mode``: the ``torch.compile`` mode of the compiled pieces, ``RolloutConfig.compile_mode``;
+    ``additive_mask``: SDPA gets an additive bf16 mask built once, instead of the boolean ``keep`` that
+    torch converts at every layer's call under the cuDNN backend: the experiment of BENCHMARKS' leads)."""
     spec, weights = spec_and_weights(model)
     if fuse_qkv:
         weights = FusedQKV().refresh(weights)
@@ -118,11 +121,14 @@ def decode_step_fn(model, rows: int, live: int, compiled: bool, fuse_qkv: bool, 
     positions = torch.full((rows,), live, device="cuda")
     col = torch.tensor(live, device="cuda")
     keep = torch.ones(rows, 1, 1, live + 1, dtype=torch.bool, device="cuda")
+    if additive_mask:  # what torch's cuDNN path builds from the boolean mask: 0 where kept, -65504 elsewhere
+        keep = torch.zeros(keep.shape, dtype=torch.bfloat16, device="cuda").masked_fill_(~keep, -65504.0)
     return lambda: decode_logits(parts, keys, values, tokens, positions, col, keep)
 
 
-def step_variants(model, rows: int, live: int, compiled: bool, fuse_qkv: bool = False, mode: str | None = None):
-    return graph_ms(decode_step_fn(model, rows, live, compiled, fuse_qkv, mode), 10)
+def step_variants(model, rows: int, live: int, compiled: bool, fuse_qkv: bool = False, mode: str | None = None,
+                  additive_mask: bool = False):
+    return graph_ms(decode_step_fn(model, rows, live, compiled, fuse_qkv, mode, additive_mask), 10)
 
 
 def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, layers: int):
@@ -198,6 +204,8 @@ def main(argv=None) -> None:
     parser.add_argument("--compile-modes", nargs="+", default=[],
                         choices=["max-autotune-no-cudagraphs"],
                         help="step: also the compiled + fused q|k|v step under these torch.compile modes")
+    parser.add_argument("--additive-mask", action="store_const", const=[True], default=[],
+                        help="step: also the compiled + fused q|k|v step with an additive mask built once")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"],
                         choices=["attention", "sampler", "step"], help="which tables to time")
     args = parser.parse_args(argv)
@@ -216,12 +224,14 @@ def main(argv=None) -> None:
             for name, ms in sampler_variants(rows, cfg.vocab_size).items():
                 rows_out.append(dict(rows=rows, part="sampler", variant=name, ms=ms))
         if "step" in args.parts:
-            for compiled, fuse, mode in ((False, False, None), (True, False, None), (True, True, None),
-                                         *((True, True, m) for m in args.compile_modes)):
+            for compiled, fuse, mode, additive in ((False, False, None, False), (True, False, None, False),
+                                                   (True, True, None, False),
+                                                   *((True, True, None, True) for _ in args.additive_mask[:1]),
+                                                   *((True, True, m, False) for m in args.compile_modes)):
                 name = ("compiled" if compiled else "eager") + (" + fused q|k|v" if fuse else "") + (
-                    f", mode {mode}" if mode else "")
+                    f", mode {mode}" if mode else "") + (", additive mask" if additive else "")
                 rows_out.append(dict(rows=rows, part="decode_logits", variant=name,
-                                     ms=step_variants(model, rows, args.live, compiled, fuse, mode)))
+                                     ms=step_variants(model, rows, args.live, compiled, fuse, mode, additive)))
         if args.kernels:
             kv_dim = cfg.num_key_value_heads * head_dim
             for name, (ms, tflops) in gemm_variants(rows, cfg.hidden_size, cfg.intermediate_size,

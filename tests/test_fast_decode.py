@@ -61,6 +61,15 @@ def test_fast_step_logits_match_hf_logits():
                                         pos, torch.tensor(6), masks.decode_mask(valid, 7))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_cache.key_storage[:, :, :, 6], hf_cache.key_storage[:, :, :, 6])
+    # profile_decode_step's --additive-mask experiment: the step given the additive mask torch's cuDNN path
+    # builds from the boolean one (0 kept, -65504 masked) computes the same logits (left-padded rows here)
+    keep = masks.decode_mask(valid, 7)
+    assert not keep.all()  # some columns are masked
+    additive = torch.zeros(keep.shape).masked_fill_(~keep, -65504.0)
+    fast_cache.key_storage[:, :, :, 6].zero_()  # the step rewrites column 6
+    again = fast_decode.decode_logits(_parts(model), fast_cache.key_storage, fast_cache.value_storage, next_tok,
+                                      pos, torch.tensor(6), additive)
+    torch.testing.assert_close(again, got, rtol=1e-5, atol=1e-5)
 
 
 def test_weights_are_plain_views_of_the_parameters_like_the_zero3_mirror():
