@@ -10,6 +10,8 @@ timed with CUDA events. Prints one table; ``--json`` writes the rows.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -22,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.config import SamplingConfig  # noqa: E402
 from rollout.model.step import (FusedQKV, StepFns, StepParts, compiled_step_fns, decode_logits,  # noqa: E402
-                                spec_and_weights)
+                                grouped_decode_attention, spec_and_weights)
 from rollout.executors.graphs import capture_graph  # noqa: E402
 from rollout.ops.sampling import select_next_token  # noqa: E402
 from rollout.testing import shaped_model  # noqa: E402
@@ -45,6 +47,12 @@ def graph_ms(fn, iters: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_grouped_attention():
+    """``rollout.model.step.grouped_decode_attention`` compiled (one graph for every layer)."""
+    return torch.compile(grouped_decode_attention, fullgraph=True, dynamic=None)
 
 
 def attention_variants(rows: int, live: int, heads: int, kv_heads: int, dim: int, layers: int):
@@ -73,9 +81,15 @@ def attention_variants(rows: int, live: int, heads: int, kv_heads: int, dim: int
         qg = q.view(rows, kv_heads, group, dim)
         return F.scaled_dot_product_attention(qg, k, v)
 
+    compiled_grouped = compiled_grouped_attention()
+
+    def grouped_bmm():  # two batched GEMMs per KV head, mask + softmax fused by inductor
+        return compiled_grouped(q, k, v, keep, dim ** -0.5, True)
+
     out = {}
     for name, fn in (("sdpa gqa + bool mask (now)", gqa_mask), ("grouped q + bool mask", grouped_mask),
-                     ("grouped q + bf16 bias", grouped_bias), ("grouped q, no mask", grouped_nomask)):
+                     ("grouped q + bf16 bias", grouped_bias), ("grouped q, no mask", grouped_nomask),
+                     ("grouped bmm, compiled", grouped_bmm)):
         try:
             out[name] = graph_ms(fn, 20) * layers
         except Exception as exc:  # noqa: BLE001 - a variant the backend refuses is reported, not fatal
@@ -105,15 +119,19 @@ def sampler_variants(rows: int, vocab: int):
 
 
 def decode_step_fn(model, rows: int, live: int, compiled: bool, fuse_qkv: bool, mode: str | None = None,
-                   additive_mask: bool = False):
+                   additive_mask: bool = False, grouped: bool = False):
     """One decode step of ``rows`` rows over ``live`` cached columns (random cache), as a closure
     (``mode``: the ``torch.compile`` mode of the compiled pieces, ``RolloutConfig.compile_mode``;
     ``additive_mask``: SDPA gets an additive bf16 mask built once, instead of the boolean ``keep`` that
-    torch converts at every layer's call under the cuDNN backend: the experiment of BENCHMARKS' leads)."""
+    torch converts at every layer's call under the cuDNN backend: the experiment of BENCHMARKS' leads;
+    ``grouped``: the batched-GEMM attention ``grouped_decode_attention``, compiled with the step)."""
     spec, weights = spec_and_weights(model)
     if fuse_qkv:
         weights = FusedQKV().refresh(weights)
-    parts = StepParts(spec, weights, compiled_step_fns(mode) if compiled else StepFns())
+    fns = compiled_step_fns(mode) if compiled else StepFns()
+    if grouped:
+        fns = dataclasses.replace(fns, attention=compiled_grouped_attention() if compiled else grouped_decode_attention)
+    parts = StepParts(spec, weights, fns)
     shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
     keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     values = torch.randn_like(keys)
@@ -127,8 +145,8 @@ def decode_step_fn(model, rows: int, live: int, compiled: bool, fuse_qkv: bool, 
 
 
 def step_variants(model, rows: int, live: int, compiled: bool, fuse_qkv: bool = False, mode: str | None = None,
-                  additive_mask: bool = False):
-    return graph_ms(decode_step_fn(model, rows, live, compiled, fuse_qkv, mode, additive_mask), 10)
+                  additive_mask: bool = False, grouped: bool = False):
+    return graph_ms(decode_step_fn(model, rows, live, compiled, fuse_qkv, mode, additive_mask, grouped), 10)
 
 
 def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, layers: int):
@@ -204,8 +222,10 @@ def main(argv=None) -> None:
     parser.add_argument("--compile-modes", nargs="+", default=[],
                         choices=["max-autotune-no-cudagraphs"],
                         help="step: also the compiled + fused q|k|v step under these torch.compile modes")
-    parser.add_argument("--additive-mask", action="store_const", const=[True], default=[],
+    parser.add_argument("--additive-mask", action="store_true",
                         help="step: also the compiled + fused q|k|v step with an additive mask built once")
+    parser.add_argument("--grouped-attention", action="store_true",
+                        help="step: also the compiled + fused q|k|v step with the batched-GEMM attention")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"],
                         choices=["attention", "sampler", "step"], help="which tables to time")
     args = parser.parse_args(argv)
@@ -224,14 +244,20 @@ def main(argv=None) -> None:
             for name, ms in sampler_variants(rows, cfg.vocab_size).items():
                 rows_out.append(dict(rows=rows, part="sampler", variant=name, ms=ms))
         if "step" in args.parts:
-            for compiled, fuse, mode, additive in ((False, False, None, False), (True, False, None, False),
-                                                   (True, True, None, False),
-                                                   *((True, True, None, True) for _ in args.additive_mask[:1]),
-                                                   *((True, True, m, False) for m in args.compile_modes)):
+            variants = [(False, False, None, False, False), (True, False, None, False, False),
+                        (True, True, None, False, False)]
+            variants += [(True, True, None, True, False)] if args.additive_mask else []
+            variants += [(True, True, None, False, True)] if args.grouped_attention else []
+            variants += [(True, True, m, False, False) for m in args.compile_modes]
+            for compiled, fuse, mode, additive, grouped in variants:
                 name = ("compiled" if compiled else "eager") + (" + fused q|k|v" if fuse else "") + (
-                    f", mode {mode}" if mode else "") + (", additive mask" if additive else "")
-                rows_out.append(dict(rows=rows, part="decode_logits", variant=name,
-                                     ms=step_variants(model, rows, args.live, compiled, fuse, mode, additive)))
+                    f", mode {mode}" if mode else "") + (", additive mask" if additive else "") + (
+                    ", grouped bmm attention" if grouped else "")
+                try:
+                    ms = step_variants(model, rows, args.live, compiled, fuse, mode, additive, grouped)
+                except Exception as exc:  # noqa: BLE001 - an experiment that fails is reported, not fatal
+                    ms = f"failed: {exc!r:.120}"
+                rows_out.append(dict(rows=rows, part="decode_logits", variant=name, ms=ms))
         if args.kernels:
             kv_dim = cfg.num_key_value_heads * head_dim
             for name, (ms, tflops) in gemm_variants(rows, cfg.hidden_size, cfg.intermediate_size,

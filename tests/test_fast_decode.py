@@ -230,3 +230,44 @@ def test_fast_step_logits_match_hf_in_bf16_on_gpu():
                                         fast_cache.value_storage, next_tok, pos, torch.tensor(12, device="cuda"),
                                         masks.decode_mask(valid, 13))
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("additive", [False, True])
+def test_grouped_decode_attention_equals_sdpa(heads, kv_heads, additive):
+    """The batched-GEMM decode attention (profile_decode_step's experiment) computes SDPA's result with
+    enable_gqa, for boolean and additive masks, rows with masked columns included."""
+    from rollout.model.step import decode_attention, grouped_decode_attention
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    q = torch.randn(3, heads, 1, 16, generator=gen)
+    k = torch.randn(3, kv_heads, 9, 16, generator=gen)
+    v = torch.randn(3, kv_heads, 9, 16, generator=gen)
+    keep = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    keep[0, ..., :4] = False  # left padding
+    keep[2, ..., 7] = False  # a hole
+    mask = torch.zeros(keep.shape).masked_fill_(~keep, -65504.0) if additive else keep
+    expected = decode_attention(q, k, v, mask, 0.25, heads != kv_heads)
+    got = grouped_decode_attention(q, k, v, mask, 0.25, heads != kv_heads)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_step_with_grouped_attention_equals_hf_generate():
+    """Our step with the batched-GEMM attention piece gives HF generate's greedy tokens (fp32)."""
+    import dataclasses
+
+    from rollout.model.step import StepFns, grouped_decode_attention
+    from tests.conftest import hf_greedy, response_of
+    model = tiny_model("qwen2", seed=5)
+    ids, mask = random_prompts(3, 7, min_len=2, seed=9)
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary"))
+    grouped = dataclasses.replace(StepFns(), attention=grouped_decode_attention)
+    original = ro._fast_step.parts
+
+    def parts(device, mirrored):
+        return dataclasses.replace(original(device, mirrored), fns=grouped)
+
+    ro._fast_step.parts = parts
+    out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6, temperature=0.0))
+    assert ro.last_stats.decode_path == "fast_eager"
+    for row in range(3):
+        assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 6)

@@ -284,6 +284,28 @@ def final_logits(h, norm, lm_head, lm_bias, eps: float):
     return F.linear(rms_norm(h, norm, eps), lm_head, lm_bias)
 
 
+def decode_attention(q, k, v, keep, scale: float, gqa: bool):
+    """One query per row: ``q [B, Hq, 1, D]`` against ``k/v [B, Hkv, L, D]``; ``keep [B, 1, 1, L]`` is a
+    boolean mask (True: attend) or an additive one. PyTorch's SDPA (cuDNN on an H200)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+
+
+def grouped_decode_attention(q, k, v, keep, scale: float, gqa: bool):
+    """:func:`decode_attention` as two batched GEMMs per KV head over its group of query heads (q heads
+    ``h * G .. h * G + G - 1`` share KV head ``h``, as in SDPA's ``enable_gqa``): each key and value is read
+    once per KV head, and under ``torch.compile`` the mask and softmax fuse into one kernel. Scores are
+    computed in the inputs' dtype and the softmax in fp32, as HF's eager attention does. An experiment
+    (``scripts/profile_decode_step.py --grouped-attention``), not used by the routes."""
+    batch, heads, _, dim = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scores = torch.matmul(q.reshape(batch, kv_heads, group, dim), k.transpose(-1, -2)).float() * scale
+    keep = keep.reshape(batch, 1, 1, length)
+    scores = scores.masked_fill(~keep, float("-inf")) if keep.dtype == torch.bool else scores + keep.float()
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [B, Hkv, G, L]
+    return torch.matmul(probs, v).reshape(batch, heads, 1, dim)
+
+
 @dataclass(frozen=True)
 class StepFns:
     """The fusable pieces (eager functions, or their ``torch.compile``d versions). They take tensors and
@@ -293,6 +315,8 @@ class StepFns:
     attention_inputs_qkv: object = attention_inputs_qkv
     attention_output_and_mlp: object = attention_output_and_mlp
     final_logits: object = final_logits
+    attention: object = decode_attention
+    """Decode attention (:func:`decode_attention`, left eager: SDPA is one kernel already)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -335,8 +359,7 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
         q, k, v = layer_qkv(fns, h, w, cos, sin, spec)
         key_cache[i].index_copy_(2, cols, k)
         value_cache[i].index_copy_(2, cols, v)
-        attn = F.scaled_dot_product_attention(q, key_cache[i, :, :, start:stop], value_cache[i, :, :, start:stop],
-                                              attn_mask=keep, scale=spec.head_dim ** -0.5,
-                                              enable_gqa=spec.num_heads != spec.num_kv_heads)
+        attn = fns.attention(q, key_cache[i, :, :, start:stop], value_cache[i, :, :, start:stop], keep,
+                             spec.head_dim ** -0.5, spec.num_heads != spec.num_kv_heads)
         h = fns.attention_output_and_mlp(h, attn, w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down, eps)
     return fns.final_logits(h, weights.final_norm, weights.lm_head, weights.lm_head_bias, eps)
