@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.config import SamplingConfig  # noqa: E402
 from rollout.model.step import (FusedQKV, StepFns, StepParts, compiled_step_fns, decode_logits,  # noqa: E402
-                                grouped_decode_attention, spec_and_weights)
+                                attention_inputs_qkv_write, grouped_decode_attention, spec_and_weights)
 from rollout.executors.graphs import capture_graph  # noqa: E402
 from rollout.ops.sampling import select_next_token  # noqa: E402
 from rollout.testing import shaped_model  # noqa: E402
@@ -50,9 +50,14 @@ def graph_ms(fn, iters: int) -> float:
 
 
 @functools.lru_cache(maxsize=None)
+def compiled_piece(fn, mode: str | None = None):
+    """``fn`` compiled as the step's pieces are (one graph for every layer)."""
+    return torch.compile(fn, fullgraph=True, dynamic=None, mode=mode)
+
+
 def compiled_grouped_attention():
-    """``rollout.model.step.grouped_decode_attention`` compiled (one graph for every layer)."""
-    return torch.compile(grouped_decode_attention, fullgraph=True, dynamic=None)
+    """``rollout.model.step.grouped_decode_attention`` compiled."""
+    return compiled_piece(grouped_decode_attention)
 
 
 def attention_variants(rows: int, live: int, heads: int, kv_heads: int, dim: int, layers: int):
@@ -119,18 +124,22 @@ def sampler_variants(rows: int, vocab: int):
 
 
 def decode_step_fn(model, rows: int, live: int, compiled: bool, fuse_qkv: bool, mode: str | None = None,
-                   additive_mask: bool = False, grouped: bool = False):
+                   additive_mask: bool = False, grouped: bool = False, kv_write: bool = False):
     """One decode step of ``rows`` rows over ``live`` cached columns (random cache), as a closure
     (``mode``: the ``torch.compile`` mode of the compiled pieces, ``RolloutConfig.compile_mode``;
     ``additive_mask``: SDPA gets an additive bf16 mask built once, instead of the boolean ``keep`` that
     torch converts at every layer's call under the cuDNN backend: the experiment of BENCHMARKS' leads;
-    ``grouped``: the batched-GEMM attention ``grouped_decode_attention``, compiled with the step)."""
+    ``grouped``: the batched-GEMM attention ``grouped_decode_attention``, compiled with the step;
+    ``kv_write``: k and v written into the cache inside the fused q|k|v piece, ``attention_inputs_qkv_write``)."""
     spec, weights = spec_and_weights(model)
     if fuse_qkv:
         weights = FusedQKV().refresh(weights)
     fns = compiled_step_fns(mode) if compiled else StepFns()
     if grouped:
         fns = dataclasses.replace(fns, attention=compiled_grouped_attention() if compiled else grouped_decode_attention)
+    if kv_write:
+        piece = compiled_piece(attention_inputs_qkv_write, mode) if compiled else attention_inputs_qkv_write
+        fns = dataclasses.replace(fns, attention_inputs_qkv_write=piece)
     parts = StepParts(spec, weights, fns)
     shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
     keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -145,8 +154,8 @@ def decode_step_fn(model, rows: int, live: int, compiled: bool, fuse_qkv: bool, 
 
 
 def step_variants(model, rows: int, live: int, compiled: bool, fuse_qkv: bool = False, mode: str | None = None,
-                  additive_mask: bool = False, grouped: bool = False):
-    return graph_ms(decode_step_fn(model, rows, live, compiled, fuse_qkv, mode, additive_mask, grouped), 10)
+                  additive_mask: bool = False, grouped: bool = False, kv_write: bool = False):
+    return graph_ms(decode_step_fn(model, rows, live, compiled, fuse_qkv, mode, additive_mask, grouped, kv_write), 10)
 
 
 def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, layers: int):
@@ -224,6 +233,8 @@ def main(argv=None) -> None:
                         help="step: also the compiled + fused q|k|v step under these torch.compile modes")
     parser.add_argument("--additive-mask", action="store_true",
                         help="step: also the compiled + fused q|k|v step with an additive mask built once")
+    parser.add_argument("--kv-write-in-piece", action="store_true",
+                        help="step: also the compiled + fused q|k|v step that writes k/v inside the compiled piece")
     parser.add_argument("--grouped-attention", action="store_true",
                         help="step: also the compiled + fused q|k|v step with the batched-GEMM attention")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"],
@@ -244,17 +255,20 @@ def main(argv=None) -> None:
             for name, ms in sampler_variants(rows, cfg.vocab_size).items():
                 rows_out.append(dict(rows=rows, part="sampler", variant=name, ms=ms))
         if "step" in args.parts:
-            variants = [(False, False, None, False, False), (True, False, None, False, False),
-                        (True, True, None, False, False)]
-            variants += [(True, True, None, True, False)] if args.additive_mask else []
-            variants += [(True, True, None, False, True)] if args.grouped_attention else []
-            variants += [(True, True, m, False, False) for m in args.compile_modes]
-            for compiled, fuse, mode, additive, grouped in variants:
+            variants = [(False, False, None, False, False, False), (True, False, None, False, False, False),
+                        (True, True, None, False, False, False)]
+            variants += [(True, True, None, True, False, False)] if args.additive_mask else []
+            variants += [(True, True, None, False, True, False)] if args.grouped_attention else []
+            variants += [(True, True, None, False, False, True)] if args.kv_write_in_piece else []
+            if args.additive_mask and args.kv_write_in_piece:
+                variants += [(True, True, None, True, False, True)]
+            variants += [(True, True, m, False, False, False) for m in args.compile_modes]
+            for compiled, fuse, mode, additive, grouped, kv_write in variants:
                 name = ("compiled" if compiled else "eager") + (" + fused q|k|v" if fuse else "") + (
                     f", mode {mode}" if mode else "") + (", additive mask" if additive else "") + (
-                    ", grouped bmm attention" if grouped else "")
+                    ", grouped bmm attention" if grouped else "") + (", k/v written in the piece" if kv_write else "")
                 try:
-                    ms = step_variants(model, rows, args.live, compiled, fuse, mode, additive, grouped)
+                    ms = step_variants(model, rows, args.live, compiled, fuse, mode, additive, grouped, kv_write)
                 except Exception as exc:  # noqa: BLE001 - an experiment that fails is reported, not fatal
                     ms = f"failed: {exc!r:.120}"
                 rows_out.append(dict(rows=rows, part="decode_logits", variant=name, ms=ms))

@@ -271,3 +271,50 @@ def test_step_with_grouped_attention_equals_hf_generate():
     assert ro.last_stats.decode_path == "fast_eager"
     for row in range(3):
         assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 6)
+
+
+def _kv_write_fns(compiled: bool):
+    import dataclasses
+
+    from rollout.model.step import StepFns, attention_inputs_qkv_write
+    piece = torch.compile(attention_inputs_qkv_write, fullgraph=True, dynamic=None) if compiled \
+        else attention_inputs_qkv_write
+    return dataclasses.replace(StepFns(), attention_inputs_qkv_write=piece)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
+    __import__("shutil").which("g++") is None, reason="torch.compile on the CPU needs a C++ compiler"))])
+def test_kv_write_in_the_piece_equals_the_separate_writes(compiled):
+    """profile_decode_step's --kv-write-in-piece experiment: the step that writes k and v inside the (fused
+    q|k|v) piece gives the same logits and the same cache as the step with two index_copy_ after it, eagerly
+    and compiled (inductor on the CPU: one compiled graph serves every layer's cache view)."""
+    from rollout.cache.static import CacheShape, StaticKVCache
+    from rollout.model import compat
+    from rollout.model.step import FusedQKV, StepParts, spec_and_weights
+    from rollout.ops import masks
+    model = tiny_model("qwen2", seed=4)
+    ids, mask = random_prompts(3, 6, min_len=2, seed=7)
+    layers, heads, dim = compat.kv_geometry(model)
+    shape = CacheShape(3, 12, layers, heads, dim, torch.float32, torch.device("cpu"))
+    caches = [StaticKVCache(shape), StaticKVCache(shape)]
+    with torch.no_grad():
+        for cache in caches:
+            cache.set_window(torch.arange(6), 6)
+            compat.forward_last_logits(model, ids, masks.prompt_positions(mask), masks.prefill_mask(mask), cache)
+        spec, weights = spec_and_weights(model)
+        weights = FusedQKV().refresh(weights)
+        valid = masks.key_validity(mask, 12)
+        tokens, pos = torch.tensor([7, 8, 9]), mask.sum(1)
+        plain = StepParts(spec, weights, fast_decode.StepFns())
+        fused = StepParts(spec, weights, _kv_write_fns(compiled))
+        for step in range(3):  # three steps: columns 6, 7, 8
+            keep = masks.decode_mask(valid, 7 + step)
+            valid[:, 6 + step] = True
+            want = fast_decode.decode_logits(plain, caches[0].key_storage, caches[0].value_storage, tokens,
+                                             pos + step, torch.tensor(6 + step), keep)
+            got = fast_decode.decode_logits(fused, caches[1].key_storage, caches[1].value_storage, tokens,
+                                            pos + step, torch.tensor(6 + step), keep)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            tokens = want.argmax(-1)
+    torch.testing.assert_close(caches[1].key_storage, caches[0].key_storage, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[1].value_storage, caches[0].value_storage, rtol=1e-5, atol=1e-5)

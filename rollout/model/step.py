@@ -264,6 +264,19 @@ def attention_inputs_qkv(h, norm, wqkv, bqkv, cos, sin, eps: float, num_heads: i
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v.reshape(batch, num_kv_heads, 1, head_dim)
 
 
+def attention_inputs_qkv_write(h, norm, wqkv, bqkv, cos, sin, key_layer, value_layer, cols, eps: float,
+                               num_heads: int, num_kv_heads: int, head_dim: int):
+    """:func:`attention_inputs_qkv` that also writes the step's k and v into one layer's cache
+    (``key_layer``/``value_layer [B, Hkv, capacity, D]``, column ``cols [1]``) and returns q only. Under
+    ``torch.compile`` the rotary of q and k and both cache writes become one kernel that writes the cache in
+    place (checked on inductor's CPU code: no copy of the cache; one compiled graph serves every layer's
+    cache view), where the separate path launches two rotary kernels, two ``index_copy_`` and copies."""
+    q, k, v = attention_inputs_qkv(h, norm, wqkv, bqkv, cos, sin, eps, num_heads, num_kv_heads, head_dim)
+    key_layer.index_copy_(2, cols, k)
+    value_layer.index_copy_(2, cols, v)
+    return q
+
+
 def layer_qkv(fns: "StepFns", h, w: LayerWeights, cos, sin, spec: DecoderSpec):
     """q ``[N, Hq, 1, D]``, k/v ``[N, Hkv, 1, D]`` of one layer: one GEMM where ``w.qkv`` is set, else three."""
     if w.qkv is not None:
@@ -317,6 +330,10 @@ class StepFns:
     final_logits: object = final_logits
     attention: object = decode_attention
     """Decode attention (:func:`decode_attention`, left eager: SDPA is one kernel already)."""
+    attention_inputs_qkv_write: object = None
+    """When set (and q|k|v are fused), decode steps write k and v into the cache inside this piece
+    (:func:`attention_inputs_qkv_write`) instead of with two ``index_copy_`` after it. An experiment
+    (``scripts/profile_decode_step.py --kv-write-in-piece``), not set by the routes."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -356,9 +373,14 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
     cols = col.view(1)
     eps = spec.rms_eps
     for i, w in enumerate(weights.layers):
-        q, k, v = layer_qkv(fns, h, w, cos, sin, spec)
-        key_cache[i].index_copy_(2, cols, k)
-        value_cache[i].index_copy_(2, cols, v)
+        if fns.attention_inputs_qkv_write is not None and w.qkv is not None:
+            q = fns.attention_inputs_qkv_write(h, w.input_norm, w.qkv, w.qkv_bias, cos, sin, key_cache[i],
+                                               value_cache[i], cols, eps, spec.num_heads, spec.num_kv_heads,
+                                               spec.head_dim)
+        else:
+            q, k, v = layer_qkv(fns, h, w, cos, sin, spec)
+            key_cache[i].index_copy_(2, cols, k)
+            value_cache[i].index_copy_(2, cols, v)
         attn = fns.attention(q, key_cache[i, :, :, start:stop], value_cache[i, :, :, start:stop], keep,
                              spec.head_dim ** -0.5, spec.num_heads != spec.num_kv_heads)
         h = fns.attention_output_and_mlp(h, attn, w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down, eps)
