@@ -276,9 +276,8 @@ def test_step_with_grouped_attention_equals_hf_generate():
 def _kv_write_fns(compiled: bool):
     import dataclasses
 
-    from rollout.model.step import StepFns, attention_inputs_qkv_write
-    piece = torch.compile(attention_inputs_qkv_write, fullgraph=True, dynamic=None) if compiled \
-        else attention_inputs_qkv_write
+    from rollout.model.step import StepFns, attention_inputs_qkv_write, compile_piece
+    piece = compile_piece(attention_inputs_qkv_write) if compiled else attention_inputs_qkv_write
     return dataclasses.replace(StepFns(), attention_inputs_qkv_write=piece)
 
 

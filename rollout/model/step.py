@@ -336,14 +336,19 @@ class StepFns:
     (``scripts/profile_decode_step.py --kv-write-in-piece``), not set by the routes."""
 
 
+def compile_piece(fn, mode: str | None = None):
+    """``fn`` compiled as every piece of the step is: one graph, shapes dynamic after a second size, no
+    inductor CUDA graphs (ours wrap the whole step). ``mode``: ``RolloutConfig.compile_mode``."""
+    return torch.compile(fn, dynamic=None, fullgraph=True, mode=mode)
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_step_fns(mode: str | None = None) -> StepFns:
-    """``torch.compile``d pieces (inductor fuses norms, rotary, SiLU and residual adds; no inductor
-    CUDA graphs: ours wrap the whole step). One compiled graph serves every layer. ``mode``: the
-    ``torch.compile`` mode (``RolloutConfig.compile_mode``; None: torch's default)."""
-    compile_fn = functools.partial(torch.compile, dynamic=None, fullgraph=True, mode=mode)
-    return StepFns(compile_fn(attention_inputs), compile_fn(attention_inputs_qkv), compile_fn(attention_output_and_mlp),
-                   compile_fn(final_logits))
+    """``torch.compile``d pieces (inductor fuses norms, rotary, SiLU and residual adds). One compiled graph
+    serves every layer. ``mode``: the ``torch.compile`` mode (``RolloutConfig.compile_mode``; None: torch's
+    default)."""
+    return StepFns(*(compile_piece(fn, mode) for fn in (attention_inputs, attention_inputs_qkv,
+                                                         attention_output_and_mlp, final_logits)))
 
 
 @dataclass(frozen=True)
