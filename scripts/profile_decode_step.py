@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import statistics
 import sys
@@ -24,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.config import SamplingConfig  # noqa: E402
 from rollout.model.step import (FusedQKV, StepFns, StepParts, compiled_step_fns, decode_logits,  # noqa: E402
-                                attention_inputs_qkv_write, grouped_decode_attention, spec_and_weights)
+                                attention_inputs_qkv_write, compile_piece, grouped_decode_attention,
+                                spec_and_weights)
 from rollout.executors.graphs import capture_graph  # noqa: E402
 from rollout.ops.sampling import select_next_token  # noqa: E402
 from rollout.testing import shaped_model  # noqa: E402
@@ -49,15 +49,9 @@ def graph_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-@functools.lru_cache(maxsize=None)
-def compiled_piece(fn, mode: str | None = None):
-    """``fn`` compiled as the step's pieces are (one graph for every layer)."""
-    return torch.compile(fn, fullgraph=True, dynamic=None, mode=mode)
-
-
 def compiled_grouped_attention():
-    """``rollout.model.step.grouped_decode_attention`` compiled."""
-    return compiled_piece(grouped_decode_attention)
+    """``rollout.model.step.grouped_decode_attention`` compiled as the step's pieces are."""
+    return compile_piece(grouped_decode_attention)
 
 
 def attention_variants(rows: int, live: int, heads: int, kv_heads: int, dim: int, layers: int):
@@ -123,23 +117,42 @@ def sampler_variants(rows: int, vocab: int):
     return out
 
 
-def decode_step_fn(model, rows: int, live: int, compiled: bool, fuse_qkv: bool, mode: str | None = None,
-                   additive_mask: bool = False, grouped: bool = False, kv_write: bool = False):
-    """One decode step of ``rows`` rows over ``live`` cached columns (random cache), as a closure
-    (``mode``: the ``torch.compile`` mode of the compiled pieces, ``RolloutConfig.compile_mode``;
-    ``additive_mask``: SDPA gets an additive bf16 mask built once, instead of the boolean ``keep`` that
-    torch converts at every layer's call under the cuDNN backend: the experiment of BENCHMARKS' leads;
-    ``grouped``: the batched-GEMM attention ``grouped_decode_attention``, compiled with the step;
-    ``kv_write``: k and v written into the cache inside the fused q|k|v piece, ``attention_inputs_qkv_write``)."""
+@dataclasses.dataclass(frozen=True)
+class StepVariant:
+    """One way to run the decode step (:func:`decode_step_fn`)."""
+
+    compiled: bool = True
+    fuse_qkv: bool = True
+    mode: str | None = None
+    """The ``torch.compile`` mode of the compiled pieces (``RolloutConfig.compile_mode``)."""
+    additive_mask: bool = False
+    """SDPA gets an additive bf16 mask built once, instead of the boolean ``keep`` that torch converts at
+    every layer's call under the cuDNN backend (the experiment of BENCHMARKS' leads)."""
+    grouped: bool = False
+    """The batched-GEMM attention ``grouped_decode_attention``, compiled with the step."""
+    kv_write: bool = False
+    """k and v written into the cache inside the fused q|k|v piece (``attention_inputs_qkv_write``)."""
+
+    @property
+    def name(self) -> str:
+        return (("compiled" if self.compiled else "eager") + (" + fused q|k|v" if self.fuse_qkv else "")
+                + (f", mode {self.mode}" if self.mode else "") + (", additive mask" if self.additive_mask else "")
+                + (", grouped bmm attention" if self.grouped else "")
+                + (", k/v written in the piece" if self.kv_write else ""))
+
+
+def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
+    """One decode step of ``rows`` rows over ``live`` cached columns (random cache), as a closure."""
     spec, weights = spec_and_weights(model)
-    if fuse_qkv:
+    if variant.fuse_qkv:
         weights = FusedQKV().refresh(weights)
-    fns = compiled_step_fns(mode) if compiled else StepFns()
-    if grouped:
-        fns = dataclasses.replace(fns, attention=compiled_grouped_attention() if compiled else grouped_decode_attention)
-    if kv_write:
-        piece = compiled_piece(attention_inputs_qkv_write, mode) if compiled else attention_inputs_qkv_write
-        fns = dataclasses.replace(fns, attention_inputs_qkv_write=piece)
+    fns = compiled_step_fns(variant.mode) if variant.compiled else StepFns()
+    if variant.grouped:
+        fns = dataclasses.replace(fns, attention=compiled_grouped_attention() if variant.compiled
+                                  else grouped_decode_attention)
+    if variant.kv_write:
+        fns = dataclasses.replace(fns, attention_inputs_qkv_write=compile_piece(attention_inputs_qkv_write, variant.mode)
+                                  if variant.compiled else attention_inputs_qkv_write)
     parts = StepParts(spec, weights, fns)
     shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
     keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -148,14 +161,23 @@ def decode_step_fn(model, rows: int, live: int, compiled: bool, fuse_qkv: bool, 
     positions = torch.full((rows,), live, device="cuda")
     col = torch.tensor(live, device="cuda")
     keep = torch.ones(rows, 1, 1, live + 1, dtype=torch.bool, device="cuda")
-    if additive_mask:  # what torch's cuDNN path builds from the boolean mask: 0 where kept, -65504 elsewhere
+    if variant.additive_mask:  # what torch's cuDNN path builds from the boolean mask: 0 kept, -65504 elsewhere
         keep = torch.zeros(keep.shape, dtype=torch.bfloat16, device="cuda").masked_fill_(~keep, -65504.0)
     return lambda: decode_logits(parts, keys, values, tokens, positions, col, keep)
 
 
-def step_variants(model, rows: int, live: int, compiled: bool, fuse_qkv: bool = False, mode: str | None = None,
-                  additive_mask: bool = False, grouped: bool = False, kv_write: bool = False):
-    return graph_ms(decode_step_fn(model, rows, live, compiled, fuse_qkv, mode, additive_mask, grouped, kv_write), 10)
+def step_variants(model, rows: int, live: int, variant: StepVariant):
+    return graph_ms(decode_step_fn(model, rows, live, variant), 10)
+
+
+def step_variant_list(args) -> list[StepVariant]:
+    """The step variants the flags ask for: eager, compiled, compiled + fused q|k|v, then the experiments."""
+    out = [StepVariant(compiled=False, fuse_qkv=False), StepVariant(fuse_qkv=False), StepVariant()]
+    out += [StepVariant(additive_mask=True)] if args.additive_mask else []
+    out += [StepVariant(grouped=True)] if args.grouped_attention else []
+    out += [StepVariant(kv_write=True)] if args.kv_write_in_piece else []
+    out += [StepVariant(additive_mask=True, kv_write=True)] if args.additive_mask and args.kv_write_in_piece else []
+    return out + [StepVariant(mode=m) for m in args.compile_modes]
 
 
 def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, layers: int):
@@ -185,12 +207,12 @@ def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, l
     return out
 
 
-def step_kernels(model, rows: int, live: int, iters: int = 5, fuse_qkv: bool = True) -> str:
+def step_kernels(model, rows: int, live: int, iters: int = 5, variant: StepVariant = StepVariant()) -> str:
     """Kernels of the compiled decode step (one CUDA graph, ``iters`` replays under torch.profiler), by
     total device time."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = capture(decode_step_fn(model, rows, live, compiled=True, fuse_qkv=fuse_qkv))
+    graph = capture(decode_step_fn(model, rows, live, variant))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
@@ -255,23 +277,12 @@ def main(argv=None) -> None:
             for name, ms in sampler_variants(rows, cfg.vocab_size).items():
                 rows_out.append(dict(rows=rows, part="sampler", variant=name, ms=ms))
         if "step" in args.parts:
-            variants = [(False, False, None, False, False, False), (True, False, None, False, False, False),
-                        (True, True, None, False, False, False)]
-            variants += [(True, True, None, True, False, False)] if args.additive_mask else []
-            variants += [(True, True, None, False, True, False)] if args.grouped_attention else []
-            variants += [(True, True, None, False, False, True)] if args.kv_write_in_piece else []
-            if args.additive_mask and args.kv_write_in_piece:
-                variants += [(True, True, None, True, False, True)]
-            variants += [(True, True, m, False, False, False) for m in args.compile_modes]
-            for compiled, fuse, mode, additive, grouped, kv_write in variants:
-                name = ("compiled" if compiled else "eager") + (" + fused q|k|v" if fuse else "") + (
-                    f", mode {mode}" if mode else "") + (", additive mask" if additive else "") + (
-                    ", grouped bmm attention" if grouped else "") + (", k/v written in the piece" if kv_write else "")
+            for variant in step_variant_list(args):
                 try:
-                    ms = step_variants(model, rows, args.live, compiled, fuse, mode, additive, grouped, kv_write)
+                    ms = step_variants(model, rows, args.live, variant)
                 except Exception as exc:  # noqa: BLE001 - an experiment that fails is reported, not fatal
                     ms = f"failed: {exc!r:.120}"
-                rows_out.append(dict(rows=rows, part="decode_logits", variant=name, ms=ms))
+                rows_out.append(dict(rows=rows, part="decode_logits", variant=variant.name, ms=ms))
         if args.kernels:
             kv_dim = cfg.num_key_value_heads * head_dim
             for name, (ms, tflops) in gemm_variants(rows, cfg.hidden_size, cfg.intermediate_size,
