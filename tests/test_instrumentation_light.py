@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from instrumentation import ProfileConfig, collect_stages, configure, stage, stages
+from instrumentation.config import teardown_by_default
 from instrumentation.light import PendingSteps
 from instrumentation.mfu import mfu, opsd_step_flops, peak_flops
 from instrumentation.profiler import opsd_profiler
@@ -126,8 +127,7 @@ def test_mode_1_logs_training_scalars_every_step(tmp_path):
 
 
 @pytest.mark.parametrize("switch,expected", [(True, "1"), (False, None),
-                                             (None, "1" if torch.version.cuda and tuple(
-                                                 map(int, torch.version.cuda.split(".")[:2])) >= (12, 6) else None)])
+                                             (None, "1" if teardown_by_default(torch.version.cuda) else None)])
 def test_cupti_teardown_switch(tmp_path, monkeypatch, switch, expected):
     """On, off, and the default (None): on where torch's CUDA runtime is >= 12.6, else Kineto's default."""
     monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
