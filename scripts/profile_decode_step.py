@@ -26,6 +26,7 @@ from rollout.model.step import (FusedQKV, StepFns, StepParts, compiled_step_fns,
                                 attention_inputs_qkv_write, compile_piece, grouped_decode_attention,
                                 spec_and_weights)
 from rollout.executors.graphs import capture_graph  # noqa: E402
+from rollout.ops import decode_attention  # noqa: E402
 from rollout.ops.sampling import select_next_token  # noqa: E402
 from rollout.testing import shaped_model  # noqa: E402
 
@@ -85,14 +86,22 @@ def attention_variants(rows: int, live: int, heads: int, kv_heads: int, dim: int
     def grouped_bmm():  # two batched GEMMs per KV head, mask + softmax fused by inductor
         return compiled_grouped(q, k, v, keep, dim ** -0.5, True)
 
+    def triton_kernel(splits=None):
+        return lambda: decode_attention.attention(q, k, v, keep, dim ** -0.5, True, splits=splits)
+
+    auto = decode_attention.split_count(rows, kv_heads, live, torch.cuda.get_device_properties(0).multi_processor_count)
     out = {}
     for name, fn in (("sdpa gqa + bool mask (now)", gqa_mask), ("grouped q + bool mask", grouped_mask),
                      ("grouped q + bf16 bias", grouped_bias), ("grouped q, no mask", grouped_nomask),
-                     ("grouped bmm, compiled", grouped_bmm)):
+                     ("grouped bmm, compiled", grouped_bmm),
+                     (f"triton kernel, splits auto ({auto})", triton_kernel()),
+                     *((f"triton kernel, {n} splits", triton_kernel(n)) for n in (1, 2, 4, 8) if n != auto)):
         try:
             out[name] = graph_ms(fn, 20) * layers
         except Exception as exc:  # noqa: BLE001 - a variant the backend refuses is reported, not fatal
             out[name] = f"failed: {exc!r:.120}"
+    diff = (decode_attention.attention(q, k, v, keep, dim ** -0.5, True).float() - gqa_mask().float()).abs().max()
+    print(f"# {rows} rows: triton kernel vs SDPA, max |diff| {diff.item():.3g}", flush=True)
     kv_bytes = 2 * rows * kv_heads * live * dim * 2 * layers
     return out, kv_bytes
 
@@ -132,13 +141,16 @@ class StepVariant:
     """The batched-GEMM attention ``grouped_decode_attention``, compiled with the step."""
     kv_write: bool = False
     """k and v written into the cache inside the fused q|k|v piece (``attention_inputs_qkv_write``)."""
+    triton_attention: bool = False
+    """Attention by the Triton kernel (``rollout.ops.decode_attention``) instead of SDPA."""
 
     @property
     def name(self) -> str:
         return (("compiled" if self.compiled else "eager") + (" + fused q|k|v" if self.fuse_qkv else "")
                 + (f", mode {self.mode}" if self.mode else "") + (", additive mask" if self.additive_mask else "")
                 + (", grouped bmm attention" if self.grouped else "")
-                + (", k/v written in the piece" if self.kv_write else ""))
+                + (", k/v written in the piece" if self.kv_write else "")
+                + (", triton attention" if self.triton_attention else ""))
 
 
 def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
@@ -153,6 +165,8 @@ def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
     if variant.kv_write:
         fns = dataclasses.replace(fns, attention_inputs_qkv_write=compile_piece(attention_inputs_qkv_write, variant.mode)
                                   if variant.compiled else attention_inputs_qkv_write)
+    if variant.triton_attention:
+        fns = dataclasses.replace(fns, attention=decode_attention.attention)
     parts = StepParts(spec, weights, fns)
     shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
     keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -177,6 +191,10 @@ def step_variant_list(args) -> list[StepVariant]:
     out += [StepVariant(grouped=True)] if args.grouped_attention else []
     out += [StepVariant(kv_write=True)] if args.kv_write_in_piece else []
     out += [StepVariant(additive_mask=True, kv_write=True)] if args.additive_mask and args.kv_write_in_piece else []
+    out += [StepVariant(triton_attention=True)] if args.triton_attention else []
+    out += [StepVariant(triton_attention=True, kv_write=True)] if args.triton_attention and args.kv_write_in_piece else []
+    out += [StepVariant(triton_attention=True, kv_write=True, mode=m) for m in args.compile_modes
+            if args.triton_attention and args.kv_write_in_piece]
     return out + [StepVariant(mode=m) for m in args.compile_modes]
 
 
@@ -259,6 +277,8 @@ def main(argv=None) -> None:
                         help="step: also the compiled + fused q|k|v step that writes k/v inside the compiled piece")
     parser.add_argument("--grouped-attention", action="store_true",
                         help="step: also the compiled + fused q|k|v step with the batched-GEMM attention")
+    parser.add_argument("--triton-attention", action="store_true",
+                        help="step: also the compiled + fused q|k|v step with the Triton decode attention")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"],
                         choices=["attention", "sampler", "step"], help="which tables to time")
     args = parser.parse_args(argv)

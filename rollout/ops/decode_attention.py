@@ -1,0 +1,115 @@
+"""Decode attention as one Triton kernel per layer (two when the key window is split): one query per row
+against its cached keys and values, the query heads of each KV head together.
+
+``attention(q, k, v, keep, scale, gqa)`` has the signature of ``rollout.model.step.decode_attention``
+(PyTorch's SDPA), so it can stand in as ``StepFns.attention``:
+
+- ``q [B, Hq, 1, D]``, ``k``/``v [B, Hkv, L, D]`` (any strides with a contiguous last dimension: the views
+  of the static cache), ``keep [B, 1, 1, L]`` boolean (True: attend);
+- the ``Hq / Hkv`` query heads ``h * G .. h * G + G - 1`` share KV head ``h`` (SDPA's ``enable_gqa``);
+- fp32 scores and softmax, the probabilities cast to the values' dtype for the second product (as the flash
+  kernels do); a row with no kept column gives zeros (SDPA gives NaN there).
+
+Each key and value is read once per KV head, and nothing is materialised besides the output (and, when
+the window is split across programs to fill the GPU, fp32 partials of ``[B, Hq, splits, D]``). Where the
+kernel cannot run (no CUDA tensor, no triton, a float mask, more than one query) the call falls back to
+SDPA, so the function is safe to set anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+#: Columns per tile of the key window.
+BLOCK_L = 64
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> Optional[str]:
+    """None when the kernels can run; else why not (no triton)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: use SDPA
+        return f"triton unavailable: {exc!r:.200}"
+    return None
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                       interpret: bool = False) -> Optional[str]:
+    """None when :func:`attention` runs the kernel on these inputs; else why it falls back to SDPA."""
+    if available() is not None:
+        return available()
+    if not interpret and not q.is_cuda:
+        return "not a CUDA tensor"
+    if q.dim() != 4 or q.shape[2] != 1:
+        return f"q must be [B, Hq, 1, D], got {tuple(q.shape)}"
+    if k.shape != v.shape or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        return f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}"
+    if q.shape[1] % k.shape[1]:
+        return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads"
+    if keep.dtype != torch.bool or keep.shape[-1] != k.shape[2] or keep.numel() != q.shape[0] * k.shape[2]:
+        return f"keep must be a boolean [B, 1, 1, L] mask, got {keep.dtype} {tuple(keep.shape)}"
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not (q.dtype == k.dtype == v.dtype):
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}"
+    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        return "the head dimension must be contiguous"
+    return None
+
+
+def split_count(rows: int, kv_heads: int, length: int, sms: int) -> int:
+    """How many programs share one (row, KV head)'s key window: enough for ~4 programs per SM, never a
+    split shorter than one tile."""
+    tiles = max(1, -(-length // BLOCK_L))
+    want = -(-4 * sms // max(1, rows * kv_heads))
+    return max(1, min(tiles, want))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _pow2(n: int, least: int) -> int:
+    return max(least, 1 << (max(1, n) - 1).bit_length())
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, gqa: bool,
+              splits: Optional[int] = None, interpret: bool = False) -> torch.Tensor:
+    """Decode attention ``[B, Hq, 1, D]`` (module docstring); SDPA where the kernel cannot run. ``splits``:
+    programs per (row, KV head) (default :func:`split_count`); ``interpret``: allow CPU tensors (tests, under
+    ``TRITON_INTERPRET=1``)."""
+    if unsupported_reason(q, k, v, keep, interpret) is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+    from rollout.ops import decode_attention_kernel as kernels
+
+    rows, heads, _, dim = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    if splits is None:
+        splits = split_count(rows, kv_heads, length, _sm_count(q.device.index or 0) if q.is_cuda else 1)
+    splits = max(1, min(int(splits), max(1, -(-length // BLOCK_L))))
+    chunk = -(-(-(-length // splits)) // BLOCK_L) * BLOCK_L  # columns per split, a whole number of tiles
+    splits = max(1, -(-length // chunk))
+    out = torch.empty(rows, heads, 1, dim, dtype=q.dtype, device=q.device)
+    dim_pad = _pow2(dim, 16)
+    single = splits == 1
+    part = out if single else torch.empty(rows * heads * splits * dim_pad, dtype=torch.float32, device=q.device)
+    stat = out if single else torch.empty(rows * heads * splits * 2, dtype=torch.float32, device=q.device)
+    keep_sb, keep_sl = keep.stride(0), keep.stride(-1)
+    precision = "ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32"
+    kernels.decode_attention_split[(rows, kv_heads, splits)](
+        q, k, v, keep, out, part, stat,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        keep_sb, keep_sl, out.stride(0), out.stride(1), length, chunk, splits, float(scale),
+        GROUP=group, GROUP_PAD=_pow2(group, 16), DIM=dim, DIM_PAD=dim_pad, BLOCK_L=BLOCK_L, SINGLE=single,
+        PRECISION=precision, DOT_FP32=not q.is_cuda and q.dtype == torch.bfloat16)
+    if not single:
+        kernels.decode_attention_merge[(rows, heads)](
+            part, stat, out, out.stride(0), out.stride(1), heads, splits,
+            DIM=dim, DIM_PAD=dim_pad, SPLITS_PAD=_pow2(splits, 1))
+    return out

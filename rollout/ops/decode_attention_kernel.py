@@ -1,0 +1,88 @@
+"""The Triton kernels of :mod:`rollout.ops.decode_attention` (imported only where they run: this module
+imports triton). Split-length ("flash-decoding") attention of one query per row, grouped by KV head."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, stat_ptr,
+                           q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, keep_sb, keep_sl,
+                           o_sb, o_sh, length, chunk, splits, scale,
+                           GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+                           DIM_PAD: tl.constexpr, BLOCK_L: tl.constexpr, SINGLE: tl.constexpr,
+                           PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    # One program: row b, KV head kv, the columns [split * chunk, split * chunk + chunk) of the key window.
+    # The GROUP query heads that share KV head kv are the rows of one tile, so each key and value is read
+    # once per KV head. An online softmax over BLOCK_L-column tiles (fp32 scores, probabilities cast to the
+    # values' dtype for the second product, as SDPA's flash kernels do). DOT_FP32: both products on fp32
+    # operands (only for triton's CPU interpreter, whose bf16 dot is wrong).
+    b = tl.program_id(0).to(tl.int64)
+    kv = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    g_ok = g < GROUP
+    d_ok = d < DIM
+    heads = kv * GROUP + g
+    q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = k_ptr + b * k_sb + kv * k_sh
+    v_base = v_ptr + b * v_sb + kv * v_sh
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, length)
+    top = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    total = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
+    cols0 = tl.arange(0, BLOCK_L)
+    for start in range(lo, hi, BLOCK_L):
+        cols = start + cols0
+        c_ok = cols < hi
+        keep = tl.load(keep_ptr + b * keep_sb + cols * keep_sl, mask=c_ok, other=0) != 0
+        k = tl.load(k_base + cols[:, None] * k_sl + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_L] fp32
+        s = tl.where(keep[None, :], s, float("-inf"))
+        new_top = tl.maximum(top, tl.max(s, 1))
+        safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)  # a tile with nothing kept yet
+        alpha = tl.exp(top - safe_top)
+        p = tl.exp(s - safe_top[:, None])
+        total = total * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + cols[:, None] * v_sl + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        top = new_top
+    if SINGLE:  # one split: normalise here; a row with nothing kept gets zeros
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=g_ok[:, None] & d_ok[None, :])
+    else:  # partials [B, Hq, splits, DIM_PAD] and (top, total) [B, Hq, splits, 2], combined by decode_attention_merge
+        slot = (b * (tl.num_programs(1) * GROUP) + heads) * splits + split
+        tl.store(part_ptr + slot[:, None] * DIM_PAD + d[None, :], acc, mask=g_ok[:, None])
+        tl.store(stat_ptr + slot * 2, top, mask=g_ok)
+        tl.store(stat_ptr + slot * 2 + 1, total, mask=g_ok)
+
+
+@triton.jit
+def decode_attention_merge(part_ptr, stat_ptr, out_ptr, o_sb, o_sh, heads, splits,
+                           DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    # One program per (row, query head): the splits' partial sums rescaled to their common maximum.
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    s_ok = s < splits
+    base = (b * heads + h) * splits
+    top = tl.load(stat_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))
+    total = tl.load(stat_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
+    best = tl.max(top, 0)
+    safe = tl.where(best == float("-inf"), 0.0, best)
+    weight = tl.where(top == float("-inf"), 0.0, tl.exp(top - safe))
+    norm = tl.sum(weight * total, 0)
+    acc = tl.load(part_ptr + (base + s)[:, None] * DIM_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(norm > 0, norm, 1.0)
+    tl.store(out_ptr + b * o_sb + h * o_sh + d, out.to(out_ptr.dtype.element_ty), mask=d < DIM)
