@@ -19,6 +19,8 @@ MAX_SEED = 2**32
 GATHER_MODES = ("once", "per_forward")
 #: ``RolloutConfig.compile_mode`` values: torch.compile modes without inductor CUDA graphs.
 COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
+#: ``RolloutConfig.decode_attention`` values.
+DECODE_ATTENTIONS = ("triton", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,14 @@ class RolloutConfig:
     batch bucket, at a compile time of minutes; aimed at small-batch decode, where the weight GEMMs run at
     ~58% of the copy rate on an H200). Modes that add inductor's own CUDA graphs are refused: ours capture
     the whole step. An experiment: not yet measured on a GPU."""
+    decode_attention: str = "triton"
+    """Attention of our decode step: ``"triton"`` (:mod:`rollout.ops.decode_attention`: the query heads of a
+    KV head as one tile, no mask conversion, a row's left padding not read; where it cannot run — no CUDA,
+    no triton — SDPA runs and ``CallStats.decode_attention`` says so) or ``"sdpa"`` (PyTorch's SDPA with a
+    boolean mask). Chosen by measurement on the H200 (docs/BENCHMARKS.md)."""
+    fused_kv_write: bool = True
+    """With ``compile`` and ``fuse_qkv`` on CUDA, the compiled q|k|v piece also writes k and v into the cache
+    (one kernel with the rotary) instead of two ``index_copy_`` per layer after it."""
     fuse_qkv: bool = True
     """Our step computes q, k and v with one GEMM over a concatenated copy of their weights (refreshed at
     every call; ~1/8 of the weights for Qwen2.5-3B) instead of three; False reads the model's own tensors."""
@@ -137,8 +147,10 @@ class RolloutConfig:
         require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
         require(isinstance(self.keep_cache, bool), "keep_cache", f"must be a bool; got {self.keep_cache!r}")
         for name in ("fuse_lora", "fast_decode", "fast_prefill", "cuda_graphs", "compile", "fuse_qkv",
-                     "fused_sampler"):
+                     "fused_sampler", "fused_kv_write"):
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
+        require(self.decode_attention in DECODE_ATTENTIONS, "decode_attention",
+                 f"must be one of {DECODE_ATTENTIONS}; got {self.decode_attention!r}")
         require(self.compile_mode in COMPILE_MODES, "compile_mode",
                  f"must be one of {COMPILE_MODES} (modes with inductor CUDA graphs clash with ours); "
                  f"got {self.compile_mode!r}")

@@ -36,6 +36,9 @@ class CallStats:
     """``"graph"``, ``"fast_eager"`` or ``"hf"``: what the decode steps actually ran."""
     decode_fallback_reason: Optional[str] = None
     """Why decode steps did not all run from CUDA graphs (None when they did)."""
+    decode_attention: str = "hf"
+    """The decode step's attention: ``"triton"`` (:mod:`rollout.ops.decode_attention`), ``"sdpa"``, or
+    ``"hf"`` when the HF layers decode (``RolloutConfig.decode_attention``; SDPA where the kernel cannot run)."""
     sampler_fallback_reason: Optional[str] = None
     """Why token selection runs its eager functions (or not the fused kernel) although asked (None otherwise)."""
     sampler_path: str = "eager"
@@ -103,11 +106,13 @@ class CallStats:
         elif mode == "eager":
             self.eager_decode_steps += 1
 
-    def settle_decode_path(self, intended: str, reason: Optional[str], capture_failure: Optional[str]) -> None:
+    def settle_decode_path(self, intended: str, reason: Optional[str], capture_failure: Optional[str],
+                           attention: str = "hf") -> None:
         """``decode_path`` and its reason from what the steps did: ``"graph"`` only when every step replayed
         a graph; ``reason`` (why the call was not meant to use graphs) unless a failed capture explains
-        eager steps of a call meant for graphs."""
+        eager steps of a call meant for graphs. ``attention``: the step's attention piece."""
         self.decode_fallback_reason = reason
+        self.decode_attention = attention if intended != "hf" else "hf"
         if intended == "hf" or not self.decode_forwards:
             self.decode_path = intended  # no step ran: the path the call would have taken
         elif self.graph_decode_steps and not self.eager_decode_steps:
@@ -195,6 +200,7 @@ def build_profile(summary: dict, stats: CallStats, shape: CallShape, elapsed_s: 
         "planner_dp_skipped": stats.dp_skipped, "num_cache_trims": stats.trims,
         "cache_bytes_moved": stats.bytes_moved, "cache_capacity": stats.capacity,
         "decode_path": stats.decode_path, "decode_fallback_reason": stats.decode_fallback_reason,
+        "decode_attention": stats.decode_attention,
         "num_prefill_forwards": stats.prefill_forwards, "num_useful_tokens": shape.num_useful_tokens,
         "useful_tokens_per_second": per_s(shape.num_useful_tokens), "cache_bytes": cache_bytes,
         "held_bytes_after_call": held_bytes, "peak_allocated_mib": max(peaks) if peaks else None,

@@ -247,8 +247,9 @@ def plan_candidates(cell: CellSpec, selectors: Optional[set[str]], has_cap_field
                     cap_gib: Optional[float], upstream: bool, sampler_ab: bool = False,
                     twins: tuple = ()) -> list[Candidate]:
     """The candidates of a cell, in interleaving order (DeepSpeed last); ``sampler_ab``: on top-p cells, a
-    twin of each with ``fused_sampler=False`` (the sampler A/B in one process); ``twins``: ``((field,
-    value), ...)``, a twin of each with that ``RolloutConfig`` field set (an A/B of any switch)."""
+    twin of each with ``fused_sampler=False`` (the sampler A/B in one process); ``twins``: one ``((field,
+    value), ...)`` per twin, a twin of each candidate with those ``RolloutConfig`` fields set (an A/B of any
+    switches)."""
     capped = cell.cap_slots is not None
     cap = cap_gib if capped and has_cap_field else None
     out = []
@@ -269,8 +270,9 @@ def plan_candidates(cell: CellSpec, selectors: Optional[set[str]], has_cap_field
     base = list(out)
     if sampler_ab and cell.temperature > 0 and cell.top_p < 1:  # each with the compiled search instead
         out += [dataclasses.replace(c, name=f"{c.name} +search", config=(("fused_sampler", False),)) for c in base]
-    for name, value in twins:
-        out += [dataclasses.replace(c, name=f"{c.name} {name}={value}", config=((name, value),)) for c in base]
+    for fields in twins:
+        label = ",".join(f"{name}={value}" for name, value in fields)
+        out += [dataclasses.replace(c, name=f"{c.name} {label}", config=tuple(fields)) for c in base]
     if upstream and not capped and (selectors is None or "deepspeed" in selectors):
         out.append(Candidate("deepspeed", "deepspeed"))  # (it has no KV budget: not in the capped cell)
     return out
@@ -1258,8 +1260,9 @@ def parse_args(argv) -> argparse.Namespace:
                         "CUPTI re-init have crashed on older CUDA)")
     parser.add_argument("--sampler-ab", action="store_true", help="on top-p cells, also each candidate with "
                         "fused_sampler=False (the compiled search instead of the one-kernel nucleus), interleaved")
-    parser.add_argument("--twin", action="append", default=[], metavar="FIELD=VALUE",
-                        help="also each candidate with this RolloutConfig field set, e.g. fuse_qkv=False (repeatable)")
+    parser.add_argument("--twin", action="append", default=[], metavar="FIELD=VALUE[;FIELD=VALUE]",
+                        help="also each candidate with these RolloutConfig fields set, e.g. fuse_qkv=False or "
+                        "\"decode_attention='sdpa';fused_kv_write=False\" (repeatable: one twin each)")
     parser.add_argument("--sequential", action="store_true", help="one candidate at a time, released in between")
     parser.add_argument("--cap-gib", type=float, default=None, help="the capped cell's max_cache_gib (default: what "
                         "128 continuous slots with refills need, see cap_gib_for_slots)")
@@ -1290,18 +1293,22 @@ def parse_args(argv) -> argparse.Namespace:
 
 
 def _parse_twin(parser, spec: str) -> tuple:
-    """``"fuse_qkv=False"`` -> ``("fuse_qkv", False)``; the field must be a ``RolloutConfig`` field."""
+    """``"fuse_qkv=False;compile=False"`` -> ``(("fuse_qkv", False), ("compile", False))``; each field must be a
+    ``RolloutConfig`` field, each value a Python literal."""
     import ast
 
-    name, sep, text = spec.partition("=")
     fields = {f.name for f in dataclasses.fields(RolloutConfig)}
-    if not sep or name not in fields:
-        parser.error(f"--twin: {spec!r} is not FIELD=VALUE with FIELD one of {sorted(fields)}")
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        parser.error(f"--twin: {spec!r}: the value must be a Python literal (True, 0.5, 'ordinary')")
-    return name, value
+    out = []
+    for part in spec.split(";"):
+        name, sep, text = part.strip().partition("=")
+        if not sep or name not in fields:
+            parser.error(f"--twin: {part!r} is not FIELD=VALUE with FIELD one of {sorted(fields)}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            parser.error(f"--twin: {part!r}: the value must be a Python literal (True, 0.5, 'ordinary')")
+        out.append((name, value))
+    return tuple(out)
 
 
 def _parse_candidates(parser, spec: Optional[str]) -> Optional[set[str]]:

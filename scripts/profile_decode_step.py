@@ -86,8 +86,20 @@ def attention_variants(rows: int, live: int, heads: int, kv_heads: int, dim: int
     def grouped_bmm():  # two batched GEMMs per KV head, mask + softmax fused by inductor
         return compiled_grouped(q, k, v, keep, dim ** -0.5, True)
 
-    def triton_kernel(splits=None):
-        return lambda: decode_attention.attention(q, k, v, keep, dim ** -0.5, True, splits=splits)
+    def triton_kernel(splits=None, block=decode_attention.BLOCK_L, warps=decode_attention.WARPS,
+                      stages=decode_attention.STAGES, mask=None):
+        mask = keep if mask is None else mask
+        return lambda: decode_attention.attention(q, k, v, mask, dim ** -0.5, True, splits=splits, block=block,
+                                                  warps=warps, stages=stages)
+
+    padded = keep.clone()
+    padded[::2, ..., : live // 2] = False  # every other row: half its window is left padding
+
+    def sdpa_padded():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=padded, enable_gqa=True)
+
+    launch = [(f"triton kernel, block {b_} warps {w} stages {st}", triton_kernel(block=b_, warps=w, stages=st))
+              for b_, w, st in ((64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 3), (128, 8, 4), (64, 4, 2))]
 
     auto = decode_attention.split_count(rows, kv_heads, live, torch.cuda.get_device_properties(0).multi_processor_count)
     out = {}
@@ -95,7 +107,9 @@ def attention_variants(rows: int, live: int, heads: int, kv_heads: int, dim: int
                      ("grouped q + bf16 bias", grouped_bias), ("grouped q, no mask", grouped_nomask),
                      ("grouped bmm, compiled", grouped_bmm),
                      (f"triton kernel, splits auto ({auto})", triton_kernel()),
-                     *((f"triton kernel, {n} splits", triton_kernel(n)) for n in (1, 2, 4, 8) if n != auto)):
+                     *((f"triton kernel, {n} splits", triton_kernel(n)) for n in (1, 2, 4, 8) if n != auto),
+                     *launch, ("sdpa gqa, half the rows half padded", sdpa_padded),
+                     ("triton kernel, half the rows half padded", triton_kernel(mask=padded))):
         try:
             out[name] = graph_ms(fn, 20) * layers
         except Exception as exc:  # noqa: BLE001 - a variant the backend refuses is reported, not fatal

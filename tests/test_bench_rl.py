@@ -197,11 +197,17 @@ def test_sampler_ab_twins_only_top_p_cells():
 
 def test_twins_of_any_config_field():
     greedy = select_cells("wide-greedy")[0]
-    cands = plan_candidates(greedy, {"auto", "ordinary"}, True, None, upstream=False, twins=(("fuse_qkv", False),))
-    assert _names(cands) == ["auto", "ordinary", "auto fuse_qkv=False", "ordinary fuse_qkv=False"]
+    cands = plan_candidates(greedy, {"auto", "ordinary"}, True, None, upstream=False,
+                            twins=((("fuse_qkv", False),), (("decode_attention", "sdpa"), ("fused_kv_write", False))))
+    assert _names(cands) == ["auto", "ordinary", "auto fuse_qkv=False", "ordinary fuse_qkv=False",
+                             "auto decode_attention=sdpa,fused_kv_write=False",
+                             "ordinary decode_attention=sdpa,fused_kv_write=False"]
     assert cands[3].route == "ordinary" and cands[3].config == (("fuse_qkv", False),)
-    assert bench_rl.parse_args(["--twin", "fuse_qkv=False", "--cells", "wide-greedy"]).twins == (("fuse_qkv", False),)
-    for bad in ("no_such_field=1", "fuse_qkv", "fuse_qkv=maybe"):
+    assert cands[5].config == (("decode_attention", "sdpa"), ("fused_kv_write", False))
+    args = bench_rl.parse_args(["--twin", "fuse_qkv=False", "--twin", "decode_attention='sdpa'; fused_kv_write=False",
+                                "--cells", "wide-greedy"])
+    assert args.twins == ((("fuse_qkv", False),), (("decode_attention", "sdpa"), ("fused_kv_write", False)))
+    for bad in ("no_such_field=1", "fuse_qkv", "fuse_qkv=maybe", "fuse_qkv=False;compile"):
         with pytest.raises(SystemExit):
             bench_rl.parse_args(["--twin", bad])
 

@@ -19,7 +19,8 @@ CPU_REASON = "eager fast step: device cpu has no CUDA graphs"
 
 COMMON = dict(dp_skipped=True, route_estimates_ms={}, prefill_buckets=1, graph_decode_steps=0, num_steps=5,
               compactions=0, trims=0, shifts=0, row_moves=0, bytes_moved=0, sampler_fallback_reason=None,
-              sampler_path="eager")  # greedy on the CPU: the eager functions
+              sampler_path="eager",  # greedy on the CPU: the eager functions
+              decode_attention="sdpa")  # no CUDA: the Triton kernel cannot run
 # ordinary: one pass over the 3 prompts of 6 tokens (each prompt's 2 samples share it), 4 decode steps of 6
 # rows; the cache holds the batch bucket of 6 rows (8) x (6 + 5) columns; no EOS ids -> no EOS check, no
 # compaction.
@@ -43,6 +44,7 @@ CASES = {
         eager_decode_steps=4, num_slots=8, capacity=11, cache_bytes=8 * 11 * COLUMN_BYTES)),
     "ordinary-hf": (dict(route="ordinary", fast_decode=False), None, dict(
         ORDINARY, prefill_path="hf", decode_path="hf", decode_fallback_reason="fast_decode disabled in RolloutConfig",
+        decode_attention="hf",
         eager_decode_steps=0, num_slots=6, capacity=11, cache_bytes=6 * 11 * COLUMN_BYTES)),
     "ordinary-hf-prefill": (dict(route="ordinary", fast_prefill=False), None, dict(
         ORDINARY, prefill_path="hf", decode_path="fast_eager", decode_fallback_reason=CPU_REASON,
@@ -58,6 +60,7 @@ CASES = {
         eager_decode_steps=0, num_slots=4, capacity=64, cache_bytes=4 * 64 * COLUMN_BYTES)),
     "continuous-hf": (dict(route="continuous", fast_decode=False), 4, dict(
         CONTINUOUS, prefill_path="hf", decode_path="hf", decode_fallback_reason="fast_decode disabled in RolloutConfig",
+        decode_attention="hf",
         eager_decode_steps=0, num_slots=4, capacity=64, cache_bytes=4 * 64 * COLUMN_BYTES)),
 }
 

@@ -44,6 +44,9 @@ def test_sampling_config_keeps_upstream_defaults():
     (dict(compile_mode="reduce-overhead"), "compile_mode"),  # inductor CUDA graphs inside ours
     (dict(compile_mode="max-autotune"), "compile_mode"),
     (dict(compile_mode=1), "compile_mode"),
+    (dict(decode_attention="flash"), "decode_attention"),
+    (dict(decode_attention=None), "decode_attention"),
+    (dict(fused_kv_write=1), "fused_kv_write"),
     (dict(max_context=0), "max_context"),
 ])
 def test_rollout_config_rejects_bad_values(kwargs, field):

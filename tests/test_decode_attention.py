@@ -77,9 +77,10 @@ def test_a_row_with_nothing_kept_gives_zeros(device):
 
 
 def test_split_count():
-    assert da.split_count(256, 2, 512, 132) == 2  # 512 programs: two splits reach 4 per SM (528)
-    assert da.split_count(32, 2, 512, 132) == 8  # capped by the 8 tiles of 64 columns
-    assert da.split_count(32, 2, 4096, 132) == 9
+    assert da.split_count(256, 2, 512, 132) == 1  # 512 programs already fill 132 SMs
+    assert da.split_count(32, 2, 512, 132) == 3
+    assert da.split_count(8, 2, 128, 132) == 2  # capped by the 2 tiles of 64 columns
+    assert da.split_count(1, 1, 4096, 132) == 64
     assert da.split_count(1024, 2, 40, 132) == 1
 
 
@@ -118,3 +119,16 @@ def test_step_with_the_kernel_equals_hf_generate(device):
     assert calls, "the step did not call the attention piece"
     for row in range(3):
         assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 6)
+
+
+def test_left_padding_tiles_are_not_read(device):
+    """Whole tiles before a row's first kept column are skipped: NaN there (never attended) cannot reach
+    the output, where a kernel that read them would give NaN (0 x NaN)."""
+    q, k, v, keep = _inputs(3, 4, 2, 150, 16, torch.float32, device, seed=7)
+    expected = _sdpa(q, k, v, keep, 4, 2)  # row 0 keeps nothing before column 75
+    k, v = k.clone(), v.clone()
+    k[0, :, :da.BLOCK_L] = float("nan")
+    v[0, :, :da.BLOCK_L] = float("nan")
+    for splits in (1, 2):
+        got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -118,3 +118,26 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
         assert seen == []  # never compiled on the CPU
     finally:
         step.compiled_step_fns.cache_clear()
+
+
+@pytest.mark.parametrize("attention,kv_write", [("triton", True), ("sdpa", False), ("triton", False)])
+def test_step_pieces_follow_the_config(monkeypatch, attention, kv_write):
+    """``RolloutConfig.decode_attention`` and ``fused_kv_write`` decide the pieces a CUDA call's step runs:
+    the Triton attention (where triton imports) or SDPA, and the compiled q|k|v piece that writes k and v
+    or none; on the CPU the step keeps SDPA and the separate writes."""
+    pytest.importorskip("triton")
+    from rollout.model import step
+    from rollout.ops import decode_attention
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    step.compiled_step_fns.cache_clear()
+    try:
+        ro = Rollout(tiny_model("qwen2", seed=0), TinyTokenizer(),
+                     RolloutConfig(decode_attention=attention, fused_kv_write=kv_write))
+        cuda = ro._fast_step.parts(torch.device("cuda"), mirrored=False)  # no CUDA needed to build them
+        assert cuda.fns.attention is (decode_attention.attention if attention == "triton" else step.decode_attention)
+        assert cuda.fns.attention_inputs_qkv_write is (step.attention_inputs_qkv_write if kv_write else None)
+        cpu = ro._fast_step.parts(torch.device("cpu"), mirrored=False)
+        assert cpu.fns.attention is step.decode_attention and cpu.fns.attention_inputs_qkv_write is None
+    finally:
+        step.compiled_step_fns.cache_clear()

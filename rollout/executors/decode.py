@@ -13,6 +13,7 @@ compiled or eager step pieces.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,6 +21,7 @@ import torch
 
 from rollout.config import RolloutConfig
 from rollout.model import prefill
+from rollout.ops import decode_attention
 from rollout.model.step import FusedQKV, StepFns, StepParts, WeightMirror, compiled_step_fns, spec_and_weights, \
     unsupported_reason
 
@@ -36,6 +38,9 @@ class DecodeChoice:
     """Why the path is not ``"graph"`` (None when it is): what the profile reports."""
     prefill_path: str
     """``"hf"``, ``"packed"`` or ``"varlen"`` (``routes.PREFILL_PATHS``): how prompts are prefilled."""
+    attention: str = "sdpa"
+    """The decode step's attention (``CallStats.decode_attention``): ``"triton"``, ``"sdpa"``, or ``"hf"`` on
+    the HF path."""
     cuda_graphs: bool = True
     """``RolloutConfig.cuda_graphs``: with it off the continuous route decodes from per-call tensors
     (nothing kept between calls) instead of its graph-ready static buffers."""
@@ -49,10 +54,14 @@ class FastStep:
     """Our fused step for one model: ``StepParts`` read at each call (weights may move between calls)."""
 
     def __init__(self, model: torch.nn.Module, use_compile: bool, mirror_weights: bool, fuse_qkv: bool = True,
-                 compile_mode: Optional[str] = None):
+                 compile_mode: Optional[str] = None, attention: str = "sdpa", kv_write: bool = False):
         self.model = model
         self.use_compile = use_compile
         self.compile_mode = compile_mode
+        self.attention = attention
+        """``RolloutConfig.decode_attention``."""
+        self.kv_write = kv_write
+        """``RolloutConfig.fused_kv_write`` (compiled pieces with fused q|k|v only)."""
         self.mirror = WeightMirror() if mirror_weights else None
         self.fused_qkv = FusedQKV() if fuse_qkv else None
         self.last_weight_signature: Optional[tuple[int, ...]] = None
@@ -69,7 +78,12 @@ class FastStep:
             weights = self.fused_qkv.refresh(weights)
         if mirrored:
             self.last_weight_signature = weights.signature()
-        fns = compiled_step_fns(self.compile_mode) if (self.use_compile and device.type == "cuda") else StepFns()
+        if self.use_compile and device.type == "cuda":
+            fns = compiled_step_fns(self.compile_mode, kv_write=self.kv_write and self.fused_qkv is not None)
+        else:
+            fns = StepFns()
+        if attention_path(self.attention, device) == "triton":
+            fns = dataclasses.replace(fns, attention=decode_attention.attention)
         return StepParts(spec, weights, fns)
 
     def release_copies(self) -> None:
@@ -84,18 +98,28 @@ class FastStep:
                 + (self.fused_qkv.nbytes if self.fused_qkv is not None else 0))
 
 
+def attention_path(setting: str, device: torch.device) -> str:
+    """The attention our step runs for ``RolloutConfig.decode_attention``: ``"triton"`` where the kernel can
+    (CUDA, triton importable), else ``"sdpa"``."""
+    if setting == "triton" and device.type == "cuda" and decode_attention.available() is None:
+        return "triton"
+    return "sdpa"
+
+
 def choose_decode(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool, device: torch.device) -> DecodeChoice:
     """The decode and prefill paths of a call (one place for both routes)."""
     reason = _hf_reason(config, model, is_zero3)
     if reason is not None:
-        return DecodeChoice("hf", reason, "hf", config.cuda_graphs)
+        return DecodeChoice("hf", reason, "hf", "hf", config.cuda_graphs)
     prefill_path = prefill.attention_path(device, next(model.parameters()).dtype) if config.fast_prefill else "hf"
+    attention = attention_path(config.decode_attention, device)
     if not config.cuda_graphs:
         return DecodeChoice("fast_eager", "eager fast step: cuda_graphs disabled in RolloutConfig", prefill_path,
-                            cuda_graphs=False)
+                            attention, cuda_graphs=False)
     if device.type != "cuda":
-        return DecodeChoice("fast_eager", f"eager fast step: device {device.type} has no CUDA graphs", prefill_path)
-    return DecodeChoice("graph", None, prefill_path)
+        return DecodeChoice("fast_eager", f"eager fast step: device {device.type} has no CUDA graphs", prefill_path,
+                            attention)
+    return DecodeChoice("graph", None, prefill_path, attention)
 
 
 def _hf_reason(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool) -> Optional[str]:

@@ -332,8 +332,8 @@ class StepFns:
     """Decode attention (:func:`decode_attention`, left eager: SDPA is one kernel already)."""
     attention_inputs_qkv_write: object = None
     """When set (and q|k|v are fused), decode steps write k and v into the cache inside this piece
-    (:func:`attention_inputs_qkv_write`) instead of with two ``index_copy_`` after it. An experiment
-    (``scripts/profile_decode_step.py --kv-write-in-piece``), not set by the routes."""
+    (:func:`attention_inputs_qkv_write`) instead of with two ``index_copy_`` after it
+    (``RolloutConfig.fused_kv_write``, compiled pieces only)."""
 
 
 def compile_piece(fn, mode: str | None = None):
@@ -343,12 +343,16 @@ def compile_piece(fn, mode: str | None = None):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_step_fns(mode: str | None = None) -> StepFns:
+def compiled_step_fns(mode: str | None = None, kv_write: bool = False) -> StepFns:
     """``torch.compile``d pieces (inductor fuses norms, rotary, SiLU and residual adds). One compiled graph
     serves every layer. ``mode``: the ``torch.compile`` mode (``RolloutConfig.compile_mode``; None: torch's
-    default)."""
-    return StepFns(*(compile_piece(fn, mode) for fn in (attention_inputs, attention_inputs_qkv,
-                                                         attention_output_and_mlp, final_logits)))
+    default); ``kv_write``: the fused q|k|v piece also writes k and v into the cache
+    (``RolloutConfig.fused_kv_write``)."""
+    fns = StepFns(*(compile_piece(fn, mode) for fn in (attention_inputs, attention_inputs_qkv,
+                                                        attention_output_and_mlp, final_logits)))
+    if kv_write:
+        fns = dataclasses.replace(fns, attention_inputs_qkv_write=compile_piece(attention_inputs_qkv_write, mode))
+    return fns
 
 
 @dataclass(frozen=True)

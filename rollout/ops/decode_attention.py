@@ -10,7 +10,8 @@ against its cached keys and values, the query heads of each KV head together.
 - fp32 scores and softmax, the probabilities cast to the values' dtype for the second product (as the flash
   kernels do); a row with no kept column gives zeros (SDPA gives NaN there).
 
-Each key and value is read once per KV head, and nothing is materialised besides the output (and, when
+Each key and value is read once per KV head, the tiles of a row's left padding (before its first kept
+column) not at all, and nothing is materialised besides the output (and, when
 the window is split across programs to fill the GPU, fp32 partials of ``[B, Hq, splits, D]``). Where the
 kernel cannot run (no CUDA tensor, no triton, a float mask, more than one query) the call falls back to
 SDPA, so the function is safe to set anywhere.
@@ -24,8 +25,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-#: Columns per tile of the key window.
+#: Columns per tile of the key window, warps per program and software-pipelining stages (the kernel's
+#: launch parameters; ``scripts/profile_decode_step.py`` times others).
 BLOCK_L = 64
+WARPS = 4
+STAGES = 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,11 +65,11 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: 
     return None
 
 
-def split_count(rows: int, kv_heads: int, length: int, sms: int) -> int:
-    """How many programs share one (row, KV head)'s key window: enough for ~4 programs per SM, never a
-    split shorter than one tile."""
-    tiles = max(1, -(-length // BLOCK_L))
-    want = -(-4 * sms // max(1, rows * kv_heads))
+def split_count(rows: int, kv_heads: int, length: int, sms: int, block: int = BLOCK_L) -> int:
+    """How many programs share one (row, KV head)'s key window: enough for one program per SM (on the H200,
+    2 splits were best at 32 rows and 1 at 256 over 512 columns), never a split shorter than one tile."""
+    tiles = max(1, -(-length // block))
+    want = -(-sms // max(1, rows * kv_heads))
     return max(1, min(tiles, want))
 
 
@@ -79,10 +83,11 @@ def _pow2(n: int, least: int) -> int:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, gqa: bool,
-              splits: Optional[int] = None, interpret: bool = False) -> torch.Tensor:
+              splits: Optional[int] = None, interpret: bool = False, block: int = BLOCK_L, warps: int = WARPS,
+              stages: int = STAGES) -> torch.Tensor:
     """Decode attention ``[B, Hq, 1, D]`` (module docstring); SDPA where the kernel cannot run. ``splits``:
     programs per (row, KV head) (default :func:`split_count`); ``interpret``: allow CPU tensors (tests, under
-    ``TRITON_INTERPRET=1``)."""
+    ``TRITON_INTERPRET=1``); ``block``, ``warps``, ``stages``: launch parameters (module constants)."""
     if unsupported_reason(q, k, v, keep, interpret) is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
     from rollout.ops import decode_attention_kernel as kernels
@@ -91,10 +96,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
     kv_heads, length = k.shape[1], k.shape[2]
     group = heads // kv_heads
     if splits is None:
-        splits = split_count(rows, kv_heads, length, _sm_count(q.device.index or 0) if q.is_cuda else 1)
-    splits = max(1, min(int(splits), max(1, -(-length // BLOCK_L))))
-    chunk = -(-(-(-length // splits)) // BLOCK_L) * BLOCK_L  # columns per split, a whole number of tiles
-    splits = max(1, -(-length // chunk))
+        splits = split_count(rows, kv_heads, length, _sm_count(q.device.index or 0) if q.is_cuda else 1, block)
+    splits = max(1, min(int(splits), max(1, -(-length // block))))
     out = torch.empty(rows, heads, 1, dim, dtype=q.dtype, device=q.device)
     dim_pad = _pow2(dim, 16)
     single = splits == 1
@@ -105,9 +108,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
     kernels.decode_attention_split[(rows, kv_heads, splits)](
         q, k, v, keep, out, part, stat,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        keep_sb, keep_sl, out.stride(0), out.stride(1), length, chunk, splits, float(scale),
-        GROUP=group, GROUP_PAD=_pow2(group, 16), DIM=dim, DIM_PAD=dim_pad, BLOCK_L=BLOCK_L, SINGLE=single,
-        PRECISION=precision, DOT_FP32=not q.is_cuda and q.dtype == torch.bfloat16)
+        keep_sb, keep_sl, out.stride(0), out.stride(1), length, splits, float(scale),
+        GROUP=group, GROUP_PAD=_pow2(group, 16), DIM=dim, DIM_PAD=dim_pad, EVEN_D=dim == dim_pad, BLOCK_L=block,
+        SINGLE=single, PRECISION=precision, DOT_FP32=not q.is_cuda and q.dtype == torch.bfloat16,
+        num_warps=warps, num_stages=stages)
     if not single:
         kernels.decode_attention_merge[(rows, heads)](
             part, stat, out, out.stride(0), out.stride(1), heads, splits,

@@ -8,11 +8,11 @@ import triton.language as tl
 @triton.jit
 def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, stat_ptr,
                            q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, keep_sb, keep_sl,
-                           o_sb, o_sh, length, chunk, splits, scale,
+                           o_sb, o_sh, length, splits, scale,
                            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-                           DIM_PAD: tl.constexpr, BLOCK_L: tl.constexpr, SINGLE: tl.constexpr,
+                           DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr, SINGLE: tl.constexpr,
                            PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    # One program: row b, KV head kv, the columns [split * chunk, split * chunk + chunk) of the key window.
+    # One program: row b, KV head kv, one share (split) of the row's key window.
     # The GROUP query heads that share KV head kv are the rows of one tile, so each key and value is read
     # once per KV head. An online softmax over BLOCK_L-column tiles (fp32 scores, probabilities cast to the
     # values' dtype for the second product, as SDPA's flash kernels do). DOT_FP32: both products on fp32
@@ -28,17 +28,30 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
     q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     k_base = k_ptr + b * k_sb + kv * k_sh
     v_base = v_ptr + b * v_sb + kv * v_sh
-    lo = split * chunk
+    # The row's window starts at its first kept column: the tiles of left padding before it are never read.
+    # What is left is shared among the splits in whole tiles.
+    cols0 = tl.arange(0, BLOCK_L)
+    first = length
+    for start in range(0, length, BLOCK_L):
+        cols = start + cols0
+        kept = tl.load(keep_ptr + b * keep_sb + cols * keep_sl, mask=cols < length, other=0) != 0
+        first = tl.minimum(first, tl.min(tl.where(kept, cols, length), 0))
+    first = (first // BLOCK_L) * BLOCK_L
+    tiles = tl.cdiv(length - first, BLOCK_L)
+    chunk = tl.cdiv(tiles, splits) * BLOCK_L
+    lo = first + split * chunk
     hi = tl.minimum(lo + chunk, length)
     top = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
-    cols0 = tl.arange(0, BLOCK_L)
     for start in range(lo, hi, BLOCK_L):
         cols = start + cols0
         c_ok = cols < hi
         keep = tl.load(keep_ptr + b * keep_sb + cols * keep_sl, mask=c_ok, other=0) != 0
-        k = tl.load(k_base + cols[:, None] * k_sl + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        if EVEN_D:  # only whole rows masked: the loads stay vectorised
+            k = tl.load(k_base + cols[:, None] * k_sl + d[None, :], mask=c_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_base + cols[:, None] * k_sl + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
         else:
@@ -49,7 +62,10 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
         alpha = tl.exp(top - safe_top)
         p = tl.exp(s - safe_top[:, None])
         total = total * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * v_sl + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        if EVEN_D:
+            v = tl.load(v_base + cols[:, None] * v_sl + d[None, :], mask=c_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_base + cols[:, None] * v_sl + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_FP32:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
         else:

@@ -56,7 +56,8 @@ class ContinuousExecutor:
                 self.pool.release()
                 if not self.pool.keep:
                     self.release()
-        result.stats.settle_decode_path(choice.path, choice.reason, self.graphs.fallback_reason)
+        result.stats.settle_decode_path(choice.path, choice.reason, self.graphs.fallback_reason,
+                                               choice.attention)
         return Generation(result.generated, result.logprobs, result.stats)
 
     def _cache(self, ctx: CallContext, choice: DecodeChoice, slots: int, capacity: int, num_rows: int,

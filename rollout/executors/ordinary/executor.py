@@ -61,7 +61,8 @@ class OrdinaryExecutor:
                 if not self.pool.keep:
                     self.release()
         stats = state.stats
-        stats.settle_decode_path(choice.path, choice.reason, self.graphs.fallback_reason)
+        stats.settle_decode_path(choice.path, choice.reason, self.graphs.fallback_reason,
+                                        choice.attention)
         stats.num_steps = stats.steps = state.num_steps
         stats.num_slots, stats.capacity, stats.cache_bytes = rows, capacity, cache.nbytes
         logprobs = None if state.logprobs is None else state.logprobs[:, :state.num_steps]
