@@ -99,7 +99,7 @@ def attention_variants(rows: int, live: int, heads: int, kv_heads: int, dim: int
         return F.scaled_dot_product_attention(q, k, v, attn_mask=padded, enable_gqa=True)
 
     launch = [(f"triton kernel, block {b_} warps {w} stages {st}", triton_kernel(block=b_, warps=w, stages=st))
-              for b_, w, st in ((64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 3), (128, 8, 4), (64, 4, 2))]
+              for b_, w, st in ((64, 4, 3), (64, 4, 1), (32, 4, 2), (128, 4, 2), (64, 8, 2), (32, 2, 2))]
 
     auto = decode_attention.split_count(rows, kv_heads, live, torch.cuda.get_device_properties(0).multi_processor_count)
     out = {}

@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 
 #: Columns per tile of the key window, warps per program and software-pipelining stages (the kernel's
-#: launch parameters; ``scripts/profile_decode_step.py`` times others).
+#: launch parameters; ``scripts/profile_decode_step.py`` times others: on the H200, 36 layers over 512
+#: columns, 2 stages took 1.52 ms at 256 rows where 3 or 4 took 1.80-1.82, and SDPA 1.88).
 BLOCK_L = 64
 WARPS = 4
-STAGES = 3
+STAGES = 2
 
 
 @functools.lru_cache(maxsize=None)
