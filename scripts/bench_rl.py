@@ -79,6 +79,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -801,8 +802,10 @@ def scalar_stats(stats) -> dict:
     return {k: v for k, v in values.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
 
-def profile_busy(run: CandidateRun, device: str, max_events: int, teardown: bool = False) -> None:
-    """GPU-busy % of one extra profiled call: its GPU activity over its own wall."""
+def profile_busy(run: CandidateRun, device: str, max_events: int, teardown: bool = False,
+                 trace_path: Optional[str] = None) -> None:
+    """GPU-busy % of one extra profiled call: its GPU activity over its own wall. ``trace_path``: also record
+    the host (with our stage ranges when ``OPSD_PROFILE`` is on) and write the call's Chrome trace there."""
     if run.error is not None or not run.walls_ms:
         return
     from torch.profiler import ProfilerActivity, profile
@@ -811,7 +814,8 @@ def profile_busy(run: CandidateRun, device: str, max_events: int, teardown: bool
     sync(device)
     try:
         _PROFILED["any"] = True
-        prof = profile(activities=[activity])
+        activities = [activity] + ([ProfilerActivity.CPU] if trace_path and activity != ProfilerActivity.CPU else [])
+        prof = profile(activities=activities)
         if teardown:  # before start and stop: torch resets it where it thinks graphs and teardown clash
             os.environ["TEARDOWN_CUPTI"] = "1"
         with prof:
@@ -822,6 +826,8 @@ def profile_busy(run: CandidateRun, device: str, max_events: int, teardown: bool
             if teardown:
                 os.environ["TEARDOWN_CUPTI"] = "1"
         intervals, why = gpu_intervals(prof, max_events)
+        if trace_path:
+            prof.export_chrome_trace(trace_path)
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as exc:  # the busy column is lost, not the row
@@ -969,8 +975,9 @@ def kept_bytes_estimate(bench: Bench, cell: CellSpec, cands: list[Candidate], wi
 
 
 def run_interleaved(runs: list[CandidateRun], device: str, repeats: int, busy: bool, max_events: int,
-                    teardown: bool = False) -> None:
-    """Warm-up, ``repeats`` rounds A B C ..., then (``busy``) one profiled call each, after every timed call."""
+                    teardown: bool = False, trace_dir: Optional[str] = None, cell: str = "") -> None:
+    """Warm-up, ``repeats`` rounds A B C ..., then (``busy``) one profiled call each, after every timed call;
+    ``trace_dir``: each profiled call's Chrome trace as ``<cell>--<candidate>.json`` there."""
     for run in runs:
         run.after_profile = _PROFILED["any"]
     for run in runs:
@@ -980,7 +987,15 @@ def run_interleaved(runs: list[CandidateRun], device: str, repeats: int, busy: b
             measure(run, [o for o in runs if o is not run], device, record=True)
     if busy:
         for run in runs:
-            profile_busy(run, device, max_events, teardown)
+            profile_busy(run, device, max_events, teardown, trace_file(trace_dir, cell, run.cand.name))
+
+
+def trace_file(trace_dir: Optional[str], cell: str, candidate: str) -> Optional[str]:
+    """``<trace_dir>/<cell>--<candidate>.json``, the candidate's name made a file name; None without a folder."""
+    if not trace_dir:
+        return None
+    safe = re.sub(r"[^A-Za-z0-9._=-]+", "_", candidate)
+    return os.path.join(trace_dir, f"{cell}--{safe}.json")
 
 
 def run_sequential(bench: Bench, cell: CellSpec, cands: list[Candidate], ids, mask) -> list[CandidateRun]:
@@ -990,7 +1005,7 @@ def run_sequential(bench: Bench, cell: CellSpec, cands: list[Candidate], ids, ma
         (run,) = make_runs(bench, cell, [cand], ids, mask, shared=False)
         try:
             run_interleaved([run], bench.device, bench.args.repeats, bench.busy_enabled, bench.args.busy_max_events,
-                            bench.args.cupti_teardown)
+                            bench.args.cupti_teardown, bench.args.trace_dir, cell.name)
         except torch.cuda.OutOfMemoryError as exc:
             run.error = f"OutOfMemoryError: {exc}"[:300]
         if run.last_batch is not None:
@@ -1166,7 +1181,8 @@ def _run_candidates(bench: Bench, cell: CellSpec, cands, ids, mask) -> tuple[lis
     if not sequential:
         runs = make_runs(bench, cell, cands, ids, mask, shared=True)
         try:
-            run_interleaved(runs, device, args.repeats, bench.busy_enabled, args.busy_max_events, args.cupti_teardown)
+            run_interleaved(runs, device, args.repeats, bench.busy_enabled, args.busy_max_events, args.cupti_teardown,
+                            args.trace_dir, cell.name)
             return runs, "interleaved"
         except torch.cuda.OutOfMemoryError:
             print("  out of memory while interleaved: one candidate at a time", flush=True)
@@ -1255,6 +1271,8 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--upstream-cap-s", type=float, default=30.0, help="estimated seconds a call, above: not run")
     parser.add_argument("--busy", choices=["on", "off"], default="on", help="one profiled call per candidate (CUDA)")
     parser.add_argument("--busy-max-events", type=int, default=3_000_000)
+    parser.add_argument("--trace-dir", help="write each candidate's profiled call as a Chrome trace here, host "
+                        "included (set OPSD_PROFILE=1 for our stage ranges; then scripts/summarize_trace.py)")
     parser.add_argument("--cupti-teardown", action="store_true", help="set TEARDOWN_CUPTI=1 around each profiled "
                         "call so no CUPTI callbacks linger into later timed calls (torch warns that CUDA graphs and "
                         "CUPTI re-init have crashed on older CUDA)")
@@ -1282,6 +1300,8 @@ def parse_args(argv) -> argparse.Namespace:
     args.twins = tuple(_parse_twin(parser, spec) for spec in args.twin)
     if args.eos_scales is None and args.json:
         args.eos_scales = os.path.join(os.path.dirname(os.path.abspath(args.json)), "rl-scales.json")
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
     for name in ("json", "eos_scales"):  # output folders exist before any work starts
         path = getattr(args, name)
         if path:

@@ -10,6 +10,8 @@ import dataclasses
 import json
 import math
 
+import os
+
 import pytest
 import torch
 
@@ -334,3 +336,9 @@ def test_seed004_rows_carry_their_roofline():
     without = bench_rollout.suite_seed004(model, TinyTokenizer(pad_token_id=0, eos_token_id=None), "cpu", 1, False,
                                           ["1x20+31x1"])
     assert all("x_roofline" not in r.extra for r in without)
+
+
+def test_trace_file_names():
+    assert bench_rl.trace_file(None, "capped", "auto") is None
+    assert bench_rl.trace_file("t", "longtail-64-1024", "auto decode_attention=sdpa,fused_kv_write=False") == \
+        os.path.join("t", "longtail-64-1024--auto_decode_attention=sdpa_fused_kv_write=False.json")
