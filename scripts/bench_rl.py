@@ -715,8 +715,12 @@ def final_norm(model):
     return norm
 
 
-def gpu_intervals(prof, max_events: int) -> tuple[Optional[list[tuple[float, float]]], str]:
-    """Kernel / memcpy / memset intervals (ns) of a finished torch.profiler session, or (None, why)."""
+def gpu_intervals(prof, max_events: int, trace_path: Optional[str] = None) -> tuple[Optional[list[tuple[float, float]]], str]:
+    """Kernel / memcpy / memset intervals (ns) of a finished torch.profiler session, or (None, why).
+    ``trace_path``: write the session's Chrome trace there (a session saves its trace once) and read it back."""
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+        return _chrome_intervals(trace_path, max_events)
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     # torch 2.11's _KinetoEvent has no activity_type() (2.13's has): read the Chrome trace there instead
     if results is not None and hasattr(torch._C._autograd._KinetoEvent, "activity_type"):
@@ -728,8 +732,12 @@ def gpu_intervals(prof, max_events: int) -> tuple[Optional[list[tuple[float, flo
     with tempfile.TemporaryDirectory() as tmp:  # other torch versions: through the Chrome trace
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
+        return _chrome_intervals(path, max_events)
+
+
+def _chrome_intervals(path: str, max_events: int) -> tuple[Optional[list[tuple[float, float]]], str]:
+    with open(path) as f:
+        events = json.load(f).get("traceEvents", [])
     if len(events) > max_events:
         return None, f"n/a (skipped: {len(events)} events > {max_events})"
     return [(e["ts"] * 1e3, (e["ts"] + e.get("dur", 0)) * 1e3) for e in events if e.get("cat") in GPU_EVENT_KINDS], ""
@@ -825,9 +833,7 @@ def profile_busy(run: CandidateRun, device: str, max_events: int, teardown: bool
             wall_ns = time.perf_counter_ns() - start
             if teardown:
                 os.environ["TEARDOWN_CUPTI"] = "1"
-        intervals, why = gpu_intervals(prof, max_events)
-        if trace_path:
-            prof.export_chrome_trace(trace_path)
+        intervals, why = gpu_intervals(prof, max_events, trace_path)
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as exc:  # the busy column is lost, not the row

@@ -342,3 +342,16 @@ def test_trace_file_names():
     assert bench_rl.trace_file(None, "capped", "auto") is None
     assert bench_rl.trace_file("t", "longtail-64-1024", "auto decode_attention=sdpa,fused_kv_write=False") == \
         os.path.join("t", "longtail-64-1024--auto_decode_attention=sdpa_fused_kv_write=False.json")
+
+
+def test_profile_busy_writes_the_trace_once(tmp_path):
+    """``--trace-dir``: the profiled call's trace is written (a session saves its trace once, so the busy
+    figure is read back from that file rather than from a second export) and holds the call's operators."""
+    run = bench_rl.CandidateRun(Candidate("x", "ordinary"), lambda: torch.ones(64, 64) @ torch.ones(64, 64), None,
+                                walls_ms=[1.0])
+    path = tmp_path / "cell--x.json"
+    bench_rl.profile_busy(run, "cpu", max_events=100_000, trace_path=str(path))
+    assert "profiler" not in run.busy[1], run.busy  # no "Trace is already saved"
+    assert run.busy == (None, "n/a (no GPU events recorded)")
+    names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+    assert "aten::matmul" in names or "aten::mm" in names
