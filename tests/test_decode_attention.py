@@ -77,10 +77,11 @@ def test_a_row_with_nothing_kept_gives_zeros(device):
 
 
 def test_split_count():
-    assert da.split_count(256, 2, 512, 132) == 1  # 512 programs already fill 132 SMs
-    assert da.split_count(32, 2, 512, 132) == 3
-    assert da.split_count(8, 2, 128, 132) == 2  # capped by the 2 tiles of 64 columns
-    assert da.split_count(1, 1, 4096, 132) == 64
+    assert da.split_count(256, 2, 512, 132) == 1  # 512 programs already cover 132 SMs twice
+    assert da.split_count(32, 2, 512, 132) == 4  # 8 tiles, at least 2 each
+    assert da.split_count(8, 2, 128, 132) == 1  # 2 tiles: one split
+    assert da.split_count(1, 1, 4096, 132) == 32  # one long window: 64 tiles over 32 programs
+    assert da.split_count(4, 2, 1100, 132) == 9  # the long tail: a few rows over ~1k columns
     assert da.split_count(1024, 2, 40, 132) == 1
 
 
@@ -132,3 +133,15 @@ def test_left_padding_tiles_are_not_read(device):
     for splits in (1, 2):
         got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("padding", [0, 5, 1030, 1499])
+def test_long_padding_beyond_one_scan_block(device, padding):
+    """Rows whose first kept column lies past the first mask block the kernel scans (``SCAN`` columns) or
+    within its first tile: the same result as SDPA."""
+    q, k, v, keep = _inputs(2, 4, 2, 1500, 16, torch.float32, device, seed=padding)
+    keep[1, ..., :padding] = False
+    keep[1, ..., padding:] = True
+    for splits in (1, 4):
+        got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True)
+        torch.testing.assert_close(got, _sdpa(q, k, v, keep, 4, 2), rtol=1e-5, atol=1e-5)

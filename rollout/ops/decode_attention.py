@@ -31,6 +31,10 @@ import torch.nn.functional as F
 BLOCK_L = 64
 WARPS = 4
 STAGES = 2
+#: Mask columns read at once while looking for a row's first kept column.
+SCAN = 1024
+#: Fewest tiles one split of a key window gets.
+MIN_SPLIT_TILES = 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,11 +71,13 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: 
 
 
 def split_count(rows: int, kv_heads: int, length: int, sms: int, block: int = BLOCK_L) -> int:
-    """How many programs share one (row, KV head)'s key window: enough for one program per SM (on the H200,
-    2 splits were best at 32 rows and 1 at 256 over 512 columns), never a split shorter than one tile."""
+    """How many programs share one (row, KV head)'s key window: enough for ~2 programs per SM, each with at
+    least ``MIN_SPLIT_TILES`` tiles. A program walks its tiles one after another, so a long window left to one
+    program is latency-bound: in the H200 traces of the long-tail cells (a few rows over ~1k columns) a
+    call took 22-35 us per layer."""
     tiles = max(1, -(-length // block))
-    want = -(-sms // max(1, rows * kv_heads))
-    return max(1, min(tiles, want))
+    want = -(-2 * sms // max(1, rows * kv_heads))
+    return max(1, min(-(-tiles // MIN_SPLIT_TILES), want))
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,7 +116,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
         q, k, v, keep, out, part, stat,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         keep_sb, keep_sl, out.stride(0), out.stride(1), length, splits, float(scale),
-        GROUP=group, GROUP_PAD=_pow2(group, 16), DIM=dim, DIM_PAD=dim_pad, EVEN_D=dim == dim_pad, BLOCK_L=block,
+        GROUP=group, GROUP_PAD=_pow2(group, 16), DIM=dim, DIM_PAD=dim_pad, EVEN_D=dim == dim_pad, BLOCK_L=block, SCAN=SCAN,
         SINGLE=single, PRECISION=precision, DOT_FP32=not q.is_cuda and q.dtype == torch.bfloat16,
         num_warps=warps, num_stages=stages)
     if not single:
