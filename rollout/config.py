@@ -115,7 +115,7 @@ class RolloutConfig:
     ``"max-autotune-no-cudagraphs"`` (inductor benchmarks Triton GEMM templates against cuBLAS per shape and
     batch bucket, at a compile time of minutes; aimed at small-batch decode, where the weight GEMMs run at
     ~58% of the copy rate on an H200). Modes that add inductor's own CUDA graphs are refused: ours capture
-    the whole step. An experiment: not yet measured on a GPU."""
+    the whole step. On an H200 it made the 3B step 15-19% slower (docs/BENCHMARKS.md): not the default."""
     decode_attention: str = "triton"
     """Attention of our decode step: ``"triton"`` (:mod:`rollout.ops.decode_attention`: the query heads of a
     KV head as one tile, no mask conversion, a row's left padding not read; where it cannot run — no CUDA,
