@@ -145,3 +145,42 @@ def test_long_padding_beyond_one_scan_block(device, padding):
     for splits in (1, 4):
         got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True)
         torch.testing.assert_close(got, _sdpa(q, k, v, keep, 4, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernel_that_fails_falls_back_to_sdpa_once(device, monkeypatch):
+    """A kernel that cannot compile or launch (e.g. an unsupported GPU) warns once, returns SDPA's result,
+    and leaves those inputs (and the device's later calls: ``attention_path``) to SDPA from then on."""
+    from rollout.executors.decode import attention_path
+    from rollout.ops import decode_attention_kernel as kernels
+
+    monkeypatch.setattr(da, "_FAILED", {})
+    calls = []
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(grid)
+                raise RuntimeError("no kernel image for this device")
+            return launch
+
+    monkeypatch.setattr(kernels, "decode_attention_split", Broken())
+    q, k, v, keep = _inputs(3, 4, 2, 70, 16, torch.float32, device)
+    with pytest.warns(RuntimeWarning, match="no kernel image"):
+        got = da.attention(q, k, v, keep, 0.25, True, interpret=True)
+    torch.testing.assert_close(got, _sdpa(q, k, v, keep, 4, 2), rtol=1e-5, atol=1e-5)
+    assert "no kernel image" in da.unsupported_reason(q, k, v, keep, interpret=True)
+    assert "no kernel image" in da.failure(q.device)
+    da.attention(q, k, v, keep, 0.25, True, interpret=True)
+    assert len(calls) == 1  # the second call went straight to SDPA
+    if q.is_cuda:
+        assert attention_path("triton", q.device) == "sdpa"
+
+
+def test_gpus_before_sm80_use_sdpa(monkeypatch):
+    """bf16 products need compute capability 8.0: older GPUs are refused before any launch."""
+    q, k, v, keep = _inputs(2, 4, 2, 9, 16, torch.float32, "cpu")
+    if da.available() is not None:
+        pytest.skip(da.available())
+    monkeypatch.setattr(da, "_capability", lambda index: (7, 0))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert "compute capability (7, 0)" in da.unsupported_reason(q, k, v, keep)

@@ -100,8 +100,9 @@ class FastStep:
 
 def attention_path(setting: str, device: torch.device) -> str:
     """The attention our step runs for ``RolloutConfig.decode_attention``: ``"triton"`` where the kernel can
-    (CUDA, triton importable), else ``"sdpa"``."""
-    if setting == "triton" and device.type == "cuda" and decode_attention.available() is None:
+    (CUDA, triton importable, no earlier failure of the kernel on this device), else ``"sdpa"``."""
+    if (setting == "triton" and device.type == "cuda" and decode_attention.available() is None
+            and decode_attention.failure(device) is None):
         return "triton"
     return "sdpa"
 

@@ -13,13 +13,15 @@ against its cached keys and values, the query heads of each KV head together.
 Each key and value is read once per KV head, the tiles of a row's left padding (before its first kept
 column) not at all, and nothing is materialised besides the output (and, when
 the window is split across programs to fill the GPU, fp32 partials of ``[B, Hq, splits, D]``). Where the
-kernel cannot run (no CUDA tensor, no triton, a float mask, more than one query) the call falls back to
-SDPA, so the function is safe to set anywhere.
+kernel cannot run (no CUDA tensor, no triton, a GPU before compute capability 8.0, a float mask, more than
+one query) the call falls back to SDPA, so the function is safe to set anywhere; a kernel that fails to
+compile or launch warns once and leaves those inputs to SDPA from then on.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -35,6 +37,9 @@ STAGES = 2
 SCAN = 1024
 #: Fewest tiles one split of a key window gets.
 MIN_SPLIT_TILES = 2
+
+_FAILED: dict = {}
+"""(device, dtype, head dim, group) -> why the kernel failed there: SDPA runs for those inputs from then on."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,6 +60,8 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: 
         return available()
     if not interpret and not q.is_cuda:
         return "not a CUDA tensor"
+    if q.is_cuda and _capability(q.device.index or 0) < (8, 0):
+        return f"compute capability {_capability(q.device.index or 0)} < (8, 0)"
     if q.dim() != 4 or q.shape[2] != 1:
         return f"q must be [B, Hq, 1, D], got {tuple(q.shape)}"
     if k.shape != v.shape or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
@@ -67,7 +74,21 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: 
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}"
     if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         return "the head dimension must be contiguous"
-    return None
+    return _FAILED.get(_key(q, k))
+
+
+def failure(device: torch.device) -> Optional[str]:
+    """Why the kernel failed on ``device`` (the first recorded failure), or None."""
+    return next((why for key, why in _FAILED.items() if key[0] == str(device)), None)
+
+
+def _key(q: torch.Tensor, k: torch.Tensor) -> tuple:
+    return (str(q.device), q.dtype, q.shape[-1], q.shape[1] // max(1, k.shape[1]))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def split_count(rows: int, kv_heads: int, length: int, sms: int, block: int = BLOCK_L) -> int:
@@ -97,6 +118,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
     ``TRITON_INTERPRET=1``); ``block``, ``warps``, ``stages``: launch parameters (module constants)."""
     if unsupported_reason(q, k, v, keep, interpret) is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+    try:
+        return _launch(q, k, v, keep, scale, splits, block, warps, stages)
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or launch here: SDPA, said once
+        why = f"decode attention kernel failed: {type(exc).__name__}: {exc}"[:300]
+        _FAILED[_key(q, k)] = why
+        warnings.warn(f"{why}; SDPA runs instead for {_key(q, k)}", RuntimeWarning, stacklevel=2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+
+
+def _launch(q, k, v, keep, scale, splits, block, warps, stages) -> torch.Tensor:
     from rollout.ops import decode_attention_kernel as kernels
 
     rows, heads, _, dim = q.shape
