@@ -167,6 +167,11 @@ class StepVariant:
                 + (", triton attention" if self.triton_attention else ""))
 
 
+#: The step the routes run by default (``RolloutConfig``: compiled, fused q|k|v, k/v written in the piece, the
+#: Triton attention): what ``--kernels`` lists.
+ROUTE_DEFAULT = StepVariant(kv_write=True, triton_attention=True)
+
+
 def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
     """One decode step of ``rows`` rows over ``live`` cached columns (random cache), as a closure."""
     spec, weights = spec_and_weights(model)
@@ -250,7 +255,7 @@ def step_kernels(model, rows: int, live: int, iters: int = 5, variant: StepVaria
         for _ in range(iters):
             graph.replay()
         torch.cuda.synchronize()
-    return (f"## kernels of {iters} replays of the compiled decode step, {rows} rows, {live} live columns\n"
+    return (f"## kernels of {iters} replays of the decode step ({variant.name}), {rows} rows, {live} live columns\n"
             + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
 
 
@@ -281,7 +286,7 @@ def main(argv=None) -> None:
     parser.add_argument("--live", type=int, default=512)
     parser.add_argument("--json")
     parser.add_argument("--profile-call", action="store_true", help="also profile one 64x4 x 256+256 sampled call")
-    parser.add_argument("--kernels", action="store_true", help="also the decode step's kernels and GEMM variants")
+    parser.add_argument("--kernels", action="store_true", help="also the kernels of the routes' default step and GEMM variants")
     parser.add_argument("--compile-modes", nargs="+", default=[],
                         choices=["max-autotune-no-cudagraphs"],
                         help="step: also the compiled + fused q|k|v step under these torch.compile modes")
@@ -323,7 +328,7 @@ def main(argv=None) -> None:
                                                     cfg.num_attention_heads * head_dim, kv_dim,
                                                     cfg.num_hidden_layers).items():
                 rows_out.append(dict(rows=rows, part="GEMM x36", variant=f"{name} ({tflops:.0f} TFLOP/s)", ms=ms))
-            kernel_tables.append(step_kernels(model, rows, args.live))
+            kernel_tables.append(step_kernels(model, rows, args.live, variant=ROUTE_DEFAULT))
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; live {args.live} columns")
     print("| rows | part | variant | ms |")
     print("|---:|---|---|---:|")
