@@ -101,9 +101,7 @@ class Rollout:
         if self.config.route != routes.ORDINARY:
             check_gather(self.config.route, self.config.gather, self.is_zero3)
         self._pool = CachePool(keep=self.config.keep_cache)
-        self._fast_step = FastStep(self.model, self.config.compile, mirror_weights=self.is_zero3,
-                                   fuse_qkv=self.config.fuse_qkv, compile_mode=self.config.compile_mode,
-                                   attention=self.config.decode_attention, kv_write=self.config.fused_kv_write)
+        self._fast_step = self._new_fast_step()
         self._ordinary = OrdinaryExecutor(self._pool, self._fast_step)
         self._continuous = ContinuousExecutor(self._pool, self._fast_step)
         self._cost_model = None
@@ -148,10 +146,14 @@ class Rollout:
         self._pool.clear()
         self._ordinary.release()
         self._continuous.release()
-        self._fast_step = FastStep(self.model, self.config.compile, mirror_weights=self.is_zero3,
-                                   fuse_qkv=self.config.fuse_qkv, compile_mode=self.config.compile_mode,
-                                   attention=self.config.decode_attention, kv_write=self.config.fused_kv_write)
+        self._fast_step = self._new_fast_step()
         self._ordinary.fast_step = self._continuous.fast_step = self._fast_step
+
+    def _new_fast_step(self) -> FastStep:
+        """Our step for this model as the config asks (nothing held yet: no weight copies, no mirror)."""
+        return FastStep(self.model, self.config.compile, mirror_weights=self.is_zero3, fuse_qkv=self.config.fuse_qkv,
+                        compile_mode=self.config.compile_mode, attention=self.config.decode_attention,
+                        kv_write=self.config.fused_kv_write)
 
     @property
     def held_bytes(self) -> int:
