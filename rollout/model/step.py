@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rollout.ops.decode_attention import sdpa as decode_attention  # the step's default attention piece
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", None)
 
@@ -295,12 +297,6 @@ def attention_output_and_mlp(h, attn, wo, bo, norm, gate, up, down, eps: float):
 
 def final_logits(h, norm, lm_head, lm_bias, eps: float):
     return F.linear(rms_norm(h, norm, eps), lm_head, lm_bias)
-
-
-def decode_attention(q, k, v, keep, scale: float, gqa: bool):
-    """One query per row: ``q [B, Hq, 1, D]`` against ``k/v [B, Hkv, L, D]``; ``keep [B, 1, 1, L]`` is a
-    boolean mask (True: attend) or an additive one. PyTorch's SDPA (cuDNN on an H200)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
 
 
 def grouped_decode_attention(q, k, v, keep, scale: float, gqa: bool):

@@ -1,8 +1,8 @@
 """Decode attention as one Triton kernel per layer (two when the key window is split): one query per row
 against its cached keys and values, the query heads of each KV head together.
 
-``attention(q, k, v, keep, scale, gqa)`` has the signature of ``rollout.model.step.decode_attention``
-(PyTorch's SDPA), so it can stand in as ``StepFns.attention``:
+``attention(q, k, v, keep, scale, gqa)`` has the signature of :func:`sdpa` (PyTorch's SDPA, the step's
+default attention), so it can stand in as ``StepFns.attention``:
 
 - ``q [B, Hq, 1, D]``, ``k``/``v [B, Hkv, L, D]`` (any strides with a contiguous last dimension: the views
   of the static cache), ``keep [B, 1, 1, L]`` boolean (True: attend);
@@ -40,6 +40,13 @@ MIN_SPLIT_TILES = 2
 
 _FAILED: dict = {}
 """(device, dtype, head dim, group) -> why the kernel failed there: SDPA runs for those inputs from then on."""
+
+
+def sdpa(q, k, v, keep, scale: float, gqa: bool):
+    """One query per row: ``q [B, Hq, 1, D]`` against ``k/v [B, Hkv, L, D]``; ``keep [B, 1, 1, L]`` is a
+    boolean mask (True: attend) or an additive one. PyTorch's SDPA (cuDNN on an H200); what :func:`attention`
+    falls back to."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,14 +124,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
     programs per (row, KV head) (default :func:`split_count`); ``interpret``: allow CPU tensors (tests, under
     ``TRITON_INTERPRET=1``); ``block``, ``warps``, ``stages``: launch parameters (module constants)."""
     if unsupported_reason(q, k, v, keep, interpret) is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+        return sdpa(q, k, v, keep, scale, gqa)
     try:
         return _launch(q, k, v, keep, scale, splits, block, warps, stages)
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or launch here: SDPA, said once
         why = f"decode attention kernel failed: {type(exc).__name__}: {exc}"[:300]
         _FAILED[_key(q, k)] = why
         warnings.warn(f"{why}; SDPA runs instead for {_key(q, k)}", RuntimeWarning, stacklevel=2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+        return sdpa(q, k, v, keep, scale, gqa)
 
 
 def _launch(q, k, v, keep, scale, splits, block, warps, stages) -> torch.Tensor:
