@@ -107,12 +107,13 @@ class CallStats:
             self.eager_decode_steps += 1
 
     def settle_decode_path(self, intended: str, reason: Optional[str], capture_failure: Optional[str],
-                           attention: str = "hf") -> None:
+                           attention: str) -> None:
         """``decode_path`` and its reason from what the steps did: ``"graph"`` only when every step replayed
         a graph; ``reason`` (why the call was not meant to use graphs) unless a failed capture explains
-        eager steps of a call meant for graphs. ``attention``: the step's attention piece."""
+        eager steps of a call meant for graphs. ``attention``: the step's attention piece (``DecodeChoice.attention``,
+        ``"hf"`` on the HF path)."""
         self.decode_fallback_reason = reason
-        self.decode_attention = attention if intended != "hf" else "hf"
+        self.decode_attention = attention
         if intended == "hf" or not self.decode_forwards:
             self.decode_path = intended  # no step ran: the path the call would have taken
         elif self.graph_decode_steps and not self.eager_decode_steps:
