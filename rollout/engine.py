@@ -153,7 +153,7 @@ class Rollout:
         """Our step for this model as the config asks (nothing held yet: no weight copies, no mirror)."""
         return FastStep(self.model, self.config.compile, mirror_weights=self.is_zero3, fuse_qkv=self.config.fuse_qkv,
                         compile_mode=self.config.compile_mode, attention=self.config.decode_attention,
-                        kv_write=self.config.fused_kv_write)
+                        kv_write=self.config.fused_kv_write, fuse_gate_up=self.config.fuse_gate_up)
 
     @property
     def held_bytes(self) -> int:
@@ -225,7 +225,9 @@ class Rollout:
         replaces it."""
         cap = self.config.max_cache_gib
         free = free_device_bytes(device)
-        budget = Budget(None if cap is None else int(cap * GIB), None if free is None else free + self._pool.nbytes)
+        if free is not None:  # the kept cache is reused or replaced; weight copies not yet held are allocated
+            free += self._pool.nbytes - (self._fast_step.new_copy_bytes() if decode.is_fast else 0)
+        budget = Budget(None if cap is None else int(cap * GIB), free)
         call = CallMemory(layout, sampling.n_samples_per_prompt, sampling.max_new_tokens, self.model.config.vocab_size,
                           cache_shape(self.model, 1, 1).column_bytes, decode.is_fast,
                           decode.is_fast and decode.cuda_graphs)

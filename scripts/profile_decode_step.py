@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.config import SamplingConfig  # noqa: E402
-from rollout.model.step import (FusedQKV, StepFns, StepParts, compiled_step_fns, decode_logits,  # noqa: E402
+from rollout.model.step import (FusedGateUp, FusedQKV, StepFns, StepParts, compiled_step_fns, decode_logits,  # noqa: E402
                                 attention_inputs_qkv_write, compile_piece, grouped_decode_attention,
                                 spec_and_weights)
 from rollout.executors.graphs import capture_graph  # noqa: E402
@@ -157,6 +157,8 @@ class StepVariant:
     """k and v written into the cache inside the fused q|k|v piece (``attention_inputs_qkv_write``)."""
     triton_attention: bool = False
     """Attention by the Triton kernel (``rollout.ops.decode_attention``) instead of SDPA."""
+    gate_up: bool = False
+    """gate and up as one GEMM over their concatenated weight (``RolloutConfig.fuse_gate_up``)."""
 
     @property
     def name(self) -> str:
@@ -164,7 +166,8 @@ class StepVariant:
                 + (f", mode {self.mode}" if self.mode else "") + (", additive mask" if self.additive_mask else "")
                 + (", grouped bmm attention" if self.grouped else "")
                 + (", k/v written in the piece" if self.kv_write else "")
-                + (", triton attention" if self.triton_attention else ""))
+                + (", triton attention" if self.triton_attention else "")
+                + (", fused gate|up" if self.gate_up else ""))
 
 
 #: The step the routes run by default (``RolloutConfig``: compiled, fused q|k|v, k/v written in the piece, the
@@ -177,6 +180,8 @@ def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
     spec, weights = spec_and_weights(model)
     if variant.fuse_qkv:
         weights = FusedQKV().refresh(weights)
+    if variant.gate_up:
+        weights = FusedGateUp().refresh(weights)
     fns = compiled_step_fns(variant.mode) if variant.compiled else StepFns()
     if variant.grouped:
         fns = dataclasses.replace(fns, attention=compiled_grouped_attention() if variant.compiled
@@ -205,6 +210,8 @@ def step_variants(model, rows: int, live: int, variant: StepVariant):
 
 def step_variant_list(args) -> list[StepVariant]:
     """The step variants the flags ask for: eager, compiled, compiled + fused q|k|v, then the experiments."""
+    if args.gate_up:  # the A/B alone, interleaved
+        return [ROUTE_DEFAULT, dataclasses.replace(ROUTE_DEFAULT, gate_up=True)] * 2
     out = [StepVariant(compiled=False, fuse_qkv=False), StepVariant(fuse_qkv=False), StepVariant()]
     out += [StepVariant(additive_mask=True)] if args.additive_mask else []
     out += [StepVariant(grouped=True)] if args.grouped_attention else []
@@ -298,6 +305,11 @@ def main(argv=None) -> None:
                         help="step: also the compiled + fused q|k|v step with the batched-GEMM attention")
     parser.add_argument("--triton-attention", action="store_true",
                         help="step: also the compiled + fused q|k|v step with the Triton decode attention")
+    parser.add_argument("--gate-up", action="store_true",
+                        help="step: only the routes' default step and the same with gate|up as one GEMM, twice each, "
+                             "alternating")
+    parser.add_argument("--kernel-variant", choices=["default", "gate-up"], default="default",
+                        help="--kernels: list the kernels of the routes' default step, or of it with gate|up fused")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"],
                         choices=["attention", "sampler", "step"], help="which tables to time")
     args = parser.parse_args(argv)
@@ -328,7 +340,8 @@ def main(argv=None) -> None:
                                                     cfg.num_attention_heads * head_dim, kv_dim,
                                                     cfg.num_hidden_layers).items():
                 rows_out.append(dict(rows=rows, part="GEMM x36", variant=f"{name} ({tflops:.0f} TFLOP/s)", ms=ms))
-            kernel_tables.append(step_kernels(model, rows, args.live, variant=ROUTE_DEFAULT))
+            listed = ROUTE_DEFAULT if args.kernel_variant == "default" else dataclasses.replace(ROUTE_DEFAULT, gate_up=True)
+            kernel_tables.append(step_kernels(model, rows, args.live, variant=listed))
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; live {args.live} columns")
     print("| rows | part | variant | ms |")
     print("|---:|---|---|---:|")

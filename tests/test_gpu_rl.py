@@ -160,3 +160,21 @@ def test_triton_and_sdpa_attention_give_the_same_tokens_fp32(setup, route, slots
             assert ro.last_stats.decode_path == "graph", ro.last_stats.decode_fallback_reason
             assert ro.last_stats.decode_attention == attention
         assert torch.equal(outs["triton"], outs["sdpa"])
+
+
+@cuda
+@pytest.mark.parametrize("route, slots", [("ordinary", None), ("continuous", 24)])
+def test_fused_gate_up_gives_the_same_tokens_fp32(setup, route, slots):
+    """``fuse_gate_up``: the same greedy and seeded-sampled tokens in fp32 as two projections, captured in
+    graphs on both routes, with the compiled pieces (where the gate|up piece is a compiled graph of its own)."""
+    model, ids, mask, tok = setup
+    for sampling in (SamplingConfig(max_new_tokens=40, temperature=0.0, n_samples_per_prompt=2,
+                                    continuous_batch_size=slots),
+                     SamplingConfig(max_new_tokens=40, temperature=1.0, top_p=0.8, seed=5, n_samples_per_prompt=2,
+                                    continuous_batch_size=slots)):
+        outs = {}
+        for fuse in (True, False):
+            ro = Rollout(model, tok, RolloutConfig(route=route, fuse_gate_up=fuse))
+            outs[fuse] = ro.generate(RolloutRequest(ids, mask), sampling).input_ids
+            assert ro.last_stats.decode_path == "graph", ro.last_stats.decode_fallback_reason
+        assert torch.equal(outs[True], outs[False])

@@ -22,7 +22,7 @@ import torch
 from rollout.config import RolloutConfig
 from rollout.model import prefill
 from rollout.ops import decode_attention
-from rollout.model.step import FusedQKV, StepFns, StepParts, WeightMirror, compiled_step_fns, spec_and_weights, \
+from rollout.model.step import FusedGateUp, FusedQKV, StepFns, StepParts, WeightMirror, compiled_step_fns, spec_and_weights, \
     unsupported_reason
 
 DECODE_PATHS = ("graph", "fast_eager", "hf")
@@ -54,7 +54,8 @@ class FastStep:
     """Our fused step for one model: ``StepParts`` read at each call (weights may move between calls)."""
 
     def __init__(self, model: torch.nn.Module, use_compile: bool, mirror_weights: bool, fuse_qkv: bool = True,
-                 compile_mode: Optional[str] = None, attention: str = "sdpa", kv_write: bool = False):
+                 compile_mode: Optional[str] = None, attention: str = "sdpa", kv_write: bool = False,
+                 fuse_gate_up: bool = False):
         self.model = model
         self.use_compile = use_compile
         self.compile_mode = compile_mode
@@ -64,6 +65,7 @@ class FastStep:
         """``RolloutConfig.fused_kv_write`` (compiled pieces with fused q|k|v only)."""
         self.mirror = WeightMirror() if mirror_weights else None
         self.fused_qkv = FusedQKV() if fuse_qkv else None
+        self.fused_gate_up = FusedGateUp() if fuse_gate_up else None
         self.last_weight_signature: Optional[tuple[int, ...]] = None
         """Addresses of the weights the last captured-step parts read (stable across calls under ZeRO-3)."""
 
@@ -76,6 +78,8 @@ class FastStep:
             weights = self.mirror.refresh(weights)
         if self.fused_qkv is not None:
             weights = self.fused_qkv.refresh(weights)
+        if self.fused_gate_up is not None:
+            weights = self.fused_gate_up.refresh(weights)
         if mirrored:
             self.last_weight_signature = weights.signature()
         if self.use_compile and device.type == "cuda":
@@ -87,15 +91,35 @@ class FastStep:
         return StepParts(spec, weights, fns)
 
     def release_copies(self) -> None:
-        """Drop the fused q|k|v weights (``keep_cache=False``: rebuilt at the next call)."""
-        if self.fused_qkv is not None:
-            self.fused_qkv.clear()
+        """Drop the fused q|k|v and gate|up weights (``keep_cache=False``: rebuilt at the next call)."""
+        for copies in (self.fused_qkv, self.fused_gate_up):
+            if copies is not None:
+                copies.clear()
+
+    def new_copy_bytes(self) -> int:
+        """Device bytes the fused weight copies will allocate at the next call (0 for those already held),
+        from the model's config (so also under ZeRO-3, whose parameters are partitioned): the memory budget
+        counts them before the call allocates anything."""
+        config = self.model.config
+        hidden, layers = config.hidden_size, config.num_hidden_layers
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        itemsize = next(self.model.parameters()).element_size()
+        total = 0
+        if self.fused_qkv is not None and not self.fused_qkv.nbytes:
+            attn = self.model.model.layers[0].self_attn
+            has_bias = any(getattr(getattr(p, "base_layer", p), "bias", None) is not None
+                           for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+            total += layers * (heads + 2 * kv_heads) * head_dim * (hidden + int(has_bias)) * itemsize
+        if self.fused_gate_up is not None and not self.fused_gate_up.nbytes:
+            total += layers * 2 * config.intermediate_size * hidden * itemsize
+        return total
 
     @property
     def nbytes(self) -> int:
-        """Bytes held between calls: the weight mirror (ZeRO-3 only) and the fused q|k|v weights."""
-        return ((self.mirror.nbytes if self.mirror is not None else 0)
-                + (self.fused_qkv.nbytes if self.fused_qkv is not None else 0))
+        """Bytes held between calls: the weight mirror (ZeRO-3 only) and the fused q|k|v and gate|up weights."""
+        return sum(held.nbytes for held in (self.mirror, self.fused_qkv, self.fused_gate_up) if held is not None)
 
 
 def attention_path(setting: str, device: torch.device) -> str:

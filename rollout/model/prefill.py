@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rollout.model.step import StepParts, layer_qkv, rotary
+from rollout.model.step import StepParts, layer_output, layer_qkv, rotary
 from rollout.ops import masks
 from rollout.plan.layout import RowSpans
 
@@ -61,8 +61,7 @@ def prefill_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch
         q, k, v = layer_qkv(fns, h, w, cos, sin, spec)  # q [T, Hq, 1, D], k/v [T, Hkv, 1, D]
         key_cache[i].transpose(1, 2)[packed.row_of, packed.col_of] = k[:, :, 0]
         value_cache[i].transpose(1, 2)[packed.row_of, packed.col_of] = v[:, :, 0]
-        h = fns.attention_output_and_mlp(h, attend(i, q, k, v), w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down,
-                                          eps)
+        h = layer_output(fns, h, attend(i, q, k, v), w, eps)
     last = torch.cumsum(packed.row_lengths, 0) - 1  # each row's last real token (column T_p - 1); no host copy
     return fns.final_logits(h.index_select(0, last), weights.final_norm, weights.lm_head, weights.lm_head_bias, eps)
 
