@@ -20,14 +20,16 @@ _ORDER = {name: i for i, name in enumerate(stages.ALL_STAGES)}
 def summarize(records: Iterable[StageRecord], backend: TimerBackend) -> dict[str, dict]:
     """``{stage: {"count", "host_ms", "device_ms", "peak_allocated_mib"}}`` in stage order.
 
-    Times are totals over the calls; ``device_ms`` equals ``host_ms`` on CPU; the peak is the max over
+    ``count`` is the number of calls (a coalesced run of the light mode counts its ``calls``); times
+    are totals over the calls (a run's device time is the span of its calls, see
+    :mod:`instrumentation.light`); ``device_ms`` equals ``host_ms`` on CPU; the peak is the max over
     the calls, None where memory was not tracked (CPU, or steps that are not recorded).
     """
     out: dict[str, dict] = {}
     for record in records:
         entry = out.setdefault(record.stage, {"count": 0, "host_ms": 0.0, "device_ms": 0.0,
                                               "peak_allocated_mib": None})
-        entry["count"] += 1
+        entry["count"] += record.calls
         entry["host_ms"] += record.host_ms
         entry["device_ms"] += record.device_ms(backend)
         if record.peak_bytes is not None:
@@ -38,6 +40,9 @@ def summarize(records: Iterable[StageRecord], backend: TimerBackend) -> dict[str
 
 class StageCollector:
     """Collects the stage records of one block; ``summary()`` gives the per-stage totals."""
+
+    coalesce_runs = False
+    """One record per call (peaks per call), never a coalesced run (see :mod:`instrumentation.light`)."""
 
     def __init__(self, hub: StageTimers = HUB):
         self._hub = hub

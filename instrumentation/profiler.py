@@ -22,7 +22,7 @@ With ``OPSD_PROFILE=1``, on the selected ranks, the session
 
 With ``OPSD_PROFILE=timers`` (the always-on light mode) it times the stages of every step (every
 ``OPSD_PROFILE_EVERY``-th) with CUDA events, never making the host wait for them
-(:mod:`instrumentation.light`), and writes the same scalars every step; no torch.profiler.
+(:mod:`instrumentation.light`), one event pair per run of consecutive calls of a stage, and writes the same scalars every step; no torch.profiler.
 
 In both modes ``log_step`` writes the loop's own scalars (``train/<name>``) every step. Off, in
 ``nvtx`` mode and on unselected ranks the session does nothing but count steps (``log_step`` only
@@ -58,10 +58,12 @@ _SCALAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 
 
 class _StepSink:
-    """Receives the stage records of one timed step; peaks may be reset in mode ``1``."""
+    """Receives the stage records of one timed step; peaks may be reset in mode ``1``; in mode
+    ``timers`` runs of calls are coalesced (:mod:`instrumentation.light`)."""
 
-    def __init__(self, allows_reset: bool):
+    def __init__(self, allows_reset: bool, coalesce_runs: bool = False):
         self.allows_reset = allows_reset
+        self.coalesce_runs = coalesce_runs
         self.records: list = []
         self.t0 = time.perf_counter()
 
@@ -193,13 +195,14 @@ class ProfilerSession:
     # -- steps -----------------------------------------------------------------------------
     def _begin_step(self) -> None:
         if self.config.times_step(self.current_step):
-            self._sink = _StepSink(allows_reset=self.config.timing)
+            self._sink = _StepSink(allows_reset=self.config.timing, coalesce_runs=self.config.light)
             HUB.add_sink(self._sink)
 
     def _end_step(self) -> None:
         sink, self._sink = self._sink, None
         if sink is None:
             return
+        HUB.flush()  # the run still held (e.g. the last decode calls) belongs to this step
         HUB.remove_sink(sink)
         wall_ms = (time.perf_counter() - sink.t0) * 1e3
         if not sink.records:

@@ -5,7 +5,8 @@ Tags (the same as ``opsd-summarize --tensorboard`` writes from traces; x = the t
 
 * ``opsd/<stage>/cpu_ms``: host time of the stage's calls in the step (``time.perf_counter``);
 * ``opsd/<stage>/gpu_ms``: device time between CUDA events recorded around each call on the current
-  stream, summed (CUDA only);
+  stream, summed (CUDA only; in mode ``timers`` around each run of consecutive calls:
+  :mod:`instrumentation.light`);
 * ``opsd/<stage>/peak_allocated_mib``: peak of the CUDA caching allocator during the stage (recorded
   steps of mode ``1`` only);
 * ``train/<name>``: what the loop passes to ``prof.log_step`` (``loss``, ``tokens_per_s``,

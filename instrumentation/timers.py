@@ -12,6 +12,11 @@ a frame only while at least one sink is registered, so steps that nobody records
   a child folds its peak into the parent. Peaks are reset only while a sink allows it (recorded steps,
   or a ``collect_stages`` block outside any profiler session).
 
+Run coalescing (light mode; the rule in full in :mod:`instrumentation.light`): while every sink has
+``coalesce_runs``, consecutive calls of a stage under one parent, nothing opened or closed between
+them, make ONE record of ``calls`` calls: host times summed, device time the span from the first
+call's start event to the last call's end event. A run is held until anything else happens.
+
 The frame stack is process-wide: call ``stage()`` from the training thread (ranges opened by other
 threads at the same time would interleave with it).
 """
@@ -47,23 +52,12 @@ class CpuBackend:
     tracks_memory = False
     has_device_clock = False
 
-    def mark(self):
-        return None
-
-    def is_done(self, mark) -> bool:
-        return True
-
-    def release(self, marks) -> None:
-        pass
-
-    def elapsed_ms(self, start, end):
-        return None
-
-    def max_allocated_bytes(self):
-        return None
-
-    def reset_peak(self):
-        pass
+    def mark(self): return None
+    def is_done(self, mark) -> bool: return True
+    def release(self, marks) -> None: pass
+    def elapsed_ms(self, start, end): return None
+    def max_allocated_bytes(self): return None
+    def reset_peak(self): pass
 
 
 class CudaBackend:
@@ -149,15 +143,16 @@ def detect_backend() -> TimerBackend:
 
 @dataclass
 class StageRecord:
-    """One finished stage call."""
+    """One finished stage call, or a coalesced run of ``calls`` calls (see the module docstring)."""
 
     stage: str
     host_ms: float
     events: Optional[tuple[Any, Any]]
-    """(start, end) device events, or None on CPU."""
+    """(start, end) device events, or None on CPU (of a run: first call's start, last call's end)."""
     peak_bytes: Optional[int]
-    """Peak allocated bytes during the call, or None when memory was not tracked."""
+    """Peak allocated bytes during the call(s), or None when memory was not tracked."""
     resolved_device_ms: Optional[float] = None
+    calls: int = 1  # the stage calls it stands for (> 1: a coalesced run; host_ms is their sum)
 
     def device_ms(self, backend: TimerBackend) -> float:
         """Device time (resolving the events once); host time when there are no events."""
@@ -169,15 +164,11 @@ class StageRecord:
 
 
 class _Frame:
-    __slots__ = ("stage", "sinks", "track_memory", "peak_bytes", "start_event", "t0")
+    __slots__ = ("stage", "sinks", "track_memory", "peak_bytes", "start_event", "t0", "run")
 
     def __init__(self, stage: str, sinks: tuple, track_memory: bool):
-        self.stage = stage
-        self.sinks = sinks
-        self.track_memory = track_memory
-        self.peak_bytes = 0
-        self.start_event = None
-        self.t0 = 0.0
+        self.stage, self.sinks, self.track_memory = stage, sinks, track_memory
+        self.peak_bytes, self.start_event, self.t0, self.run = 0, None, 0.0, None  # run: what it extends
 
 
 class StageTimers:
@@ -189,7 +180,9 @@ class StageTimers:
         self.frames: list[_Frame] = []
         self.num_sessions = 0
         """Open profiler sessions; a ``collect_stages`` block inside one does not reset peaks."""
-        self.track_memory = False
+        self.track_memory = self.coalesce = False  # coalesce: every sink has ``coalesce_runs``
+        self._sink_tuple: tuple = ()  # tuple(self.sinks), shared by the frames opened meanwhile
+        self._held: Optional[StageRecord] = None  # the run the next call of its stage may extend
 
     @property
     def backend(self) -> TimerBackend:
@@ -198,17 +191,41 @@ class StageTimers:
         return self._backend
 
     def add_sink(self, sink) -> None:
-        """Start sending records to ``sink`` (needs ``add(record)`` and ``allows_reset``)."""
+        """Send records to ``sink`` (``add(record)``, ``allows_reset``, optional ``coalesce_runs``)."""
+        self.flush()
         self.sinks.append(sink)
         self._refresh()
 
     def remove_sink(self, sink) -> None:
+        self.flush()
         if sink in self.sinks:
             self.sinks.remove(sink)
         self._refresh()
 
     def _refresh(self) -> None:
         self.track_memory = self.backend.tracks_memory and any(s.allows_reset for s in self.sinks)
+        self.coalesce = bool(self.sinks) and all(getattr(s, "coalesce_runs", False) for s in self.sinks)
+        self._sink_tuple = tuple(self.sinks)
+
+    def _deliver_held(self) -> None:
+        record, self._held = self._held, None
+        for sink in self.sinks:  # a run's sinks are the current ones: a change of sinks flushes first
+            sink.add(record)
+
+    def flush(self) -> None:
+        """End every run: deliver the held one, and those of open calls up to now (such a call is then
+        timed on its own). Call it before reading a coalescing sink's records (``add/remove_sink`` do)."""
+        if self._held is not None:
+            self._deliver_held()
+        for frame in self.frames:  # outer first: records reach the sinks in the order of their ends
+            run, frame.run = frame.run, None
+            if run is not None:
+                if run.events is not None:
+                    previous, run.events = run.events[1], (run.events[0], self.backend.mark())
+                    self.backend.release((previous,))
+                    frame.start_event = self.backend.mark()
+                self._held = run
+                self._deliver_held()
 
     def _memory_parent(self) -> Optional[_Frame]:
         for frame in reversed(self.frames):
@@ -219,22 +236,32 @@ class StageTimers:
     def open(self, stage: str) -> _Frame:
         """Open a frame for ``stage`` (call only while ``self.sinks`` is non-empty)."""
         backend = self.backend
-        frame = _Frame(stage, tuple(self.sinks), self.track_memory)
+        held = self._held
+        if held is not None and held.stage != stage:
+            self._deliver_held()
+        frame = _Frame(stage, self._sink_tuple, self.track_memory)
         if frame.track_memory:
             parent = self._memory_parent()
             if parent is not None:
                 parent.peak_bytes = max(parent.peak_bytes, backend.max_allocated_bytes())
             backend.reset_peak()
-        frame.start_event = backend.mark()
+        if self._held is None:
+            frame.start_event = backend.mark()
+        else:  # the held run's next call: nothing opened or closed since its last call closed
+            self._held, frame.run = None, held
+            frame.start_event = None if held.events is None else held.events[0]
         self.frames.append(frame)
         frame.t0 = time.perf_counter()
         return frame
 
     def close(self, frame: _Frame) -> StageRecord:
-        """Close ``frame`` and hand its record to the sinks that were open at its start and still are."""
+        """Close ``frame`` and hand its record to the sinks that were open at its start and still are
+        (while coalescing: held first, or added to the run the frame extends)."""
         host_ms = (time.perf_counter() - frame.t0) * 1e3
         backend = self.backend
         end_event = backend.mark() if frame.start_event is not None else None
+        if self._held is not None:  # any close ends the held run (a child's, or out of order)
+            self._deliver_held()
         if self.frames and self.frames[-1] is frame:
             self.frames.pop()
         elif frame in self.frames:
@@ -245,19 +272,27 @@ class StageTimers:
             parent = self._memory_parent()
             if parent is not None:
                 parent.peak_bytes = max(parent.peak_bytes, peak)
+        run, frame.run = frame.run, None
+        if run is not None:  # this call extends the run, held again
+            run.calls, run.host_ms, self._held = run.calls + 1, run.host_ms + host_ms, run
+            run.peak_bytes = run.peak_bytes if peak is None else max(run.peak_bytes or 0, peak)
+            if end_event is not None:  # the previous end, referenced by nothing now, goes to the pool
+                previous, run.events = run.events[1], (run.events[0], end_event)
+                backend.release((previous,))
+            return run
         events = None if end_event is None else (frame.start_event, end_event)
         record = StageRecord(frame.stage, host_ms, events, peak)
+        if self.coalesce and frame.sinks is self._sink_tuple:
+            self._held = record
+            return record
         for sink in frame.sinks:
             if sink in self.sinks:
                 sink.add(record)
         return record
 
     def reset(self) -> None:
-        """Drop every sink and frame (tests)."""
-        self.sinks.clear()
-        self.frames.clear()
-        self.num_sessions = 0
-        self.track_memory = False
+        """Drop every sink, frame and held run (tests)."""
+        self.__init__(self._backend)
 
 
 #: The process-wide hub used by ``stage()``.

@@ -11,6 +11,7 @@ import torch
 
 from instrumentation import ProfileConfig, collect_stages, configure, stage, stages
 from instrumentation.config import teardown_by_default
+from instrumentation.collect import summarize
 from instrumentation.light import PendingSteps
 from instrumentation.mfu import mfu, opsd_step_flops, peak_flops
 from instrumentation.profiler import opsd_profiler
@@ -94,6 +95,123 @@ def test_pending_steps_wait_for_their_events_never_for_the_host():
         pending.add(k, [record(backend)], 1.0)
     assert [s for s, _, _ in pending.pop_ready()] == [1]  # more than 2 waiting: the oldest resolves
     assert [s for s, _, _ in pending.pop_ready(force=True)] == [2, 3]  # end of the session
+
+
+def _capture_steps(monkeypatch):
+    """The records each timed step hands to PendingSteps, and the per-step summaries written as
+    TensorBoard scalars."""
+    from instrumentation.scalars import ScalarWriter
+
+    records, summaries = {}, {}
+    add, write = PendingSteps.add, ScalarWriter.stages
+
+    def capture_add(self, step, step_records, wall_ms):
+        records[step] = list(step_records)
+        return add(self, step, step_records, wall_ms)
+
+    def capture_stages(self, step, summary, has_device_clock, flush=True):
+        summaries[step] = summary
+        return write(self, step, summary, has_device_clock, flush)
+
+    monkeypatch.setattr(PendingSteps, "add", capture_add)
+    monkeypatch.setattr(ScalarWriter, "stages", capture_stages)
+    return records, summaries
+
+
+def test_timers_mode_coalesces_decode_runs_and_reports_every_call(tmp_path, monkeypatch):
+    """127 decode calls per rollout, split once by a cache_trim: 2 decode records of the step, and the
+    per-step summary (TensorBoard scalars), the live table and the stage rows count 127 calls."""
+    records, summaries = _capture_steps(monkeypatch)
+    configure(_config(tmp_path, mode="timers"))
+    with opsd_profiler() as prof:
+        for step in range(2):
+            with stage(stages.STEP), stage(stages.ROLLOUT):
+                for k in range(127):
+                    with stage(stages.DECODE):
+                        pass
+                    if k == 63:
+                        with stage(stages.CACHE_TRIM):
+                            pass
+            prof.step()
+    assert sorted(records) == sorted(summaries) == [0, 1]
+    for step in (0, 1):
+        assert [(r.stage, r.calls) for r in records[step]] == [
+            ("decode", 64), ("cache_trim", 1), ("decode", 63), ("rollout", 1), ("step", 1)]
+        assert {name: e["count"] for name, e in summaries[step].items()} == {
+            "step": 1, "rollout": 1, "decode": 127, "cache_trim": 1}
+    assert {r["stage"]: r["count"] for r in prof.stage_rows()} == {
+        "step": 2, "rollout": 2, "decode": 254, "cache_trim": 2}
+    assert HUB.sinks == [] and HUB.frames == []
+
+
+def test_a_run_held_at_the_end_of_a_step_belongs_to_that_step(tmp_path, monkeypatch):
+    """Decode calls outside any parent: nothing closes after the last one before prof.step(), so the
+    run is still held when the step ends; it is that step's, and the next step's calls are not added."""
+    records, summaries = _capture_steps(monkeypatch)
+    configure(_config(tmp_path, mode="timers"))
+    with opsd_profiler() as prof:
+        for step, num_calls in enumerate((3, 2, 4)):
+            for _ in range(num_calls):
+                with stage(stages.DECODE):
+                    pass
+            prof.step()
+    assert {step: [(r.stage, r.calls) for r in rs] for step, rs in records.items()} == {
+        0: [("decode", 3)], 1: [("decode", 2)], 2: [("decode", 4)]}
+    assert [summaries[step]["decode"]["count"] for step in (0, 1, 2)] == [3, 2, 4]
+
+
+def test_mode_1_keeps_one_record_per_call(tmp_path, monkeypatch):
+    """Mode 1's recorded steps (peaks checked call by call) never coalesce."""
+    configure(_config(tmp_path, mode="1", steps="0"))
+    from instrumentation import profiler
+
+    seen = []
+
+    def spy(records, backend):
+        seen.append(list(records))
+        return summarize(records, backend)
+
+    monkeypatch.setattr(profiler, "summarize", spy)
+    with opsd_profiler() as prof:
+        with stage(stages.STEP), stage(stages.ROLLOUT):
+            for _ in range(5):
+                with stage(stages.DECODE):
+                    pass
+        prof.step()
+    (records,) = seen
+    assert [(r.stage, r.calls) for r in records] == [("decode", 1)] * 5 + [("rollout", 1), ("step", 1)]
+    assert {r["stage"]: r["count"] for r in prof.stage_rows()}["decode"] == 5
+
+
+def test_pending_steps_wait_for_the_last_end_of_a_run_and_release_each_event_once():
+    """A coalesced run's end is the last call's; every event marked goes back to the pool once."""
+    from instrumentation.timers import StageTimers
+
+    class Sink:
+        allows_reset, coalesce_runs = False, True
+
+        def __init__(self):
+            self.records = []
+
+        def add(self, record):
+            self.records.append(record)
+
+    backend = LateEvents()
+    hub, sink = StageTimers(backend), Sink()
+    hub.add_sink(sink)
+    for _ in range(3):
+        hub.close(hub.open(stages.DECODE))
+    hub.remove_sink(sink)
+    (run,) = sink.records
+    assert run.calls == 3 and run.events == (1.0, 4.0) and backend.released == [2.0, 3.0]
+    pending = PendingSteps(backend)
+    pending.add(0, sink.records, 1.0)
+    backend.done.add(2.0)  # an earlier end, released already: not the step's last event
+    assert pending.pop_ready() == []
+    backend.done.add(4.0)
+    ((_, summary, _),) = pending.pop_ready()
+    assert summary["decode"]["count"] == 3 and summary["decode"]["device_ms"] == 3.0
+    assert sorted(backend.released) == [1.0, 2.0, 3.0, 4.0]
 
 
 @pytest.mark.parametrize("args,match", [

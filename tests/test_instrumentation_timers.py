@@ -1,5 +1,7 @@
 """Stage timers: nested peak memory, device events, sinks, collect_stages, the live table."""
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -22,6 +24,8 @@ class FakeAllocator:
         self.peak = 0
         self.num_resets = 0
         self.clock_ms = 0.0
+        self.num_marks = 0
+        self.released = []
 
     def alloc(self, nbytes):
         self.allocated += nbytes
@@ -38,20 +42,62 @@ class FakeAllocator:
         self.peak = self.allocated
 
     def mark(self):
+        self.num_marks += 1
         return self.clock_ms
 
     def elapsed_ms(self, start, end):
         return end - start
 
+    def release(self, marks):
+        self.released += list(marks)
+
 
 class ListSink:
-    def __init__(self, allows_reset=True):
+    def __init__(self, allows_reset=True, coalesce_runs=False):
         self.allows_reset = allows_reset
+        self.coalesce_runs = coalesce_runs
         self.records = []
 
     def add(self, record):
         self.records.append(record)
 
+
+class FakeHostClock:
+    """``time.perf_counter`` of the timers module, advanced by hand (seconds)."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self):
+        return self.now
+
+
+@pytest.fixture
+def host_clock(monkeypatch):
+    import instrumentation.timers as timers
+
+    clock = FakeHostClock()
+    monkeypatch.setattr(timers, "time", clock)
+    return clock
+
+
+def _light_hub(backend=None):
+    """A hub whose only sink coalesces runs (the light mode's step sink), peaks not tracked."""
+    hub = StageTimers(backend or FakeAllocator())
+    sink = ListSink(allows_reset=False, coalesce_runs=True)
+    hub.add_sink(sink)
+    return hub, sink
+
+
+def _call(hub, alloc, host_clock, name, device_ms=1.0, host_ms=1.0):
+    frame = hub.open(name)
+    alloc.clock_ms += device_ms
+    host_clock.now += host_ms / 1e3
+    return hub.close(frame)
+
+
+def _calls(records, name):
+    return [r.calls for r in records if r.stage == name]
 
 
 
@@ -259,3 +305,157 @@ def test_cuda_events_follow_the_current_stream():
         end = backend.mark()
     assert backend._current_stream() == torch.cuda.current_stream()
     assert backend.elapsed_ms(start, end) > 0
+
+
+# -- run coalescing (light mode) ----------------------------------------------------------------
+
+
+def test_a_run_of_calls_is_one_record_with_one_event_pair(host_clock):
+    """5 decode calls in a row under the rollout: one record of 5 calls, the first call's start and
+    the last call's end (the span, gaps between calls included), host times summed; each call after
+    the first records only its end event and the previous end goes back to the pool."""
+    alloc = FakeAllocator()
+    hub, sink = _light_hub(alloc)
+    rollout = hub.open(stages.ROLLOUT)
+    marks_before = alloc.num_marks
+    start = alloc.clock_ms
+    for k in range(5):
+        _call(hub, alloc, host_clock, stages.DECODE, device_ms=2.0, host_ms=0.5 + k)
+        alloc.clock_ms += 0.25  # GPU work between the calls (e.g. sampling): inside the span
+    end = alloc.clock_ms - 0.25
+    assert alloc.num_marks - marks_before == 6  # 1 start + 5 ends, against 10 without coalescing
+    hub.close(rollout)
+    assert [r.stage for r in sink.records] == ["decode"]  # the rollout is held in turn ...
+    hub.flush()                                           # ... until the step end takes the records
+    decode = [r for r in sink.records if r.stage == stages.DECODE]
+    assert [r.stage for r in sink.records] == ["decode", "rollout"]  # the run first: end-event order
+    (run,) = decode
+    assert run.calls == 5 and run.events == (start, end)
+    assert run.host_ms == pytest.approx(0.5 + 1.5 + 2.5 + 3.5 + 4.5)
+    assert run.device_ms(alloc) == pytest.approx(5 * 2.0 + 4 * 0.25)
+    assert alloc.released == [start + 2.0, start + 4.25, start + 6.5, start + 8.75]  # the 4 earlier ends
+    summary = summarize(sink.records, alloc)
+    assert summary["decode"]["count"] == 5 and summary["rollout"]["count"] == 1
+
+
+def test_another_stage_or_the_parent_closing_ends_a_run(host_clock):
+    alloc = FakeAllocator()
+    hub, sink = _light_hub(alloc)
+    rollout = hub.open(stages.ROLLOUT)
+    for name in (stages.DECODE, stages.DECODE, stages.CACHE_TRIM, stages.DECODE):
+        _call(hub, alloc, host_clock, name)
+    hub.close(rollout)
+    rollout = hub.open(stages.ROLLOUT)  # its decode calls never extend the previous rollout's run
+    _call(hub, alloc, host_clock, stages.DECODE)
+    _call(hub, alloc, host_clock, stages.DECODE)
+    hub.close(rollout)
+    hub.flush()
+    assert [(r.stage, r.calls) for r in sink.records] == [
+        ("decode", 2), ("cache_trim", 1), ("decode", 1), ("decode", 2), ("rollout", 2)]  # 2 rollouts in a row
+    summary = summarize(sink.records, alloc)
+    assert summary["decode"]["count"] == 5 and summary["cache_trim"]["count"] == 1
+    assert summary["decode"]["device_ms"] == 5.0 and hub.frames == []
+
+
+def test_children_inside_a_call_do_not_break_its_run(host_clock):
+    """The rule: nothing opened or closed BETWEEN two calls. A child inside a call is recorded on its
+    own (and lies inside the run's span anyway); two children in different calls are two records."""
+    alloc = FakeAllocator()
+    hub, sink = _light_hub(alloc)
+    rollout = hub.open(stages.ROLLOUT)
+    for k in range(3):
+        decode = hub.open(stages.DECODE)
+        if k != 1:
+            _call(hub, alloc, host_clock, stages.MASK_BUILD, device_ms=0.5)
+        alloc.clock_ms += 1.0
+        hub.close(decode)
+    hub.close(rollout)
+    hub.flush()
+    assert [(r.stage, r.calls) for r in sink.records] == [
+        ("mask_build", 1), ("mask_build", 1), ("decode", 3), ("rollout", 1)]
+    assert sink.records[2].device_ms(alloc) == 4.0 and hub.frames == []
+
+
+def test_a_non_coalescing_sink_turns_coalescing_off(host_clock):
+    """collect_stages blocks and mode 1's steps check calls one by one: with one of them registered
+    every sink gets one record (and one event pair) per call."""
+    alloc = FakeAllocator()
+    hub, light = _light_hub(alloc)
+    per_call = ListSink(allows_reset=False)
+    hub.add_sink(per_call)
+    assert not hub.coalesce
+    for _ in range(3):
+        _call(hub, alloc, host_clock, stages.DECODE)
+    assert alloc.num_marks == 6 and alloc.released == []
+    assert _calls(per_call.records, "decode") == _calls(light.records, "decode") == [1, 1, 1]
+    with StageCollector(hub) as collector:
+        _call(hub, alloc, host_clock, stages.DECODE)
+        _call(hub, alloc, host_clock, stages.DECODE)
+    assert [r.calls for r in collector.records] == [1, 1]
+    hub.remove_sink(per_call)
+    assert hub.coalesce
+
+
+def test_a_sink_change_or_flush_ends_the_run(host_clock):
+    """Nothing lost or counted twice: the held run is delivered before a sink comes or goes, and a
+    call open at a flush is timed on its own from then on (the device span is split, not lost)."""
+    alloc = FakeAllocator()
+    hub, sink = _light_hub(alloc)
+    _call(hub, alloc, host_clock, stages.DECODE)
+    _call(hub, alloc, host_clock, stages.DECODE)
+    assert sink.records == []  # held: the next call may extend it
+    late = ListSink(allows_reset=False, coalesce_runs=True)
+    hub.add_sink(late)
+    assert _calls(sink.records, "decode") == [2] and late.records == []
+    _call(hub, alloc, host_clock, stages.DECODE)
+    hub.remove_sink(late)  # delivered to both, then `late` leaves
+    assert _calls(sink.records, "decode") == [2, 1] and _calls(late.records, "decode") == [1]
+    _call(hub, alloc, host_clock, stages.DECODE, device_ms=1.0)
+    frame = hub.open(stages.DECODE)  # extends the run ...
+    alloc.clock_ms += 0.5
+    hub.flush()                      # ... which ends here, mid-call
+    alloc.clock_ms += 0.5
+    hub.close(frame)
+    hub.flush()
+    assert _calls(sink.records, "decode") == [2, 1, 1, 1] and hub.frames == []
+    assert [r.device_ms(alloc) for r in sink.records[2:]] == [1.5, 0.5]
+    assert summarize(sink.records, alloc)["decode"]["count"] == 5
+    frame = hub.open(stages.DECODE)  # opened before `later` comes: never part of a run it sees
+    later = ListSink(allows_reset=False, coalesce_runs=True)
+    hub.add_sink(later)
+    hub.close(frame)
+    _call(hub, alloc, host_clock, stages.DECODE)
+    hub.flush()
+    assert _calls(sink.records, "decode")[4:] == [1, 1] and _calls(later.records, "decode") == [1]
+
+
+def test_an_exception_in_a_repeated_stage_closes_its_frame():
+    configure(ProfileConfig(mode="timers"))
+    sink = ListSink(allows_reset=False, coalesce_runs=True)
+    HUB.add_sink(sink)
+    with stage(stages.ROLLOUT):
+        for k in range(4):
+            with pytest.raises(RuntimeError) if k == 2 else nullcontext():
+                with stage(stages.DECODE):
+                    if k == 2:
+                        raise RuntimeError("decode failed")
+    HUB.remove_sink(sink)
+    assert HUB.frames == [] and [(r.stage, r.calls) for r in sink.records] == [("decode", 4), ("rollout", 1)]
+
+
+def test_cpu_runs_sum_host_times_and_device_time_is_host_time(host_clock):
+    hub, sink = _light_hub(CpuBackend())
+    for host_ms in (1.0, 2.0, 4.0):
+        frame = hub.open(stages.DECODE)
+        host_clock.now += host_ms / 1e3
+        hub.close(frame)
+    hub.flush()
+    (run,) = sink.records
+    assert run.calls == 3 and run.events is None
+    assert summarize(sink.records, CpuBackend())["decode"] == pytest.approx(
+        {"count": 3, "host_ms": 7.0, "device_ms": 7.0, "peak_allocated_mib": None})
+
+
+def test_summarize_counts_calls_not_records():
+    records = [StageRecord("decode", 6.0, None, None, calls=127), StageRecord("decode", 1.0, None, None)]
+    assert summarize(records, CpuBackend())["decode"]["count"] == 128
