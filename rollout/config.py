@@ -134,6 +134,10 @@ class RolloutConfig:
     (docs/BENCHMARKS.md). It costs memory: ~58% of the weights for Qwen2.5-3B (3.2 GB), held between calls
     like the fused q|k|v copy and counted by the memory budget before a call allocates it; False reads the
     model's own tensors."""
+    rotary_kernel: bool = False
+    """On CUDA with triton (and ``fuse_qkv``), the rotary of a decode step's q and k and the cache writes of k
+    and v run as one Triton kernel per layer (:mod:`rollout.ops.rotary_write`) instead of inductor's three
+    (``fused_kv_write``) or the eager path's rotaries and two ``index_copy_``."""
     fused_sampler: bool = True
     """On CUDA (with ``compile``), temperature + top-p sampling without top-k or a repetition penalty runs
     the one-kernel nucleus (:mod:`rollout.ops.fused_nucleus`); False keeps the compiled sort-free search.
@@ -154,7 +158,7 @@ class RolloutConfig:
         require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
         require(isinstance(self.keep_cache, bool), "keep_cache", f"must be a bool; got {self.keep_cache!r}")
         for name in ("fuse_lora", "fast_decode", "fast_prefill", "cuda_graphs", "compile", "fuse_qkv", "fuse_gate_up",
-                     "fused_sampler", "fused_kv_write"):
+                     "rotary_kernel", "fused_sampler", "fused_kv_write"):
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
         require(self.decode_attention in DECODE_ATTENTIONS, "decode_attention",
                  f"must be one of {DECODE_ATTENTIONS}; got {self.decode_attention!r}")

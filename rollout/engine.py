@@ -153,7 +153,8 @@ class Rollout:
         """Our step for this model as the config asks (nothing held yet: no weight copies, no mirror)."""
         return FastStep(self.model, self.config.compile, mirror_weights=self.is_zero3, fuse_qkv=self.config.fuse_qkv,
                         compile_mode=self.config.compile_mode, attention=self.config.decode_attention,
-                        kv_write=self.config.fused_kv_write, fuse_gate_up=self.config.fuse_gate_up)
+                        kv_write=self.config.fused_kv_write, fuse_gate_up=self.config.fuse_gate_up,
+                        rotary_kernel=self.config.rotary_kernel)
 
     @property
     def held_bytes(self) -> int:

@@ -21,7 +21,7 @@ import torch
 
 from rollout.config import RolloutConfig
 from rollout.model import prefill
-from rollout.ops import decode_attention
+from rollout.ops import decode_attention, rotary_write
 from rollout.model.step import FusedGateUp, FusedQKV, StepFns, StepParts, WeightMirror, compiled_step_fns, spec_and_weights, \
     unsupported_reason
 
@@ -55,7 +55,7 @@ class FastStep:
 
     def __init__(self, model: torch.nn.Module, use_compile: bool, mirror_weights: bool, fuse_qkv: bool = True,
                  compile_mode: Optional[str] = None, attention: str = "sdpa", kv_write: bool = False,
-                 fuse_gate_up: bool = False):
+                 fuse_gate_up: bool = False, rotary_kernel: bool = False):
         self.model = model
         self.use_compile = use_compile
         self.compile_mode = compile_mode
@@ -66,6 +66,8 @@ class FastStep:
         self.mirror = WeightMirror() if mirror_weights else None
         self.fused_qkv = FusedQKV() if fuse_qkv else None
         self.fused_gate_up = FusedGateUp() if fuse_gate_up else None
+        self.rotary_kernel = rotary_kernel
+        """``RolloutConfig.rotary_kernel`` (with fused q|k|v on CUDA only)."""
         self.last_weight_signature: Optional[tuple[int, ...]] = None
         """Addresses of the weights the last captured-step parts read (stable across calls under ZeRO-3)."""
 
@@ -88,6 +90,9 @@ class FastStep:
             fns = StepFns()
         if attention_path(self.attention, device) == "triton":
             fns = dataclasses.replace(fns, attention=decode_attention.attention)
+        if (self.rotary_kernel and self.fused_qkv is not None and device.type == "cuda"
+                and decode_attention.available() is None and rotary_write.failure(device) is None):
+            fns = dataclasses.replace(fns, rotary_write=rotary_write.rotary_write)
         return StepParts(spec, weights, fns)
 
     def release_copies(self) -> None:

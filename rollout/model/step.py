@@ -300,6 +300,12 @@ def attention_inputs_qkv_write(h, norm, wqkv, bqkv, cos, sin, key_layer, value_l
     return q
 
 
+def qkv_projection(h, norm, wqkv, bqkv, eps: float):
+    """RMSNorm -> the fused q|k|v projection ``[B, (Hq + 2 Hkv) D]``, before the rotary (for
+    :func:`rollout.ops.rotary_write.rotary_write`, which rotates and writes the cache in one kernel)."""
+    return F.linear(rms_norm(h, norm, eps), wqkv, bqkv)
+
+
 def layer_qkv(fns: "StepFns", h, w: LayerWeights, cos, sin, spec: DecoderSpec):
     """q ``[N, Hq, 1, D]``, k/v ``[N, Hkv, 1, D]`` of one layer: one GEMM where ``w.qkv`` is set, else three."""
     if w.qkv is not None:
@@ -368,6 +374,11 @@ class StepFns:
     (:func:`attention_inputs_qkv_write`) instead of with two ``index_copy_`` after it
     (``RolloutConfig.fused_kv_write``, compiled pieces only)."""
     attention_output_and_gate_up_mlp: object = attention_output_and_gate_up_mlp
+    qkv_projection: object = qkv_projection
+    rotary_write: object = None
+    """When set (and q|k|v are fused), decode steps compute ``qkv_projection`` and hand it to this function,
+    which rotates q and k and writes k and v into the cache (``RolloutConfig.rotary_kernel``: the one Triton
+    kernel of :mod:`rollout.ops.rotary_write`); it takes precedence over ``attention_inputs_qkv_write``."""
 
 
 def compile_piece(fn, mode: str | None = None):
@@ -384,7 +395,8 @@ def compiled_step_fns(mode: str | None = None, kv_write: bool = False) -> StepFn
     (``RolloutConfig.fused_kv_write``)."""
     fns = StepFns(*(compile_piece(fn, mode) for fn in (attention_inputs, attention_inputs_qkv,
                                                         attention_output_and_mlp, final_logits)),
-                  attention_output_and_gate_up_mlp=compile_piece(attention_output_and_gate_up_mlp, mode))
+                  attention_output_and_gate_up_mlp=compile_piece(attention_output_and_gate_up_mlp, mode),
+                  qkv_projection=compile_piece(qkv_projection, mode))
     if kv_write:
         fns = dataclasses.replace(fns, attention_inputs_qkv_write=compile_piece(attention_inputs_qkv_write, mode))
     return fns
@@ -417,7 +429,10 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
     cols = col.view(1)
     eps = spec.rms_eps
     for i, w in enumerate(weights.layers):
-        if fns.attention_inputs_qkv_write is not None and w.qkv is not None:
+        if fns.rotary_write is not None and w.qkv is not None:
+            q = fns.rotary_write(fns.qkv_projection(h, w.input_norm, w.qkv, w.qkv_bias, eps), cos, sin, key_cache[i],
+                                 value_cache[i], cols, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        elif fns.attention_inputs_qkv_write is not None and w.qkv is not None:
             q = fns.attention_inputs_qkv_write(h, w.input_norm, w.qkv, w.qkv_bias, cos, sin, key_cache[i],
                                                value_cache[i], cols, eps, spec.num_heads, spec.num_kv_heads,
                                                spec.head_dim)
