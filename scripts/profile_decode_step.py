@@ -26,7 +26,7 @@ from rollout.model.step import (FusedGateUp, FusedQKV, StepFns, StepParts, compi
                                 attention_inputs_qkv_write, compile_piece, grouped_decode_attention,
                                 spec_and_weights)
 from rollout.executors.graphs import capture_graph  # noqa: E402
-from rollout.ops import decode_attention  # noqa: E402
+from rollout.ops import decode_attention, rotary_write  # noqa: E402
 from rollout.ops.sampling import select_next_token  # noqa: E402
 from rollout.testing import shaped_model  # noqa: E402
 
@@ -159,6 +159,8 @@ class StepVariant:
     """Attention by the Triton kernel (``rollout.ops.decode_attention``) instead of SDPA."""
     gate_up: bool = False
     """gate and up as one GEMM over their concatenated weight (``RolloutConfig.fuse_gate_up``)."""
+    rotary_kernel: bool = False
+    """q/k rotary and the k/v cache writes as one Triton kernel (``RolloutConfig.rotary_kernel``)."""
 
     @property
     def name(self) -> str:
@@ -167,12 +169,13 @@ class StepVariant:
                 + (", grouped bmm attention" if self.grouped else "")
                 + (", k/v written in the piece" if self.kv_write else "")
                 + (", triton attention" if self.triton_attention else "")
-                + (", fused gate|up" if self.gate_up else ""))
+                + (", fused gate|up" if self.gate_up else "")
+                + (", rotary+write kernel" if self.rotary_kernel else ""))
 
 
-#: The step the routes run by default (``RolloutConfig``: compiled, fused q|k|v, k/v written in the piece, the
-#: Triton attention): what ``--kernels`` lists.
-ROUTE_DEFAULT = StepVariant(kv_write=True, triton_attention=True)
+#: The step the routes run by default (``RolloutConfig``: compiled, fused q|k|v and gate|up, k/v written in the
+#: piece, the Triton attention): what ``--kernels`` lists.
+ROUTE_DEFAULT = StepVariant(kv_write=True, triton_attention=True, gate_up=True)
 
 
 def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
@@ -191,6 +194,8 @@ def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
                                   if variant.compiled else attention_inputs_qkv_write)
     if variant.triton_attention:
         fns = dataclasses.replace(fns, attention=decode_attention.attention)
+    if variant.rotary_kernel:
+        fns = dataclasses.replace(fns, rotary_write=rotary_write.rotary_write)
     parts = StepParts(spec, weights, fns)
     shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
     keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -211,7 +216,9 @@ def step_variants(model, rows: int, live: int, variant: StepVariant):
 def step_variant_list(args) -> list[StepVariant]:
     """The step variants the flags ask for: eager, compiled, compiled + fused q|k|v, then the experiments."""
     if args.gate_up:  # the A/B alone, interleaved
-        return [ROUTE_DEFAULT, dataclasses.replace(ROUTE_DEFAULT, gate_up=True)] * 2
+        return [dataclasses.replace(ROUTE_DEFAULT, gate_up=False), ROUTE_DEFAULT] * 2
+    if args.rotary_kernel:
+        return [ROUTE_DEFAULT, dataclasses.replace(ROUTE_DEFAULT, rotary_kernel=True)] * 2
     out = [StepVariant(compiled=False, fuse_qkv=False), StepVariant(fuse_qkv=False), StepVariant()]
     out += [StepVariant(additive_mask=True)] if args.additive_mask else []
     out += [StepVariant(grouped=True)] if args.grouped_attention else []
@@ -308,8 +315,12 @@ def main(argv=None) -> None:
     parser.add_argument("--gate-up", action="store_true",
                         help="step: only the routes' default step and the same with gate|up as one GEMM, twice each, "
                              "alternating")
-    parser.add_argument("--kernel-variant", choices=["default", "gate-up"], default="default",
-                        help="--kernels: list the kernels of the routes' default step, or of it with gate|up fused")
+    parser.add_argument("--rotary-kernel", action="store_true",
+                        help="step: only the routes' default step and the same with the rotary+write kernel, twice "
+                             "each, alternating")
+    parser.add_argument("--kernel-variant", choices=["default", "rotary-kernel"], default="default",
+                        help="--kernels: list the kernels of the routes' default step, or of it with the rotary+write "
+                             "kernel")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"],
                         choices=["attention", "sampler", "step"], help="which tables to time")
     args = parser.parse_args(argv)
@@ -340,7 +351,8 @@ def main(argv=None) -> None:
                                                     cfg.num_attention_heads * head_dim, kv_dim,
                                                     cfg.num_hidden_layers).items():
                 rows_out.append(dict(rows=rows, part="GEMM x36", variant=f"{name} ({tflops:.0f} TFLOP/s)", ms=ms))
-            listed = ROUTE_DEFAULT if args.kernel_variant == "default" else dataclasses.replace(ROUTE_DEFAULT, gate_up=True)
+            listed = (ROUTE_DEFAULT if args.kernel_variant == "default"
+                      else dataclasses.replace(ROUTE_DEFAULT, rotary_kernel=True))
             kernel_tables.append(step_kernels(model, rows, args.live, variant=listed))
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; live {args.live} columns")
     print("| rows | part | variant | ms |")

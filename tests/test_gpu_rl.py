@@ -178,3 +178,21 @@ def test_fused_gate_up_gives_the_same_tokens_fp32(setup, route, slots):
             outs[fuse] = ro.generate(RolloutRequest(ids, mask), sampling).input_ids
             assert ro.last_stats.decode_path == "graph", ro.last_stats.decode_fallback_reason
         assert torch.equal(outs[True], outs[False])
+
+
+@cuda
+@pytest.mark.parametrize("route, slots", [("ordinary", None), ("continuous", 24)])
+def test_rotary_kernel_gives_the_same_tokens_fp32(setup, route, slots):
+    """``rotary_kernel``: the same greedy and seeded-sampled tokens in fp32 as inductor's rotary and cache
+    writes, captured in graphs on both routes (compaction and refills included)."""
+    model, ids, mask, tok = setup
+    for sampling in (SamplingConfig(max_new_tokens=40, temperature=0.0, n_samples_per_prompt=2,
+                                    continuous_batch_size=slots),
+                     SamplingConfig(max_new_tokens=40, temperature=1.0, top_p=0.8, seed=5, n_samples_per_prompt=2,
+                                    continuous_batch_size=slots)):
+        outs = {}
+        for kernel in (True, False):
+            ro = Rollout(model, tok, RolloutConfig(route=route, rotary_kernel=kernel))
+            outs[kernel] = ro.generate(RolloutRequest(ids, mask), sampling).input_ids
+            assert ro.last_stats.decode_path == "graph", ro.last_stats.decode_fallback_reason
+        assert torch.equal(outs[True], outs[False])
