@@ -268,6 +268,9 @@ def test_one_step_index_everywhere(tmp_path):
     assert sorted(json.loads(summary.stdout)["per_step"]) == ["2", "3"]
     offline = _scalars(str(tmp_path / "tb" / "rank0"))
     assert [s for s, _ in offline["opsd/decode/cpu_ms"]] == [2, 3]
+    if not any(tag.endswith("/gpu_ms") for tag in offline):  # a CPU workload: its trace has no GPU activity,
+        live = {tag: v for tag, v in live.items() if not tag.endswith("/gpu_ms")}  # but on a CUDA machine the
+        # live timers still time the (idle) stream; on the H200 this made the comparison fail before
     assert set(live) <= set(offline)  # same tag names (offline adds self_ms)
 
 
