@@ -139,6 +139,11 @@ class RolloutConfig:
     and v run as one Triton kernel per layer (:mod:`rollout.ops.rotary_write`) instead of inductor's three
     (``fused_kv_write``) or the eager path's rotaries and two ``index_copy_``. On an H200 (3B shape) the step
     took 3.0% less time at 8 rows, 3.8% at 32 and 1.2% at 256 (docs/BENCHMARKS.md)."""
+    skinny_rows: int = 0
+    """On CUDA with ``rotary_kernel`` and ``fuse_gate_up``: decode steps whose batch bucket has at most this many
+    rows (up to 64) run each layer's projections as Triton kernels with the norms, bias, SiLU·mul and residual
+    adds fused in (:mod:`rollout.ops.skinny_linear`: 4 projection kernels a layer where the compiled pieces launch
+    10 around cuBLAS). 0: off. Not yet timed on a GPU, so off by default."""
     fused_sampler: bool = True
     """On CUDA (with ``compile``), temperature + top-p sampling without top-k or a repetition penalty runs
     the one-kernel nucleus (:mod:`rollout.ops.fused_nucleus`); False keeps the compiled sort-free search.
@@ -161,6 +166,8 @@ class RolloutConfig:
         for name in ("fuse_lora", "fast_decode", "fast_prefill", "cuda_graphs", "compile", "fuse_qkv", "fuse_gate_up",
                      "rotary_kernel", "fused_sampler", "fused_kv_write"):
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
+        require(is_int(self.skinny_rows) and self.skinny_rows >= 0, "skinny_rows",
+                f"must be an int >= 0 (0: off); got {self.skinny_rows!r}")
         require(self.decode_attention in DECODE_ATTENTIONS, "decode_attention",
                  f"must be one of {DECODE_ATTENTIONS}; got {self.decode_attention!r}")
         require(self.compile_mode in COMPILE_MODES, "compile_mode",

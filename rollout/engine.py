@@ -154,7 +154,7 @@ class Rollout:
         return FastStep(self.model, self.config.compile, mirror_weights=self.is_zero3, fuse_qkv=self.config.fuse_qkv,
                         compile_mode=self.config.compile_mode, attention=self.config.decode_attention,
                         kv_write=self.config.fused_kv_write, fuse_gate_up=self.config.fuse_gate_up,
-                        rotary_kernel=self.config.rotary_kernel)
+                        rotary_kernel=self.config.rotary_kernel, skinny_rows=self.config.skinny_rows)
 
     @property
     def held_bytes(self) -> int:

@@ -26,7 +26,7 @@ from rollout.model.step import (FusedGateUp, FusedQKV, StepFns, StepParts, compi
                                 attention_inputs_qkv_write, compile_piece, grouped_decode_attention,
                                 spec_and_weights)
 from rollout.executors.graphs import capture_graph  # noqa: E402
-from rollout.ops import decode_attention, rotary_write  # noqa: E402
+from rollout.ops import decode_attention, rotary_write, skinny_linear  # noqa: E402
 from rollout.ops.sampling import select_next_token  # noqa: E402
 from rollout.testing import shaped_model  # noqa: E402
 
@@ -161,6 +161,8 @@ class StepVariant:
     """gate and up as one GEMM over their concatenated weight (``RolloutConfig.fuse_gate_up``)."""
     rotary_kernel: bool = False
     """q/k rotary and the k/v cache writes as one Triton kernel (``RolloutConfig.rotary_kernel``)."""
+    skinny: bool = False
+    """Each layer as four fused Triton projections (``RolloutConfig.skinny_rows``; with the rotary kernel)."""
 
     @property
     def name(self) -> str:
@@ -170,12 +172,13 @@ class StepVariant:
                 + (", k/v written in the piece" if self.kv_write else "")
                 + (", triton attention" if self.triton_attention else "")
                 + (", fused gate|up" if self.gate_up else "")
-                + (", rotary+write kernel" if self.rotary_kernel else ""))
+                + (", rotary+write kernel" if self.rotary_kernel else "")
+                + (", skinny projections" if self.skinny else ""))
 
 
-#: The step the routes run by default (``RolloutConfig``: compiled, fused q|k|v and gate|up, k/v written in the
-#: piece, the Triton attention): what ``--kernels`` lists.
-ROUTE_DEFAULT = StepVariant(kv_write=True, triton_attention=True, gate_up=True)
+#: The step the routes run by default (``RolloutConfig``: compiled, fused q|k|v and gate|up, the Triton attention,
+#: the rotary + cache-write kernel): what ``--kernels`` lists.
+ROUTE_DEFAULT = StepVariant(kv_write=True, triton_attention=True, gate_up=True, rotary_kernel=True)
 
 
 def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
@@ -194,8 +197,10 @@ def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
                                   if variant.compiled else attention_inputs_qkv_write)
     if variant.triton_attention:
         fns = dataclasses.replace(fns, attention=decode_attention.attention)
-    if variant.rotary_kernel:
+    if variant.rotary_kernel or variant.skinny:
         fns = dataclasses.replace(fns, rotary_write=rotary_write.rotary_write)
+    if variant.skinny:
+        fns = dataclasses.replace(fns, skinny_linear=skinny_linear.skinny_linear, skinny_rows=skinny_linear.MAX_ROWS)
     parts = StepParts(spec, weights, fns)
     shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
     keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -218,7 +223,9 @@ def step_variant_list(args) -> list[StepVariant]:
     if args.gate_up:  # the A/B alone, interleaved
         return [dataclasses.replace(ROUTE_DEFAULT, gate_up=False), ROUTE_DEFAULT] * 2
     if args.rotary_kernel:
-        return [ROUTE_DEFAULT, dataclasses.replace(ROUTE_DEFAULT, rotary_kernel=True)] * 2
+        return [dataclasses.replace(ROUTE_DEFAULT, rotary_kernel=False), ROUTE_DEFAULT] * 2
+    if args.skinny:
+        return [ROUTE_DEFAULT, dataclasses.replace(ROUTE_DEFAULT, skinny=True)] * 2
     out = [StepVariant(compiled=False, fuse_qkv=False), StepVariant(fuse_qkv=False), StepVariant()]
     out += [StepVariant(additive_mask=True)] if args.additive_mask else []
     out += [StepVariant(grouped=True)] if args.grouped_attention else []
@@ -255,6 +262,64 @@ def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, l
     for name, (kind, fn) in cases.items():
         ms = graph_ms(fn, 20)
         out[name] = (ms * layers, flops[kind] / (ms / 1000) / 1e12)
+    return out
+
+
+def skinny_variants(rows: int, hidden: int, inter: int, qkv_dim: int, layers: int, launches) -> list[dict]:
+    """Each projection of a layer in its fused form (q|k|v with the norm and bias, o with the residual, gate|up
+    with the norm and SiLU·mul, down with the residual), ``layers`` distinct weights in one CUDA graph (as the
+    step reads them: nothing from L2), through the compiled pieces' way (``torch.compile`` around cuBLAS)
+    against ``skinny_linear`` at each launch shape ``(block_n, block_k, warps, stages)``: ms and GB/s of
+    weights read."""
+    from rollout.model.step import compile_piece, rms_norm
+
+    def bf16(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * shape[-1] ** -0.5
+
+    x_h, x_i = bf16(rows, hidden), bf16(rows, inter)
+    norm, bias = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5, bf16(qkv_dim)
+    forms = {  # name: (weight shape, skinny kwargs, compiled baseline of one layer)
+        "q|k|v + norm + bias": ((qkv_dim, hidden), lambda w: dict(x=x_h, weight=w, bias=bias, norm=norm, eps=1e-6),
+                                compile_piece(lambda x, w, b, n: F.linear(rms_norm(x, n, 1e-6), w, b))),
+        "o + residual": ((hidden, hidden), lambda w: dict(x=x_h, weight=w, residual=x_h),
+                         compile_piece(lambda x, w, r: r + F.linear(x, w))),
+        "gate|up + norm + silu*mul": ((2 * inter, hidden), lambda w: dict(x=x_h, weight=w, norm=norm, eps=1e-6, glu=True),
+                                      compile_piece(lambda x, w, n: (lambda g, u: F.silu(g) * u)(
+                                          *F.linear(rms_norm(x, n, 1e-6), w).chunk(2, dim=-1)))),
+        "down + residual": ((hidden, inter), lambda w: dict(x=x_i, weight=w, residual=x_h),
+                            compile_piece(lambda x, w, r: r + F.linear(x, w))),
+    }
+    out = []
+    for name, (shape, kwargs_of, baseline) in forms.items():
+        weights = [bf16(*shape) for _ in range(layers)]
+        gbytes = layers * shape[0] * shape[1] * 2 / 1e9
+        ref = skinny_linear.skinny_linear_reference(**kwargs_of(weights[0]))
+
+        def compiled(weights=weights, kwargs_of=kwargs_of, baseline=baseline):
+            for w in weights:
+                kw = kwargs_of(w)
+                args = [kw["x"], w] + [kw[k] for k in ("bias", "norm", "residual") if k in kw]
+                baseline(*args)
+
+        cases = [("compiled pieces (cuBLAS)", compiled)]
+        for launch in launches:
+            bn, bk, warps, stages = launch
+
+            def run(weights=weights, kwargs_of=kwargs_of, bn=bn, bk=bk, warps=warps, stages=stages):
+                for w in weights:
+                    skinny_linear.skinny_linear(**kwargs_of(w), block_n=bn, block_k=bk, warps=warps, stages=stages)
+            got = skinny_linear.skinny_linear(**kwargs_of(weights[0]), block_n=bn, block_k=bk, warps=warps,
+                                              stages=stages)
+            err = float((got.float() - ref.float()).abs().max())
+            cases.append((f"skinny block_n {bn}, block_k {bk}, warps {warps}, stages {stages} (max |diff| {err:.3g})",
+                          run))
+        for label, fn in cases:
+            try:
+                ms = graph_ms(fn, 10)
+                out.append(dict(rows=rows, part=f"{name} x{layers}", variant=f"{label}, {gbytes / ms * 1e3:.0f} GB/s",
+                                ms=ms))
+            except Exception as exc:  # noqa: BLE001 - a launch shape that fails is reported, not fatal
+                out.append(dict(rows=rows, part=f"{name} x{layers}", variant=label, ms=f"failed: {exc!r:.120}"))
     return out
 
 
@@ -316,13 +381,19 @@ def main(argv=None) -> None:
                         help="step: only the routes' default step and the same with gate|up as one GEMM, twice each, "
                              "alternating")
     parser.add_argument("--rotary-kernel", action="store_true",
-                        help="step: only the routes' default step and the same with the rotary+write kernel, twice "
+                        help="step: only the routes' default step and the same without the rotary+write kernel, "
+                             "twice each, alternating")
+    parser.add_argument("--skinny", action="store_true",
+                        help="step: only the routes' default step and the same with the skinny projections, twice "
                              "each, alternating")
-    parser.add_argument("--kernel-variant", choices=["default", "rotary-kernel"], default="default",
-                        help="--kernels: list the kernels of the routes' default step, or of it with the rotary+write "
-                             "kernel")
+    parser.add_argument("--skinny-launches", nargs="+", default=["16,256,4,4", "32,128,4,3", "16,512,4,3", "8,256,2,4",
+                                                                 "32,256,8,4", "64,128,4,3"],
+                        help="--parts skinny: launch shapes block_n,block_k,warps,stages")
+    parser.add_argument("--kernel-variant", choices=["default", "skinny"], default="default",
+                        help="--kernels: list the kernels of the routes' default step, or of it with the skinny "
+                             "projections")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"],
-                        choices=["attention", "sampler", "step"], help="which tables to time")
+                        choices=["attention", "sampler", "step", "skinny"], help="which tables to time")
     args = parser.parse_args(argv)
     model = shaped_model("qwen25-3b", dtype=torch.bfloat16, device="cuda")
     cfg = model.config
@@ -338,6 +409,11 @@ def main(argv=None) -> None:
         if "sampler" in args.parts:
             for name, ms in sampler_variants(rows, cfg.vocab_size).items():
                 rows_out.append(dict(rows=rows, part="sampler", variant=name, ms=ms))
+        if "skinny" in args.parts:
+            launches = [tuple(int(v) for v in launch.split(",")) for launch in args.skinny_launches]
+            rows_out += skinny_variants(rows, cfg.hidden_size, cfg.intermediate_size,
+                                        (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim,
+                                        cfg.num_hidden_layers, launches)
         if "step" in args.parts:
             for variant in step_variant_list(args):
                 try:
@@ -351,8 +427,7 @@ def main(argv=None) -> None:
                                                     cfg.num_attention_heads * head_dim, kv_dim,
                                                     cfg.num_hidden_layers).items():
                 rows_out.append(dict(rows=rows, part="GEMM x36", variant=f"{name} ({tflops:.0f} TFLOP/s)", ms=ms))
-            listed = (ROUTE_DEFAULT if args.kernel_variant == "default"
-                      else dataclasses.replace(ROUTE_DEFAULT, rotary_kernel=True))
+            listed = ROUTE_DEFAULT if args.kernel_variant == "default" else dataclasses.replace(ROUTE_DEFAULT, skinny=True)
             kernel_tables.append(step_kernels(model, rows, args.live, variant=listed))
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; live {args.live} columns")
     print("| rows | part | variant | ms |")

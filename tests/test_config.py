@@ -47,6 +47,11 @@ def test_sampling_config_keeps_upstream_defaults():
     (dict(decode_attention="flash"), "decode_attention"),
     (dict(decode_attention=None), "decode_attention"),
     (dict(fused_kv_write=1), "fused_kv_write"),
+    (dict(fuse_gate_up="yes"), "fuse_gate_up"),
+    (dict(rotary_kernel=1), "rotary_kernel"),
+    (dict(skinny_rows=-1), "skinny_rows"),
+    (dict(skinny_rows=True), "skinny_rows"),
+    (dict(skinny_rows=8.0), "skinny_rows"),
     (dict(max_context=0), "max_context"),
 ])
 def test_rollout_config_rejects_bad_values(kwargs, field):

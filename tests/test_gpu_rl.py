@@ -196,3 +196,32 @@ def test_rotary_kernel_gives_the_same_tokens_fp32(setup, route, slots):
             outs[kernel] = ro.generate(RolloutRequest(ids, mask), sampling).input_ids
             assert ro.last_stats.decode_path == "graph", ro.last_stats.decode_fallback_reason
         assert torch.equal(outs[True], outs[False])
+
+
+@cuda
+@pytest.mark.parametrize("route, slots", [("ordinary", None), ("continuous", 24)])
+def test_skinny_projections_give_the_same_tokens_fp32(setup, route, slots, monkeypatch):
+    """``skinny_rows``: the same greedy and seeded-sampled tokens in fp32 as the compiled pieces, captured in
+    graphs on both routes (the batch buckets at or below the limit run the Triton projections)."""
+    from rollout.ops import skinny_linear
+    model, ids, mask, tok = setup
+    calls = []
+    original = skinny_linear.skinny_linear
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(skinny_linear, "skinny_linear", counted)
+    for sampling in (SamplingConfig(max_new_tokens=40, temperature=0.0, n_samples_per_prompt=2,
+                                    continuous_batch_size=slots),
+                     SamplingConfig(max_new_tokens=40, temperature=1.0, top_p=0.8, seed=5, n_samples_per_prompt=2,
+                                    continuous_batch_size=slots)):
+        outs = {}
+        for rows in (64, 0):
+            calls.clear()
+            ro = Rollout(model, tok, RolloutConfig(route=route, skinny_rows=rows))
+            outs[rows] = ro.generate(RolloutRequest(ids, mask), sampling).input_ids
+            assert ro.last_stats.decode_path == "graph", ro.last_stats.decode_fallback_reason
+            assert bool(calls) == (rows > 0) and all(n <= 64 for n in calls)  # calls made while capturing
+        assert torch.equal(outs[64], outs[0])

@@ -21,7 +21,7 @@ import torch
 
 from rollout.config import RolloutConfig
 from rollout.model import prefill
-from rollout.ops import decode_attention, rotary_write
+from rollout.ops import decode_attention, rotary_write, skinny_linear
 from rollout.model.step import FusedGateUp, FusedQKV, StepFns, StepParts, WeightMirror, compiled_step_fns, spec_and_weights, \
     unsupported_reason
 
@@ -55,7 +55,7 @@ class FastStep:
 
     def __init__(self, model: torch.nn.Module, use_compile: bool, mirror_weights: bool, fuse_qkv: bool = True,
                  compile_mode: Optional[str] = None, attention: str = "sdpa", kv_write: bool = False,
-                 fuse_gate_up: bool = False, rotary_kernel: bool = False):
+                 fuse_gate_up: bool = False, rotary_kernel: bool = False, skinny_rows: int = 0):
         self.model = model
         self.use_compile = use_compile
         self.compile_mode = compile_mode
@@ -68,6 +68,8 @@ class FastStep:
         self.fused_gate_up = FusedGateUp() if fuse_gate_up else None
         self.rotary_kernel = rotary_kernel
         """``RolloutConfig.rotary_kernel`` (with fused q|k|v on CUDA only)."""
+        self.skinny_rows = skinny_rows
+        """``RolloutConfig.skinny_rows`` (with the rotary kernel and fused gate|up on CUDA only)."""
         self.last_weight_signature: Optional[tuple[int, ...]] = None
         """Addresses of the weights the last captured-step parts read (stable across calls under ZeRO-3)."""
 
@@ -93,6 +95,9 @@ class FastStep:
         if (self.rotary_kernel and self.fused_qkv is not None and device.type == "cuda"
                 and decode_attention.available() is None and rotary_write.failure(device) is None):
             fns = dataclasses.replace(fns, rotary_write=rotary_write.rotary_write)
+            if self.skinny_rows and self.fused_gate_up is not None and skinny_linear.failure(device) is None:
+                fns = dataclasses.replace(fns, skinny_linear=skinny_linear.skinny_linear,
+                                          skinny_rows=min(self.skinny_rows, skinny_linear.MAX_ROWS))
         return StepParts(spec, weights, fns)
 
     def release_copies(self) -> None:

@@ -375,6 +375,12 @@ class StepFns:
     (``RolloutConfig.fused_kv_write``, compiled pieces only)."""
     attention_output_and_gate_up_mlp: object = attention_output_and_gate_up_mlp
     qkv_projection: object = qkv_projection
+    skinny_linear: object = None
+    """When set (with ``rotary_write``, fused q|k|v and gate|up), decode steps of at most ``skinny_rows`` rows run
+    each layer as four such projections with the norms, bias, SiLU·mul and residual adds fused in
+    (``RolloutConfig.skinny_rows``: :func:`rollout.ops.skinny_linear.skinny_linear`), plus the rotary kernel and
+    the attention."""
+    skinny_rows: int = 0
     rotary_write: object = None
     """When set (and q|k|v are fused), decode steps compute ``qkv_projection`` and hand it to this function,
     which rotates q and k and writes k and v into the cache (``RolloutConfig.rotary_kernel``: the one Triton
@@ -428,7 +434,11 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
     cos, sin = rotary(positions, weights.inv_freq, spec.attention_scaling, h.dtype)
     cols = col.view(1)
     eps = spec.rms_eps
+    skinny = (fns.skinny_linear is not None and fns.rotary_write is not None and tokens.shape[0] <= fns.skinny_rows)
     for i, w in enumerate(weights.layers):
+        if skinny and w.qkv is not None and w.gate_up is not None:
+            h = _skinny_layer(fns, spec, h, w, cos, sin, key_cache[i], value_cache[i], cols, keep, start, stop)
+            continue
         if fns.rotary_write is not None and w.qkv is not None:
             q = fns.rotary_write(fns.qkv_projection(h, w.input_norm, w.qkv, w.qkv_bias, eps), cos, sin, key_cache[i],
                                  value_cache[i], cols, spec.num_heads, spec.num_kv_heads, spec.head_dim)
@@ -444,3 +454,17 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
                              spec.head_dim ** -0.5, spec.num_heads != spec.num_kv_heads)
         h = layer_output(fns, h, attn, w, eps)
     return fns.final_logits(h, weights.final_norm, weights.lm_head, weights.lm_head_bias, eps)
+
+
+def _skinny_layer(fns: StepFns, spec: DecoderSpec, h, w: LayerWeights, cos, sin, key_layer, value_layer, cols, keep,
+                  start: int, stop: int):
+    """One layer of a small decode batch: four fused projections (``StepFns.skinny_linear``), the rotary kernel and
+    the attention; the same arithmetic as the compiled pieces."""
+    eps, rows = spec.rms_eps, h.shape[0]
+    qkv = fns.skinny_linear(h, w.qkv, w.qkv_bias, norm=w.input_norm, eps=eps)
+    q = fns.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    attn = fns.attention(q, key_layer[:, :, start:stop], value_layer[:, :, start:stop], keep, spec.head_dim ** -0.5,
+                         spec.num_heads != spec.num_kv_heads)
+    h = fns.skinny_linear(attn.reshape(rows, -1), w.o, w.o_bias, residual=h)
+    act = fns.skinny_linear(h, w.gate_up, None, norm=w.post_norm, eps=eps, glu=True)
+    return fns.skinny_linear(act, w.down, None, residual=h)

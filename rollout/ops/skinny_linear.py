@@ -1,0 +1,122 @@
+"""A decode step's projections at small batches as Triton kernels, with their neighbours fused in.
+
+``skinny_linear(x, weight, bias, norm=None, eps=0.0, residual=None, glu=False)`` computes, for ``x [M, K]`` and
+``weight [N, K]`` (``[2N, K]``, gate rows then up rows, with ``glu``):
+
+- ``norm`` (an RMSNorm weight ``[K]``): the rows are normalised first, as :func:`rollout.model.step.rms_norm`;
+- ``bias [N]`` added to the projection;
+- ``glu``: ``silu(x @ gate^T) * (x @ up^T)`` (the SiLU MLP's first half, over the fused gate|up copy);
+- ``residual [M, N]``: ``residual + projection`` (the residual adds after the o and down projections).
+
+Why: at decode batches of a few rows the step's GEMMs are bandwidth-bound, and on an H200 the q|k|v and o GEMMs
+(~10 MB of weights each) ran at 35-40% of the copy rate through cuBLAS, while the norms, the residual GEMMs'
+output copies and SiLU·mul added one small kernel each (``docs/BENCHMARKS.md``, "where an 8-row step goes").
+Here a program takes every row against a few output columns over the whole of K: each weight is read once,
+no partial sums are written, and the norm, bias, SiLU·mul and residual are done in the same kernel. A layer
+then takes 4 projection kernels instead of 10 kernels around them.
+
+It is meant for ``M <= MAX_ROWS``; beyond, and where the kernel cannot run (no triton, not CUDA unless
+``interpret``, a strided row or weight, other dtypes than bf16/fp16/fp32), the same arithmetic runs in PyTorch
+(:func:`skinny_linear_reference`); a kernel that fails to compile or launch warns once and leaves the PyTorch
+path to every later call on that device. Not yet timed on a GPU: ``RolloutConfig.skinny_rows`` is 0 (off) by
+default until it is.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from rollout.ops.decode_attention import available
+
+#: The most rows the kernel takes (all rows are one tile).
+MAX_ROWS = 64
+#: Output columns per program, K per step of its loop, warps and pipelining stages (launch parameters;
+#: ``scripts/profile_decode_step.py --parts skinny`` times others).
+BLOCK_N = 16
+BLOCK_K = 256
+WARPS = 4
+STAGES = 4
+
+_FAILED: dict = {}
+"""device -> why the kernel failed there."""
+
+
+def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, interpret: bool = False) -> Optional[str]:
+    """None when :func:`skinny_linear` runs the kernel on these inputs; else why the PyTorch path runs."""
+    if available() is not None:
+        return available()
+    if not interpret and not x.is_cuda:
+        return "not a CUDA tensor"
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        return f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [M, K] and [N, K]"
+    if x.shape[0] > MAX_ROWS:
+        return f"{x.shape[0]} rows > {MAX_ROWS}"
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dtype != weight.dtype:
+        return f"dtypes {x.dtype}/{weight.dtype}"
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        return "rows of x and weight must be contiguous"
+    return _FAILED.get(str(x.device))
+
+
+def failure(device: torch.device) -> Optional[str]:
+    return _FAILED.get(str(device))
+
+
+def skinny_linear_reference(x, weight, bias=None, norm=None, eps: float = 0.0, residual=None, glu: bool = False):
+    """The same result with the step's own arithmetic (``rms_norm``, ``F.linear``, ``F.silu``): the fallback
+    and the tests' reference."""
+    from rollout.model.step import rms_norm  # ops sit below the model layer; only the fallback needs it
+
+    y = F.linear(x if norm is None else rms_norm(x, norm, eps), weight, bias)
+    if glu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
+
+
+def skinny_linear(x, weight, bias=None, norm=None, eps: float = 0.0, residual=None, glu: bool = False,
+                  interpret: bool = False, block_n: int = BLOCK_N, block_k: int = BLOCK_K, warps: int = WARPS,
+                  stages: int = STAGES) -> torch.Tensor:
+    """``[M, N]`` (module docstring); ``interpret``: allow CPU tensors (tests, under ``TRITON_INTERPRET=1``);
+    ``block_n``, ``block_k``, ``warps``, ``stages``: launch parameters (module constants)."""
+    if glu and weight.shape[0] % 2:
+        raise ValueError(f"glu needs [gate; up] with an even number of rows, got weight {tuple(weight.shape)}")
+    out_shape = (x.shape[0], weight.shape[0] // 2 if glu else weight.shape[0])
+    if residual is not None and tuple(residual.shape) != out_shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match the output {out_shape}")
+    if unsupported_reason(x, weight, interpret) is not None or (residual is not None and residual.stride(1) != 1):
+        return skinny_linear_reference(x, weight, bias, norm, eps, residual, glu)
+    try:
+        return _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, stages)
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or launch here: PyTorch, said once
+        why = f"skinny linear kernel failed: {type(exc).__name__}: {exc}"[:300]
+        _FAILED[str(x.device)] = why
+        warnings.warn(f"{why}; the PyTorch path runs instead on {x.device}", RuntimeWarning, stacklevel=2)
+        return skinny_linear_reference(x, weight, bias, norm, eps, residual, glu)
+
+
+def _pow2(n: int, least: int) -> int:
+    return max(least, 1 << (max(1, n) - 1).bit_length())
+
+
+def _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, stages) -> torch.Tensor:
+    from rollout.ops import skinny_linear_kernel as kernels
+
+    rows, k = x.shape
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_k = min(block_k, _pow2(k, 16))
+    precision = "ieee" if x.dtype == torch.float32 or not x.is_cuda else "tf32"
+    kernels.skinny_linear[(-(-n // block_n),)](
+        x, weight, bias if bias is not None else x, norm if norm is not None else x,
+        residual if residual is not None else x, out, rows, n, k, float(eps),
+        x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        NORM=norm is not None, BIAS=bias is not None, RESIDUAL=residual is not None, GLU=glu,
+        BLOCK_M=_pow2(rows, 16), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        PRECISION=precision, DOT_FP32=not x.is_cuda and x.dtype != torch.float32,
+        num_warps=warps, num_stages=stages)
+    return out
