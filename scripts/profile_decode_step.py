@@ -386,8 +386,8 @@ def main(argv=None) -> None:
     parser.add_argument("--skinny", action="store_true",
                         help="step: only the routes' default step and the same with the skinny projections, twice "
                              "each, alternating")
-    parser.add_argument("--skinny-launches", nargs="+", default=["16,256,4,4", "32,128,4,3", "16,512,4,3", "8,256,2,4",
-                                                                 "32,256,8,4", "64,128,4,3"],
+    parser.add_argument("--skinny-launches", nargs="+", default=["16,256,4,4", "16,512,4,3", "16,128,4,6", "16,256,2,4",
+                                                                 "32,128,4,4", "32,256,8,3"],
                         help="--parts skinny: launch shapes block_n,block_k,warps,stages")
     parser.add_argument("--kernel-variant", choices=["default", "skinny"], default="default",
                         help="--kernels: list the kernels of the routes' default step, or of it with the skinny "
