@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.ops.decode_attention import sdpa as decode_attention  # the step's default attention piece
+from rollout.ops.norm import rms_norm
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", None)
@@ -244,13 +245,6 @@ class FusedGateUp(_ConcatenatedCopies):
         layers = [dataclasses.replace(w, gate_up=self._buffer((i, "gate_up"), [w.gate, w.up]))
                   for i, w in enumerate(weights.layers)]
         return dataclasses.replace(weights, layers=layers)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
 
 
 def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):

@@ -3,7 +3,7 @@
 ``skinny_linear(x, weight, bias, norm=None, eps=0.0, residual=None, glu=False)`` computes, for ``x [M, K]`` and
 ``weight [N, K]`` (``[2N, K]``, gate rows then up rows, with ``glu``):
 
-- ``norm`` (an RMSNorm weight ``[K]``): the rows are normalised first, as :func:`rollout.model.step.rms_norm`;
+- ``norm`` (an RMSNorm weight ``[K]``): the rows are normalised first, as :func:`rollout.ops.norm.rms_norm`;
 - ``bias [N]`` added to the projection;
 - ``glu``: ``silu(x @ gate^T) * (x @ up^T)`` (the SiLU MLP's first half, over the fused gate|up copy);
 - ``residual [M, N]``: ``residual + projection`` (the residual adds after the o and down projections).
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.ops.decode_attention import available
+from rollout.ops.norm import rms_norm
 
 #: The most rows the kernel takes (all rows are one tile).
 MAX_ROWS = 64
@@ -69,8 +70,6 @@ def failure(device: torch.device) -> Optional[str]:
 def skinny_linear_reference(x, weight, bias=None, norm=None, eps: float = 0.0, residual=None, glu: bool = False):
     """The same result with the step's own arithmetic (``rms_norm``, ``F.linear``, ``F.silu``): the fallback
     and the tests' reference."""
-    from rollout.model.step import rms_norm  # ops sit below the model layer; only the fallback needs it
-
     y = F.linear(x if norm is None else rms_norm(x, norm, eps), weight, bias)
     if glu:
         gate, up = y.chunk(2, dim=-1)
