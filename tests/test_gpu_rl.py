@@ -143,68 +143,60 @@ def test_continuous_eos_check_interval_on_graphs(setup):
             assert int(a.attention_mask[row].sum()) == int(b.attention_mask[row].sum())
 
 
+def _same_tokens_for_each(setup, route, slots, field, values, check=None, **fixed):
+    """Greedy and seeded top-p calls (fp32, graphs, both samples of every prompt) with ``RolloutConfig`` field
+    ``field`` at each of ``values`` (``fixed``: the other fields) give the same tokens; ``check(ro, value)`` runs
+    after each call."""
+    model, ids, mask, tok = setup
+    for sampling in (SamplingConfig(max_new_tokens=40, temperature=0.0, n_samples_per_prompt=2,
+                                    continuous_batch_size=slots),
+                     SamplingConfig(max_new_tokens=40, temperature=1.0, top_p=0.8, seed=5, n_samples_per_prompt=2,
+                                    continuous_batch_size=slots)):
+        outs = []
+        for value in values:
+            ro = Rollout(model, tok, RolloutConfig(route=route, **fixed, **{field: value}))
+            outs.append(ro.generate(RolloutRequest(ids, mask), sampling).input_ids)
+            assert ro.last_stats.decode_path == "graph", ro.last_stats.decode_fallback_reason
+            if check is not None:
+                check(ro, value)
+        assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+ROUTES_AND_SLOTS = pytest.mark.parametrize("route, slots", [("ordinary", None), ("continuous", 24)])
+
+
 @cuda
-@pytest.mark.parametrize("route, slots", [("ordinary", None), ("continuous", 24)])
+@ROUTES_AND_SLOTS
 def test_triton_and_sdpa_attention_give_the_same_tokens_fp32(setup, route, slots):
     """Both decode attentions, captured in graphs, give the same greedy and seeded-sampled tokens in fp32 on
     both routes (compaction and refills included); each call reports the attention it ran."""
-    model, ids, mask, tok = setup
-    for sampling in (SamplingConfig(max_new_tokens=40, temperature=0.0, n_samples_per_prompt=2,
-                                    continuous_batch_size=slots),
-                     SamplingConfig(max_new_tokens=40, temperature=1.0, top_p=0.8, seed=5, n_samples_per_prompt=2,
-                                    continuous_batch_size=slots)):
-        outs = {}
-        for attention in ("triton", "sdpa"):
-            ro = Rollout(model, tok, RolloutConfig(route=route, compile=False, decode_attention=attention))
-            outs[attention] = ro.generate(RolloutRequest(ids, mask), sampling).input_ids
-            assert ro.last_stats.decode_path == "graph", ro.last_stats.decode_fallback_reason
-            assert ro.last_stats.decode_attention == attention
-        assert torch.equal(outs["triton"], outs["sdpa"])
+    def reports(ro, attention):
+        assert ro.last_stats.decode_attention == attention
+    _same_tokens_for_each(setup, route, slots, "decode_attention", ("triton", "sdpa"), reports, compile=False)
 
 
 @cuda
-@pytest.mark.parametrize("route, slots", [("ordinary", None), ("continuous", 24)])
+@ROUTES_AND_SLOTS
 def test_fused_gate_up_gives_the_same_tokens_fp32(setup, route, slots):
     """``fuse_gate_up``: the same greedy and seeded-sampled tokens in fp32 as two projections, captured in
     graphs on both routes, with the compiled pieces (where the gate|up piece is a compiled graph of its own)."""
-    model, ids, mask, tok = setup
-    for sampling in (SamplingConfig(max_new_tokens=40, temperature=0.0, n_samples_per_prompt=2,
-                                    continuous_batch_size=slots),
-                     SamplingConfig(max_new_tokens=40, temperature=1.0, top_p=0.8, seed=5, n_samples_per_prompt=2,
-                                    continuous_batch_size=slots)):
-        outs = {}
-        for fuse in (True, False):
-            ro = Rollout(model, tok, RolloutConfig(route=route, fuse_gate_up=fuse))
-            outs[fuse] = ro.generate(RolloutRequest(ids, mask), sampling).input_ids
-            assert ro.last_stats.decode_path == "graph", ro.last_stats.decode_fallback_reason
-        assert torch.equal(outs[True], outs[False])
+    _same_tokens_for_each(setup, route, slots, "fuse_gate_up", (True, False))
 
 
 @cuda
-@pytest.mark.parametrize("route, slots", [("ordinary", None), ("continuous", 24)])
+@ROUTES_AND_SLOTS
 def test_rotary_kernel_gives_the_same_tokens_fp32(setup, route, slots):
     """``rotary_kernel``: the same greedy and seeded-sampled tokens in fp32 as inductor's rotary and cache
     writes, captured in graphs on both routes (compaction and refills included)."""
-    model, ids, mask, tok = setup
-    for sampling in (SamplingConfig(max_new_tokens=40, temperature=0.0, n_samples_per_prompt=2,
-                                    continuous_batch_size=slots),
-                     SamplingConfig(max_new_tokens=40, temperature=1.0, top_p=0.8, seed=5, n_samples_per_prompt=2,
-                                    continuous_batch_size=slots)):
-        outs = {}
-        for kernel in (True, False):
-            ro = Rollout(model, tok, RolloutConfig(route=route, rotary_kernel=kernel))
-            outs[kernel] = ro.generate(RolloutRequest(ids, mask), sampling).input_ids
-            assert ro.last_stats.decode_path == "graph", ro.last_stats.decode_fallback_reason
-        assert torch.equal(outs[True], outs[False])
+    _same_tokens_for_each(setup, route, slots, "rotary_kernel", (True, False))
 
 
 @cuda
-@pytest.mark.parametrize("route, slots", [("ordinary", None), ("continuous", 24)])
+@ROUTES_AND_SLOTS
 def test_skinny_projections_give_the_same_tokens_fp32(setup, route, slots, monkeypatch):
     """``skinny_rows``: the same greedy and seeded-sampled tokens in fp32 as the compiled pieces, captured in
     graphs on both routes (the batch buckets at or below the limit run the Triton projections)."""
     from rollout.ops import skinny_linear
-    model, ids, mask, tok = setup
     calls = []
     original = skinny_linear.skinny_linear
 
@@ -212,16 +204,9 @@ def test_skinny_projections_give_the_same_tokens_fp32(setup, route, slots, monke
         calls.append(args[0].shape[0])
         return original(*args, **kwargs)
 
+    def used_where_asked(ro, rows):
+        assert bool(calls) == (rows > 0) and all(n <= 64 for n in calls)  # calls made while capturing
+        calls.clear()
+
     monkeypatch.setattr(skinny_linear, "skinny_linear", counted)
-    for sampling in (SamplingConfig(max_new_tokens=40, temperature=0.0, n_samples_per_prompt=2,
-                                    continuous_batch_size=slots),
-                     SamplingConfig(max_new_tokens=40, temperature=1.0, top_p=0.8, seed=5, n_samples_per_prompt=2,
-                                    continuous_batch_size=slots)):
-        outs = {}
-        for rows in (64, 0):
-            calls.clear()
-            ro = Rollout(model, tok, RolloutConfig(route=route, skinny_rows=rows))
-            outs[rows] = ro.generate(RolloutRequest(ids, mask), sampling).input_ids
-            assert ro.last_stats.decode_path == "graph", ro.last_stats.decode_fallback_reason
-            assert bool(calls) == (rows > 0) and all(n <= 64 for n in calls)  # calls made while capturing
-        assert torch.equal(outs[64], outs[0])
+    _same_tokens_for_each(setup, route, slots, "skinny_rows", (64, 0), used_where_asked)
