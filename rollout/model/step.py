@@ -430,12 +430,12 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
     eps = spec.rms_eps
     skinny = (fns.skinny_linear is not None and fns.rotary_write is not None and tokens.shape[0] <= fns.skinny_rows)
     for i, w in enumerate(weights.layers):
-        if skinny and w.qkv is not None and w.gate_up is not None:
-            h = _skinny_layer(fns, spec, h, w, cos, sin, key_cache[i], value_cache[i], cols, keep, start, stop)
-            continue
+        small = skinny and w.qkv is not None and w.gate_up is not None  # the layer as fused Triton projections
         if fns.rotary_write is not None and w.qkv is not None:
-            q = fns.rotary_write(fns.qkv_projection(h, w.input_norm, w.qkv, w.qkv_bias, eps), cos, sin, key_cache[i],
-                                 value_cache[i], cols, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            qkv = (fns.skinny_linear(h, w.qkv, w.qkv_bias, norm=w.input_norm, eps=eps) if small
+                   else fns.qkv_projection(h, w.input_norm, w.qkv, w.qkv_bias, eps))
+            q = fns.rotary_write(qkv, cos, sin, key_cache[i], value_cache[i], cols, spec.num_heads, spec.num_kv_heads,
+                                 spec.head_dim)
         elif fns.attention_inputs_qkv_write is not None and w.qkv is not None:
             q = fns.attention_inputs_qkv_write(h, w.input_norm, w.qkv, w.qkv_bias, cos, sin, key_cache[i],
                                                value_cache[i], cols, eps, spec.num_heads, spec.num_kv_heads,
@@ -446,19 +446,13 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
             value_cache[i].index_copy_(2, cols, v)
         attn = fns.attention(q, key_cache[i, :, :, start:stop], value_cache[i, :, :, start:stop], keep,
                              spec.head_dim ** -0.5, spec.num_heads != spec.num_kv_heads)
-        h = layer_output(fns, h, attn, w, eps)
+        h = _skinny_output(fns, h, attn, w, eps) if small else layer_output(fns, h, attn, w, eps)
     return fns.final_logits(h, weights.final_norm, weights.lm_head, weights.lm_head_bias, eps)
 
 
-def _skinny_layer(fns: StepFns, spec: DecoderSpec, h, w: LayerWeights, cos, sin, key_layer, value_layer, cols, keep,
-                  start: int, stop: int):
-    """One layer of a small decode batch: four fused projections (``StepFns.skinny_linear``), the rotary kernel and
-    the attention; the same arithmetic as the compiled pieces."""
-    eps, rows = spec.rms_eps, h.shape[0]
-    qkv = fns.skinny_linear(h, w.qkv, w.qkv_bias, norm=w.input_norm, eps=eps)
-    q = fns.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    attn = fns.attention(q, key_layer[:, :, start:stop], value_layer[:, :, start:stop], keep, spec.head_dim ** -0.5,
-                         spec.num_heads != spec.num_kv_heads)
-    h = fns.skinny_linear(attn.reshape(rows, -1), w.o, w.o_bias, residual=h)
+def _skinny_output(fns: StepFns, h, attn, w: LayerWeights, eps: float):
+    """:func:`layer_output` of a small decode batch as three fused projections (``StepFns.skinny_linear``): o with
+    the residual, gate|up with the norm and SiLU·mul, down with the residual."""
+    h = fns.skinny_linear(attn.reshape(h.shape[0], -1), w.o, w.o_bias, residual=h)
     act = fns.skinny_linear(h, w.gate_up, None, norm=w.post_norm, eps=eps, glu=True)
     return fns.skinny_linear(act, w.down, None, residual=h)
