@@ -24,3 +24,8 @@ def ceil_div(numerator: int, denominator: int) -> int:
 def round_up(value: int, multiple: int) -> int:
     """``value`` rounded up to a multiple of ``multiple``."""
     return ceil_div(value, multiple) * multiple
+
+
+def pow2_at_least(value: int, least: int) -> int:
+    """The smallest power of two >= ``value`` and >= ``least`` (a Triton block size for ``value`` elements)."""
+    return max(least, 1 << (max(1, value) - 1).bit_length())

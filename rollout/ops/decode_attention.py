@@ -21,11 +21,13 @@ compile or launch warns once and leaves those inputs to SDPA from then on.
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from rollout.checks import pow2_at_least
+from rollout.ops.fallback import launch_or_fall_back
 
 #: Columns per tile of the key window, warps per program and software-pipelining stages (the kernel's
 #: launch parameters; ``scripts/profile_decode_step.py`` times others: on the H200, 36 layers over 512
@@ -113,10 +115,6 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _pow2(n: int, least: int) -> int:
-    return max(least, 1 << (max(1, n) - 1).bit_length())
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, gqa: bool,
               splits: Optional[int] = None, interpret: bool = False, block: int = BLOCK_L, warps: int = WARPS,
               stages: int = STAGES) -> torch.Tensor:
@@ -125,13 +123,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
     ``TRITON_INTERPRET=1``); ``block``, ``warps``, ``stages``: launch parameters (module constants)."""
     if unsupported_reason(q, k, v, keep, interpret) is not None:
         return sdpa(q, k, v, keep, scale, gqa)
-    try:
-        return _launch(q, k, v, keep, scale, splits, block, warps, stages)
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or launch here: SDPA, said once
-        why = f"decode attention kernel failed: {type(exc).__name__}: {exc}"[:300]
-        _FAILED[_key(q, k)] = why
-        warnings.warn(f"{why}; SDPA runs instead for {_key(q, k)}", RuntimeWarning, stacklevel=2)
-        return sdpa(q, k, v, keep, scale, gqa)
+    key = _key(q, k)
+    return launch_or_fall_back(_FAILED, key, "decode attention kernel", f"SDPA runs instead for {key}",
+                               lambda: _launch(q, k, v, keep, scale, splits, block, warps, stages),
+                               lambda: sdpa(q, k, v, keep, scale, gqa))
 
 
 def _launch(q, k, v, keep, scale, splits, block, warps, stages) -> torch.Tensor:
@@ -144,7 +139,7 @@ def _launch(q, k, v, keep, scale, splits, block, warps, stages) -> torch.Tensor:
         splits = split_count(rows, kv_heads, length, _sm_count(q.device.index or 0) if q.is_cuda else 1, block)
     splits = max(1, min(int(splits), max(1, -(-length // block))))
     out = torch.empty(rows, heads, 1, dim, dtype=q.dtype, device=q.device)
-    dim_pad = _pow2(dim, 16)
+    dim_pad = pow2_at_least(dim, 16)
     single = splits == 1
     part = out if single else torch.empty(rows * heads * splits * dim_pad, dtype=torch.float32, device=q.device)
     stat = out if single else torch.empty(rows * heads * splits * 2, dtype=torch.float32, device=q.device)
@@ -154,11 +149,11 @@ def _launch(q, k, v, keep, scale, splits, block, warps, stages) -> torch.Tensor:
         q, k, v, keep, out, part, stat,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         keep_sb, keep_sl, out.stride(0), out.stride(1), length, splits, float(scale),
-        GROUP=group, GROUP_PAD=_pow2(group, 16), DIM=dim, DIM_PAD=dim_pad, EVEN_D=dim == dim_pad, BLOCK_L=block, SCAN=SCAN,
+        GROUP=group, GROUP_PAD=pow2_at_least(group, 16), DIM=dim, DIM_PAD=dim_pad, EVEN_D=dim == dim_pad, BLOCK_L=block, SCAN=SCAN,
         SINGLE=single, PRECISION=precision, DOT_FP32=not q.is_cuda and q.dtype == torch.bfloat16,
         num_warps=warps, num_stages=stages)
     if not single:
         kernels.decode_attention_merge[(rows, heads)](
             part, stat, out, out.stride(0), out.stride(1), heads, splits,
-            DIM=dim, DIM_PAD=dim_pad, SPLITS_PAD=_pow2(splits, 1))
+            DIM=dim, DIM_PAD=dim_pad, SPLITS_PAD=pow2_at_least(splits, 1))
     return out

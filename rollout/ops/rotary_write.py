@@ -16,12 +16,12 @@ fails to compile or launch warns once and leaves the PyTorch path to every later
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
 
 from rollout.ops.decode_attention import available
+from rollout.ops.fallback import launch_or_fall_back
 
 _FAILED: dict = {}
 """device -> why the kernel failed there."""
@@ -66,13 +66,10 @@ def rotary_write(qkv, cos, sin, key_layer, value_layer, cols, heads: int, kv_hea
     """Rotated q ``[B, Hq, 1, D]``; k (rotated) and v written into the cache column ``cols`` (module docstring)."""
     if unsupported_reason(qkv, key_layer, value_layer, head_dim, interpret) is not None:
         return rotary_write_reference(qkv, cos, sin, key_layer, value_layer, cols, heads, kv_heads, head_dim)
-    try:
-        return _launch(qkv, cos, sin, key_layer, value_layer, cols, heads, kv_heads, head_dim)
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or launch here: PyTorch, said once
-        why = f"rotary/cache-write kernel failed: {type(exc).__name__}: {exc}"[:300]
-        _FAILED[str(qkv.device)] = why
-        warnings.warn(f"{why}; the PyTorch path runs instead on {qkv.device}", RuntimeWarning, stacklevel=2)
-        return rotary_write_reference(qkv, cos, sin, key_layer, value_layer, cols, heads, kv_heads, head_dim)
+    return launch_or_fall_back(
+        _FAILED, str(qkv.device), "rotary/cache-write kernel", f"the PyTorch path runs instead on {qkv.device}",
+        lambda: _launch(qkv, cos, sin, key_layer, value_layer, cols, heads, kv_heads, head_dim),
+        lambda: rotary_write_reference(qkv, cos, sin, key_layer, value_layer, cols, heads, kv_heads, head_dim))
 
 
 def _launch(qkv, cos, sin, key_layer, value_layer, cols, heads, kv_heads, head_dim) -> torch.Tensor:

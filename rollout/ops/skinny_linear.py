@@ -24,13 +24,14 @@ default until it is.
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from rollout.checks import pow2_at_least
 from rollout.ops.decode_attention import available
+from rollout.ops.fallback import launch_or_fall_back
 from rollout.ops.norm import rms_norm
 
 #: The most rows the kernel takes (all rows are one tile).
@@ -89,17 +90,10 @@ def skinny_linear(x, weight, bias=None, norm=None, eps: float = 0.0, residual=No
         raise ValueError(f"residual {tuple(residual.shape)} must match the output {out_shape}")
     if unsupported_reason(x, weight, interpret) is not None or (residual is not None and residual.stride(1) != 1):
         return skinny_linear_reference(x, weight, bias, norm, eps, residual, glu)
-    try:
-        return _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, stages)
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or launch here: PyTorch, said once
-        why = f"skinny linear kernel failed: {type(exc).__name__}: {exc}"[:300]
-        _FAILED[str(x.device)] = why
-        warnings.warn(f"{why}; the PyTorch path runs instead on {x.device}", RuntimeWarning, stacklevel=2)
-        return skinny_linear_reference(x, weight, bias, norm, eps, residual, glu)
-
-
-def _pow2(n: int, least: int) -> int:
-    return max(least, 1 << (max(1, n) - 1).bit_length())
+    return launch_or_fall_back(
+        _FAILED, str(x.device), "skinny linear kernel", f"the PyTorch path runs instead on {x.device}",
+        lambda: _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, stages),
+        lambda: skinny_linear_reference(x, weight, bias, norm, eps, residual, glu))
 
 
 def _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, stages) -> torch.Tensor:
@@ -108,14 +102,14 @@ def _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, 
     rows, k = x.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_k = min(block_k, _pow2(k, 16))
+    block_k = min(block_k, pow2_at_least(k, 16))
     precision = "ieee" if x.dtype == torch.float32 or not x.is_cuda else "tf32"
     kernels.skinny_linear[(-(-n // block_n),)](
         x, weight, bias if bias is not None else x, norm if norm is not None else x,
         residual if residual is not None else x, out, rows, n, k, float(eps),
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         NORM=norm is not None, BIAS=bias is not None, RESIDUAL=residual is not None, GLU=glu,
-        BLOCK_M=_pow2(rows, 16), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        BLOCK_M=pow2_at_least(rows, 16), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         PRECISION=precision, DOT_FP32=not x.is_cuda and x.dtype != torch.float32,
         num_warps=warps, num_stages=stages)
     return out
