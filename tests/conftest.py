@@ -50,3 +50,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if any("cuda" in str(m.kwargs.get("reason", "")).lower() for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.gpu)
+
+
+def with_step_pieces(ro, **pieces) -> None:
+    """From now on ``ro``'s step parts carry ``pieces`` (``StepFns`` fields, e.g. an interpreted kernel or a
+    counting wrapper) in place of what its config chose."""
+    import dataclasses
+
+    build = ro._fast_step.parts
+
+    def parts(device, mirrored):
+        got = build(device, mirrored)
+        return dataclasses.replace(got, fns=dataclasses.replace(got.fns, **pieces))
+
+    ro._fast_step.parts = parts

@@ -12,7 +12,7 @@ from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
 from rollout.model import step
 from rollout.model.step import FusedGateUp, spec_and_weights
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
-from tests.conftest import hf_greedy, response_of
+from tests.conftest import hf_greedy, response_of, with_step_pieces
 
 NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
 
@@ -60,15 +60,8 @@ def test_the_fused_piece_runs_in_decode_and_prefill(monkeypatch):
     for fuse in (True, False):
         calls.update(fused=0, plain=0)
         ro = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", fuse_gate_up=fuse))
-        build = ro._fast_step.parts
-
-        def parts(device, mirrored, build=build):
-            got = build(device, mirrored)
-            fns = step.dataclasses.replace(got.fns, attention_output_and_gate_up_mlp=count("fused", fused_piece),
-                                           attention_output_and_mlp=count("plain", plain_piece))
-            return step.dataclasses.replace(got, fns=fns)
-
-        ro._fast_step.parts = parts
+        with_step_pieces(ro, attention_output_and_gate_up_mlp=count("fused", fused_piece),
+                         attention_output_and_mlp=count("plain", plain_piece))
         ro.generate(RolloutRequest(ids, mask), sampling)
         assert ro.last_stats.prefill_path != "hf"
         layers = model.config.num_hidden_layers

@@ -6,8 +6,6 @@ take the PyTorch path; ``RolloutConfig.rotary_kernel`` decides whether the step 
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 
 import pytest
 import torch
@@ -95,20 +93,18 @@ def test_a_failing_kernel_warns_once_and_falls_back(device, monkeypatch):
 def test_step_with_the_kernel_equals_hf_generate(device, family):
     """Our step with the kernel between the q|k|v projection and the attention gives HF generate's greedy
     tokens (fp32), rows with left padding; every layer of every decode step calls it."""
-    from tests.conftest import hf_greedy, response_of
+    from tests.conftest import hf_greedy, response_of, with_step_pieces
     model = tiny_model(family, seed=5).to(device)
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
     ids, mask = ids.to(device), mask.to(device)
     ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False))
-    original = ro._fast_step.parts
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(1)
         return rw.rotary_write(*args, **kwargs, interpret=True)
 
-    ro._fast_step.parts = lambda dev, mirrored: dataclasses.replace(
-        original(dev, mirrored), fns=dataclasses.replace(original(dev, mirrored).fns, rotary_write=counted))
+    with_step_pieces(ro, rotary_write=counted)
     out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6, temperature=0.0))
     assert ro.last_stats.decode_path == "fast_eager"
     assert len(calls) == 5 * model.config.num_hidden_layers  # 5 decode steps after the prefill's token

@@ -6,7 +6,6 @@ gives HF generate's greedy tokens (fp32); ``RolloutConfig.skinny_rows`` decides 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
@@ -16,6 +15,7 @@ from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
 from rollout.ops import rotary_write as rw
 from rollout.ops import skinny_linear as sl
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
+from tests.conftest import with_step_pieces
 from tests.test_decode_attention import device  # noqa: F401 - the fixture
 
 FORMS = {
@@ -100,18 +100,12 @@ def test_a_failing_kernel_warns_once_and_falls_back(device, monkeypatch):
 
 def _with_skinny(ro, rows_limit, calls):
     """The rollout's parts with the interpreted skinny projections and rotary kernel (the CPU has neither)."""
-    original = ro._fast_step.parts
-
     def counted(*args, **kwargs):
         calls.append(args[0].shape[0])
         return sl.skinny_linear(*args, **kwargs, interpret=True)
 
-    def parts(dev, mirrored):
-        got = original(dev, mirrored)
-        fns = dataclasses.replace(got.fns, skinny_linear=counted, skinny_rows=rows_limit,
-                                  rotary_write=functools.partial(rw.rotary_write, interpret=True))
-        return dataclasses.replace(got, fns=fns)
-    ro._fast_step.parts = parts
+    with_step_pieces(ro, skinny_linear=counted, skinny_rows=rows_limit,
+                     rotary_write=functools.partial(rw.rotary_write, interpret=True))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])  # q/k/v biases, none
