@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rollout.config import SamplingConfig  # noqa: E402
+from rollout.config import RolloutConfig, SamplingConfig  # noqa: E402
 from rollout.model.step import (FusedGateUp, FusedQKV, StepFns, StepParts, compiled_step_fns, decode_logits,  # noqa: E402
                                 attention_inputs_qkv_write, compile_piece, grouped_decode_attention,
                                 spec_and_weights)
@@ -162,7 +162,8 @@ class StepVariant:
     rotary_kernel: bool = False
     """q/k rotary and the k/v cache writes as one Triton kernel (``RolloutConfig.rotary_kernel``)."""
     skinny: bool = False
-    """Each layer as four fused Triton projections (``RolloutConfig.skinny_rows``; with the rotary kernel)."""
+    """Each layer's o projection and residual add as one Triton kernel at batches up to the default
+    ``RolloutConfig.skinny_rows`` (with the rotary kernel)."""
 
     @property
     def name(self) -> str:
@@ -173,12 +174,13 @@ class StepVariant:
                 + (", triton attention" if self.triton_attention else "")
                 + (", fused gate|up" if self.gate_up else "")
                 + (", rotary+write kernel" if self.rotary_kernel else "")
-                + (", skinny projections" if self.skinny else ""))
+                + (", skinny o projection" if self.skinny else ""))
 
 
 #: The step the routes run by default (``RolloutConfig``: compiled, fused q|k|v and gate|up, the Triton attention,
-#: the rotary + cache-write kernel): what ``--kernels`` lists.
-ROUTE_DEFAULT = StepVariant(kv_write=True, triton_attention=True, gate_up=True, rotary_kernel=True)
+#: the rotary + cache-write kernel, the o projection on the skinny kernel at small batches): what ``--kernels``
+#: lists.
+ROUTE_DEFAULT = StepVariant(kv_write=True, triton_attention=True, gate_up=True, rotary_kernel=True, skinny=True)
 
 
 def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
@@ -200,7 +202,7 @@ def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
     if variant.rotary_kernel or variant.skinny:
         fns = dataclasses.replace(fns, rotary_write=rotary_write.rotary_write)
     if variant.skinny:
-        fns = dataclasses.replace(fns, skinny_linear=skinny_linear.skinny_linear, skinny_rows=skinny_linear.MAX_ROWS)
+        fns = dataclasses.replace(fns, skinny_linear=skinny_linear.skinny_linear, skinny_rows=RolloutConfig().skinny_rows)
     parts = StepParts(spec, weights, fns)
     shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
     keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -225,7 +227,7 @@ def step_variant_list(args) -> list[StepVariant]:
     if args.rotary_kernel:
         return [dataclasses.replace(ROUTE_DEFAULT, rotary_kernel=False), ROUTE_DEFAULT] * 2
     if args.skinny:
-        return [ROUTE_DEFAULT, dataclasses.replace(ROUTE_DEFAULT, skinny=True)] * 2
+        return [dataclasses.replace(ROUTE_DEFAULT, skinny=False), ROUTE_DEFAULT] * 2
     out = [StepVariant(compiled=False, fuse_qkv=False), StepVariant(fuse_qkv=False), StepVariant()]
     out += [StepVariant(additive_mask=True)] if args.additive_mask else []
     out += [StepVariant(grouped=True)] if args.grouped_attention else []
@@ -384,14 +386,14 @@ def main(argv=None) -> None:
                         help="step: only the routes' default step and the same without the rotary+write kernel, "
                              "twice each, alternating")
     parser.add_argument("--skinny", action="store_true",
-                        help="step: only the routes' default step and the same with the skinny projections, twice "
-                             "each, alternating")
+                        help="step: only the routes' default step and the same without the skinny o projection, "
+                             "twice each, alternating")
     parser.add_argument("--skinny-launches", nargs="+", default=["16,256,4,4", "16,512,4,3", "16,128,4,6", "16,256,2,4",
                                                                  "32,128,4,4", "32,256,8,3"],
                         help="--parts skinny: launch shapes block_n,block_k,warps,stages")
-    parser.add_argument("--kernel-variant", choices=["default", "skinny"], default="default",
-                        help="--kernels: list the kernels of the routes' default step, or of it with the skinny "
-                             "projections")
+    parser.add_argument("--kernel-variant", choices=["default", "no-skinny"], default="default",
+                        help="--kernels: list the kernels of the routes' default step, or of it without the skinny "
+                             "o projection")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"],
                         choices=["attention", "sampler", "step", "skinny"], help="which tables to time")
     args = parser.parse_args(argv)
@@ -427,7 +429,7 @@ def main(argv=None) -> None:
                                                     cfg.num_attention_heads * head_dim, kv_dim,
                                                     cfg.num_hidden_layers).items():
                 rows_out.append(dict(rows=rows, part="GEMM x36", variant=f"{name} ({tflops:.0f} TFLOP/s)", ms=ms))
-            listed = ROUTE_DEFAULT if args.kernel_variant == "default" else dataclasses.replace(ROUTE_DEFAULT, skinny=True)
+            listed = ROUTE_DEFAULT if args.kernel_variant == "default" else dataclasses.replace(ROUTE_DEFAULT, skinny=False)
             kernel_tables.append(step_kernels(model, rows, args.live, variant=listed))
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; live {args.live} columns")
     print("| rows | part | variant | ms |")

@@ -2,7 +2,8 @@
 (``TRITON_INTERPRET=1``, set by conftest without CUDA), on CUDA compiled. Each fused form (RMSNorm first, bias,
 SiLU·mul over a gate|up weight, residual add) equals the step's own arithmetic; uneven shapes and every launch
 shape give the same result; inputs it does not take run in PyTorch, bad ones are refused; the step built on it
-gives HF generate's greedy tokens (fp32); ``RolloutConfig.skinny_rows`` decides where it runs."""
+gives HF generate's greedy tokens (fp32) with each layer's o projection on the kernel; ``RolloutConfig.skinny_rows``
+decides where it runs."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def test_a_failing_kernel_warns_once_and_falls_back(device, monkeypatch):
 def _with_skinny(ro, rows_limit, calls):
     """The rollout's parts with the interpreted skinny projections and rotary kernel (the CPU has neither)."""
     def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
+        calls.append((args[0].shape[0], args[1].data_ptr(), kwargs.get("residual") is not None))
         return sl.skinny_linear(*args, **kwargs, interpret=True)
 
     with_step_pieces(ro, skinny_linear=counted, skinny_rows=rows_limit,
@@ -110,8 +111,9 @@ def _with_skinny(ro, rows_limit, calls):
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])  # q/k/v biases, none
 def test_step_with_the_kernels_equals_hf_generate(device, family):
-    """Our step with a layer as four fused projections gives HF generate's greedy tokens (fp32), rows with left
-    padding; every layer of every decode step calls it four times, at the batch's rows."""
+    """Our step with each layer's o projection and residual on the kernel gives HF generate's greedy tokens
+    (fp32), rows with left padding; every layer of every decode step calls it once, at the batch's rows, with
+    the o weight and the residual."""
     from tests.conftest import hf_greedy, response_of
     model = tiny_model(family, seed=5).to(device)
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
@@ -121,8 +123,10 @@ def test_step_with_the_kernels_equals_hf_generate(device, family):
     _with_skinny(ro, 8, calls)
     out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6, temperature=0.0))
     assert ro.last_stats.decode_path == "fast_eager"
-    assert len(calls) == 4 * 5 * model.config.num_hidden_layers  # 5 decode steps
-    assert set(calls) == {4}  # the batch bucket of 3 rows
+    assert len(calls) == 5 * model.config.num_hidden_layers  # 5 decode steps
+    o_weights = {w.o.data_ptr() for w in ro._fast_step.parts(torch.device(device), mirrored=False).weights.layers}
+    assert {rows for rows, _, _ in calls} == {4}  # the batch bucket of 3 rows
+    assert {weight for _, weight, _ in calls} == o_weights and all(residual for _, _, residual in calls)
     for row in range(3):
         assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 6)
 

@@ -323,6 +323,13 @@ def attention_output_and_gate_up_mlp(h, attn, wo, bo, norm, gate_up, down, eps: 
     return h + F.linear(F.silu(gate) * up, down)
 
 
+def gate_up_mlp(h, norm, gate_up, down, eps: float):
+    """The second half of :func:`attention_output_and_gate_up_mlp`: the MLP and its residual, for a step whose o
+    projection ran apart (``StepFns.skinny_linear``)."""
+    gate, up = F.linear(rms_norm(h, norm, eps), gate_up).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, down)
+
+
 def layer_output(fns: "StepFns", h, attn, w: LayerWeights, eps: float):
     """The layer's output from its attention: one gate|up GEMM where ``w.gate_up`` is set, else two."""
     if w.gate_up is not None:
@@ -369,11 +376,12 @@ class StepFns:
     (``RolloutConfig.fused_kv_write``, compiled pieces only)."""
     attention_output_and_gate_up_mlp: object = attention_output_and_gate_up_mlp
     qkv_projection: object = qkv_projection
+    gate_up_mlp: object = gate_up_mlp
     skinny_linear: object = None
-    """When set (with ``rotary_write``, fused q|k|v and gate|up), decode steps of at most ``skinny_rows`` rows run
-    each layer as four such projections with the norms, bias, SiLU·mul and residual adds fused in
-    (``RolloutConfig.skinny_rows``: :func:`rollout.ops.skinny_linear.skinny_linear`), plus the rotary kernel and
-    the attention."""
+    """When set (with ``rotary_write`` and fused gate|up), decode steps of at most ``skinny_rows`` rows compute each
+    layer's o projection and its residual add with this kernel (``RolloutConfig.skinny_rows``:
+    :func:`rollout.ops.skinny_linear.skinny_linear`), then ``gate_up_mlp``; the other projections stay cuBLAS
+    GEMMs in the compiled pieces, which were faster there on an H200."""
     skinny_rows: int = 0
     rotary_write: object = None
     """When set (and q|k|v are fused), decode steps compute ``qkv_projection`` and hand it to this function,
@@ -396,7 +404,7 @@ def compiled_step_fns(mode: str | None = None, kv_write: bool = False) -> StepFn
     fns = StepFns(*(compile_piece(fn, mode) for fn in (attention_inputs, attention_inputs_qkv,
                                                         attention_output_and_mlp, final_logits)),
                   attention_output_and_gate_up_mlp=compile_piece(attention_output_and_gate_up_mlp, mode),
-                  qkv_projection=compile_piece(qkv_projection, mode))
+                  qkv_projection=compile_piece(qkv_projection, mode), gate_up_mlp=compile_piece(gate_up_mlp, mode))
     if kv_write:
         fns = dataclasses.replace(fns, attention_inputs_qkv_write=compile_piece(attention_inputs_qkv_write, mode))
     return fns
@@ -430,10 +438,8 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
     eps = spec.rms_eps
     skinny = (fns.skinny_linear is not None and fns.rotary_write is not None and tokens.shape[0] <= fns.skinny_rows)
     for i, w in enumerate(weights.layers):
-        small = skinny and w.qkv is not None and w.gate_up is not None  # the layer as fused Triton projections
         if fns.rotary_write is not None and w.qkv is not None:
-            qkv = (fns.skinny_linear(h, w.qkv, w.qkv_bias, norm=w.input_norm, eps=eps) if small
-                   else fns.qkv_projection(h, w.input_norm, w.qkv, w.qkv_bias, eps))
+            qkv = fns.qkv_projection(h, w.input_norm, w.qkv, w.qkv_bias, eps)
             q = fns.rotary_write(qkv, cos, sin, key_cache[i], value_cache[i], cols, spec.num_heads, spec.num_kv_heads,
                                  spec.head_dim)
         elif fns.attention_inputs_qkv_write is not None and w.qkv is not None:
@@ -446,13 +452,9 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
             value_cache[i].index_copy_(2, cols, v)
         attn = fns.attention(q, key_cache[i, :, :, start:stop], value_cache[i, :, :, start:stop], keep,
                              spec.head_dim ** -0.5, spec.num_heads != spec.num_kv_heads)
-        h = _skinny_output(fns, h, attn, w, eps) if small else layer_output(fns, h, attn, w, eps)
+        if skinny and w.gate_up is not None:  # o + residual in one kernel, then the compiled MLP
+            h = fns.skinny_linear(attn.reshape(h.shape[0], -1), w.o, w.o_bias, residual=h)
+            h = fns.gate_up_mlp(h, w.post_norm, w.gate_up, w.down, eps)
+        else:
+            h = layer_output(fns, h, attn, w, eps)
     return fns.final_logits(h, weights.final_norm, weights.lm_head, weights.lm_head_bias, eps)
-
-
-def _skinny_output(fns: StepFns, h, attn, w: LayerWeights, eps: float):
-    """:func:`layer_output` of a small decode batch as three fused projections (``StepFns.skinny_linear``): o with
-    the residual, gate|up with the norm and SiLU·mul, down with the residual."""
-    h = fns.skinny_linear(attn.reshape(h.shape[0], -1), w.o, w.o_bias, residual=h)
-    act = fns.skinny_linear(h, w.gate_up, None, norm=w.post_norm, eps=eps, glu=True)
-    return fns.skinny_linear(act, w.down, None, residual=h)

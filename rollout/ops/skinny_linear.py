@@ -8,18 +8,22 @@
 - ``glu``: ``silu(x @ gate^T) * (x @ up^T)`` (the SiLU MLP's first half, over the fused gate|up copy);
 - ``residual [M, N]``: ``residual + projection`` (the residual adds after the o and down projections).
 
-Why: at decode batches of a few rows the step's GEMMs are bandwidth-bound, and on an H200 the q|k|v and o GEMMs
-(~10 MB of weights each) ran at 35-40% of the copy rate through cuBLAS, while the norms, the residual GEMMs'
-output copies and SiLU·mul added one small kernel each (``docs/BENCHMARKS.md``, "where an 8-row step goes").
-Here a program takes every row against a few output columns over the whole of K: each weight is read once,
-no partial sums are written, and the norm, bias, SiLU·mul and residual are done in the same kernel. A layer
-then takes 4 projection kernels instead of 10 kernels around them.
+Why: at decode batches of a few rows the step's GEMMs are bandwidth-bound, and on an H200 the o GEMM (8.4 MB of
+weights) ran at 35% of the copy rate through cuBLAS, with one more kernel to copy the residual into its output
+(``docs/BENCHMARKS.md``, "where an 8-row step goes"). Here a program takes every row against a few output columns
+over the whole of K: each weight is read once, no partial sums are written, and the norm, bias, SiLU·mul and
+residual are done in the same kernel.
+
+Measured on an H200 (3B shape, 36 layers, ``scripts/profile_decode_step.py --parts skinny``, 2026-12-01): o with
+its residual took 0.206 ms against the compiled piece's 0.270 at 8 rows (0.236 against 0.305 at 32), so the
+routes use it for o (``RolloutConfig.skinny_rows``). The other projections lost to cuBLAS: q|k|v with the norm
+0.447 against 0.299, gate|up with the norm and SiLU·mul 1.13-2.3 against 1.07, down with the residual 0.667
+against 0.638 at 8 rows; those forms stay here for the benchmark and the tests.
 
 It is meant for ``M <= MAX_ROWS``; beyond, and where the kernel cannot run (no triton, not CUDA unless
 ``interpret``, a strided row or weight, other dtypes than bf16/fp16/fp32), the same arithmetic runs in PyTorch
 (:func:`skinny_linear_reference`); a kernel that fails to compile or launch warns once and leaves the PyTorch
-path to every later call on that device. Not yet timed on a GPU: ``RolloutConfig.skinny_rows`` is 0 (off) by
-default until it is.
+path to every later call on that device.
 """
 
 from __future__ import annotations
@@ -37,10 +41,10 @@ from rollout.ops.norm import rms_norm
 #: The most rows the kernel takes (all rows are one tile).
 MAX_ROWS = 64
 #: Output columns per program, K per step of its loop, warps and pipelining stages (launch parameters;
-#: ``scripts/profile_decode_step.py --parts skinny`` times others).
+#: ``scripts/profile_decode_step.py --parts skinny`` times others; these were the o projection's best at 8 rows).
 BLOCK_N = 16
 BLOCK_K = 256
-WARPS = 4
+WARPS = 2
 STAGES = 4
 
 _FAILED: dict = {}
