@@ -27,6 +27,7 @@ from rollout.executors.decode import DecodeChoice, FastStep, choose_decode
 from rollout.executors.ordinary.executor import OrdinaryExecutor
 from rollout.executors.ordinary.loop import PromptBatch
 from rollout.executors.ordinary.order import RowOrder
+from rollout.executors.prefill_graph import PrefillGraphs
 from rollout.model import compat, zero
 from rollout.model.costs import cost_model_for
 from rollout.model.lora import LoraFuser
@@ -104,6 +105,7 @@ class Rollout:
         self._fast_step = self._new_fast_step()
         self._ordinary = OrdinaryExecutor(self._pool, self._fast_step)
         self._continuous = ContinuousExecutor(self._pool, self._fast_step)
+        self._prefill_graphs = PrefillGraphs(self.config.prefill_graph_tokens) if self.config.prefill_graph_tokens else None
         self._cost_model = None
         self._lora_fuser = None
         self._last_profile: dict | None = None
@@ -125,6 +127,8 @@ class Rollout:
             finally:
                 if not self.config.keep_cache:  # nothing of the call stays but the ZeRO-3 weight mirror
                     self._fast_step.release_copies()
+                    if self._prefill_graphs is not None:
+                        self._prefill_graphs.clear()
         self.last_stats = stats
         if collector is not None:
             shape = CallShape(request.batch_size, sampling.n_samples_per_prompt, request.prompt_len,
@@ -146,6 +150,8 @@ class Rollout:
         self._pool.clear()
         self._ordinary.release()
         self._continuous.release()
+        if self._prefill_graphs is not None:
+            self._prefill_graphs.clear()
         self._fast_step = self._new_fast_step()
         self._ordinary.fast_step = self._continuous.fast_step = self._fast_step
 
@@ -160,7 +166,8 @@ class Rollout:
     def held_bytes(self) -> int:
         """Device memory the rollout keeps between calls (KV cache, prefill scratch, decode buffers, weight
         mirror): what a kept cache adds to the training step's peak. 0 of it is cache with ``keep_cache=False``."""
-        return self._pool.nbytes + self._ordinary.nbytes + self._continuous.nbytes + self._fast_step.nbytes
+        graphs = self._prefill_graphs.nbytes if self._prefill_graphs is not None else 0
+        return self._pool.nbytes + self._ordinary.nbytes + self._continuous.nbytes + self._fast_step.nbytes + graphs
 
     def get_last_profile(self) -> dict | None:
         """Per-stage timings of the last ``generate`` call, or None when profiling is off."""
@@ -183,6 +190,7 @@ class Rollout:
                                         self.config.max_prefill_tokens, decode.prefill_path)
         with self._inference_mode(), self._generation_weights():
             ctx = self._context(sampling, decode, device, route.route)  # after the gather: ZeRO-3 weights are resident
+            graph_passes = ctx.prefill_graphs.replays if ctx.prefill_graphs is not None else 0
             if route.route == routes.CONTINUOUS:
                 result = self._continuous.run(ctx, decode, ids, mask, layout, fit)
             else:
@@ -190,6 +198,8 @@ class Rollout:
                 batch = PromptBatch(ids, mask, expanded_ids, expanded_mask)
                 result = self._ordinary.run(ctx, decode, batch, order)
         generated, stats = result.tokens, result.stats
+        if ctx.prefill_graphs is not None:
+            stats.prefill_graph_passes = ctx.prefill_graphs.replays - graph_passes
         stats.sampler_fallback_reason, stats.sampler_path = ctx.sampler.fallback_reason, ctx.sampler.last_path
         stats.route, stats.route_reason, stats.dp_skipped = route.route, route.reason, route.dp_skipped
         stats.eos_check_interval = ctx.eos_check_interval
@@ -209,15 +219,22 @@ class Rollout:
 
     def _context(self, sampling: SamplingConfig, decode: DecodeChoice, device: torch.device,
                  route: str) -> CallContext:
-        """What the executors need of this call (inside the gather). Prefill is not captured in graphs, so it
-        reads the (gathered) parameters directly, as eager decode steps do."""
+        """What the executors need of this call (inside the gather). An eager prefill reads the (gathered)
+        parameters directly, as eager decode steps do; a captured one (``prefill_graph_tokens``, with graph
+        decode and the variable-length prefill) reads them through the weight mirror, whose addresses hold
+        across calls under ZeRO-3."""
         parts = self._fast_step.parts(device, mirrored=False) if decode.is_fast else None
+        graphs = self._prefill_graphs
+        if graphs is None or decode.prefill_path != "varlen" or (graphs.use_graphs and decode.path != "graph"):
+            graphs = None
+        prefill_parts = self._fast_step.parts(device, mirrored=True) if graphs is not None else parts
         sampler = sampler_fn(sampling, compiled=self.config.compile and device.type == "cuda",
                              fused=self.config.fused_sampler)
         return CallContext(self.model, sampling, EosIds.on(self.eos_token_ids, device), self._costs(),
                            self.config.max_prefill_tokens,
                            routes.eos_check_interval(self.config.eos_check_interval, route), stage, self._busy,
-                           fast=parts, fast_prefill=parts if decode.prefill_path != "hf" else None, sampler=sampler)
+                           fast=parts, fast_prefill=prefill_parts if decode.prefill_path != "hf" else None, sampler=sampler,
+                           prefill_graphs=graphs)
 
     def _slots_within_budget(self, layout: PromptLayout, sampling: SamplingConfig, decode: DecodeChoice,
                              device: torch.device):
@@ -228,6 +245,8 @@ class Rollout:
         free = free_device_bytes(device)
         if free is not None:  # the kept cache is reused or replaced; weight copies not yet held are allocated
             free += self._pool.nbytes - (self._fast_step.new_copy_bytes() if decode.is_fast else 0)
+            if self._prefill_graphs is not None and decode.path == "graph" and decode.prefill_path == "varlen":
+                free -= self._prefill_graphs.new_bytes(self.model)
         budget = Budget(None if cap is None else int(cap * GIB), free)
         call = CallMemory(layout, sampling.n_samples_per_prompt, sampling.max_new_tokens, self.model.config.vocab_size,
                           cache_shape(self.model, 1, 1).column_bytes, decode.is_fast,

@@ -51,6 +51,8 @@ class CallStats:
     """Prefill buckets of the plan (ordinary route; 1 when unplanned)."""
     prefill_forwards: int = 0
     """Prefill passes over the weights (a packed pass counts once whatever its groups)."""
+    prefill_graph_passes: int = 0
+    """Of those, passes run from a CUDA graph (``RolloutConfig.prefill_graph_tokens``)."""
     prefill_attention_groups: int = 0
     """Attention groups over all prefill passes."""
     prefill_rows: int = 0

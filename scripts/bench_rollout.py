@@ -186,9 +186,10 @@ def seed004_roofline_ms(prompt_lens: list[int], geo, bw_bytes_s: float, flops_s:
 
 
 def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_config=None,
-                  rates: tuple[float, float] | None = None) -> list[Row]:
+                  rates: tuple[float, float] | None = None, prefill_graph_tokens: int = 0) -> list[Row]:
     """``rates``: (copy bytes/s, GEMM FLOP/s) measured in this run; with them every row carries its
-    ``roofline_ms`` and ``x_roofline`` (issue 15's target: <= 3x)."""
+    ``roofline_ms`` and ``x_roofline`` (issue 15's target: <= 3x). ``prefill_graph_tokens`` > 0 adds the
+    candidate ``ours_auto_prefill_graph``: Auto with ``RolloutConfig.prefill_graph_tokens`` set (an A/B)."""
     geo = None
     if rates is not None:
         from scripts.bench_rl import model_geometry
@@ -197,6 +198,9 @@ def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_confi
             for route in ("ordinary", "auto", "continuous")}
     # A/B of the prefill path: the ordinary route with the HF layers' prefill (not a route of its own)
     ours["ours_ordinary_hf_prefill"] = Rollout(model, tok, RolloutConfig(fast_prefill=False))
+    if prefill_graph_tokens:
+        ours["ours_auto_prefill_graph"] = Rollout(model, tok, RolloutConfig(cost_model=cost_config,
+                                                                            prefill_graph_tokens=prefill_graph_tokens))
     up = upstream_rollout(model, tok, device, continuous=False) if upstream else None
     rows = []
     for name in names:
@@ -229,6 +233,7 @@ def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_confi
             if cand in ours:
                 stats = ours[cand].last_stats
                 extra.update(route=stats.get("route"), prefill_forwards=stats.get("prefill_forwards"),
+                             prefill_graph_passes=stats.get("prefill_graph_passes"),
                              prefill_attention_groups=stats.get("prefill_attention_groups"),
                              decode_path=stats.get("decode_path"), same_tokens_as_ordinary=same)
             if cand == "ours_auto":
@@ -322,6 +327,8 @@ def main(argv=None) -> None:
     parser.add_argument("--workloads", default=None, help="seed004 workloads, comma-separated (default all)")
     parser.add_argument("--upstream", action="store_true", help="also time DeepSpeed's HybridEngineRollout")
     parser.add_argument("--cost-config", help="calibration JSON for route=auto (scripts/calibrate_prefill.py)")
+    parser.add_argument("--prefill-graph-tokens", type=int, default=0,
+                        help="seed004: also time Auto with RolloutConfig.prefill_graph_tokens set to this (A/B)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge shards' --json files into one table")
     parser.add_argument("--plot", help="with --merge (or a run): a PNG of the breakdown per workload")
@@ -355,7 +362,8 @@ def main(argv=None) -> None:
             bw_gbps, gemm_tflops = measure_rates(args.device, dtype)
             rates = (bw_gbps * 1e9, gemm_tflops * 1e12)
             print(f"roofline rates: copy {bw_gbps:.0f} GB/s, GEMM {gemm_tflops:.0f} TFLOP/s")
-        rows += suite_seed004(model, tok, args.device, args.repeats, args.upstream, names, args.cost_config, rates)
+        rows += suite_seed004(model, tok, args.device, args.repeats, args.upstream, names, args.cost_config, rates,
+                              args.prefill_graph_tokens)
     if args.suite in ("smoke000", "all"):
         from scripts.bench_smoke000 import CELLS
         rows += suite_smoke000(model_name, dtype, tok, args.device, args.repeats, parse_cells(args.cells, len(CELLS)),

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import time
 import os
 
 import torch
@@ -216,6 +217,50 @@ def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
     return lambda: decode_logits(parts, keys, values, tokens, positions, col, keep)
 
 
+def prefill_variants(model, rows: int, lengths: list[int], max_tokens: int, rounds: int = 10) -> list[dict]:
+    """The packed prefill of ``rows`` prompts of each length (all real tokens, the routes' default pieces), run
+    eagerly and from a CUDA graph (``RolloutConfig.prefill_graph_tokens``): median wall ms of one pass, host
+    included (synchronized before and after), ``rounds`` interleaved rounds after two warm-up passes each (the
+    graph's first pass captures), and the max |diff| of their logits."""
+    from rollout import Rollout
+    from rollout.executors.prefill_graph import PrefillGraphs
+    from rollout.model.prefill import prefill_logits
+    from rollout.plan.layout import RowSpans
+    from rollout.testing import TinyTokenizer
+
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig())._fast_step.parts(torch.device("cuda"), mirrored=True)
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    out = []
+    for length in lengths:
+        ids = torch.randint(3, 1000, (rows, length), device="cuda")
+        mask = torch.ones_like(ids)
+        spans = RowSpans((length,) * rows, (0,) * rows)
+        shape = (cfg.num_hidden_layers, rows, cfg.num_key_value_heads, length + 8, head_dim)
+        keys = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+        values = torch.zeros_like(keys)
+        graphs = PrefillGraphs(max_tokens)
+        fns = {"eager": lambda: prefill_logits(parts, keys, values, ids, mask, rows=spans),
+               "graph": lambda: prefill_logits(parts, keys, values, ids, mask, rows=spans, graphs=graphs)}
+        results = {name: [fn(), fn()][-1] for name, fn in fns.items()}
+        diff = (results["eager"].float() - results["graph"].float()).abs().max().item()
+        times = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                times[name].append(1e3 * (time.perf_counter() - start))
+        note = (f"replays {graphs.replays}, captures {graphs.graphs.num_captures}"
+                + (f", failed: {graphs.failure}" if graphs.failure else ""))
+        for name, ms in times.items():
+            variant = name if name == "eager" else f"graph ({note}; max |logit diff| {diff:.3g})"
+            out.append(dict(rows=rows, part=f"prefill {rows} x {length} tokens", variant=variant,
+                            ms=statistics.median(ms)))
+    return out
+
+
 def step_variants(model, rows: int, live: int, variant: StepVariant):
     return graph_ms(decode_step_fn(model, rows, live, variant), 10)
 
@@ -395,7 +440,11 @@ def main(argv=None) -> None:
                         help="--kernels: list the kernels of the routes' default step, or of it without the skinny "
                              "o projection")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"],
-                        choices=["attention", "sampler", "step", "skinny"], help="which tables to time")
+                        choices=["attention", "sampler", "step", "skinny", "prefill"], help="which tables to time")
+    parser.add_argument("--prefill-lengths", nargs="+", type=int, default=[16, 64, 256],
+                        help="--parts prefill: prompt lengths (every row all real tokens)")
+    parser.add_argument("--prefill-graph-tokens", type=int, default=16384,
+                        help="--parts prefill: RolloutConfig.prefill_graph_tokens of the graph variant")
     args = parser.parse_args(argv)
     model = shaped_model("qwen25-3b", dtype=torch.bfloat16, device="cuda")
     cfg = model.config
@@ -416,6 +465,8 @@ def main(argv=None) -> None:
             rows_out += skinny_variants(rows, cfg.hidden_size, cfg.intermediate_size,
                                         (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim,
                                         cfg.num_hidden_layers, launches)
+        if "prefill" in args.parts:
+            rows_out += prefill_variants(model, rows, args.prefill_lengths, args.prefill_graph_tokens)
         if "step" in args.parts:
             for variant in step_variant_list(args):
                 try:

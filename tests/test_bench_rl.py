@@ -338,6 +338,21 @@ def test_seed004_rows_carry_their_roofline():
     assert all("x_roofline" not in r.extra for r in without)
 
 
+def test_seed004_prefill_graph_candidate():
+    """``--prefill-graph-tokens N`` adds Auto with ``RolloutConfig.prefill_graph_tokens=N`` as a candidate whose
+    rows say how many prefill passes ran from a graph (none on the CPU: no variable-length attention)."""
+    from rollout.testing import TinyTokenizer, tiny_model
+    from scripts import bench_rollout
+
+    model = tiny_model("qwen2", seed=0, max_position_embeddings=1024)
+    rows = bench_rollout.suite_seed004(model, TinyTokenizer(pad_token_id=0, eos_token_id=None), "cpu", 1, False,
+                                       ["1x20+31x1"], prefill_graph_tokens=512)
+    by_name = {r.candidate: r for r in rows}
+    assert by_name["ours_auto_prefill_graph"].extra["prefill_graph_passes"] == 0
+    assert by_name["ours_auto"].extra["prefill_graph_passes"] == 0
+    assert by_name["ours_auto_prefill_graph"].extra["same_tokens_as_ordinary"] is True
+
+
 def test_trace_file_names():
     assert bench_rl.trace_file(None, "capped", "auto") is None
     assert bench_rl.trace_file("t", "longtail-64-1024", "auto decode_attention=sdpa,fused_kv_write=False") == \

@@ -78,6 +78,9 @@ class CallContext:
     """Our step's parts for the packed prefill (None: the HF layers prefill)."""
     sampler: Optional[Sampler] = None
     """Token selection (``rollout.ops.sampling.sampler_fn``; compiled on CUDA); None: the eager one."""
+    prefill_graphs: Optional[object] = None
+    """Captured prefill passes (``rollout.executors.prefill_graph.PrefillGraphs``) where
+    ``RolloutConfig.prefill_graph_tokens`` asks for them, else None."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingConfig):

@@ -37,14 +37,16 @@ Group = tuple[int, int, int]
 
 def prefill_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.Tensor, prompt_ids: torch.Tensor,
                    prompt_mask: torch.Tensor, groups: list[Group] | None = None,
-                   rows: RowSpans | None = None) -> torch.Tensor:
+                   rows: RowSpans | None = None, graphs=None) -> torch.Tensor:
     """Write keys/values of every real prompt token into the cache; return the last column's logits ``[N, V]``.
 
     ``key_cache``/``value_cache``: ``[layers, N, Hkv, capacity, D]`` (rows of this prefill; columns
     ``[0, T_p)`` are the prompt's). ``groups`` must cover rows ``[0, N)`` in order, each ``length``
     reaching every real token of its rows; None is one group over all rows and columns.
     ``rows``: each row's real-token count and first real column as host ints (the caller's prompt
-    layout); without it they are read from ``prompt_mask`` in one host sync.
+    layout); without it they are read from ``prompt_mask`` in one host sync. ``graphs``: a
+    :class:`rollout.executors.prefill_graph.PrefillGraphs` (``RolloutConfig.prefill_graph_tokens``) that runs the pass
+    from a CUDA graph where it can (it returns None where it cannot, and the pass runs here).
     """
     num_rows, prompt_len = prompt_ids.shape
     groups = groups or [(0, num_rows, prompt_len)]
@@ -52,22 +54,39 @@ def prefill_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch
     for first, stop, length in groups:
         if min(packed.rows.first_cols[first:stop]) < prompt_len - length:
             raise ValueError(f"prefill group rows [{first}, {stop}) of length {length} misses real prompt tokens")
+    if graphs is not None:
+        logits = graphs.run(parts, packed, key_cache, value_cache)
+        if logits is not None:
+            return logits
     attend = _attention(parts, key_cache, value_cache, packed, prompt_mask, groups)
+
+    def write_kv(layer: int, k, v):
+        key_cache[layer].transpose(1, 2)[packed.row_of, packed.col_of] = k[:, :, 0]
+        value_cache[layer].transpose(1, 2)[packed.row_of, packed.col_of] = v[:, :, 0]
+
+    last = torch.cumsum(packed.row_lengths, 0) - 1  # each row's last real token (column T_p - 1); no host copy
+    return packed_logits(parts, packed.tokens, packed.positions, last, write_kv, attend)
+
+
+def packed_logits(parts: StepParts, tokens: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
+                  write_kv, attend) -> torch.Tensor:
+    """One pass over packed tokens ``[T]`` at ``positions [T]``: every layer's keys/values go to
+    ``write_kv(layer, k, v)`` (``k``/``v`` ``[T, Hkv, 1, D]``), its attention is ``attend(layer, q, k, v) ->
+    [T, Hq, 1, D]``; returns the logits of the tokens at ``last [N]``. The eager prefill and the captured one
+    (:mod:`rollout.executors.prefill_graph`) both run it."""
     spec, weights, fns = parts.spec, parts.weights, parts.fns
     eps = spec.rms_eps
-    h = F.embedding(packed.tokens, weights.embed)  # [T, H]
-    cos, sin = rotary(packed.positions, weights.inv_freq, spec.attention_scaling, h.dtype)
+    h = F.embedding(tokens, weights.embed)  # [T, H]
+    cos, sin = rotary(positions, weights.inv_freq, spec.attention_scaling, h.dtype)
     for i, w in enumerate(weights.layers):
         q, k, v = layer_qkv(fns, h, w, cos, sin, spec)  # q [T, Hq, 1, D], k/v [T, Hkv, 1, D]
-        key_cache[i].transpose(1, 2)[packed.row_of, packed.col_of] = k[:, :, 0]
-        value_cache[i].transpose(1, 2)[packed.row_of, packed.col_of] = v[:, :, 0]
+        write_kv(i, k, v)
         h = layer_output(fns, h, attend(i, q, k, v), w, eps)
-    last = torch.cumsum(packed.row_lengths, 0) - 1  # each row's last real token (column T_p - 1); no host copy
     return fns.final_logits(h.index_select(0, last), weights.final_norm, weights.lm_head, weights.lm_head_bias, eps)
 
 
 @dataclass(frozen=True)
-class _Packed:
+class Packed:
     """The real prompt tokens of a left-padded block, packed row after row (``T`` tokens in all)."""
 
     rows: RowSpans
@@ -79,7 +98,7 @@ class _Packed:
     positions: torch.Tensor  # [T] position ids (real-token count - 1)
 
 
-def _pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: RowSpans | None) -> _Packed:
+def _pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: RowSpans | None) -> Packed:
     prompt_len = prompt_ids.shape[1]
     real = prompt_mask.bool()
     row_lengths = real.sum(dim=1)  # [N], on the device
@@ -91,11 +110,11 @@ def _pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: RowSpans | 
         offsets.append(offsets[-1] + n)
     flat = torch.nonzero_static(real.flatten(), size=offsets[-1]).squeeze(1)  # [T] packed -> dense index
     positions = masks.prompt_positions(prompt_mask).flatten().index_select(0, flat)
-    return _Packed(rows, offsets, row_lengths, flat // prompt_len, flat % prompt_len,
+    return Packed(rows, offsets, row_lengths, flat // prompt_len, flat % prompt_len,
                    prompt_ids.flatten().index_select(0, flat), positions)
 
 
-def _attention(parts: StepParts, key_cache, value_cache, packed: _Packed, prompt_mask, groups: list[Group]):
+def _attention(parts: StepParts, key_cache, value_cache, packed: Packed, prompt_mask, groups: list[Group]):
     """``attend(layer, q, k, v) -> [T, Hq, 1, D]``: variable-length flash attention where available, else
     SDPA per group over the cache columns already written."""
     dim, kv_heads = parts.spec.head_dim, parts.spec.num_kv_heads
@@ -116,7 +135,7 @@ def _attention(parts: StepParts, key_cache, value_cache, packed: _Packed, prompt
     return attend
 
 
-def _group_plan(prompt_mask, packed: _Packed, group: Group, prompt_len: int):
+def _group_plan(prompt_mask, packed: Packed, group: Group, prompt_len: int):
     """``(local index [T_g], packed slice, keep [rows, 1, L, L])`` of one group: where its packed tokens
     sit in its dense ``[rows * L]`` query block, and its causal mask over its columns."""
     first, stop, length = group

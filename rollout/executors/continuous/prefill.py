@@ -97,7 +97,7 @@ def _pass_logits(run: RunState, scratch, ids, mask, admissions, plan) -> torch.T
         first += len(bucket)
     num = len(admissions)
     return prefill_logits(run.ctx.fast_prefill, scratch.key_storage[:, :num], scratch.value_storage[:, :num], ids,
-                          mask, groups, rows)
+                          mask, groups, rows, run.ctx.prefill_graphs)
 
 
 def _reset_seen(run: RunState, dst: torch.Tensor, row_prompt: torch.Tensor) -> None:

@@ -138,7 +138,7 @@ def _prefill_into(ctx: CallContext, target: StaticKVCache, prompt_ids, prompt_ma
         state.stats.prefill_attention_groups += len(groups)
         return prefill_logits(ctx.fast_prefill, target.key_storage[:, :num_prompts],
                               target.value_storage[:, :num_prompts], prompt_ids, prompt_mask,
-                              groups if order.groups else None, order.prompt_rows)
+                              groups if order.groups else None, order.prompt_rows, ctx.prefill_graphs)
     logits = []
     for first, stop, length in groups:
         cols = slice(prompt_len - length, prompt_len)
