@@ -188,7 +188,7 @@ class Rollout:
             route = routes.choose_route(self.config.route, layout, sampling.n_samples_per_prompt,
                                         fit.slots if fit else sampling.continuous_batch_size, self._costs(),
                                         self.config.max_prefill_tokens, decode.prefill_path)
-        with self._inference_mode(), self._generation_weights():
+        with self._inference_mode(), self._generation_weights(), self._fast_step.one_call():
             ctx = self._context(sampling, decode, device, route.route)  # after the gather: ZeRO-3 weights are resident
             graph_passes = ctx.prefill_graphs.replays if ctx.prefill_graphs is not None else 0
             if route.route == routes.CONTINUOUS:

@@ -317,3 +317,37 @@ def test_kv_write_in_the_piece_equals_the_separate_writes(compiled):
             tokens = want.argmax(-1)
     torch.testing.assert_close(caches[1].key_storage, caches[0].key_storage, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[1].value_storage, caches[0].value_storage, rtol=1e-5, atol=1e-5)
+
+
+def test_the_zero3_mirror_copies_only_what_the_fused_copies_do_not_hold():
+    """Under ZeRO-3 the weight mirror gives captured steps fixed addresses. With fused q|k|v and gate|up, the
+    step reads q, k, v, gate and up through those kept copies, so the mirror holds only the rest (o, down,
+    norms, embedding, output head: tied ones once) and copies only that at each call. Parameters that move
+    between calls (as gathered ZeRO-3 parameters do) keep the parts' addresses; new values are followed."""
+    from rollout.executors.decode import FastStep
+
+    model = tiny_model("qwen2", seed=9, tie_word_embeddings=True)
+    step = FastStep(model, use_compile=False, mirror_weights=True, fuse_qkv=True, fuse_gate_up=True)
+    cpu = torch.device("cpu")
+    with step.one_call():
+        first = step.parts(cpu, mirrored=True)
+    rest = model.model.embed_tokens.weight.nbytes + model.model.norm.weight.nbytes
+    for layer in model.model.layers:
+        rest += sum(t.nbytes for t in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight,
+                                        layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
+    inv_freq = first.weights.inv_freq.nbytes
+    assert step.mirror.nbytes == rest + inv_freq  # no q/k/v/gate/up, the tied head once
+    assert first.weights.lm_head.data_ptr() == first.weights.embed.data_ptr()
+    signature = first.weights.signature()
+    with torch.no_grad():  # parameters move (new storage) and change
+        for p in model.parameters():
+            p.data = p.data.clone() * 1.5
+    with step.one_call():
+        again = step.parts(cpu, mirrored=True)
+    assert again.weights.signature() == signature
+    layer, w = model.model.layers[1], again.weights.layers[1]
+    torch.testing.assert_close(w.o, layer.self_attn.o_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(w.k, layer.self_attn.k_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(w.up, layer.mlp.up_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(w.v_bias, layer.self_attn.v_proj.bias, rtol=0, atol=0)
+    assert w.k.untyped_storage().data_ptr() == w.qkv.untyped_storage().data_ptr()

@@ -141,3 +141,38 @@ def test_step_pieces_follow_the_config(monkeypatch, attention, kv_write):
         assert cpu.fns.attention is step.decode_attention and cpu.fns.attention_inputs_qkv_write is None
     finally:
         step.compiled_step_fns.cache_clear()
+
+
+def test_one_refresh_per_call():
+    """Within ``FastStep.one_call`` (one ``generate``) the kept copies are refreshed by the first ``parts`` only:
+    a weight changed after it is not copied again until the next call, while outside it every ``parts``
+    refreshes; and one ``generate`` concatenates each layer's copies once (mirror-free model: ``torch.cat``
+    is the refresh)."""
+    model = tiny_model("qwen2", seed=9)
+    ro = Rollout(model, NO_EOS, RolloutConfig())
+    step, cpu = ro._fast_step, torch.device("cpu")
+    with step.one_call():
+        first = step.parts(cpu, mirrored=False).weights.layers[0].qkv.clone()
+        with torch.no_grad():
+            model.model.layers[0].self_attn.k_proj.weight.add_(1.0)
+        again = step.parts(cpu, mirrored=True).weights.layers[0].qkv
+        assert torch.equal(again, first)  # not copied within the call
+    outside = step.parts(cpu, mirrored=False).weights.layers[0].qkv
+    assert not torch.equal(outside, first)  # refreshed outside a call
+    k_rows = slice(model.config.hidden_size, outside.shape[0] - (outside.shape[0] - model.config.hidden_size) // 2)
+    assert torch.equal(outside[k_rows], model.model.layers[0].self_attn.k_proj.weight)
+
+    cats = []
+    original = torch.cat
+
+    def counting_cat(*args, **kwargs):
+        if kwargs.get("out") is not None:
+            cats.append(1)
+        return original(*args, **kwargs)
+
+    ids, mask = random_prompts(2, 6, seed=5, vocab_size=model.config.vocab_size, min_len=2)
+    import unittest.mock
+    with unittest.mock.patch.object(torch, "cat", counting_cat):
+        ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=3, temperature=0.0))
+    layers = model.config.num_hidden_layers
+    assert len(cats) == layers * 3  # per layer: q|k|v weight, q|k|v bias, gate|up; once in the call

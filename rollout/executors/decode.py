@@ -13,6 +13,7 @@ compiled or eager step pieces.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -72,18 +73,35 @@ class FastStep:
         """``RolloutConfig.skinny_rows`` (with the rotary kernel and fused gate|up on CUDA only)."""
         self.last_weight_signature: Optional[tuple[int, ...]] = None
         """Addresses of the weights the last captured-step parts read (stable across calls under ZeRO-3)."""
+        self._refreshed: Optional[set[str]] = None
+        """Inside :meth:`one_call`: the kept copies (``"mirror"``, ``"copies"``) already refreshed in it."""
+
+    @contextlib.contextmanager
+    def one_call(self):
+        """Within it, the first :meth:`parts` refreshes the kept copies (weight mirror, fused q|k|v and gate|up)
+        from the model's weights and later ones reuse them: weights change between calls, not within one (the
+        engine enters it inside the ZeRO-3 gather and after the LoRA fuse). Outside it every ``parts``
+        refreshes."""
+        self._refreshed = set()
+        try:
+            yield
+        finally:
+            self._refreshed = None
 
     def parts(self, device: torch.device, mirrored: bool) -> StepParts:
         """This call's parts: the model's current weights (``mirrored``: through the ZeRO-3 weight mirror,
         for captured steps, whose weights need fixed addresses) and the ``torch.compile``d pieces on CUDA
         when compiling is on, else the eager ones."""
         spec, weights = spec_and_weights(self.model)
-        if mirrored and self.mirror is not None:
-            weights = self.mirror.refresh(weights)
-        if self.fused_qkv is not None:
-            weights = self.fused_qkv.refresh(weights)
-        if self.fused_gate_up is not None:
-            weights = self.fused_gate_up.refresh(weights)
+        done = self._refreshed if self._refreshed is not None else set()
+        copies = [c for c in (self.fused_qkv, self.fused_gate_up) if c is not None]
+        for held in copies:  # q, k, v, gate, up become views of these kept buffers
+            weights = held.refresh(weights, copy="copies" not in done)
+        done.add("copies")
+        if mirrored and self.mirror is not None:  # the rest through the mirror (the copies' views pass as they are)
+            weights = self.mirror.refresh(weights, copy="mirror" not in done,
+                                          stable=tuple(b for held in copies for b in held.buffers))
+            done.add("mirror")
         if mirrored:
             self.last_weight_signature = weights.signature()
         if self.use_compile and device.type == "cuda":

@@ -177,12 +177,29 @@ class WeightMirror:
     def __init__(self):
         self._buffers: dict[int, torch.Tensor] = {}
 
-    def refresh(self, weights: "DecoderWeights") -> "DecoderWeights":
+    def refresh(self, weights: "DecoderWeights", copy: bool = True, stable: tuple = ()) -> "DecoderWeights":
+        """``weights`` through the mirror; ``copy=False`` skips the copies into buffers already held (the
+        caller knows they hold these values: a second refresh within one call). Tensors viewing one of the
+        ``stable`` tensors (kept buffers of fixed address, e.g. the fused q|k|v and gate|up copies) pass as
+        they are, and a tensor seen twice (tied embedding and output weights) gets one buffer."""
         keys = itertools.count()  # a tensor's key: its position in the fixed order of ``map``
+        kept = {t.untyped_storage().data_ptr() for t in stable}
+        seen: dict = {}
 
-        def stable(tensor: torch.Tensor) -> torch.Tensor:
-            return kept_buffer(self._buffers, next(keys), tensor.shape, tensor).copy_(tensor)
-        return weights.map(stable)
+        def mirrored(tensor: torch.Tensor) -> torch.Tensor:
+            key = next(keys)
+            if tensor.untyped_storage().data_ptr() in kept:
+                self._buffers.pop(key, None)
+                return tensor
+            same = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+            if same in seen:
+                self._buffers.pop(key, None)
+                return seen[same]
+            held = self._buffers.get(key)
+            buffer = kept_buffer(self._buffers, key, tensor.shape, tensor)
+            seen[same] = buffer.copy_(tensor) if copy or buffer is not held else buffer
+            return seen[same]
+        return weights.map(mirrored)
 
     @property
     def nbytes(self) -> int:
@@ -197,14 +214,23 @@ class _ConcatenatedCopies:
     def __init__(self):
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
 
-    def _buffer(self, key, parts: list) -> torch.Tensor:
+    def _buffer(self, key, parts: list, copy: bool = True) -> torch.Tensor:
+        """The kept concatenation of ``parts``; ``copy=False`` skips the copy into a buffer already held (a
+        second refresh within one call)."""
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        held = self._buffers.get(key)
         buffer = kept_buffer(self._buffers, key, shape, parts[0])
-        torch.cat(parts, out=buffer)
+        if copy or buffer is not held:
+            torch.cat(parts, out=buffer)
         return buffer
 
     def clear(self) -> None:
         self._buffers = {}
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The kept concatenations (what :meth:`WeightMirror.refresh` passes through as ``stable``)."""
+        return tuple(self._buffers.values())
 
     @property
     def nbytes(self) -> int:
@@ -219,17 +245,25 @@ class FusedQKV(_ConcatenatedCopies):
     ~1/8 of the weights for a 3B Qwen2.5 (377 MB).
     """
 
-    def refresh(self, weights: "DecoderWeights") -> "DecoderWeights":
+    def refresh(self, weights: "DecoderWeights", copy: bool = True) -> "DecoderWeights":
+        """``weights`` with each layer's ``qkv`` (and ``qkv_bias``) set to its kept concatenation, and ``q``,
+        ``k``, ``v`` (and their biases) set to views of it: the same values at fixed addresses."""
         layers = []
         for i, w in enumerate(weights.layers):
-            qkv = self._buffer((i, "w"), [w.q, w.k, w.v])
+            qkv = self._buffer((i, "w"), [w.q, w.k, w.v], copy)
             biases = (w.q_bias, w.k_bias, w.v_bias)
             bias = None
             if any(b is not None for b in biases):
                 outs = (w.q.shape[0], w.k.shape[0], w.v.shape[0])
                 bias = self._buffer((i, "b"), [b if b is not None else torch.zeros(n, dtype=w.q.dtype, device=w.q.device)
-                                               for b, n in zip(biases, outs)])
-            layers.append(dataclasses.replace(w, qkv=qkv, qkv_bias=bias))
+                                               for b, n in zip(biases, outs)], copy)
+            q, k, v = qkv.split([w.q.shape[0], w.k.shape[0], w.v.shape[0]])
+            views = {}
+            if bias is not None:
+                q_bias, k_bias, v_bias = bias.split([w.q.shape[0], w.k.shape[0], w.v.shape[0]])
+                views = {name: view for name, view, b in (("q_bias", q_bias, w.q_bias), ("k_bias", k_bias, w.k_bias),
+                                                           ("v_bias", v_bias, w.v_bias)) if b is not None}
+            layers.append(dataclasses.replace(w, qkv=qkv, qkv_bias=bias, q=q, k=k, v=v, **views))
         return dataclasses.replace(weights, layers=layers)
 
 
@@ -241,9 +275,13 @@ class FusedGateUp(_ConcatenatedCopies):
     launch instead of two. The cost is memory: the copy is ~58% of the weights for a 3B Qwen2.5 (3.2 GB).
     """
 
-    def refresh(self, weights: "DecoderWeights") -> "DecoderWeights":
-        layers = [dataclasses.replace(w, gate_up=self._buffer((i, "gate_up"), [w.gate, w.up]))
-                  for i, w in enumerate(weights.layers)]
+    def refresh(self, weights: "DecoderWeights", copy: bool = True) -> "DecoderWeights":
+        """``weights`` with each layer's ``gate_up`` set to its kept concatenation, ``gate`` and ``up`` to views."""
+        layers = []
+        for i, w in enumerate(weights.layers):
+            gate_up = self._buffer((i, "gate_up"), [w.gate, w.up], copy)
+            gate, up = gate_up.split([w.gate.shape[0], w.up.shape[0]])
+            layers.append(dataclasses.replace(w, gate_up=gate_up, gate=gate, up=up))
         return dataclasses.replace(weights, layers=layers)
 
 
