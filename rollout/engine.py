@@ -105,7 +105,8 @@ class Rollout:
         self._fast_step = self._new_fast_step()
         self._ordinary = OrdinaryExecutor(self._pool, self._fast_step)
         self._continuous = ContinuousExecutor(self._pool, self._fast_step)
-        self._prefill_graphs = PrefillGraphs(self.config.prefill_graph_tokens) if self.config.prefill_graph_tokens else None
+        tokens = self.config.prefill_graph_tokens
+        self._prefill_graphs = PrefillGraphs(tokens) if tokens else None
         self._cost_model = None
         self._lora_fuser = None
         self._last_profile: dict | None = None
@@ -233,8 +234,8 @@ class Rollout:
         return CallContext(self.model, sampling, EosIds.on(self.eos_token_ids, device), self._costs(),
                            self.config.max_prefill_tokens,
                            routes.eos_check_interval(self.config.eos_check_interval, route), stage, self._busy,
-                           fast=parts, fast_prefill=prefill_parts if decode.prefill_path != "hf" else None, sampler=sampler,
-                           prefill_graphs=graphs)
+                           fast=parts, fast_prefill=prefill_parts if decode.prefill_path != "hf" else None,
+                           sampler=sampler, prefill_graphs=graphs)
 
     def _slots_within_budget(self, layout: PromptLayout, sampling: SamplingConfig, decode: DecodeChoice,
                              device: torch.device):

@@ -178,7 +178,8 @@ class PrefillGraphs:
             values[layer, :shape.tokens].copy_(v[:, :, 0])
 
         def attend_layer(layer: int, q, k, v):
-            return attend(q[:, :, 0], k[:, :, 0], v[:, :, 0].contiguous(), bufs.cu_seq, shape.longest, scale).unsqueeze(2)
+            out = attend(q[:, :, 0], k[:, :, 0], v[:, :, 0].contiguous(), bufs.cu_seq, shape.longest, scale)
+            return out.unsqueeze(2)
 
         def work():
             bufs.logits.copy_(prefill.packed_logits(parts, bufs.tokens, bufs.positions, bufs.last, write_kv,

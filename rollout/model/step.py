@@ -253,14 +253,14 @@ class FusedQKV(_ConcatenatedCopies):
             qkv = self._buffer((i, "w"), [w.q, w.k, w.v], copy)
             biases = (w.q_bias, w.k_bias, w.v_bias)
             bias = None
+            outs = [w.q.shape[0], w.k.shape[0], w.v.shape[0]]
             if any(b is not None for b in biases):
-                outs = (w.q.shape[0], w.k.shape[0], w.v.shape[0])
-                bias = self._buffer((i, "b"), [b if b is not None else torch.zeros(n, dtype=w.q.dtype, device=w.q.device)
-                                               for b, n in zip(biases, outs)], copy)
-            q, k, v = qkv.split([w.q.shape[0], w.k.shape[0], w.v.shape[0]])
+                zeros = [torch.zeros(n, dtype=w.q.dtype, device=w.q.device) for n in outs]
+                bias = self._buffer((i, "b"), [b if b is not None else z for b, z in zip(biases, zeros)], copy)
+            q, k, v = qkv.split(outs)
             views = {}
             if bias is not None:
-                q_bias, k_bias, v_bias = bias.split([w.q.shape[0], w.k.shape[0], w.v.shape[0]])
+                q_bias, k_bias, v_bias = bias.split(outs)
                 views = {name: view for name, view, b in (("q_bias", q_bias, w.q_bias), ("k_bias", k_bias, w.k_bias),
                                                            ("v_bias", v_bias, w.v_bias)) if b is not None}
             layers.append(dataclasses.replace(w, qkv=qkv, qkv_bias=bias, q=q, k=k, v=v, **views))
