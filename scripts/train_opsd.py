@@ -112,6 +112,9 @@ class JobConfig:
     """1: ``torch.compile`` the fast decode step's pieces on CUDA (``RolloutConfig.compile``)."""
     cuda_graphs: int = 1
     """1: replay the fast decode step from CUDA graphs on CUDA (``RolloutConfig.cuda_graphs``)."""
+    prefill_graph_tokens: int = 0
+    """Prefill passes of at most this many real tokens replay CUDA graphs (``RolloutConfig.prefill_graph_tokens``;
+    0: off)."""
     teacher_offload: int = 0
     """1: the teacher runs in an inference-only DeepSpeed ZeRO-3 engine with its parameters offloaded
     to host memory (for teachers larger than the student)."""
@@ -143,6 +146,9 @@ class JobConfig:
                 raise ValueError(f"{name}: must be 0 or 1; got {getattr(self, name)!r}")
         if self.gather not in GATHER_MODES:
             raise ValueError(f"gather: must be one of {GATHER_MODES}; got {self.gather!r}")
+        if (isinstance(self.prefill_graph_tokens, bool) or not isinstance(self.prefill_graph_tokens, int)
+                or self.prefill_graph_tokens < 0):
+            raise ValueError(f"prefill_graph_tokens: must be an int >= 0 (0: off); got {self.prefill_graph_tokens!r}")
         if self.deepspeed_config is not None and not os.path.isfile(self.deepspeed_config):
             raise ValueError(f"deepspeed_config: no such file {self.deepspeed_config!r}")
         check_model_name("student", self.student)
@@ -229,6 +235,8 @@ FLAGS = {
     "--gather": ("job", "gather", str, "ZeRO-3 rollout gathering: once or per_forward"),
     "--compile": ("job", "compile", int, "1: torch.compile the fast decode step's pieces (CUDA)"),
     "--cuda-graphs": ("job", "cuda_graphs", int, "1: fast decode step in CUDA graphs (CUDA)"),
+    "--prefill-graph-tokens": ("job", "prefill_graph_tokens", int,
+                               "prefill passes of at most this many real tokens from CUDA graphs (CUDA; 0: off)"),
     "--teacher-offload": ("job", "teacher_offload", int,
                           "1: teacher in an inference-only ZeRO-3 engine, parameters offloaded to host"),
     "--json-out": ("job", "json_out", str, "rank 0 writes the run's JSON report (all ranks) here"),
@@ -613,7 +621,8 @@ def build_step(job: JobConfig, opsd_config, device):
     from rollout import RolloutConfig
 
     rollout_config = RolloutConfig(route=job.route, keep_cache=bool(job.keep_cache), gather=job.gather,
-                                   compile=bool(job.compile), cuda_graphs=bool(job.cuda_graphs))
+                                   compile=bool(job.compile), cuda_graphs=bool(job.cuda_graphs),
+                                   prefill_graph_tokens=job.prefill_graph_tokens)
     return OPSDStep(engine, engine if teacher is None else teacher, tokenizer, opsd_config,
                     teacher_tokenizer=teacher_tokenizer, rollout_config=rollout_config)
 
