@@ -102,8 +102,30 @@ def test_padded_pass_writes_the_cache_and_logits_of_the_eager_prefill(family, mo
     want2 = prefill_logits(parts, *_cache(model, 5, 20, seed=2), ids2, mask2)
     got2 = prefill_logits(parts, *_cache(model, 5, 20, seed=2), ids2, mask2, graphs=graphs)
     torch.testing.assert_close(got2, want2, rtol=1e-5, atol=1e-5)
-    assert graphs.replays == 2 and len(graphs._buffers) == 1
+    assert graphs.replays == 2 and len(graphs._inputs) == 1
     assert graphs.nbytes > 0
+
+
+def test_shared_buffers_grow_and_drop_the_graphs_that_read_them(emulated_varlen, monkeypatch):
+    """One staging and one logits buffer serve every shape: a pass with more rows or tokens than they hold
+    replaces them and drops the graphs captured over the old ones (their inputs with them); smaller passes
+    reuse them. Each pass still equals the eager prefill."""
+    model = tiny_model("qwen2", seed=3)
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig(cuda_graphs=False))._fast_step.parts(
+        torch.device("cpu"), mirrored=False)
+    graphs = pg.PrefillGraphs(2048, use_graphs=False)
+    dropped = []
+    original = graphs._drop_graphs
+    monkeypatch.setattr(graphs, "_drop_graphs", lambda: (dropped.append(len(graphs._inputs)), original()))
+    for rows, length, staged_tokens, logits_rows, inputs in ((2, 9, 256, 2, 1), (5, 9, 256, 8, 1),
+                                                             (2, 9, 256, 8, 2), (3, 200, 1024, 8, 1)):
+        ids, mask = random_prompts(rows, length, min_len=length, seed=rows + length)
+        want = prefill_logits(parts, *_cache(model, rows, length + 2, seed=0), ids, mask)
+        got = prefill_logits(parts, *_cache(model, rows, length + 2, seed=0), ids, mask, graphs=graphs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert (graphs._staging[0].shape[1], graphs._logits.shape[0], len(graphs._inputs)) == \
+            (staged_tokens, logits_rows, inputs)
+    assert dropped == [1, 2]  # rows 2 -> 8 dropped the first shape; tokens 256 -> 1024 dropped the two of 256
 
 
 def test_passes_over_the_limit_run_eagerly(emulated_varlen):

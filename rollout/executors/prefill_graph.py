@@ -17,7 +17,9 @@ How: :func:`rollout.model.prefill.packed_logits`, the eager pass itself, runs ov
   among themselves, and nothing reads them;
 - each layer's keys and values go into a staging buffer ``[layers, tokens, Hkv, D]``; after the replay two
   ``index_put_`` write the real tokens' into the cache, so a graph does not depend on the cache's address;
-- the logits of each row's last real token are copied into a static output (padded rows read token 0).
+- the logits of each row's last real token are copied into an output buffer (padded rows read token 0), and
+  from it after the replay. The staging and output buffers are shared by every shape's graph and grow to the
+  largest bucket seen; growing one drops the graphs captured over it.
 
 Graphs are keyed by the shape and the weights' addresses (as the decode graphs). The first pass of a new key
 runs twice to warm up and is captured (``rollout.executors.graphs``); later ones replay. Where the pass cannot
@@ -99,20 +101,18 @@ def padded_last(real_counts: Sequence[int], shape: PrefillShape) -> list[int]:
     return last + [0] * (shape.rows - len(real_counts))
 
 
-class _Buffers:
-    """The static inputs and output of one shape's graph (outside the graph pool)."""
+class _Inputs:
+    """The static inputs of one shape's graph (outside the graph pool; a few hundred KB at most)."""
 
-    def __init__(self, shape: PrefillShape, vocab: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, shape: PrefillShape, device: torch.device):
         self.tokens = torch.zeros(shape.tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(shape.tokens, dtype=torch.long, device=device)
         self.cu_seq = torch.zeros(shape.segments + 1, dtype=torch.int32, device=device)
         self.last = torch.zeros(shape.rows, dtype=torch.long, device=device)
-        self.logits = torch.empty(shape.rows, vocab, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.tokens, self.positions, self.cu_seq, self.last,
-                                                           self.logits))
+        return sum(t.numel() * t.element_size() for t in (self.tokens, self.positions, self.cu_seq, self.last))
 
 
 class PrefillGraphs:
@@ -128,8 +128,11 @@ class PrefillGraphs:
         """Passes run here (replayed, or captured then replayed)."""
         self.failure: Optional[str] = None
         """Why the passes went back to the eager prefill (None while they run here)."""
-        self._buffers: dict[PrefillShape, _Buffers] = {}
+        self._inputs: dict[PrefillShape, _Inputs] = {}
         self._staging: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        """Keys and values ``[layers, tokens, Hkv, D]`` of the largest token bucket so far (shared by the graphs)."""
+        self._logits: Optional[torch.Tensor] = None
+        """``[rows, V]`` logits of the largest row bucket so far (shared by the graphs, copied out after each)."""
 
     def run(self, parts: StepParts, packed: "prefill.Packed", key_cache: torch.Tensor,
             value_cache: torch.Tensor) -> Optional[torch.Tensor]:
@@ -161,10 +164,10 @@ class PrefillGraphs:
         counts = packed.rows.real_counts
         total, device = sum(counts), key_cache.device
         keys, values = self._staging_for(shape, key_cache)
-        bufs = self._buffers.get(shape)
+        out = self._logits_for(shape, parts.weights.lm_head)[:shape.rows]
+        bufs = self._inputs.get(shape)
         if bufs is None:
-            bufs = self._buffers[shape] = _Buffers(shape, parts.weights.lm_head.shape[0], parts.weights.embed.dtype,
-                                                   device)
+            bufs = self._inputs[shape] = _Inputs(shape, device)
         bufs.tokens[:total].copy_(packed.tokens)
         bufs.tokens[total:].zero_()
         bufs.positions[:total].copy_(packed.positions)
@@ -182,8 +185,7 @@ class PrefillGraphs:
             return out.unsqueeze(2)
 
         def work():
-            bufs.logits.copy_(prefill.packed_logits(parts, bufs.tokens, bufs.positions, bufs.last, write_kv,
-                                                    attend_layer))
+            out.copy_(prefill.packed_logits(parts, bufs.tokens, bufs.positions, bufs.last, write_kv, attend_layer))
 
         if self.use_graphs:
             path = self.graphs.replay((shape, parts.weights.signature(), keys.data_ptr()), work, [])
@@ -192,7 +194,7 @@ class PrefillGraphs:
         self.replays += 1
         for cache, staged in ((key_cache, keys), (value_cache, values)):  # [N, capacity, layers, Hkv, D] view
             cache.permute(1, 3, 0, 2, 4)[packed.row_of, packed.col_of] = staged[:, :total].transpose(0, 1)
-        logits = bufs.logits[:len(counts)].clone()
+        logits = out[:len(counts)].clone()
         if path != GRAPH:  # the capture failed: this pass ran padded and eagerly; later ones run unpadded
             self._give_up(self.graphs.fallback_reason)
         return logits
@@ -204,10 +206,23 @@ class PrefillGraphs:
         if (held is None or held[0].shape[1] < shape.tokens or held[0].dtype != key_cache.dtype
                 or held[0].device != key_cache.device or tuple(held[0].shape[2:]) != (kv_heads, dim)
                 or held[0].shape[0] != layers):
-            self.clear()
+            if held is not None:
+                self._drop_graphs()
+            self._staging = None  # freed before the larger one is allocated
             size = (layers, shape.tokens, kv_heads, dim)
             self._staging = held = tuple(torch.empty(size, dtype=key_cache.dtype, device=key_cache.device)
                                          for _ in range(2))
+        return held
+
+    def _logits_for(self, shape: PrefillShape, lm_head: torch.Tensor) -> torch.Tensor:
+        """The shared logits buffer, grown (and every graph dropped) when ``shape`` has more rows."""
+        held = self._logits
+        if (held is None or held.shape[0] < shape.rows or held.shape[1] != lm_head.shape[0]
+                or held.dtype != lm_head.dtype or held.device != lm_head.device):
+            if held is not None:
+                self._drop_graphs()
+            self._logits = None
+            self._logits = held = torch.empty(shape.rows, lm_head.shape[0], dtype=lm_head.dtype, device=lm_head.device)
         return held
 
     def new_bytes(self, model: torch.nn.Module) -> int:
@@ -224,14 +239,20 @@ class PrefillGraphs:
         itemsize = next(model.parameters()).element_size()
         return 2 * config.num_hidden_layers * tokens * kv_heads * head_dim * itemsize
 
-    def clear(self) -> None:
-        """Drop every graph and buffer (``keep_cache=False``, ``shutdown``, or a grown staging buffer)."""
+    def _drop_graphs(self) -> None:
+        """Drop the graphs and their inputs (a shared buffer they read or write is about to be replaced)."""
         self.graphs.clear()
-        self._buffers.clear()
+        self._inputs.clear()
+
+    def clear(self) -> None:
+        """Drop every graph and buffer (``keep_cache=False``, ``shutdown``, a failure)."""
+        self._drop_graphs()
         self._staging = None
+        self._logits = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes held between calls: the staging buffers and the static inputs/outputs (graph pools not counted)."""
-        held = sum(t.numel() * t.element_size() for t in self._staging) if self._staging is not None else 0
-        return held + sum(b.nbytes for b in self._buffers.values())
+        """Bytes held between calls: the staging and logits buffers and the graphs' inputs (graph pools not
+        counted)."""
+        held = [*(self._staging or ()), *(() if self._logits is None else (self._logits,))]
+        return sum(t.numel() * t.element_size() for t in held) + sum(b.nbytes for b in self._inputs.values())
