@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -305,11 +306,30 @@ def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, l
         "gate|up concatenated": ("gate_up", lambda: F.linear(x, gate_up)),
         "down": ("down", lambda: F.linear(h, w["down"])),
     }
+    if rows >= 128:  # wide batches: the small-N projections as split-K batched GEMMs (an experiment)
+        for kind, inp, weight in (("qkv", x, qkv), ("o", x, w["o"]), ("down", h, w["down"])):
+            for splits in (2, 4, 8):
+                cases[f"{kind} split-K {splits} (bmm + sum)"] = (kind, functools.partial(split_k_linear, inp, weight,
+                                                                                         splits))
     out = {}
     for name, (kind, fn) in cases.items():
         ms = graph_ms(fn, 20)
         out[name] = (ms * layers, flops[kind] / (ms / 1000) / 1e12)
     return out
+
+
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """``F.linear(x, weight)`` with K cut in ``splits`` parts: one batched GEMM of ``splits`` partial products
+    (fp32 out where torch's ``bmm`` takes ``out_dtype``), summed. At wide decode batches the o and down GEMMs
+    have few output tiles (32 of 128 x 128 at 256 rows on 132 SMs); this gives ``splits`` times more."""
+    rows, k = x.shape
+    parts_x = x.view(rows, splits, k // splits).transpose(0, 1)  # [S, M, K/S]
+    parts_w = weight.view(weight.shape[0], splits, k // splits).permute(1, 2, 0)  # [S, K/S, N]
+    try:
+        partial = torch.bmm(parts_x, parts_w, out_dtype=torch.float32)
+    except (TypeError, NotImplementedError, RuntimeError):  # no fp32-out bmm here (a CPU, an older torch): x.dtype
+        partial = torch.bmm(parts_x, parts_w)
+    return partial.sum(0).to(x.dtype)
 
 
 def skinny_variants(rows: int, hidden: int, inter: int, qkv_dim: int, layers: int, launches) -> list[dict]:

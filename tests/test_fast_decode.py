@@ -351,3 +351,14 @@ def test_the_zero3_mirror_copies_only_what_the_fused_copies_do_not_hold():
     torch.testing.assert_close(w.up, layer.mlp.up_proj.weight, rtol=0, atol=0)
     torch.testing.assert_close(w.v_bias, layer.self_attn.v_proj.bias, rtol=0, atol=0)
     assert w.k.untyped_storage().data_ptr() == w.qkv.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("splits", [2, 4, 8])
+def test_split_k_linear_is_the_linear(splits):
+    """profile_decode_step's split-K experiment (wide batches' o, down and q|k|v GEMMs as ``splits`` partial
+    products summed) computes ``F.linear``."""
+    from scripts.profile_decode_step import split_k_linear
+
+    gen = torch.Generator().manual_seed(splits)
+    x, w = torch.randn(24, 128, generator=gen), torch.randn(40, 128, generator=gen)
+    torch.testing.assert_close(split_k_linear(x, w, splits), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
