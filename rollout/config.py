@@ -152,6 +152,12 @@ class RolloutConfig:
     (:mod:`rollout.ops.skinny_linear`) instead of a cuBLAS GEMM and a copy. On an H200 (3B shape) that part of
     the step took 0.206 ms instead of 0.270 at 8 rows and 0.236 instead of 0.305 at 32 (docs/BENCHMARKS.md);
     64 rows were not timed. 0: off."""
+    split_k_rows: int = 0
+    """With ``fuse_gate_up``: decode steps whose batch bucket has at least this many rows compute the o and down
+    projections as ``rollout.model.step.SPLIT_K`` partial products summed in fp32 (one batched GEMM each,
+    :func:`rollout.model.step.split_k_linear`) instead of one GEMM: at 256 rows on an H200 those two GEMMs have
+    32 output tiles for 132 SMs and ran at 142 and 358 TFLOP/s. 0: off. Not yet timed on a GPU
+    (``scripts/profile_decode_step.py --kernels`` times the GEMMs alone, ``--split-k`` the step)."""
     fused_sampler: bool = True
     """On CUDA (with ``compile``), temperature + top-p sampling without top-k or a repetition penalty runs
     the one-kernel nucleus (:mod:`rollout.ops.fused_nucleus`); False keeps the compiled sort-free search.
@@ -176,6 +182,8 @@ class RolloutConfig:
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
         require(is_int(self.prefill_graph_tokens) and self.prefill_graph_tokens >= 0, "prefill_graph_tokens",
                 f"must be an int >= 0 (0: off); got {self.prefill_graph_tokens!r}")
+        require(is_int(self.split_k_rows) and self.split_k_rows >= 0, "split_k_rows",
+                f"must be an int >= 0 (0: off); got {self.split_k_rows!r}")
         require(is_int(self.skinny_rows) and self.skinny_rows >= 0, "skinny_rows",
                 f"must be an int >= 0 (0: off); got {self.skinny_rows!r}")
         require(self.decode_attention in DECODE_ATTENTIONS, "decode_attention",

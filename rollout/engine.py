@@ -161,7 +161,8 @@ class Rollout:
         return FastStep(self.model, self.config.compile, mirror_weights=self.is_zero3, fuse_qkv=self.config.fuse_qkv,
                         compile_mode=self.config.compile_mode, attention=self.config.decode_attention,
                         kv_write=self.config.fused_kv_write, fuse_gate_up=self.config.fuse_gate_up,
-                        rotary_kernel=self.config.rotary_kernel, skinny_rows=self.config.skinny_rows)
+                        rotary_kernel=self.config.rotary_kernel, skinny_rows=self.config.skinny_rows,
+                        split_k_rows=self.config.split_k_rows)
 
     @property
     def held_bytes(self) -> int:

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.config import RolloutConfig, SamplingConfig  # noqa: E402
-from rollout.model.step import (FusedGateUp, FusedQKV, StepFns, StepParts, compiled_step_fns, decode_logits,  # noqa: E402
-                                attention_inputs_qkv_write, compile_piece, grouped_decode_attention,
-                                spec_and_weights)
+from rollout.model.step import (SPLIT_K, FusedGateUp, FusedQKV, StepFns, StepParts, compiled_step_fns,  # noqa: E402
+                                decode_logits, attention_inputs_qkv_write, compile_piece, grouped_decode_attention,
+                                spec_and_weights, split_k_linear)
 from rollout.executors.graphs import capture_graph  # noqa: E402
 from rollout.ops import decode_attention, rotary_write, skinny_linear  # noqa: E402
 from rollout.ops.sampling import select_next_token  # noqa: E402
@@ -166,6 +166,8 @@ class StepVariant:
     skinny: bool = False
     """Each layer's o projection and residual add as one Triton kernel at batches up to the default
     ``RolloutConfig.skinny_rows`` (with the rotary kernel)."""
+    split_k: bool = False
+    """o and down as split-K GEMMs at every batch (``RolloutConfig.split_k_rows=1``; with fused gate|up)."""
 
     @property
     def name(self) -> str:
@@ -176,7 +178,8 @@ class StepVariant:
                 + (", triton attention" if self.triton_attention else "")
                 + (", fused gate|up" if self.gate_up else "")
                 + (", rotary+write kernel" if self.rotary_kernel else "")
-                + (", skinny o projection" if self.skinny else ""))
+                + (", skinny o projection" if self.skinny else "")
+                + (f", o and down split-K x{SPLIT_K}" if self.split_k else ""))
 
 
 #: The step the routes run by default (``RolloutConfig``: compiled, fused q|k|v and gate|up, the Triton attention,
@@ -205,6 +208,8 @@ def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
         fns = dataclasses.replace(fns, rotary_write=rotary_write.rotary_write)
     if variant.skinny:
         fns = dataclasses.replace(fns, skinny_linear=skinny_linear.skinny_linear, skinny_rows=RolloutConfig().skinny_rows)
+    if variant.split_k:
+        fns = dataclasses.replace(fns, split_k_rows=1)
     parts = StepParts(spec, weights, fns)
     shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
     keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -274,6 +279,8 @@ def step_variant_list(args) -> list[StepVariant]:
         return [dataclasses.replace(ROUTE_DEFAULT, rotary_kernel=False), ROUTE_DEFAULT] * 2
     if args.skinny:
         return [dataclasses.replace(ROUTE_DEFAULT, skinny=False), ROUTE_DEFAULT] * 2
+    if args.split_k:
+        return [ROUTE_DEFAULT, dataclasses.replace(ROUTE_DEFAULT, split_k=True)] * 2
     out = [StepVariant(compiled=False, fuse_qkv=False), StepVariant(fuse_qkv=False), StepVariant()]
     out += [StepVariant(additive_mask=True)] if args.additive_mask else []
     out += [StepVariant(grouped=True)] if args.grouped_attention else []
@@ -316,20 +323,6 @@ def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, l
         ms = graph_ms(fn, 20)
         out[name] = (ms * layers, flops[kind] / (ms / 1000) / 1e12)
     return out
-
-
-def split_k_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
-    """``F.linear(x, weight)`` with K cut in ``splits`` parts: one batched GEMM of ``splits`` partial products
-    (fp32 out where torch's ``bmm`` takes ``out_dtype``), summed. At wide decode batches the o and down GEMMs
-    have few output tiles (32 of 128 x 128 at 256 rows on 132 SMs); this gives ``splits`` times more."""
-    rows, k = x.shape
-    parts_x = x.view(rows, splits, k // splits).transpose(0, 1)  # [S, M, K/S]
-    parts_w = weight.view(weight.shape[0], splits, k // splits).permute(1, 2, 0)  # [S, K/S, N]
-    try:
-        partial = torch.bmm(parts_x, parts_w, out_dtype=torch.float32)
-    except (TypeError, NotImplementedError, RuntimeError):  # no fp32-out bmm here (a CPU, an older torch): x.dtype
-        partial = torch.bmm(parts_x, parts_w)
-    return partial.sum(0).to(x.dtype)
 
 
 def skinny_variants(rows: int, hidden: int, inter: int, qkv_dim: int, layers: int, launches) -> list[dict]:
@@ -453,6 +446,9 @@ def main(argv=None) -> None:
     parser.add_argument("--skinny", action="store_true",
                         help="step: only the routes' default step and the same without the skinny o projection, "
                              "twice each, alternating")
+    parser.add_argument("--split-k", action="store_true",
+                        help="step: only the routes' default step and the same with o and down as split-K GEMMs, "
+                             "twice each, alternating (use at wide batches: --rows 128 256)")
     parser.add_argument("--skinny-launches", nargs="+", default=["16,256,4,4", "16,512,4,3", "16,128,4,6", "16,256,2,4",
                                                                  "32,128,4,4", "32,256,8,3"],
                         help="--parts skinny: launch shapes block_n,block_k,warps,stages")

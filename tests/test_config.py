@@ -52,6 +52,8 @@ def test_sampling_config_keeps_upstream_defaults():
     (dict(prefill_graph_tokens=-1), "prefill_graph_tokens"),
     (dict(prefill_graph_tokens=True), "prefill_graph_tokens"),
     (dict(prefill_graph_tokens=512.0), "prefill_graph_tokens"),
+    (dict(split_k_rows=-1), "split_k_rows"),
+    (dict(split_k_rows=True), "split_k_rows"),
     (dict(skinny_rows=-1), "skinny_rows"),
     (dict(skinny_rows=True), "skinny_rows"),
     (dict(skinny_rows=8.0), "skinny_rows"),

@@ -355,10 +355,13 @@ def test_the_zero3_mirror_copies_only_what_the_fused_copies_do_not_hold():
 
 @pytest.mark.parametrize("splits", [2, 4, 8])
 def test_split_k_linear_is_the_linear(splits):
-    """profile_decode_step's split-K experiment (wide batches' o, down and q|k|v GEMMs as ``splits`` partial
-    products summed) computes ``F.linear``."""
-    from scripts.profile_decode_step import split_k_linear
+    """``split_k_linear`` (``RolloutConfig.split_k_rows``: wide batches' o and down GEMMs as ``splits`` partial
+    products summed) computes ``F.linear``; a K that does not divide takes the plain GEMM."""
+    from rollout.model.step import split_k_linear
 
     gen = torch.Generator().manual_seed(splits)
     x, w = torch.randn(24, 128, generator=gen), torch.randn(40, 128, generator=gen)
     torch.testing.assert_close(split_k_linear(x, w, splits), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+    odd = torch.randn(24, 130, generator=gen)
+    torch.testing.assert_close(split_k_linear(odd, torch.randn(40, 130, generator=gen), splits).shape,
+                               torch.Size([24, 40]))

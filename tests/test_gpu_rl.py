@@ -193,6 +193,17 @@ def test_rotary_kernel_gives_the_same_tokens_fp32(setup, route, slots):
 
 @cuda
 @ROUTES_AND_SLOTS
+def test_split_k_gives_the_same_tokens_fp32(setup, route, slots):
+    """``split_k_rows``: the same greedy and seeded-sampled tokens in fp32 with o and down as split-K GEMMs at
+    every batch (the skinny o kernel off, so that small batches take it too), captured in graphs on both
+    routes."""
+    def reports(ro, rows):
+        assert ro._fast_step.parts(torch.device("cuda"), mirrored=True).fns.split_k_rows == rows
+    _same_tokens_for_each(setup, route, slots, "split_k_rows", (1, 0), reports, skinny_rows=0)
+
+
+@cuda
+@ROUTES_AND_SLOTS
 def test_skinny_projections_give_the_same_tokens_fp32(setup, route, slots, monkeypatch):
     """``skinny_rows``: the same greedy and seeded-sampled tokens in fp32 as the compiled pieces, captured in
     graphs on both routes (the batch buckets at or below the limit run the Triton projections)."""

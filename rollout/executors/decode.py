@@ -56,7 +56,8 @@ class FastStep:
 
     def __init__(self, model: torch.nn.Module, use_compile: bool, mirror_weights: bool, fuse_qkv: bool = True,
                  compile_mode: Optional[str] = None, attention: str = "sdpa", kv_write: bool = False,
-                 fuse_gate_up: bool = False, rotary_kernel: bool = False, skinny_rows: int = 0):
+                 fuse_gate_up: bool = False, rotary_kernel: bool = False, skinny_rows: int = 0,
+                 split_k_rows: int = 0):
         self.model = model
         self.use_compile = use_compile
         self.compile_mode = compile_mode
@@ -71,6 +72,8 @@ class FastStep:
         """``RolloutConfig.rotary_kernel`` (with fused q|k|v on CUDA only)."""
         self.skinny_rows = skinny_rows
         """``RolloutConfig.skinny_rows`` (with the rotary kernel and fused gate|up on CUDA only)."""
+        self.split_k_rows = split_k_rows
+        """``RolloutConfig.split_k_rows`` (with fused gate|up)."""
         self.last_weight_signature: Optional[tuple[int, ...]] = None
         """Addresses of the weights the last captured-step parts read (stable across calls under ZeRO-3)."""
         self._refreshed: Optional[set[str]] = None
@@ -116,6 +119,8 @@ class FastStep:
             if self.skinny_rows and self.fused_gate_up is not None and skinny_linear.failure(device) is None:
                 fns = dataclasses.replace(fns, skinny_linear=skinny_linear.skinny_linear,
                                           skinny_rows=min(self.skinny_rows, skinny_linear.MAX_ROWS))
+        if self.split_k_rows and self.fused_gate_up is not None:
+            fns = dataclasses.replace(fns, split_k_rows=self.split_k_rows)
         return StepParts(spec, weights, fns)
 
     def release_copies(self) -> None:
