@@ -154,10 +154,11 @@ class RolloutConfig:
     64 rows were not timed. 0: off."""
     split_k_rows: int = 0
     """With ``fuse_gate_up``: decode steps whose batch bucket has at least this many rows compute the o and down
-    projections as ``rollout.model.step.SPLIT_K`` partial products summed in fp32 (one batched GEMM each,
-    :func:`rollout.model.step.split_k_linear`) instead of one GEMM: at 256 rows on an H200 those two GEMMs have
-    32 output tiles for 132 SMs and ran at 142 and 358 TFLOP/s. 0: off. Not yet timed on a GPU
-    (``scripts/profile_decode_step.py --kernels`` times the GEMMs alone, ``--split-k`` the step)."""
+    projections (and, with ``rotary_kernel``, the fused q|k|v) as ``rollout.model.step.SPLIT_K`` partial products
+    summed in fp32 (one batched GEMM each, :func:`rollout.model.step.split_k_linear`) instead of one GEMM: at
+    256 rows on an H200 the o and down GEMMs have 32 output tiles for 132 SMs and ran at 142 and 358 TFLOP/s,
+    q|k|v at 176. 0: off. Not yet timed on a GPU (``scripts/profile_decode_step.py --kernels`` times the GEMMs
+    alone, ``--split-k`` the step)."""
     fused_sampler: bool = True
     """On CUDA (with ``compile``), temperature + top-p sampling without top-k or a repetition penalty runs
     the one-kernel nucleus (:mod:`rollout.ops.fused_nucleus`); False keeps the compiled sort-free search.

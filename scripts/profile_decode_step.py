@@ -167,7 +167,7 @@ class StepVariant:
     """Each layer's o projection and residual add as one Triton kernel at batches up to the default
     ``RolloutConfig.skinny_rows`` (with the rotary kernel)."""
     split_k: bool = False
-    """o and down as split-K GEMMs at every batch (``RolloutConfig.split_k_rows=1``; with fused gate|up)."""
+    """o, down and q|k|v as split-K GEMMs at every batch (``RolloutConfig.split_k_rows=1``; with fused gate|up)."""
 
     @property
     def name(self) -> str:
@@ -179,7 +179,7 @@ class StepVariant:
                 + (", fused gate|up" if self.gate_up else "")
                 + (", rotary+write kernel" if self.rotary_kernel else "")
                 + (", skinny o projection" if self.skinny else "")
-                + (f", o and down split-K x{SPLIT_K}" if self.split_k else ""))
+                + (f", o, down, q|k|v split-K x{SPLIT_K}" if self.split_k else ""))
 
 
 #: The step the routes run by default (``RolloutConfig``: compiled, fused q|k|v and gate|up, the Triton attention,
@@ -447,7 +447,7 @@ def main(argv=None) -> None:
                         help="step: only the routes' default step and the same without the skinny o projection, "
                              "twice each, alternating")
     parser.add_argument("--split-k", action="store_true",
-                        help="step: only the routes' default step and the same with o and down as split-K GEMMs, "
+                        help="step: only the routes' default step and the same with o, down, q|k|v as split-K GEMMs, "
                              "twice each, alternating (use at wide batches: --rows 128 256)")
     parser.add_argument("--skinny-launches", nargs="+", default=["16,256,4,4", "16,512,4,3", "16,128,4,6", "16,256,2,4",
                                                                  "32,128,4,4", "32,256,8,3"],

@@ -53,3 +53,28 @@ def test_config_decides_the_piece(rows, gate_up, expected):
     assert RolloutConfig().split_k_rows == 0
     ro = Rollout(tiny_model("qwen2", seed=0), TinyTokenizer(), RolloutConfig(split_k_rows=rows, fuse_gate_up=gate_up))
     assert ro._fast_step.parts(torch.device("cpu"), mirrored=False).fns.split_k_rows == expected
+
+
+def test_with_the_rotary_kernel_q_k_v_is_split_too():
+    """With the rotary + cache-write kernel (interpreted on the CPU), the fused q|k|v projection of a batch at the
+    limit runs split-K as well, every layer, and the tokens stay HF generate's (fp32)."""
+    pytest.importorskip("triton")
+    import functools
+
+    from rollout.ops import rotary_write as rw
+
+    model = tiny_model("qwen2", seed=7)
+    ids, mask = random_prompts(3, 8, min_len=2, seed=9)
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False))
+    calls = []
+
+    def counted(h, *args):
+        calls.append(h.shape[0])
+        return step.qkv_projection_split_k(h, *args)
+
+    with_step_pieces(ro, split_k_rows=1, qkv_projection_split_k=counted,
+                     rotary_write=functools.partial(rw.rotary_write, interpret=True))
+    out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=5, temperature=0.0))
+    assert len(calls) == 4 * model.config.num_hidden_layers  # 4 decode steps
+    for row in range(3):
+        assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 5)

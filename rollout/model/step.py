@@ -338,6 +338,12 @@ def qkv_projection(h, norm, wqkv, bqkv, eps: float):
     return F.linear(rms_norm(h, norm, eps), wqkv, bqkv)
 
 
+def qkv_projection_split_k(h, norm, wqkv, bqkv, eps: float):
+    """:func:`qkv_projection` with the GEMM as :func:`split_k_linear` (``RolloutConfig.split_k_rows``)."""
+    qkv = split_k_linear(rms_norm(h, norm, eps), wqkv)
+    return qkv if bqkv is None else qkv + bqkv
+
+
 def layer_qkv(fns: "StepFns", h, w: LayerWeights, cos, sin, spec: DecoderSpec):
     """q ``[N, Hq, 1, D]``, k/v ``[N, Hkv, 1, D]`` of one layer: one GEMM where ``w.qkv`` is set, else three."""
     if w.qkv is not None:
@@ -446,9 +452,10 @@ class StepFns:
     qkv_projection: object = qkv_projection
     gate_up_mlp: object = gate_up_mlp
     attention_output_and_gate_up_mlp_split_k: object = attention_output_and_gate_up_mlp_split_k
+    qkv_projection_split_k: object = qkv_projection_split_k
     split_k_rows: int = 0
     """Decode steps of at least this many rows (and fused gate|up) run ``attention_output_and_gate_up_mlp_split_k``
-    (``RolloutConfig.split_k_rows``; 0: never)."""
+    and, with ``rotary_write``, ``qkv_projection_split_k`` (``RolloutConfig.split_k_rows``; 0: never)."""
     skinny_linear: object = None
     """When set (with ``rotary_write`` and fused gate|up), decode steps of at most ``skinny_rows`` rows compute each
     layer's o projection and its residual add with this kernel (``RolloutConfig.skinny_rows``:
@@ -477,7 +484,8 @@ def compiled_step_fns(mode: str | None = None, kv_write: bool = False) -> StepFn
                                                         attention_output_and_mlp, final_logits)),
                   attention_output_and_gate_up_mlp=compile_piece(attention_output_and_gate_up_mlp, mode),
                   qkv_projection=compile_piece(qkv_projection, mode), gate_up_mlp=compile_piece(gate_up_mlp, mode),
-                  attention_output_and_gate_up_mlp_split_k=compile_piece(attention_output_and_gate_up_mlp_split_k, mode))
+                  attention_output_and_gate_up_mlp_split_k=compile_piece(attention_output_and_gate_up_mlp_split_k, mode),
+                  qkv_projection_split_k=compile_piece(qkv_projection_split_k, mode))
     if kv_write:
         fns = dataclasses.replace(fns, attention_inputs_qkv_write=compile_piece(attention_inputs_qkv_write, mode))
     return fns
@@ -513,7 +521,8 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
     split_k = 0 < fns.split_k_rows <= tokens.shape[0]
     for i, w in enumerate(weights.layers):
         if fns.rotary_write is not None and w.qkv is not None:
-            qkv = fns.qkv_projection(h, w.input_norm, w.qkv, w.qkv_bias, eps)
+            project = fns.qkv_projection_split_k if split_k else fns.qkv_projection
+            qkv = project(h, w.input_norm, w.qkv, w.qkv_bias, eps)
             q = fns.rotary_write(qkv, cos, sin, key_cache[i], value_cache[i], cols, spec.num_heads, spec.num_kv_heads,
                                  spec.head_dim)
         elif fns.attention_inputs_qkv_write is not None and w.qkv is not None:
