@@ -381,7 +381,7 @@ def split_k_linear(x, weight, splits: int = SPLIT_K):
     if k % splits:
         return F.linear(x, weight)
     parts_x = x.reshape(rows, splits, k // splits).transpose(0, 1)  # [S, M, K/S]
-    parts_w = weight.view(weight.shape[0], splits, k // splits).permute(1, 2, 0)  # [S, K/S, N]
+    parts_w = weight.reshape(weight.shape[0], splits, k // splits).permute(1, 2, 0)  # [S, K/S, N]
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
         partial = torch.bmm(parts_x, parts_w, out_dtype=torch.float32)
     else:
