@@ -226,9 +226,7 @@ class Rollout:
         decode and the variable-length prefill) reads them through the weight mirror, whose addresses hold
         across calls under ZeRO-3."""
         parts = self._fast_step.parts(device, mirrored=False) if decode.is_fast else None
-        graphs = self._prefill_graphs
-        if graphs is None or decode.prefill_path != "varlen" or (graphs.use_graphs and decode.path != "graph"):
-            graphs = None
+        graphs = self._prefill_graphs_for(decode)
         prefill_parts = self._fast_step.parts(device, mirrored=True) if graphs is not None else parts
         sampler = sampler_fn(sampling, compiled=self.config.compile and device.type == "cuda",
                              fused=self.config.fused_sampler)
@@ -237,6 +235,14 @@ class Rollout:
                            routes.eos_check_interval(self.config.eos_check_interval, route), stage, self._busy,
                            fast=parts, fast_prefill=prefill_parts if decode.prefill_path != "hf" else None,
                            sampler=sampler, prefill_graphs=graphs)
+
+    def _prefill_graphs_for(self, decode: DecodeChoice):
+        """The captured prefill passes where this call can run them (``prefill_graph_tokens`` set, the
+        variable-length prefill, graph decode unless they run eagerly for the CPU tests), else None."""
+        graphs = self._prefill_graphs
+        if graphs is None or decode.prefill_path != "varlen" or (graphs.use_graphs and decode.path != "graph"):
+            return None
+        return graphs
 
     def _slots_within_budget(self, layout: PromptLayout, sampling: SamplingConfig, decode: DecodeChoice,
                              device: torch.device):
@@ -247,7 +253,7 @@ class Rollout:
         free = free_device_bytes(device)
         if free is not None:  # the kept cache is reused or replaced; weight copies not yet held are allocated
             free += self._pool.nbytes - (self._fast_step.new_copy_bytes() if decode.is_fast else 0)
-            if self._prefill_graphs is not None and decode.path == "graph" and decode.prefill_path == "varlen":
+            if self._prefill_graphs_for(decode) is not None:
                 free -= self._prefill_graphs.new_bytes(self.model)
         budget = Budget(None if cap is None else int(cap * GIB), free)
         call = CallMemory(layout, sampling.n_samples_per_prompt, sampling.max_new_tokens, self.model.config.vocab_size,

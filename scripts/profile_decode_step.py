@@ -271,16 +271,19 @@ def step_variants(model, rows: int, live: int, variant: StepVariant):
     return graph_ms(decode_step_fn(model, rows, live, variant), 10)
 
 
+#: The A/B flags (``--gate-up``, ...): each times only the routes' default step against the same with one
+#: ``StepVariant`` field flipped, twice each, alternating, the variant with the field off first.
+ROUTE_AB = {"gate_up": "gate|up as one GEMM", "rotary_kernel": "the rotary+write kernel",
+            "skinny": "the skinny o projection",
+            "split_k": "o, down, q|k|v as split-K GEMMs (use at wide batches: --rows 128 256)"}
+
+
 def step_variant_list(args) -> list[StepVariant]:
     """The step variants the flags ask for: eager, compiled, compiled + fused q|k|v, then the experiments."""
-    if args.gate_up:  # the A/B alone, interleaved
-        return [dataclasses.replace(ROUTE_DEFAULT, gate_up=False), ROUTE_DEFAULT] * 2
-    if args.rotary_kernel:
-        return [dataclasses.replace(ROUTE_DEFAULT, rotary_kernel=False), ROUTE_DEFAULT] * 2
-    if args.skinny:
-        return [dataclasses.replace(ROUTE_DEFAULT, skinny=False), ROUTE_DEFAULT] * 2
-    if args.split_k:
-        return [ROUTE_DEFAULT, dataclasses.replace(ROUTE_DEFAULT, split_k=True)] * 2
+    for field in ROUTE_AB:  # an A/B alone, interleaved
+        if getattr(args, field):
+            flipped = dataclasses.replace(ROUTE_DEFAULT, **{field: not getattr(ROUTE_DEFAULT, field)})
+            return [flipped, ROUTE_DEFAULT] * 2 if getattr(ROUTE_DEFAULT, field) else [ROUTE_DEFAULT, flipped] * 2
     out = [StepVariant(compiled=False, fuse_qkv=False), StepVariant(fuse_qkv=False), StepVariant()]
     out += [StepVariant(additive_mask=True)] if args.additive_mask else []
     out += [StepVariant(grouped=True)] if args.grouped_attention else []
@@ -437,18 +440,10 @@ def main(argv=None) -> None:
                         help="step: also the compiled + fused q|k|v step with the batched-GEMM attention")
     parser.add_argument("--triton-attention", action="store_true",
                         help="step: also the compiled + fused q|k|v step with the Triton decode attention")
-    parser.add_argument("--gate-up", action="store_true",
-                        help="step: only the routes' default step and the same with gate|up as one GEMM, twice each, "
-                             "alternating")
-    parser.add_argument("--rotary-kernel", action="store_true",
-                        help="step: only the routes' default step and the same without the rotary+write kernel, "
-                             "twice each, alternating")
-    parser.add_argument("--skinny", action="store_true",
-                        help="step: only the routes' default step and the same without the skinny o projection, "
-                             "twice each, alternating")
-    parser.add_argument("--split-k", action="store_true",
-                        help="step: only the routes' default step and the same with o, down, q|k|v as split-K GEMMs, "
-                             "twice each, alternating (use at wide batches: --rows 128 256)")
+    for field, what in ROUTE_AB.items():
+        parser.add_argument("--" + field.replace("_", "-"), action="store_true",
+                            help=f"step: only the routes' default step and the same with or without {what}, twice "
+                                 "each, alternating")
     parser.add_argument("--skinny-launches", nargs="+", default=["16,256,4,4", "16,512,4,3", "16,128,4,6", "16,256,2,4",
                                                                  "32,128,4,4", "32,256,8,3"],
                         help="--parts skinny: launch shapes block_n,block_k,warps,stages")

@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from rollout.cache.static import cache_shape
 from rollout.checks import pow2_at_least
 from rollout.executors.graphs import GRAPH, GraphSet
 from rollout.model import prefill
@@ -229,15 +230,10 @@ class PrefillGraphs:
         """Device bytes the staging buffers may still allocate (for the largest bucket, ``max_tokens`` rounded
         up; 0 where they are held at that size), from the model's config: what the memory budget counts before
         a call allocates them."""
-        config = model.config
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         tokens = pow2_at_least(self.max_tokens, MIN_TOKENS)
         if self._staging is not None and self._staging[0].shape[1] >= tokens:
             return 0
-        itemsize = next(model.parameters()).element_size()
-        return 2 * config.num_hidden_layers * tokens * kv_heads * head_dim * itemsize
+        return tokens * cache_shape(model, 1, 1).column_bytes  # keys + values of every layer, a token each
 
     def _drop_graphs(self) -> None:
         """Drop the graphs and their inputs (a shared buffer they read or write is about to be replaced)."""
