@@ -141,14 +141,15 @@ _OLD_COMPILED: list = []
 _SKIP_COMPILED = False  # --skip-compiled: Inductor's compile of the search takes ~30 s a case
 
 
-_KNOBS = ("BLOCK", "NUM_WARPS", "ARITY")
+_KNOBS = ("BLOCK", "NUM_WARPS", "ARITY", "WIDE_ARITY")
 
 
 def _with_config(sampler, config, with_logprobs):
-    """A call of ``sampler`` with the fused kernel's ``(BLOCK, NUM_WARPS[, ARITY])`` set to ``config`` (None: as is)."""
+    """A call of ``sampler`` with the fused kernel's ``(BLOCK, NUM_WARPS[, ARITY])`` set to ``config`` (None: as is;
+    an arity is used at every row count: ``ARITY`` and ``WIDE_ARITY``)."""
     def call(lg, s, r, t):
         saved = [getattr(fused_nucleus, k) for k in _KNOBS]
-        for knob, value in zip(_KNOBS, config or ()):
+        for knob, value in zip(_KNOBS, tuple(config or ()) + tuple(config or ())[2:]):  # an arity sets both
             setattr(fused_nucleus, knob, value)
         try:
             return sampler(lg, None, s, r, t, with_logprobs)[0]

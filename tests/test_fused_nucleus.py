@@ -91,6 +91,25 @@ def test_tokens_and_logprobs_equal_the_sorting_sampler(interpreted, stable_sort,
     assert torch.equal(again, tokens) and none is None
 
 
+@pytest.mark.parametrize("arity", [2, 4, 8])
+def test_every_arity_gives_the_same_tokens(interpreted, stable_sort, monkeypatch, arity):
+    """The search ends on the same boundary key whatever the thresholds per pass (``WIDE_ARITY`` at wide batches)."""
+    logits = _logits(5, 3001, 3.0, 17, torch.bfloat16, True)
+    args = (torch.tensor(9), torch.arange(5), torch.arange(5) + 2)
+    tokens, logprobs = interpreted.sample_top_p(logits, 0.9, 0.9, *args, True)
+    monkeypatch.setattr(interpreted, "ARITY", arity)
+    again, again_lp = interpreted.sample_top_p(logits, 0.9, 0.9, *args, True)
+    assert torch.equal(again, tokens) and torch.equal(again_lp, logprobs)
+
+
+def test_the_arity_follows_the_rows_against_the_multiprocessors(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 132}))
+    cuda = torch.device("cuda", 0)
+    assert fused_nucleus.arity(131, cuda) == fused_nucleus.ARITY
+    assert fused_nucleus.arity(132, cuda) == fused_nucleus.arity(256, cuda) == fused_nucleus.WIDE_ARITY
+    assert fused_nucleus.arity(256, torch.device("cpu")) == fused_nucleus.ARITY  # the interpreter: as before
+
+
 @pytest.mark.parametrize("vocab", [1, 5, 2500])
 def test_rows_of_one_value(interpreted, stable_sort, vocab):
     """Every score equal (no search pass runs): the row is one tie group, of which the lowest
@@ -230,3 +249,20 @@ def test_kernel_in_a_cuda_graph_on_the_gpu(temperature):
     tokens, logprobs = sampler(logits, None, seed, rows, step, True)
     same = tokens == expected
     assert torch.allclose(logprobs[same], expected_lp[same], atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_wide_arity_gives_the_narrow_arity_tokens_on_the_gpu(monkeypatch):
+    """At 256 rows (a program for every multiprocessor) the kernel searches with ``WIDE_ARITY``; the tokens and
+    log-probabilities are those of ``ARITY`` at the 3B vocabulary."""
+    if fused_nucleus.available() is not None:
+        pytest.skip(fused_nucleus.available())
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    logits = (torch.randn(256, 151936, device="cuda", generator=gen) * 3).bfloat16()
+    args = (torch.tensor(5, device="cuda"), torch.arange(256, device="cuda"), torch.tensor(3, device="cuda"))
+    assert fused_nucleus.arity(256, logits.device) == fused_nucleus.WIDE_ARITY != fused_nucleus.ARITY
+    tokens, logprobs = fused_nucleus.sample_top_p(logits, 1.0, 0.9, *args, True)
+    monkeypatch.setattr(fused_nucleus, "WIDE_ARITY", fused_nucleus.ARITY)
+    narrow, narrow_lp = fused_nucleus.sample_top_p(logits, 1.0, 0.9, *args, True)
+    assert torch.equal(tokens, narrow) and torch.equal(logprobs, narrow_lp)

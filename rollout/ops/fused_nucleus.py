@@ -36,7 +36,11 @@ from typing import Optional
 import torch
 
 ARITY = 16
-"""Thresholds per search pass (more: fewer passes over the row, more work per token and pass)."""
+"""Thresholds per search pass, a power of two (more: fewer passes over the row, more work per token and pass)."""
+WIDE_ARITY = 8
+"""The arity where the rows fill the GPU (at least one program per multiprocessor; :func:`arity`): on the H200 at
+256 rows 8 thresholds took 0.80 ms against 16's 0.91, at 8 rows 0.48 against 0.43 (``docs/BENCHMARKS.md``,
+"2026-12-01 (23:20 UTC session)"). Same tokens: the search ends on the same boundary key at any arity."""
 BLOCK = 2048
 """Tokens a program reads per iteration (2048 x 8 warps measured best on the H200 at 8 and 256 rows,
 ``docs/BENCHMARKS.md``)."""
@@ -90,9 +94,19 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, seed: t
         kernel[(num_rows,)](
             logits, logits.stride(0), vocab, seed.reshape(1), rows, step, 1 if step.numel() > 1 else 0,
             tokens, logprobs, float(temperature), _tau(top_p),
-            SHIFT=key_shift(logits.dtype), SCALE=temperature != 1.0, WITH_LOGPROBS=with_logprobs, ARITY=ARITY, BLOCK=BLOCK,
+            SHIFT=key_shift(logits.dtype), SCALE=temperature != 1.0, WITH_LOGPROBS=with_logprobs,
+            ARITY=arity(num_rows, logits.device), BLOCK=BLOCK,
             num_warps=NUM_WARPS)
     return tokens, (logprobs if with_logprobs else None)
+
+
+def arity(rows: int, device: torch.device) -> int:
+    """Thresholds per search pass for ``rows`` programs: ``WIDE_ARITY`` once there is a program for every
+    multiprocessor (the GPU is full, so each program's work per token counts), else ``ARITY`` (fewer passes: a
+    shorter program)."""
+    if device.type == "cuda" and rows >= torch.cuda.get_device_properties(device).multi_processor_count:
+        return WIDE_ARITY
+    return ARITY
 
 
 def _tau(top_p: float) -> float:
