@@ -108,13 +108,16 @@ class RolloutConfig:
     attention per planner bucket) wherever the fast decode step runs; False keeps the HF forward."""
     cuda_graphs: bool = True
     """On CUDA, capture the fast decode step in CUDA graphs (per batch and length bucket) and replay them."""
-    prefill_graph_tokens: int = 0
+    prefill_graph_tokens: int = 2048
     """With ``cuda_graphs`` and the variable-length prefill (CUDA, bf16/fp16), prefill passes of at most this many
     real tokens replay a CUDA graph captured per token, row and length bucket
     (:mod:`rollout.executors.prefill_graph`) instead of launching each layer's pieces from Python (~22-28 ms of
     host time per pass for the 3B shape on an H200). It keeps a staging buffer of the largest bucket's keys and
-    values (36 x 256 x 4 bytes a token for the 3B shape: 302 MB at 8,192) between calls. 0: off. Not yet
-    timed on a GPU, so off by default."""
+    values (36 x 256 x 4 bytes a token for the 3B shape: 75 MB at 2,048) between calls. 0: off.
+    Measured on the H200 (3B, bf16; ``docs/BENCHMARKS.md``, "2026-12-01 (23:20 UTC session)"): one pass of 8 x 64
+    tokens 41.9 -> 7.7 ms, 8 x 256 28.7 -> 21.2, 32 x 64 25.6 -> 20.8, 32 x 256 (8,192) 85.2 -> 85.3; the seed-004
+    short calls 12-28% faster. Token buckets are powers of two, so a pass of just over 2,048 real tokens would pay
+    the GEMMs of 4,096 where the GPU, not the host, is the limit: hence 2,048."""
     compile: bool = True
     """On CUDA, ``torch.compile`` the fast step's fusable pieces (norms, rotary, MLP activation)."""
     compile_mode: Optional[str] = None

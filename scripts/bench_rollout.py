@@ -186,10 +186,12 @@ def seed004_roofline_ms(prompt_lens: list[int], geo, bw_bytes_s: float, flops_s:
 
 
 def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_config=None,
-                  rates: tuple[float, float] | None = None, prefill_graph_tokens: int = 0) -> list[Row]:
+                  rates: tuple[float, float] | None = None,
+                  prefill_graph_tokens: int | None = None) -> list[Row]:
     """``rates``: (copy bytes/s, GEMM FLOP/s) measured in this run; with them every row carries its
-    ``roofline_ms`` and ``x_roofline`` (issue 15's target: <= 3x). ``prefill_graph_tokens`` > 0 adds the
-    candidate ``ours_auto_prefill_graph``: Auto with ``RolloutConfig.prefill_graph_tokens`` set (an A/B)."""
+    ``roofline_ms`` and ``x_roofline`` (issue 15's target: <= 3x). ``prefill_graph_tokens`` (an int, 0
+    included) adds the candidate ``ours_auto_prefill_graph_<N>``: Auto with ``RolloutConfig.prefill_graph_tokens``
+    set to it (an A/B against the default's)."""
     geo = None
     if rates is not None:
         from scripts.bench_rl import model_geometry
@@ -198,8 +200,8 @@ def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_confi
             for route in ("ordinary", "auto", "continuous")}
     # A/B of the prefill path: the ordinary route with the HF layers' prefill (not a route of its own)
     ours["ours_ordinary_hf_prefill"] = Rollout(model, tok, RolloutConfig(fast_prefill=False))
-    if prefill_graph_tokens:
-        ours["ours_auto_prefill_graph"] = Rollout(model, tok, RolloutConfig(cost_model=cost_config,
+    if prefill_graph_tokens is not None:
+        ours[f"ours_auto_prefill_graph_{prefill_graph_tokens}"] = Rollout(model, tok, RolloutConfig(cost_model=cost_config,
                                                                             prefill_graph_tokens=prefill_graph_tokens))
     up = upstream_rollout(model, tok, device, continuous=False) if upstream else None
     rows = []
@@ -327,8 +329,9 @@ def main(argv=None) -> None:
     parser.add_argument("--workloads", default=None, help="seed004 workloads, comma-separated (default all)")
     parser.add_argument("--upstream", action="store_true", help="also time DeepSpeed's HybridEngineRollout")
     parser.add_argument("--cost-config", help="calibration JSON for route=auto (scripts/calibrate_prefill.py)")
-    parser.add_argument("--prefill-graph-tokens", type=int, default=0,
-                        help="seed004: also time Auto with RolloutConfig.prefill_graph_tokens set to this (A/B)")
+    parser.add_argument("--prefill-graph-tokens", type=int, default=None,
+                        help="seed004: also time Auto with RolloutConfig.prefill_graph_tokens set to this (A/B against "
+                             "the default; 0: off)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge shards' --json files into one table")
     parser.add_argument("--plot", help="with --merge (or a run): a PNG of the breakdown per workload")

@@ -112,9 +112,9 @@ class JobConfig:
     """1: ``torch.compile`` the fast decode step's pieces on CUDA (``RolloutConfig.compile``)."""
     cuda_graphs: int = 1
     """1: replay the fast decode step from CUDA graphs on CUDA (``RolloutConfig.cuda_graphs``)."""
-    prefill_graph_tokens: int = 0
-    """Prefill passes of at most this many real tokens replay CUDA graphs (``RolloutConfig.prefill_graph_tokens``;
-    0: off)."""
+    prefill_graph_tokens: int = 2048
+    """Prefill passes of at most this many real tokens replay CUDA graphs (``RolloutConfig.prefill_graph_tokens``,
+    whose default this is; 0: off)."""
     teacher_offload: int = 0
     """1: the teacher runs in an inference-only DeepSpeed ZeRO-3 engine with its parameters offloaded
     to host memory (for teachers larger than the student)."""

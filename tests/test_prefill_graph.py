@@ -205,10 +205,11 @@ def test_routes_through_the_padded_pass_equal_hf_generate(emulated_varlen, route
         assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 5)
 
 
-def test_off_by_default_and_released_without_keep_cache(emulated_varlen):
+def test_on_by_default_off_at_zero_and_released_without_keep_cache(emulated_varlen):
     model = tiny_model("qwen2", seed=11)
     ids, mask = random_prompts(2, 6, min_len=2, seed=12)
-    assert Rollout(model, TinyTokenizer(), RolloutConfig())._prefill_graphs is None
+    assert Rollout(model, TinyTokenizer(), RolloutConfig())._prefill_graphs.max_tokens == 2048
+    assert Rollout(model, TinyTokenizer(), RolloutConfig(prefill_graph_tokens=0))._prefill_graphs is None
     ro = Rollout(model, TinyTokenizer(eos_token_id=None),
                  RolloutConfig(cuda_graphs=False, prefill_graph_tokens=512, keep_cache=False))
     ro._prefill_graphs.use_graphs = False
