@@ -332,8 +332,9 @@ def skinny_variants(rows: int, hidden: int, inter: int, qkv_dim: int, layers: in
     """Each projection of a layer in its fused form (q|k|v with the norm and bias, o with the residual, gate|up
     with the norm and SiLU·mul, down with the residual), ``layers`` distinct weights in one CUDA graph (as the
     step reads them: nothing from L2), through the compiled pieces' way (``torch.compile`` around cuBLAS)
-    against ``skinny_linear`` at each launch shape ``(block_n, block_k, warps, stages)``: ms and GB/s of
-    weights read."""
+    against ``skinny_linear`` at each launch shape ``(block_n, block_k, warps, stages)``, or ``(block_m, block_n,
+    block_k, warps, stages)`` with the rows in tiles of ``block_m`` (0: one tile): ms, GB/s of weights read and the
+    bf16 rate."""
     from rollout.model.step import compile_piece, rms_norm
 
     def bf16(*shape):
@@ -366,21 +367,25 @@ def skinny_variants(rows: int, hidden: int, inter: int, qkv_dim: int, layers: in
 
         cases = [("compiled pieces (cuBLAS)", compiled)]
         for launch in launches:
-            bn, bk, warps, stages = launch
+            bm, (bn, bk, warps, stages) = (launch[0] or None, launch[1:]) if len(launch) == 5 else (None, launch)
+            if bm is None and rows > skinny_linear.MAX_ROWS:
+                continue  # one tile cannot hold the rows
+            shape = dict(block_m=bm, block_n=bn, block_k=bk, warps=warps, stages=stages)
 
-            def run(weights=weights, kwargs_of=kwargs_of, bn=bn, bk=bk, warps=warps, stages=stages):
+            def run(weights=weights, kwargs_of=kwargs_of, shape=shape):
                 for w in weights:
-                    skinny_linear.skinny_linear(**kwargs_of(w), block_n=bn, block_k=bk, warps=warps, stages=stages)
-            got = skinny_linear.skinny_linear(**kwargs_of(weights[0]), block_n=bn, block_k=bk, warps=warps,
-                                              stages=stages)
+                    skinny_linear.skinny_linear(**kwargs_of(w), **shape)
+            got = skinny_linear.skinny_linear(**kwargs_of(weights[0]), **shape)
             err = float((got.float() - ref.float()).abs().max())
-            cases.append((f"skinny block_n {bn}, block_k {bk}, warps {warps}, stages {stages} (max |diff| {err:.3g})",
-                          run))
+            tiles = f"block_m {bm}, " if bm else ""
+            cases.append((f"skinny {tiles}block_n {bn}, block_k {bk}, warps {warps}, stages {stages} "
+                          f"(max |diff| {err:.3g})", run))
         for label, fn in cases:
             try:
                 ms = graph_ms(fn, 10)
-                out.append(dict(rows=rows, part=f"{name} x{layers}", variant=f"{label}, {gbytes / ms * 1e3:.0f} GB/s",
-                                ms=ms))
+                tflops = 2 * rows * gbytes / 2 / ms  # 2 * rows * (weights' elements) FLOP over ms: TFLOP/s
+                out.append(dict(rows=rows, part=f"{name} x{layers}",
+                                variant=f"{label}, {gbytes / ms * 1e3:.0f} GB/s, {tflops:.0f} TFLOP/s", ms=ms))
             except Exception as exc:  # noqa: BLE001 - a launch shape that fails is reported, not fatal
                 out.append(dict(rows=rows, part=f"{name} x{layers}", variant=label, ms=f"failed: {exc!r:.120}"))
     return out
@@ -446,7 +451,8 @@ def main(argv=None) -> None:
                                  "each, alternating")
     parser.add_argument("--skinny-launches", nargs="+", default=["16,256,4,4", "16,512,4,3", "16,128,4,6", "16,256,2,4",
                                                                  "32,128,4,4", "32,256,8,3"],
-                        help="--parts skinny: launch shapes block_n,block_k,warps,stages")
+                        help="--parts skinny: launch shapes block_n,block_k,warps,stages, or block_m,block_n,block_k,warps,stages "
+                             "with the rows in tiles of block_m (wide batches: --rows 128 256)")
     parser.add_argument("--kernel-variant", choices=["default", "no-skinny"], default="default",
                         help="--kernels: list the kernels of the routes' default step, or of it without the skinny "
                              "o projection")

@@ -68,9 +68,28 @@ def test_launch_shapes_give_the_same_result(device, block_n, block_k, warps):
     torch.testing.assert_close(got, sl.skinny_linear_reference(x, weight, **kwargs), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("rows,block_m", [(sl.MAX_ROWS + 9, 16), (40, 32), (128, 64)])
+def test_tiled_rows_equal_the_step_arithmetic(device, form, rows, block_m):
+    """Wide batches: rows cut into ``block_m`` tiles (the last one partial where rows do not divide), past the
+    single tile's ``MAX_ROWS``."""
+    x, weight, kwargs = _case(rows, 96, 40, torch.float32, device, FORMS[form], seed=rows)
+    assert sl.unsupported_reason(x, weight, interpret=True, tiled=True) is None
+    got = sl.skinny_linear(x, weight, interpret=True, block_m=block_m, block_n=16, block_k=32, **kwargs)
+    torch.testing.assert_close(got, sl.skinny_linear_reference(x, weight, **kwargs), rtol=1e-5, atol=1e-5)
+
+
+def test_block_m_must_be_a_power_of_two(device):
+    x, weight, kwargs = _case(4, 32, 16, torch.float32, device, FORMS["plain"])
+    for bad in (8, 48, 0):
+        with pytest.raises(ValueError, match="block_m"):
+            sl.skinny_linear(x, weight, interpret=True, block_m=bad, **kwargs)
+
+
 def test_inputs_it_does_not_take_run_in_pytorch_and_bad_ones_are_refused(device):
     x, weight, kwargs = _case(sl.MAX_ROWS + 1, 32, 16, torch.float32, device, FORMS["norm"])
     assert "rows" in sl.unsupported_reason(x, weight, interpret=True)
+    assert "block_m" in sl.unsupported_reason(x, weight, interpret=True)
     assert torch.equal(sl.skinny_linear(x, weight, interpret=True, **kwargs),
                        sl.skinny_linear_reference(x, weight, **kwargs))
     strided = torch.randn(4, 64, device=device)[:, ::2]

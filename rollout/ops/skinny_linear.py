@@ -20,7 +20,12 @@ routes use it for o (``RolloutConfig.skinny_rows``). The other projections lost 
 0.447 against 0.299, gate|up with the norm and SiLU·mul 1.13-2.3 against 1.07, down with the residual 0.667
 against 0.638 at 8 rows; those forms stay here for the benchmark and the tests.
 
-It is meant for ``M <= MAX_ROWS``; beyond, and where the kernel cannot run (no triton, not CUDA unless
+Wide batches: with ``block_m`` set the rows are cut into tiles of ``block_m`` (a second grid axis), so the same
+kernel is a tiled GEMM of many small programs. cuBLAS runs the small-N projections of a wide step (o, q|k|v:
+N = 2,048-2,560) as few large tiles: at 256 rows o reached 128 TFLOP/s and q|k|v 159 (``docs/BENCHMARKS.md``,
+"2026-12-01 (23:20 UTC session)"); ``--parts skinny --rows 128 256`` times the tiled launches against it.
+
+Without ``block_m`` it is meant for ``M <= MAX_ROWS``; beyond, and where the kernel cannot run (no triton, not CUDA unless
 ``interpret``, a strided row or weight, other dtypes than bf16/fp16/fp32), the same arithmetic runs in PyTorch
 (:func:`skinny_linear_reference`); a kernel that fails to compile or launch warns once and leaves the PyTorch
 path to every later call on that device.
@@ -51,16 +56,18 @@ _FAILED: dict = {}
 """device -> why the kernel failed there."""
 
 
-def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, interpret: bool = False) -> Optional[str]:
-    """None when :func:`skinny_linear` runs the kernel on these inputs; else why the PyTorch path runs."""
+def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, interpret: bool = False,
+                       tiled: bool = False) -> Optional[str]:
+    """None when :func:`skinny_linear` runs the kernel on these inputs (``tiled``: with ``block_m`` set); else
+    why the PyTorch path runs."""
     if available() is not None:
         return available()
     if not interpret and not x.is_cuda:
         return "not a CUDA tensor"
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [M, K] and [N, K]"
-    if x.shape[0] > MAX_ROWS:
-        return f"{x.shape[0]} rows > {MAX_ROWS}"
+    if x.shape[0] > MAX_ROWS and not tiled:
+        return f"{x.shape[0]} rows > {MAX_ROWS} (set block_m to tile the rows)"
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dtype != weight.dtype:
         return f"dtypes {x.dtype}/{weight.dtype}"
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -84,23 +91,26 @@ def skinny_linear_reference(x, weight, bias=None, norm=None, eps: float = 0.0, r
 
 def skinny_linear(x, weight, bias=None, norm=None, eps: float = 0.0, residual=None, glu: bool = False,
                   interpret: bool = False, block_n: int = BLOCK_N, block_k: int = BLOCK_K, warps: int = WARPS,
-                  stages: int = STAGES) -> torch.Tensor:
+                  stages: int = STAGES, block_m: Optional[int] = None) -> torch.Tensor:
     """``[M, N]`` (module docstring); ``interpret``: allow CPU tensors (tests, under ``TRITON_INTERPRET=1``);
-    ``block_n``, ``block_k``, ``warps``, ``stages``: launch parameters (module constants)."""
+    ``block_n``, ``block_k``, ``warps``, ``stages``: launch parameters (module constants); ``block_m``: rows per
+    tile (a power of two >= 16; None: every row in one tile, at most ``MAX_ROWS``)."""
+    if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
+        raise ValueError(f"block_m: must be a power of two >= 16 or None; got {block_m!r}")
     if glu and weight.shape[0] % 2:
         raise ValueError(f"glu needs [gate; up] with an even number of rows, got weight {tuple(weight.shape)}")
     out_shape = (x.shape[0], weight.shape[0] // 2 if glu else weight.shape[0])
     if residual is not None and tuple(residual.shape) != out_shape:
         raise ValueError(f"residual {tuple(residual.shape)} must match the output {out_shape}")
-    if unsupported_reason(x, weight, interpret) is not None or (residual is not None and residual.stride(1) != 1):
+    if unsupported_reason(x, weight, interpret, tiled=block_m is not None) is not None or (residual is not None and residual.stride(1) != 1):
         return skinny_linear_reference(x, weight, bias, norm, eps, residual, glu)
     return launch_or_fall_back(
         _FAILED, str(x.device), "skinny linear kernel", f"the PyTorch path runs instead on {x.device}",
-        lambda: _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, stages),
+        lambda: _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, stages, block_m),
         lambda: skinny_linear_reference(x, weight, bias, norm, eps, residual, glu))
 
 
-def _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, stages) -> torch.Tensor:
+def _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, stages, block_m) -> torch.Tensor:
     from rollout.ops import skinny_linear_kernel as kernels
 
     rows, k = x.shape
@@ -108,12 +118,13 @@ def _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, 
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_k = min(block_k, pow2_at_least(k, 16))
     precision = "ieee" if x.dtype == torch.float32 or not x.is_cuda else "tf32"
-    kernels.skinny_linear[(-(-n // block_n),)](
+    block_m = block_m or pow2_at_least(rows, 16)
+    kernels.skinny_linear[(-(-n // block_n), -(-rows // block_m))](
         x, weight, bias if bias is not None else x, norm if norm is not None else x,
         residual if residual is not None else x, out, rows, n, k, float(eps),
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         NORM=norm is not None, BIAS=bias is not None, RESIDUAL=residual is not None, GLU=glu,
-        BLOCK_M=pow2_at_least(rows, 16), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         PRECISION=precision, DOT_FP32=not x.is_cuda and x.dtype != torch.float32,
         num_warps=warps, num_stages=stages)
     return out

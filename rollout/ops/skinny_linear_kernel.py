@@ -11,15 +11,16 @@ def skinny_linear(x_ptr, w_ptr, bias_ptr, norm_ptr, res_ptr, out_ptr, M, N, K, e
                   NORM: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GLU: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                   PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    # One program: every row (M <= BLOCK_M) against BLOCK_N output columns over the whole of K, so each weight
-    # element is read once and no partial sums leave the program. Rounding follows the step's eager pieces:
+    # One program: BLOCK_M rows (program_id(1)-th tile; at small batches every row is one tile) against BLOCK_N
+    # output columns over the whole of K, so each weight element is read once per row tile and no partial sums
+    # leave the program. Rounding follows the step's eager pieces:
     # the normalised row is rounded to the input dtype before the norm weight multiplies it (and again after),
     # the projection is rounded before SiLU, the product and the residual add.
     # NORM: RMSNorm of the rows first (their mean square over all of K, fp32). BIAS: + bias. GLU: the weight
     # is [gate; up] (2N rows), out = silu(x @ gate^T) * (x @ up^T). RESIDUAL: out = residual + the projection.
     # DOT_FP32: products on fp32 operands (only for triton's CPU interpreter, whose bf16 dot is wrong).
     pid = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rows < M
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
