@@ -25,8 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.config import RolloutConfig, SamplingConfig  # noqa: E402
 from rollout.model.step import (SPLIT_K, FusedGateUp, FusedQKV, StepFns, StepParts, compiled_step_fns,  # noqa: E402
-                                decode_logits, decode_logits_halves, attention_inputs_qkv_write, compile_piece,
-                                grouped_decode_attention,
+                                decode_logits, attention_inputs_qkv_write, compile_piece, grouped_decode_attention,
                                 spec_and_weights, split_k_linear)
 from rollout.executors.graphs import capture_graph  # noqa: E402
 from rollout.ops import decode_attention, rotary_write, skinny_linear  # noqa: E402
@@ -169,8 +168,6 @@ class StepVariant:
     ``RolloutConfig.skinny_rows`` (with the rotary kernel)."""
     split_k: bool = False
     """o, down and q|k|v as split-K GEMMs at every batch (``RolloutConfig.split_k_rows=1``; with fused gate|up)."""
-    two_streams: bool = False
-    """The rows in two halves, the second on a second CUDA stream (``rollout.model.step.decode_logits_halves``)."""
 
     @property
     def name(self) -> str:
@@ -182,8 +179,7 @@ class StepVariant:
                 + (", fused gate|up" if self.gate_up else "")
                 + (", rotary+write kernel" if self.rotary_kernel else "")
                 + (", skinny o projection" if self.skinny else "")
-                + (f", o, down, q|k|v split-K x{SPLIT_K}" if self.split_k else "")
-                + (", two halves on two streams" if self.two_streams else ""))
+                + (f", o, down, q|k|v split-K x{SPLIT_K}" if self.split_k else ""))
 
 
 #: The step the routes run by default (``RolloutConfig``: compiled, fused q|k|v and gate|up, the Triton attention,
@@ -224,9 +220,6 @@ def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
     keep = torch.ones(rows, 1, 1, live + 1, dtype=torch.bool, device="cuda")
     if variant.additive_mask:  # what torch's cuDNN path builds from the boolean mask: 0 kept, -65504 elsewhere
         keep = torch.zeros(keep.shape, dtype=torch.bfloat16, device="cuda").masked_fill_(~keep, -65504.0)
-    if variant.two_streams:
-        side = torch.cuda.Stream()
-        return lambda: decode_logits_halves(parts, keys, values, tokens, positions, col, keep, side=side)
     return lambda: decode_logits(parts, keys, values, tokens, positions, col, keep)
 
 
@@ -282,8 +275,7 @@ def step_variants(model, rows: int, live: int, variant: StepVariant):
 #: ``StepVariant`` field flipped, twice each, alternating, the variant with the field off first.
 ROUTE_AB = {"gate_up": "gate|up as one GEMM", "rotary_kernel": "the rotary+write kernel",
             "skinny": "the skinny o projection",
-            "split_k": "o, down, q|k|v as split-K GEMMs (use at wide batches: --rows 128 256)",
-            "two_streams": "the rows in two halves on two CUDA streams (wide batches)"}
+            "split_k": "o, down, q|k|v as split-K GEMMs (use at wide batches: --rows 128 256)"}
 
 
 def step_variant_list(args) -> list[StepVariant]:

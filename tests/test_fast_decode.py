@@ -365,36 +365,3 @@ def test_split_k_linear_is_the_linear(splits):
     odd = torch.randn(24, 130, generator=gen)
     torch.testing.assert_close(split_k_linear(odd, torch.randn(40, 130, generator=gen), splits).shape,
                                torch.Size([24, 40]))
-
-
-def test_the_step_in_two_halves_equals_the_whole_step_fp32():
-    """``decode_logits_halves`` (the rows in two halves, each a step over its rows of the cache; on CUDA the
-    second on its own stream) gives the logits and cache of one step over all rows, odd row counts included."""
-    from rollout.cache.static import CacheShape, StaticKVCache
-    from rollout.model import compat
-    from rollout.model.step import StepParts, decode_logits_halves, spec_and_weights
-    from rollout.ops import masks
-    model = tiny_model("qwen2", seed=4)
-    ids, mask = random_prompts(5, 6, min_len=2, seed=8)
-    layers, heads, dim = compat.kv_geometry(model)
-    shape = CacheShape(5, 12, layers, heads, dim, torch.float32, torch.device("cpu"))
-    caches = [StaticKVCache(shape), StaticKVCache(shape)]
-    with torch.no_grad():
-        for cache in caches:
-            cache.set_window(torch.arange(6), 6)
-            compat.forward_last_logits(model, ids, masks.prompt_positions(mask), masks.prefill_mask(mask), cache)
-        spec, weights = spec_and_weights(model)
-        parts = StepParts(spec, weights, fast_decode.StepFns())
-        valid = masks.key_validity(mask, 12)
-        tokens, pos = torch.tensor([7, 8, 9, 10, 11]), mask.sum(1)
-        for step in range(3):
-            keep = masks.decode_mask(valid, 7 + step)
-            valid[:, 6 + step] = True
-            args = (tokens, pos + step, torch.tensor(6 + step), keep)
-            want = fast_decode.decode_logits(parts, caches[0].key_storage, caches[0].value_storage, *args)
-            got = decode_logits_halves(parts, caches[1].key_storage, caches[1].value_storage, *args)
-            assert got.shape == want.shape == (5, model.config.vocab_size)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            tokens = want.argmax(-1)
-    torch.testing.assert_close(caches[1].key_storage, caches[0].key_storage, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(caches[1].value_storage, caches[0].value_storage, rtol=1e-5, atol=1e-5)

@@ -544,31 +544,3 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
         else:
             h = layer_output(fns, h, attn, w, eps)
     return fns.final_logits(h, weights.final_norm, weights.lm_head, weights.lm_head_bias, eps)
-
-
-def decode_logits_halves(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.Tensor, tokens: torch.Tensor,
-                         positions: torch.Tensor, col: torch.Tensor, keep: torch.Tensor, start: int = 0,
-                         side: "torch.cuda.Stream | None" = None) -> torch.Tensor:
-    """:func:`decode_logits` with the rows in two halves, each a step of its own over its rows of the cache; the
-    second half runs on ``side`` (a CUDA stream forked from the current one and joined before the logits are
-    concatenated), so one half's memory-bound attention can overlap the other's compute-bound GEMMs (within a
-    CUDA graph the halves are two independent chains). ``side`` None runs the halves one after the other (the
-    CPU tests of the row split). Same logits per row as one step over all rows up to the GEMMs' rounding at
-    another batch size (exact in fp32 on the CPU)."""
-    half = tokens.shape[0] // 2
-    if half == 0:
-        return decode_logits(parts, key_cache, value_cache, tokens, positions, col, keep, start)
-
-    def rows(lo, hi):
-        return decode_logits(parts, key_cache[:, lo:hi], value_cache[:, lo:hi], tokens[lo:hi], positions[lo:hi], col,
-                             keep[lo:hi], start)
-
-    if side is None:
-        return torch.cat([rows(0, half), rows(half, tokens.shape[0])])
-    main = torch.cuda.current_stream(tokens.device)
-    side.wait_stream(main)
-    first = rows(0, half)
-    with torch.cuda.stream(side):
-        second = rows(half, tokens.shape[0])
-    main.wait_stream(side)
-    return torch.cat([first, second])
