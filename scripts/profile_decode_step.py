@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import statistics
 import sys
@@ -298,33 +297,41 @@ def step_variant_list(args) -> list[StepVariant]:
 
 def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, layers: int):
     """A layer's projections at ``rows`` rows, separate weights (what runs) against concatenated ones
-    (q|k|v and gate|up as one GEMM each), times ``layers``; and the bf16 GEMM rate each reaches."""
+    (q|k|v and gate|up as one GEMM each), ``layers`` distinct weights in one CUDA graph (as a step reads them:
+    one launch's latency and L2 reuse do not count); ms of all layers and the bf16 GEMM rate each reaches.
+    (Until 66a3816 this table timed one GEMM per replay and multiplied by ``layers``: the small-N GEMMs' figures
+    were mostly a graph launch's latency.)"""
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     h = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16)
-    w = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for name, n, k in (
-        ("q", q_dim, hidden), ("k", kv_dim, hidden), ("v", kv_dim, hidden), ("o", hidden, q_dim),
-        ("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter))}
-    qkv = torch.cat([w["q"], w["k"], w["v"]])
-    gate_up = torch.cat([w["gate"], w["up"]])
+    w = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+         for name, n, k in (("q", q_dim, hidden), ("k", kv_dim, hidden), ("v", kv_dim, hidden), ("o", hidden, q_dim),
+                            ("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter))}
+    qkv = [torch.cat(parts) for parts in zip(w["q"], w["k"], w["v"])]
+    gate_up = [torch.cat(parts) for parts in zip(w["gate"], w["up"])]
     flops = {"qkv": 2 * rows * hidden * (q_dim + 2 * kv_dim), "o": 2 * rows * q_dim * hidden,
              "gate_up": 2 * rows * hidden * 2 * inter, "down": 2 * rows * inter * hidden}
+
+    def each(fn, *weights):
+        return lambda: [fn(*ws) for ws in zip(*weights)]
+
     cases = {
-        "q, k, v separate (now)": ("qkv", lambda: (F.linear(x, w["q"]), F.linear(x, w["k"]), F.linear(x, w["v"]))),
-        "qkv concatenated": ("qkv", lambda: F.linear(x, qkv)),
-        "o": ("o", lambda: F.linear(x, w["o"])),
-        "gate, up separate (now)": ("gate_up", lambda: (F.linear(x, w["gate"]), F.linear(x, w["up"]))),
-        "gate|up concatenated": ("gate_up", lambda: F.linear(x, gate_up)),
-        "down": ("down", lambda: F.linear(h, w["down"])),
+        "q, k, v separate (now)": ("qkv", each(lambda q, k, v: (F.linear(x, q), F.linear(x, k), F.linear(x, v)),
+                                               w["q"], w["k"], w["v"])),
+        "qkv concatenated": ("qkv", each(lambda wt: F.linear(x, wt), qkv)),
+        "o": ("o", each(lambda wt: F.linear(x, wt), w["o"])),
+        "gate, up separate (now)": ("gate_up", each(lambda g, u: (F.linear(x, g), F.linear(x, u)), w["gate"], w["up"])),
+        "gate|up concatenated": ("gate_up", each(lambda wt: F.linear(x, wt), gate_up)),
+        "down": ("down", each(lambda wt: F.linear(h, wt), w["down"])),
     }
     if rows >= 128:  # wide batches: the small-N projections as split-K batched GEMMs (an experiment)
-        for kind, inp, weight in (("qkv", x, qkv), ("o", x, w["o"]), ("down", h, w["down"])):
+        for kind, inp, weights in (("qkv", x, qkv), ("o", x, w["o"]), ("down", h, w["down"])):
             for splits in (2, 4, 8):
-                cases[f"{kind} split-K {splits} (bmm + sum)"] = (kind, functools.partial(split_k_linear, inp, weight,
-                                                                                         splits))
+                cases[f"{kind} split-K {splits} (bmm + sum)"] = (
+                    kind, each(lambda wt, inp=inp, splits=splits: split_k_linear(inp, wt, splits), weights))
     out = {}
     for name, (kind, fn) in cases.items():
         ms = graph_ms(fn, 20)
-        out[name] = (ms * layers, flops[kind] / (ms / 1000) / 1e12)
+        out[name] = (ms, layers * flops[kind] / (ms / 1000) / 1e12)
     return out
 
 
