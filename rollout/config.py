@@ -158,10 +158,10 @@ class RolloutConfig:
     split_k_rows: int = 0
     """With ``fuse_gate_up``: decode steps whose batch bucket has at least this many rows compute the o and down
     projections (and, with ``rotary_kernel``, the fused q|k|v) as ``rollout.model.step.SPLIT_K`` partial products
-    summed in fp32 (one batched GEMM each, :func:`rollout.model.step.split_k_linear`) instead of one GEMM: at
-    256 rows on an H200 the o and down GEMMs have 32 output tiles for 132 SMs and ran at 142 and 358 TFLOP/s,
-    q|k|v at 176. 0: off. Not yet timed on a GPU (``scripts/profile_decode_step.py --kernels`` times the GEMMs
-    alone, ``--split-k`` the step)."""
+    summed in fp32 (one batched GEMM each, :func:`rollout.model.step.split_k_linear`) instead of one GEMM. On an
+    H200 (3B shape, ``profile_decode_step.py --split-k``, A B A B) the whole step took 3.888/3.887 -> 3.745/3.747
+    ms at 128 rows (-3.7%) and 5.059/5.068 -> 5.035/5.049 at 256 (-0.4%) (docs/BENCHMARKS.md, "2026-12-01
+    (23:20 UTC session)"); not yet run in the RL cells, nor timed at 512 rows, so off. 0: off."""
     fused_sampler: bool = True
     """On CUDA (with ``compile``), temperature + top-p sampling without top-k or a repetition penalty runs
     the one-kernel nucleus (:mod:`rollout.ops.fused_nucleus`); False keeps the compiled sort-free search.

@@ -21,9 +21,10 @@ routes use it for o (``RolloutConfig.skinny_rows``). The other projections lost 
 against 0.638 at 8 rows; those forms stay here for the benchmark and the tests.
 
 Wide batches: with ``block_m`` set the rows are cut into tiles of ``block_m`` (a second grid axis), so the same
-kernel is a tiled GEMM of many small programs. cuBLAS runs the small-N projections of a wide step (o, q|k|v:
-N = 2,048-2,560) as few large tiles: at 256 rows o reached 128 TFLOP/s and q|k|v 159 (``docs/BENCHMARKS.md``,
-"2026-12-01 (23:20 UTC session)"); ``--parts skinny --rows 128 256`` times the tiled launches against it.
+kernel is a tiled GEMM of many small programs (``--parts skinny --rows 128 256`` times such launches). On an
+H200 it lost to the compiled pieces' cuBLAS GEMMs in every form at 128 and 256 rows but one: o with its residual
+at 128 rows, 0.269 ms (block 64 x 32 x 128) against 0.295 for 36 layers; at 256 rows cuBLAS ran o at 259
+TFLOP/s and q|k|v at 264 (``docs/BENCHMARKS.md``, "2026-12-01 (23:20 UTC session)"). The routes do not use it.
 
 Without ``block_m`` it is meant for ``M <= MAX_ROWS``; beyond, and where the kernel cannot run (no triton, not CUDA unless
 ``interpret``, a strided row or weight, other dtypes than bf16/fp16/fp32), the same arithmetic runs in PyTorch
