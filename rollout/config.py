@@ -116,7 +116,8 @@ class RolloutConfig:
     values (36 x 256 x 4 bytes a token for the 3B shape: 75 MB at 2,048) between calls. 0: off.
     Measured on the H200 (3B, bf16; ``docs/BENCHMARKS.md``, "2026-12-01 (23:20 UTC session)"): one pass of 8 x 64
     tokens 41.9 -> 7.7 ms, 8 x 256 28.7 -> 21.2, 32 x 64 25.6 -> 20.8, 32 x 256 (8,192) 85.2 -> 85.3; the seed-004
-    short calls 12-28% faster. Token buckets are powers of two, so a pass of just over 2,048 real tokens would pay
+    short calls 16-37% faster, its 16..512 workload 4.5% slower though its one pass ran eagerly (unexplained),
+    the RL capped cell 3.9% faster. Token buckets are powers of two, so a pass of just over 2,048 real tokens would pay
     the GEMMs of 4,096 where the GPU, not the host, is the limit: hence 2,048."""
     compile: bool = True
     """On CUDA, ``torch.compile`` the fast step's fusable pieces (norms, rotary, MLP activation)."""
