@@ -201,8 +201,8 @@ def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_confi
     # A/B of the prefill path: the ordinary route with the HF layers' prefill (not a route of its own)
     ours["ours_ordinary_hf_prefill"] = Rollout(model, tok, RolloutConfig(fast_prefill=False))
     if prefill_graph_tokens is not None:
-        ours[f"ours_auto_prefill_graph_{prefill_graph_tokens}"] = Rollout(model, tok, RolloutConfig(cost_model=cost_config,
-                                                                            prefill_graph_tokens=prefill_graph_tokens))
+        ours[f"ours_auto_prefill_graph_{prefill_graph_tokens}"] = Rollout(
+            model, tok, RolloutConfig(cost_model=cost_config, prefill_graph_tokens=prefill_graph_tokens))
     up = upstream_rollout(model, tok, device, continuous=False) if upstream else None
     rows = []
     for name in names:

@@ -458,8 +458,9 @@ def main(argv=None) -> None:
                                  "each, alternating")
     parser.add_argument("--skinny-launches", nargs="+", default=["16,256,4,4", "16,512,4,3", "16,128,4,6", "16,256,2,4",
                                                                  "32,128,4,4", "32,256,8,3"],
-                        help="--parts skinny: launch shapes block_n,block_k,warps,stages, or block_m,block_n,block_k,warps,stages "
-                             "with the rows in tiles of block_m (wide batches: --rows 128 256)")
+                        help="--parts skinny: launch shapes block_n,block_k,warps,stages, or "
+                             "block_m,block_n,block_k,warps,stages with the rows in tiles of block_m "
+                             "(wide batches: --rows 128 256)")
     parser.add_argument("--kernel-variant", choices=["default", "no-skinny"], default="default",
                         help="--kernels: list the kernels of the routes' default step, or of it without the skinny "
                              "o projection")

@@ -26,10 +26,10 @@ H200 it lost to the compiled pieces' cuBLAS GEMMs in every form at 128 and 256 r
 at 128 rows, 0.269 ms (block 64 x 32 x 128) against 0.295 for 36 layers; at 256 rows cuBLAS ran o at 259
 TFLOP/s and q|k|v at 264 (``docs/BENCHMARKS.md``, "2026-12-01 (23:20 UTC session)"). The routes do not use it.
 
-Without ``block_m`` it is meant for ``M <= MAX_ROWS``; beyond, and where the kernel cannot run (no triton, not CUDA unless
-``interpret``, a strided row or weight, other dtypes than bf16/fp16/fp32), the same arithmetic runs in PyTorch
-(:func:`skinny_linear_reference`); a kernel that fails to compile or launch warns once and leaves the PyTorch
-path to every later call on that device.
+Without ``block_m`` it is meant for ``M <= MAX_ROWS``; beyond, and where the kernel cannot run (no triton, not CUDA
+unless ``interpret``, a strided row or weight, other dtypes than bf16/fp16/fp32), the same arithmetic runs in
+PyTorch (:func:`skinny_linear_reference`); a kernel that fails to compile or launch warns once and leaves the
+PyTorch path to every later call on that device.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def skinny_linear(x, weight, bias=None, norm=None, eps: float = 0.0, residual=No
     out_shape = (x.shape[0], weight.shape[0] // 2 if glu else weight.shape[0])
     if residual is not None and tuple(residual.shape) != out_shape:
         raise ValueError(f"residual {tuple(residual.shape)} must match the output {out_shape}")
-    if unsupported_reason(x, weight, interpret, tiled=block_m is not None) is not None or (residual is not None and residual.stride(1) != 1):
+    if (unsupported_reason(x, weight, interpret, tiled=block_m is not None) is not None
+            or (residual is not None and residual.stride(1) != 1)):
         return skinny_linear_reference(x, weight, bias, norm, eps, residual, glu)
     return launch_or_fall_back(
         _FAILED, str(x.device), "skinny linear kernel", f"the PyTorch path runs instead on {x.device}",
