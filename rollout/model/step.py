@@ -362,9 +362,7 @@ def attention_output_and_mlp(h, attn, wo, bo, norm, gate, up, down, eps: float):
 
 def attention_output_and_gate_up_mlp(h, attn, wo, bo, norm, gate_up, down, eps: float):
     """:func:`attention_output_and_mlp` with one GEMM over the concatenated ``[gate; up]`` weight."""
-    h = h + F.linear(attn.reshape(h.shape[0], -1), wo, bo)
-    gate, up = F.linear(rms_norm(h, norm, eps), gate_up).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, down)
+    return gate_up_mlp(h + F.linear(attn.reshape(h.shape[0], -1), wo, bo), norm, gate_up, down, eps)
 
 
 #: Partial products of a split-K projection (``RolloutConfig.split_k_rows``).
