@@ -102,7 +102,7 @@ def attention_variants(rows: int, live: int, heads: int, kv_heads: int, dim: int
     launch = [(f"triton kernel, block {b_} warps {w} stages {st}", triton_kernel(block=b_, warps=w, stages=st))
               for b_, w, st in ((64, 4, 3), (64, 4, 1), (32, 4, 2), (128, 4, 2), (64, 8, 2), (32, 2, 2))]
 
-    auto = decode_attention.split_count(rows, kv_heads, live, torch.cuda.get_device_properties(0).multi_processor_count)
+    auto = decode_attention.split_count(rows, kv_heads, live, decode_attention.sm_count(0))
     out = {}
     for name, fn in (("sdpa gqa + bool mask (now)", gqa_mask), ("grouped q + bool mask", grouped_mask),
                      ("grouped q + bf16 bias", grouped_bias), ("grouped q, no mask", grouped_nomask),

@@ -103,8 +103,7 @@ def test_every_arity_gives_the_same_tokens(interpreted, stable_sort, monkeypatch
 
 
 def test_the_arity_follows_the_rows_against_the_multiprocessors(monkeypatch):
-    properties = type("P", (), {"multi_processor_count": 132})
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    monkeypatch.setattr(fused_nucleus, "sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
     assert fused_nucleus.arity(131, cuda) == fused_nucleus.ARITY
     assert fused_nucleus.arity(132, cuda) == fused_nucleus.arity(256, cuda) == fused_nucleus.WIDE_ARITY

@@ -111,7 +111,8 @@ def split_count(rows: int, kv_heads: int, length: int, sms: int, block: int = BL
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
+    """Multiprocessors of CUDA device ``index`` (read once per device)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -136,7 +137,7 @@ def _launch(q, k, v, keep, scale, splits, block, warps, stages) -> torch.Tensor:
     kv_heads, length = k.shape[1], k.shape[2]
     group = heads // kv_heads
     if splits is None:
-        splits = split_count(rows, kv_heads, length, _sm_count(q.device.index or 0) if q.is_cuda else 1, block)
+        splits = split_count(rows, kv_heads, length, sm_count(q.device.index or 0) if q.is_cuda else 1, block)
     splits = max(1, min(int(splits), max(1, -(-length // block))))
     out = torch.empty(rows, heads, 1, dim, dtype=q.dtype, device=q.device)
     dim_pad = pow2_at_least(dim, 16)

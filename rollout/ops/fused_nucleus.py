@@ -35,6 +35,8 @@ from typing import Optional
 
 import torch
 
+from rollout.ops.decode_attention import sm_count
+
 ARITY = 16
 """Thresholds per search pass, a power of two (more: fewer passes over the row, more work per token and pass)."""
 WIDE_ARITY = 8
@@ -104,7 +106,7 @@ def arity(rows: int, device: torch.device) -> int:
     """Thresholds per search pass for ``rows`` programs: ``WIDE_ARITY`` once there is a program for every
     multiprocessor (the GPU is full, so each program's work per token counts), else ``ARITY`` (fewer passes: a
     shorter program)."""
-    if device.type == "cuda" and rows >= torch.cuda.get_device_properties(device).multi_processor_count:
+    if device.type == "cuda" and rows >= sm_count(device.index or 0):
         return WIDE_ARITY
     return ARITY
 
