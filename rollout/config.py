@@ -98,6 +98,13 @@ class RolloutConfig:
     ahead of the GPU. Outputs are the same for every ``k``. None: the route's default
     (``rollout.plan.routes.EOS_CHECK_INTERVAL``: 1 for the ordinary route, 4 for continuous batching,
     chosen by measurement on the H200)."""
+    late_eos_count: bool = True
+    """The ordinary route's EOS checks (static buffers) read the count of unfinished rows one check late: the
+    host then waits for a step that a later one already follows, so the GPU never idles while the host
+    launches the next step (with the count read at once it did, at every check). Rows that have ended stay
+    ended, so the late count only delays a compaction by one check; the steps run after the last row ended
+    (up to one check's worth, ``CallStats.eos_overrun_steps``) are cut from the output, which is the same
+    either way. False reads the count at once."""
     max_context: Optional[int] = None
     """Upper bound on prompt + new tokens; None reads ``max_position_embeddings`` from the model config."""
     fast_decode: bool = True
@@ -183,7 +190,7 @@ class RolloutConfig:
         require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
         require(isinstance(self.keep_cache, bool), "keep_cache", f"must be a bool; got {self.keep_cache!r}")
         for name in ("fuse_lora", "fast_decode", "fast_prefill", "cuda_graphs", "compile", "fuse_qkv", "fuse_gate_up",
-                     "rotary_kernel", "fused_sampler", "fused_kv_write"):
+                     "rotary_kernel", "fused_sampler", "fused_kv_write", "late_eos_count"):
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
         require(is_int(self.prefill_graph_tokens) and self.prefill_graph_tokens >= 0, "prefill_graph_tokens",
                 f"must be an int >= 0 (0: off); got {self.prefill_graph_tokens!r}")

@@ -73,6 +73,10 @@ class CallStats:
     """Scheduler iterations (continuous route; = num_steps on the ordinary route)."""
     host_syncs: int = 0
     """Host syncs the route made for EOS checks and the layout (the input checks' one sync not counted)."""
+    eos_overrun_steps: int = 0
+    """Ordinary route, static buffers: decode steps run after every row had ended. Its EOS check reads the
+    finished count one check late, so the host never waits for the step it has just launched; these
+    steps' tokens are cut from the output."""
     plans: int = 0
     """Prefill plans made for the call: Auto's bucket DP when it ran (ordinary route), one per admission
     wave (continuous route)."""

@@ -74,32 +74,45 @@ def test_one_graph_launch_per_decode_step(setup, monkeypatch, route, slots):
 
 
 @cuda
-def test_decode_host_syncs_are_the_eos_checks(setup):
-    """The syncs a call adds for its decode steps are exactly its EOS checks (compactions add none):
-    compare a call with decode steps to one without (max_new_tokens=1) under sync-debug mode. The measured
-    call is the Rollout's second with these EOS ids: it replays graphs captured by the first, which must
-    read a live EOS tensor (a per-call tensor freed after the first call left rows unfinished: no
-    compaction, every step run; fixed 2026-12-01)."""
+def test_decode_host_syncs_are_the_eos_checks(setup, monkeypatch):
+    """The ordinary route's decode steps add no stream sync (compactions none either): its EOS checks wait
+    on an event recorded one check earlier, never on the step just launched, so the GPU's queue is never
+    drained. Compare a call with decode steps to one without (max_new_tokens=1) under sync-debug mode (which
+    flags stream and device syncs, not event waits), and count the event waits: one per counted host sync.
+    The measured call is the Rollout's second with these EOS ids: it replays graphs captured by the first,
+    which must read a live EOS tensor (a per-call tensor freed after the first call left rows unfinished:
+    no compaction, every step run; fixed 2026-12-01)."""
     model, ids, mask, tok = setup
     ro = Rollout(model, tok, RolloutConfig(compile=False))
+    waits = []
+    original = torch.cuda.Event.synchronize
+
+    def counted(self):
+        waits.append(1)
+        return original(self)
 
     def syncs(max_new):
         sampling = SamplingConfig(max_new_tokens=max_new, temperature=0.0, n_samples_per_prompt=3)
         ro.generate(RolloutRequest(ids, mask), sampling)  # warm-up, captures
         torch.cuda.synchronize()
+        waits.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
+            monkeypatch.setattr(torch.cuda.Event, "synchronize", counted)
             try:
                 ro.generate(RolloutRequest(ids, mask), sampling)
             finally:
+                monkeypatch.undo()
                 torch.cuda.set_sync_debug_mode("default")
-        return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught), ro.last_stats
+        return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught), len(waits), \
+            ro.last_stats
 
-    base, _ = syncs(1)
-    total, stats = syncs(40)
+    base, base_waits, _ = syncs(1)
+    total, total_waits, stats = syncs(40)
     assert stats.compactions >= 1 and stats.host_syncs > 0
-    assert total - base == stats.host_syncs
+    assert total == base  # no stream sync for the decode steps
+    assert total_waits - base_waits == stats.host_syncs
 
 
 @cuda

@@ -131,3 +131,43 @@ def test_continuous_refills_come_in_waves(model, prompts, frequent_eos, monkeypa
     eager = Rollout(model, tok, config)
     assert torch.equal(eager.generate(RolloutRequest(*prompts), sampling).input_ids, got.input_ids)
     assert waves.last_stats.plans < eager.last_stats.plans
+
+
+@pytest.mark.parametrize("late", [True, False])
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_late_eos_count_cuts_the_overrun_steps(model, prompts, interval, late):
+    """The static loop reads each EOS check's finished count one check late. Every row ending early (its
+    EOS ids: each row's 2nd to 4th free-run tokens), the output still ends where an up-to-date check ends
+    it: equal to the HF-layer path's (which checks at once), over budgets that end the call at a check and
+    at the budget; the steps run after the last row ended are counted, never output. ``late_eos_count=False``
+    reads each count at once: no step runs past the end."""
+    free = Rollout(model, NO_EOS).generate(RolloutRequest(*prompts), SamplingConfig(max_new_tokens=4,
+                                                                                   temperature=0.0))
+    tok = TinyTokenizer(pad_token_id=0, eos_token_id=sorted(set(free.input_ids[:, 10:13].flatten().tolist())))
+    overruns = []
+    for max_new in range(2, 9):
+        sampling = SamplingConfig(max_new_tokens=max_new, temperature=0.0)
+        fast = Rollout(model, tok, RolloutConfig(eos_check_interval=interval, late_eos_count=late))
+        got = fast.generate(RolloutRequest(*prompts), sampling)
+        want = Rollout(model, tok, RolloutConfig(fast_decode=False, eos_check_interval=interval)).generate(
+            RolloutRequest(*prompts), sampling)
+        assert fast.last_stats.decode_path == "fast_eager"
+        assert torch.equal(got.input_ids, want.input_ids), (interval, max_new)
+        assert torch.equal(got.attention_mask, want.attention_mask), (interval, max_new)
+        stats = fast.last_stats
+        assert stats.decode_forwards == stats.num_steps - 1 + stats.eos_overrun_steps
+        overruns.append(stats.eos_overrun_steps)
+    assert max(overruns) >= 1 if late else max(overruns) == 0  # late: some call ran past the end and cut it
+    assert _lengths(got, 9) and max(_lengths(got, 9)) <= 4  # precondition: every row ended within 4 tokens
+
+
+def test_lagged_reads_take_in_posting_order():
+    from rollout.ops.host import LaggedReads
+    reads = LaggedReads(torch.device("cpu"))
+    reads.post(torch.tensor(3), "a")
+    reads.post(torch.tensor(5), ("b", 1))
+    with pytest.raises(RuntimeError, match="none taken"):
+        reads.post(torch.tensor(7))
+    assert (len(reads), reads.take(), len(reads)) == (2, (3, "a"), 1)
+    reads.post(torch.tensor(7), "c")  # into the slot "a" held
+    assert [reads.take(), reads.take()] == [(5, ("b", 1)), (7, "c")] and not reads

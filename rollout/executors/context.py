@@ -81,6 +81,8 @@ class CallContext:
     prefill_graphs: Optional[object] = None
     """Captured prefill passes (``rollout.executors.prefill_graph.PrefillGraphs``) where
     ``RolloutConfig.prefill_graph_tokens`` asks for them, else None."""
+    late_eos_count: bool = True
+    """Ordinary route, static buffers: a check reads the previous check's count (``RolloutConfig.late_eos_count``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingConfig):

@@ -24,6 +24,7 @@ from rollout.executors.ordinary.order import RowOrder
 from rollout.model import compat, hf
 from rollout.model.prefill import prefill_logits
 from rollout.ops import masks
+from rollout.ops.host import LaggedReads
 from rollout.ops.sampling import draw_seed
 from rollout.plan.buckets import batch_bucket
 from rollout.stats import CallStats
@@ -201,23 +202,49 @@ def _hf_decode_loop(ctx: CallContext, cache, tokens, state: DecodeState, prompt_
 
 
 def _static_decode_loop(ctx: CallContext, cache, state: DecodeState, static: StaticDecode, prompt_len: int) -> None:
-    """Decode steps from the static buffers; at each EOS check (one host sync) the unfinished rows are
-    counted and, when they fit a smaller batch bucket, compacted into it."""
+    """Decode steps from the static buffers; at each EOS check the unfinished rows are counted and, when
+    they fit a smaller batch bucket, compacted into it.
+
+    A check reads the count one check late: it posts the current count (a device copy, no wait) and takes
+    the previous check's, whose wait ends while the step launched since keeps the GPU busy (reading the
+    newest count would leave the GPU idle while the host launches the next step, at every check). A row
+    that has ended stays ended, so a late count bounds the live rows from above: compaction into its
+    bucket keeps every live row. When the late count is 0, every row had ended at that check's token:
+    the steps run since are cut from the output (``CallStats.eos_overrun_steps``), which is therefore the
+    one an up-to-date check gives. A call that reaches the budget takes the last count too.
+    ``ctx.late_eos_count=False`` takes each count right after posting it (the host waits for the GPU)."""
     num_live = state.rows.shape[0]
     bucket = batch_bucket(num_live)
+    finished = static.buffers.finished
+    counts = LaggedReads(finished.device) if ctx.eos.tensor is not None else None
     while state.num_steps < ctx.sampling.max_new_tokens:
-        if ctx.eos.tensor is not None and state.num_steps % ctx.eos_check_interval == 0:
-            state.stats.host_syncs += 1
-            num_live = int((~static.buffers.finished[:bucket]).sum())
-            if not ctx.busy(num_live > 0):
-                break
-            if batch_bucket(num_live) < bucket:
-                columns = prompt_len + state.num_steps
-                with ctx.stage(stages.CACHE_TRIM):
-                    bucket = static.buffers.compact(cache, bucket, batch_bucket(num_live), columns)
-                state.stats.compactions += 1
-                state.stats.row_moves += bucket
-                state.stats.bytes_moved += bucket * columns * cache.column_bytes
+        if counts is not None and state.num_steps % ctx.eos_check_interval == 0:
+            counts.post(finished[:bucket].sum(), (state.num_steps, bucket))  # finished rows, padding included
+            if len(counts) > 1 or not ctx.late_eos_count:
+                done, (at_step, at_bucket) = counts.take()
+                state.stats.host_syncs += 1
+                num_live = at_bucket - done
+                if not ctx.busy(num_live > 0):
+                    _cut_overrun(state, at_step)
+                    return
+                if batch_bucket(num_live) < bucket:
+                    columns = prompt_len + state.num_steps
+                    with ctx.stage(stages.CACHE_TRIM):
+                        bucket = static.buffers.compact(cache, bucket, batch_bucket(num_live), columns)
+                    state.stats.compactions += 1
+                    state.stats.row_moves += bucket
+                    state.stats.bytes_moved += bucket * columns * cache.column_bytes
         with ctx.stage(stages.DECODE):
             state.stats.count_decode(static.step(prompt_len + state.num_steps, bucket), num_live)
             state.num_steps += 1
+    if counts:  # the budget ended the loop: the last check may show that every row had ended before it
+        done, (at_step, at_bucket) = counts.take()
+        state.stats.host_syncs += 1
+        if at_bucket - done == 0:
+            _cut_overrun(state, at_step)
+
+
+def _cut_overrun(state: DecodeState, at_step: int) -> None:
+    """Every row had ended by token ``at_step``: the tokens decoded since are not part of the output."""
+    state.stats.eos_overrun_steps += state.num_steps - at_step
+    state.num_steps = at_step
