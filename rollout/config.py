@@ -104,7 +104,8 @@ class RolloutConfig:
     launches the next step (with the count read at once it did, at every check). Rows that have ended stay
     ended, so the late count only delays a compaction by one check; the steps run after the last row ended
     (up to one check's worth, ``CallStats.eos_overrun_steps``) are cut from the output, which is the same
-    either way. False reads the count at once."""
+    either way. On an H200 (3B, long-tailed sampled lengths; docs/BENCHMARKS.md, 2026-12-02) Auto went from 1.99x
+    to 1.97x its roofline at 64 x 4 rows and from 2.03x to 1.98x at 128 x 4. False reads the count at once."""
     max_context: Optional[int] = None
     """Upper bound on prompt + new tokens; None reads ``max_position_embeddings`` from the model config."""
     fast_decode: bool = True
