@@ -33,7 +33,7 @@ cell (a saved copy of the row). Found scales (and the peaked cell's norm factor)
 ``--eos-scales FILE`` (read if present, written if not) so later runs, old code and new, use identical weights.
 ``--scale small`` divides prompt lengths, budgets and target means by 16 (rows unchanged).
 
-Candidates, per cell, interleaved (A B C A B C) after one warm-up call each: ``auto`` (default
+Candidates, per cell, interleaved (A B C C B A ...) after one warm-up call each: ``auto`` (default
 ``RolloutConfig`` but ``route="auto"``), ``ordinary``, ``continuous-S`` for S in {rows, rows/2, rows/4}
 (duplicates and S < n skipped; ``--candidates`` selects by ``auto``, ``ordinary``, ``continuous``,
 ``continuous/1|2|4`` or ``continuous-S``) and, with ``--upstream``, DeepSpeed 0.19.8's ``HybridEngineRollout``
@@ -94,7 +94,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig  # noqa: E402
 from rollout.testing import TinyTokenizer  # noqa: E402
-from scripts.bench_rollout import build_model, copy_bandwidth_gbps, upstream_rollout, weight_bytes  # noqa: E402
+from scripts.bench_rollout import build_model, copy_bandwidth_gbps, round_order, upstream_rollout, weight_bytes  # noqa: E402
 
 EOS_ID = 2
 PAD_ID = 0
@@ -982,14 +982,15 @@ def kept_bytes_estimate(bench: Bench, cell: CellSpec, cands: list[Candidate], wi
 
 def run_interleaved(runs: list[CandidateRun], device: str, repeats: int, busy: bool, max_events: int,
                     teardown: bool = False, trace_dir: Optional[str] = None, cell: str = "") -> None:
-    """Warm-up, ``repeats`` rounds A B C ..., then (``busy``) one profiled call each, after every timed call;
+    """Warm-up, ``repeats`` rounds (A B C, C B A, ...: ``bench_rollout.round_order``), then (``busy``) one
+    profiled call each, after every timed call;
     ``trace_dir``: each profiled call's Chrome trace as ``<cell>--<candidate>.json`` there."""
     for run in runs:
         run.after_profile = _PROFILED["any"]
     for run in runs:
         measure(run, [o for o in runs if o is not run], device, record=False)  # warm-up
-    for _ in range(repeats):
-        for run in runs:
+    for r in range(repeats):
+        for run in round_order(runs, r):
             measure(run, [o for o in runs if o is not run], device, record=True)
     if busy:
         for run in runs:

@@ -88,14 +88,23 @@ def timed(fn, device: str) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
+def round_order(items: list, round_index: int) -> list:
+    """The order of one timed round: as given in even rounds, reversed in odd ones (A B C, C B A, A B C ...),
+    so no candidate always sits in the same place or follows the same one (with a fixed order, seed 004's
+    16..512 ran 3.5-4.5% slower at the default than its ``prefill_graph_tokens=0`` twin, which always ran
+    last, though both passes ran eagerly: docs/BENCHMARKS.md, 2026-12-02; unexplained)."""
+    return list(items) if round_index % 2 == 0 else list(reversed(items))
+
+
 def interleave(candidates: dict, device: str, repeats: int) -> dict[str, float]:
-    """Warm up every candidate, then time them A B C A B C ...; returns mean ms per candidate."""
+    """Warm up every candidate, then time them in ``repeats`` rounds (:func:`round_order`: A B C, C B A, ...);
+    returns mean ms per candidate."""
     for fn in candidates.values():
         fn()
     times = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, fn in candidates.items():
-            times[name].append(timed(fn, device))
+    for r in range(repeats):
+        for name in round_order(list(candidates), r):
+            times[name].append(timed(candidates[name], device))
     return {name: statistics.mean(v) for name, v in times.items()}
 
 

@@ -11,6 +11,7 @@ import json
 import math
 
 import os
+import types
 
 import pytest
 import torch
@@ -370,3 +371,20 @@ def test_profile_busy_writes_the_trace_once(tmp_path):
     assert run.busy == (None, "n/a (no GPU events recorded)")
     names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
     assert "aten::matmul" in names or "aten::mm" in names
+
+
+def test_timed_rounds_alternate_their_order(monkeypatch):
+    """Rounds run A B C, then C B A, ...: no candidate always follows the same one (bench_rollout.interleave
+    and bench_rl.run_interleaved); the warm-up runs each once first."""
+    from scripts import bench_rollout
+    calls = []
+    candidates = {name: (lambda name=name: calls.append(name)) for name in "ABC"}
+    means = bench_rollout.interleave(candidates, "cpu", repeats=3)
+    assert "".join(calls) == "ABC" + "ABC" + "CBA" + "ABC"
+    assert set(means) == set("ABC")
+
+    order = []
+    monkeypatch.setattr(bench_rl, "measure", lambda run, others, device, record: order.append((run.name, record)))
+    runs = [types.SimpleNamespace(name=name) for name in "xy"]
+    bench_rl.run_interleaved(runs, "cpu", repeats=2, busy=False, max_events=0)
+    assert order == [("x", False), ("y", False), ("x", True), ("y", True), ("y", True), ("x", True)]
