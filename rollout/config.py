@@ -124,7 +124,8 @@ class RolloutConfig:
     values (36 x 256 x 4 bytes a token for the 3B shape: 75 MB at 2,048) between calls. 0: off.
     Measured on the H200 (3B, bf16; ``docs/BENCHMARKS.md``, "2026-12-01 (23:20 UTC session)"): one pass of 8 x 64
     tokens 41.9 -> 7.7 ms, 8 x 256 28.7 -> 21.2, 32 x 64 25.6 -> 20.8, 32 x 256 (8,192) 85.2 -> 85.3; the seed-004
-    short calls 16-37% faster, its 16..512 workload 4.5% slower though its one pass ran eagerly (unexplained),
+    short calls 16-37% faster, its 16..512 workload 3.5-4.5% slower in two runs though its one pass ran eagerly
+    (unexplained; the twin was always timed last, so the position may be the cause),
     the RL capped cell 3.9% faster. Token buckets are powers of two, so a pass of just over 2,048 real tokens would pay
     the GEMMs of 4,096 where the GPU, not the host, is the limit: hence 2,048."""
     compile: bool = True
@@ -170,7 +171,8 @@ class RolloutConfig:
     summed in fp32 (one batched GEMM each, :func:`rollout.model.step.split_k_linear`) instead of one GEMM. On an
     H200 (3B shape, ``profile_decode_step.py --split-k``, A B A B) the whole step took 3.888/3.887 -> 3.745/3.747
     ms at 128 rows (-3.7%) and 5.059/5.068 -> 5.035/5.049 at 256 (-0.4%) (docs/BENCHMARKS.md, "2026-12-01
-    (23:20 UTC session)"); not yet run in the RL cells, nor timed at 512 rows, so off. 0: off."""
+    (23:20 UTC session)"); in the RL cells against its twin wide-greedy -1.3% and longtail-64-1024's roofline ratio
+    +1% ("2026-12-02"), within their spread; not timed at 512 rows; so off. 0: off."""
     fused_sampler: bool = True
     """On CUDA (with ``compile``), temperature + top-p sampling without top-k or a repetition penalty runs
     the one-kernel nucleus (:mod:`rollout.ops.fused_nucleus`); False keeps the compiled sort-free search.

@@ -72,7 +72,9 @@ class CallStats:
     steps: int = 0
     """Scheduler iterations (continuous route; = num_steps on the ordinary route)."""
     host_syncs: int = 0
-    """Host syncs the route made for EOS checks and the layout (the input checks' one sync not counted)."""
+    """Host syncs the route made for EOS checks and the layout (the input checks' one sync not counted). The
+    ordinary route's EOS checks on static buffers wait on an event of the previous check
+    (``RolloutConfig.late_eos_count``), not on the step just launched."""
     eos_overrun_steps: int = 0
     """Ordinary route, static buffers: decode steps run after every row had ended. Its EOS check reads the
     finished count one check late, so the host never waits for the step it has just launched; these
