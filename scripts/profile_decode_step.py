@@ -299,7 +299,7 @@ def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, l
     """A layer's projections at ``rows`` rows, separate weights (what runs) against concatenated ones
     (q|k|v and gate|up as one GEMM each), ``layers`` distinct weights in one CUDA graph (as a step reads them:
     one launch's latency and L2 reuse do not count); ms of all layers and the bf16 GEMM rate each reaches.
-    (Until 66a3816 this table timed one GEMM per replay and multiplied by ``layers``: the small-N GEMMs' figures
+    (Before e9a2ce2 this table timed one GEMM per replay and multiplied by ``layers``: the small-N GEMMs' figures
     were mostly a graph launch's latency.)"""
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     h = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16)
