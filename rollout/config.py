@@ -173,6 +173,12 @@ class RolloutConfig:
     ms at 128 rows (-3.7%) and 5.059/5.068 -> 5.035/5.049 at 256 (-0.4%) (docs/BENCHMARKS.md, "2026-12-01
     (23:20 UTC session)"); in the RL cells against its twin wide-greedy -1.3% and longtail-64-1024's roofline ratio
     +1% ("2026-12-02"), within their spread; not timed at 512 rows; so off. 0: off."""
+    shared_prefix_rows: int = 32
+    """With the Triton decode attention (``decode_attention="triton"``, CUDA), ordinary-route decode steps whose
+    batch bucket has at least this many rows, in calls with several samples per prompt, read each prompt's
+    keys and values once for all of its samples (one tile of ``n x`` the query heads per KV head,
+    ``rollout.ops.decode_attention.SharedPrefix``) and then each row's own columns after the prompt, instead
+    of every row reading its copy of the prompt. 0: off."""
     fused_sampler: bool = True
     """On CUDA (with ``compile``), temperature + top-p sampling without top-k or a repetition penalty runs
     the one-kernel nucleus (:mod:`rollout.ops.fused_nucleus`); False keeps the compiled sort-free search.
@@ -199,6 +205,8 @@ class RolloutConfig:
                 f"must be an int >= 0 (0: off); got {self.prefill_graph_tokens!r}")
         require(is_int(self.split_k_rows) and self.split_k_rows >= 0, "split_k_rows",
                 f"must be an int >= 0 (0: off); got {self.split_k_rows!r}")
+        require(is_int(self.shared_prefix_rows) and self.shared_prefix_rows >= 0, "shared_prefix_rows",
+                f"must be an int >= 0 (0: off); got {self.shared_prefix_rows!r}")
         require(is_int(self.skinny_rows) and self.skinny_rows >= 0, "skinny_rows",
                 f"must be an int >= 0 (0: off); got {self.skinny_rows!r}")
         require(self.decode_attention in DECODE_ATTENTIONS, "decode_attention",

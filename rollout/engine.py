@@ -162,7 +162,8 @@ class Rollout:
                         compile_mode=self.config.compile_mode, attention=self.config.decode_attention,
                         kv_write=self.config.fused_kv_write, fuse_gate_up=self.config.fuse_gate_up,
                         rotary_kernel=self.config.rotary_kernel, skinny_rows=self.config.skinny_rows,
-                        split_k_rows=self.config.split_k_rows)
+                        split_k_rows=self.config.split_k_rows,
+                        shared_prefix_rows=self.config.shared_prefix_rows)
 
     @property
     def held_bytes(self) -> int:

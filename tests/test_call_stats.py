@@ -21,6 +21,7 @@ COMMON = dict(dp_skipped=True, route_estimates_ms={}, prefill_buckets=1, graph_d
               compactions=0, trims=0, shifts=0, row_moves=0, bytes_moved=0, sampler_fallback_reason=None,
               prefill_graph_passes=0,  # no CUDA graphs on the CPU
               eos_overrun_steps=0,  # no EOS ids: no EOS check
+              shared_prefix_steps=0,  # SDPA on the CPU: every row reads its own copy of its prompt
               sampler_path="eager",  # greedy on the CPU: the eager functions
               decode_attention="sdpa")  # no CUDA: the Triton kernel cannot run
 # ordinary: one pass over the 3 prompts of 6 tokens (each prompt's 2 samples share it), 4 decode steps of 6

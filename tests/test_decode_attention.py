@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import Counter
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
 from rollout.ops import decode_attention as da
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
+from tests.conftest import hf_greedy, response_of
 
 
 @pytest.fixture
@@ -184,3 +186,125 @@ def test_gpus_before_sm80_use_sdpa(monkeypatch):
     monkeypatch.setattr(da, "_capability", lambda index: (7, 0))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert "compute capability (7, 0)" in da.unsupported_reason(q, k, v, keep)
+
+
+def _shared_inputs(ids, samples, prefix_end, last, length=150, heads=4, kv_heads=2, dim=16, dtype=torch.float32,
+                   device="cpu", seed=0):
+    """Rows whose sample ids share ``id // samples`` get the same keys, values and mask in ``[0, prefix_end)``
+    (the copies of one prompt); every row keeps ``last`` and nothing after it."""
+    rows = len(ids)
+    q, k, v, keep = _inputs(rows, heads, kv_heads, length, dim, dtype, "cpu", seed=seed)
+    k, v = k.clone(), v.clone()
+    first = {}
+    for row, sample in enumerate(ids):
+        lead = first.setdefault(sample // samples, row)
+        k[row, :, :prefix_end], v[row, :, :prefix_end] = k[lead, :, :prefix_end], v[lead, :, :prefix_end]
+        keep[row, ..., :prefix_end] = keep[lead, ..., :prefix_end]
+    keep[..., last + 1:] = False
+    keep[..., last] = True
+    shared = da.SharedPrefix(torch.tensor(ids, dtype=torch.long, device=device), samples,
+                             torch.tensor(prefix_end, device=device))
+    return q.to(device), k.to(device), v.to(device), keep.to(device), shared, torch.tensor(last, device=device)
+
+
+@pytest.mark.parametrize("ids,samples,prefix_end,last", [
+    ([0, 1, 2, 3, 4, 5, 6, 7], 4, 70, 120),   # two prompts of four samples, in order
+    ([0, 1, 5, 6, 3, 9, 2], 4, 70, 149),      # after compactions: runs of 2, 2, 1, 1 and a prompt split in two runs
+    ([4, 5, 0, 2, 3, 1], 2, 33, 99),          # planned prompt order; one run cut by another prompt
+    ([0, 1, 2, 3, 4], 3, 150, 149),           # the prefix is the whole window
+    ([6, 7, 8, 0, 1, 2], 3, 0, 60),           # an empty prefix
+])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_shared_prefix_equals_sdpa(device, ids, samples, prefix_end, last, splits):
+    """Rows holding copies of one prompt read it once (the prefix pass) and then their own columns: SDPA's
+    result for every layout of runs, prefix length and split count (fp32)."""
+    q, k, v, keep, shared, last_col = _shared_inputs(ids, samples, prefix_end, last, device=device, seed=len(ids))
+    assert da.shares_prefix(shared, 4, 2)
+    expected = _sdpa(q, k, v, keep, 4, 2)
+    got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, last=last_col, shared=shared)
+    assert da.failure(q.device) is None
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_prefix_reads_one_copy_and_nothing_after_last(device):
+    """NaN in every copy of a prompt but its run's first row, and after the last column, cannot reach the
+    output: the prefix is read from one row per run, and the columns after ``last`` not at all (a kernel that
+    read them would give NaN: 0 x NaN). Without ``shared`` the copies are read, so NaN shows there."""
+    ids, samples, prefix_end, last = [0, 1, 2, 3, 4, 5, 6, 7], 4, 70, 120
+    q, k, v, keep, shared, last_col = _shared_inputs(ids, samples, prefix_end, last, device=device, seed=3)
+    expected = _sdpa(q, k, v, keep, 4, 2)
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    for row in (1, 2, 3, 5, 6, 7):
+        poisoned_k[row, :, :prefix_end], poisoned_v[row, :, :prefix_end] = float("nan"), float("nan")
+    poisoned_k[:, :, last + 1:], poisoned_v[:, :, last + 1:] = float("nan"), float("nan")
+    for splits in (None, 1, 2):
+        got = da.attention(q, poisoned_k, poisoned_v, keep, 0.25, True, splits=splits, interpret=True, last=last_col,
+                           shared=shared)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    unshared = da.attention(q, poisoned_k, poisoned_v, keep, 0.25, True, interpret=True, last=last_col)
+    assert torch.isnan(unshared[1]).all() and not torch.isnan(unshared[0]).any()
+
+
+def test_shared_prefix_bf16_and_the_tile_limit(device):
+    """bf16 within rounding of SDPA; more samples x query heads than ``MAX_SHARED_QUERIES`` fall back to
+    reading every row's copy (same result)."""
+    ids = list(range(8))
+    q, k, v, keep, shared, last_col = _shared_inputs(ids, 4, 40, 130, heads=16, kv_heads=2, dim=32,
+                                                     dtype=torch.bfloat16, device=device, seed=11)
+    expected = _sdpa(q, k, v, keep, 16, 2)
+    got = da.attention(q, k, v, keep, 32 ** -0.5, True, interpret=True, last=last_col, shared=shared)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+    wide = da.SharedPrefix(shared.ids, da.MAX_SHARED_QUERIES, shared.end)
+    assert not da.shares_prefix(wide, 16, 2)
+    got = da.attention(q, k, v, keep, 32 ** -0.5, True, interpret=True, last=last_col, shared=wide)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def _with_kernel(ro, shared_prefix_rows: int, calls: list):
+    """``ro``'s step with the kernel as its attention (interpreted on the CPU) and ``shared_prefix_rows``."""
+    from rollout.model.step import StepFns
+    original = ro._fast_step.parts
+
+    def kernel(*args, **kwargs):
+        calls.append(kwargs.get("shared") is not None)
+        return da.attention(*args, interpret=True, **kwargs)
+
+    ro._fast_step.parts = lambda dev, mirrored: dataclasses.replace(
+        original(dev, mirrored), fns=dataclasses.replace(original(dev, mirrored).fns, attention=kernel,
+                                                         shared_prefix_rows=shared_prefix_rows))
+    return ro
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingConfig(max_new_tokens=10, temperature=0.0, n_samples_per_prompt=3),
+    SamplingConfig(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=7, n_samples_per_prompt=3),
+], ids=["greedy", "sampled"])
+def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
+    """The ordinary route with the kernel reading each prompt's columns once for its samples (every batch
+    bucket), prompts of different lengths and rows ending at different steps (compactions into smaller
+    buckets): the same tokens as the kernel reading every row's copy, and, greedy, HF generate's per request
+    (fp32)."""
+    from rollout.model.step import StepFns  # noqa: F401 - the fns replaced below
+    model = tiny_model("qwen2", seed=0).to(device)
+    ids, mask = random_prompts(8, 9, min_len=1, seed=3)
+    ids, mask = ids.to(device), mask.to(device)
+    free = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False)) \
+        .generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0))
+    eos = [token for token, _ in Counter(free.input_ids[:, 9:].flatten().tolist()).most_common(6)][3:6]
+    tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
+    outputs, stats = [], []
+    for rows in (1, 0):
+        calls = []
+        ro = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", cuda_graphs=False)), rows, calls)
+        outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
+        stats.append(ro.last_stats)
+        assert calls and all(calls) == bool(rows) and any(calls) == bool(rows)
+    assert stats[0].shared_prefix_steps == stats[0].decode_forwards > 0
+    assert stats[0].compactions >= 1 or not sampling.is_greedy  # greedy rows end early (sampled ones rarely)
+    assert stats[1].shared_prefix_steps == 0
+    assert torch.equal(outputs[0].input_ids, outputs[1].input_ids)
+    assert torch.equal(outputs[0].attention_mask, outputs[1].attention_mask)
+    if sampling.is_greedy:
+        for row in range(24):
+            expected = hf_greedy(model, ids[row // 3], mask[row // 3], 10, eos=eos)
+            assert response_of(outputs[0], row) == expected[:len(response_of(outputs[0], row))], f"row {row}"

@@ -57,7 +57,7 @@ class FastStep:
     def __init__(self, model: torch.nn.Module, use_compile: bool, mirror_weights: bool, fuse_qkv: bool = True,
                  compile_mode: Optional[str] = None, attention: str = "sdpa", kv_write: bool = False,
                  fuse_gate_up: bool = False, rotary_kernel: bool = False, skinny_rows: int = 0,
-                 split_k_rows: int = 0):
+                 split_k_rows: int = 0, shared_prefix_rows: int = 0):
         self.model = model
         self.use_compile = use_compile
         self.compile_mode = compile_mode
@@ -74,6 +74,8 @@ class FastStep:
         """``RolloutConfig.skinny_rows`` (with the rotary kernel and fused gate|up on CUDA only)."""
         self.split_k_rows = split_k_rows
         """``RolloutConfig.split_k_rows`` (with fused gate|up)."""
+        self.shared_prefix_rows = shared_prefix_rows
+        """``RolloutConfig.shared_prefix_rows`` (with the Triton attention only: SDPA reads every row's columns)."""
         self.last_weight_signature: Optional[tuple[int, ...]] = None
         """Addresses of the weights the last captured-step parts read (stable across calls under ZeRO-3)."""
         self._refreshed: Optional[set[str]] = None
@@ -112,7 +114,8 @@ class FastStep:
         else:
             fns = StepFns()
         if attention_path(self.attention, device) == "triton":
-            fns = dataclasses.replace(fns, attention=decode_attention.attention)
+            fns = dataclasses.replace(fns, attention=decode_attention.attention,
+                                      shared_prefix_rows=self.shared_prefix_rows)
         if (self.rotary_kernel and self.fused_qkv is not None and device.type == "cuda"
                 and decode_attention.available() is None and rotary_write.failure(device) is None):
             fns = dataclasses.replace(fns, rotary_write=rotary_write.rotary_write)

@@ -413,7 +413,7 @@ def final_logits(h, norm, lm_head, lm_bias, eps: float):
     return F.linear(rms_norm(h, norm, eps), lm_head, lm_bias)
 
 
-def grouped_decode_attention(q, k, v, keep, scale: float, gqa: bool):
+def grouped_decode_attention(q, k, v, keep, scale: float, gqa: bool, last=None, shared=None):
     """:func:`decode_attention` as two batched GEMMs per KV head over its group of query heads (q heads
     ``h * G .. h * G + G - 1`` share KV head ``h``, as in SDPA's ``enable_gqa``): each key and value is read
     once per KV head, and under ``torch.compile`` the mask and softmax fuse into one kernel. Scores are
@@ -460,6 +460,9 @@ class StepFns:
     :func:`rollout.ops.skinny_linear.skinny_linear`), then ``gate_up_mlp``; the other projections stay cuBLAS
     GEMMs in the compiled pieces, which were faster there on an H200."""
     skinny_rows: int = 0
+    shared_prefix_rows: int = 0
+    """Ordinary-route decode steps of at least this many rows, whose prompts have several samples, hand the
+    attention piece a ``SharedPrefix`` (``RolloutConfig.shared_prefix_rows``; 0: never)."""
     rotary_write: object = None
     """When set (and q|k|v are fused), decode steps compute ``qkv_projection`` and hand it to this function,
     which rotates q and k and writes k and v into the cache (``RolloutConfig.rotary_kernel``: the one Triton
@@ -501,13 +504,18 @@ class StepParts:
 
 
 def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.Tensor, tokens: torch.Tensor,
-                  positions: torch.Tensor, col: torch.Tensor, keep: torch.Tensor, start: int = 0) -> torch.Tensor:
+                  positions: torch.Tensor, col: torch.Tensor, keep: torch.Tensor, start: int = 0,
+                  last: torch.Tensor | None = None, shared=None) -> torch.Tensor:
     """One decode step: ``logits [B, V]`` for ``tokens [B]`` at ``positions [B]``, written at cache column ``col``.
 
     ``key_cache``/``value_cache``: ``[layers, B, Hkv, capacity, D]`` views; ``keep [B, 1, 1, L]`` bool
     selects the keys each row may attend among columns ``[start, start + L)`` (``L`` = the length
     bucket; ``start`` > 0 for the aligned cache of the continuous route, whose dead prefix is skipped).
+    ``last`` (a scalar tensor, a column of the window: no row attends past it) and ``shared``
+    (``decode_attention.SharedPrefix``: rows that hold one prompt's columns) go to the attention piece, which
+    may read less with them (the Triton kernel) or ignore them (SDPA).
     """
+    window = {key: value for key, value in (("last", last), ("shared", shared)) if value is not None}
     spec, weights, fns = parts.spec, parts.weights, parts.fns
     live = keep.shape[-1]
     stop = start + live
@@ -532,7 +540,7 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
             key_cache[i].index_copy_(2, cols, k)
             value_cache[i].index_copy_(2, cols, v)
         attn = fns.attention(q, key_cache[i, :, :, start:stop], value_cache[i, :, :, start:stop], keep,
-                             spec.head_dim ** -0.5, spec.num_heads != spec.num_kv_heads)
+                             spec.head_dim ** -0.5, spec.num_heads != spec.num_kv_heads, **window)
         if skinny and w.gate_up is not None:  # o + residual in one kernel, then the compiled MLP
             h = fns.skinny_linear(attn.reshape(h.shape[0], -1), w.o, w.o_bias, residual=h)
             h = fns.gate_up_mlp(h, w.post_norm, w.gate_up, w.down, eps)

@@ -12,7 +12,15 @@ default attention), so it can stand in as ``StepFns.attention``:
 
 Each key and value is read once per KV head, the tiles of a row's left padding (before its first kept
 column) not at all, and nothing is materialised besides the output (and, when
-the window is split across programs to fill the GPU, fp32 partials of ``[B, Hq, splits, D]``). Where the
+the window is split across programs to fill the GPU, fp32 partials of ``[B, Hq, splits, D]``). Two optional
+arguments let a caller that knows more read less:
+
+- ``last`` (a scalar tensor): no row attends past this column (inclusive; masked for every row), so the
+  columns after it are not read (the ordinary route's length bucket reaches up to 255 columns past it);
+- ``shared`` (:class:`SharedPrefix`): rows holding copies of one prompt's keys and values (the ``n`` samples
+  of a prompt) read that prompt's columns once for all of them, in one tile of ``n x Hq / Hkv`` queries
+  (:func:`decode_attention_prefix`), then each its own columns after the prompt; their partial softmaxes are
+  merged as the splits' are. Where the
 kernel cannot run (no CUDA tensor, no triton, a GPU before compute capability 8.0, a float mask, more than
 one query) the call falls back to SDPA, so the function is safe to set anywhere; a kernel that fails to
 compile or launch warns once and leaves those inputs to SDPA from then on.
@@ -21,6 +29,7 @@ compile or launch warns once and leaves those inputs to SDPA from then on.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -39,15 +48,36 @@ STAGES = 2
 SCAN = 1024
 #: Fewest tiles one split of a key window gets.
 MIN_SPLIT_TILES = 2
+#: Most queries in one tile of the shared-prefix pass (samples x query heads per KV head); beyond it the rows
+#: read their prompt one by one.
+MAX_SHARED_QUERIES = 128
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Which rows of a decode batch hold copies of the same prompt's keys and values.
+
+    Rows whose sample ids share ``id // samples`` (a prompt's ``samples`` rows, adjacent in the batch: the
+    ordinary route's order, kept by its compaction) hold identical keys, values and masks in columns
+    ``[0, end)``. Rows of one prompt that are not adjacent are read as separate runs (correct, not shared)."""
+
+    ids: torch.Tensor
+    """``[B]`` int64 (contiguous): each row's sample id, ``prompt * samples + sample``."""
+    samples: int
+    """Rows per prompt (``n_samples_per_prompt``)."""
+    end: torch.Tensor
+    """Scalar int64: the prompt's columns end here (the first decode column)."""
 
 _FAILED: dict = {}
 """(device, dtype, head dim, group) -> why the kernel failed there: SDPA runs for those inputs from then on."""
 
 
-def sdpa(q, k, v, keep, scale: float, gqa: bool):
+def sdpa(q, k, v, keep, scale: float, gqa: bool, last: Optional[torch.Tensor] = None,
+         shared: Optional[SharedPrefix] = None):
     """One query per row: ``q [B, Hq, 1, D]`` against ``k/v [B, Hkv, L, D]``; ``keep [B, 1, 1, L]`` is a
     boolean mask (True: attend) or an additive one. PyTorch's SDPA (cuDNN on an H200); what :func:`attention`
-    falls back to."""
+    falls back to. ``last`` and ``shared`` (what the kernel may skip or share) change nothing here: the mask
+    says it all."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
 
 
@@ -118,43 +148,66 @@ def sm_count(index: int) -> int:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, gqa: bool,
               splits: Optional[int] = None, interpret: bool = False, block: int = BLOCK_L, warps: int = WARPS,
-              stages: int = STAGES) -> torch.Tensor:
+              stages: int = STAGES, last: Optional[torch.Tensor] = None,
+              shared: Optional[SharedPrefix] = None) -> torch.Tensor:
     """Decode attention ``[B, Hq, 1, D]`` (module docstring); SDPA where the kernel cannot run. ``splits``:
     programs per (row, KV head) (default :func:`split_count`); ``interpret``: allow CPU tensors (tests, under
-    ``TRITON_INTERPRET=1``); ``block``, ``warps``, ``stages``: launch parameters (module constants)."""
+    ``TRITON_INTERPRET=1``); ``block``, ``warps``, ``stages``: launch parameters (module constants); ``last``:
+    the last column any row attends (a scalar tensor; the columns after it are not read); ``shared``: rows
+    sharing a prompt read it once (:class:`SharedPrefix`; used where ``samples x Hq / Hkv`` is at most
+    ``MAX_SHARED_QUERIES``)."""
     if unsupported_reason(q, k, v, keep, interpret) is not None:
         return sdpa(q, k, v, keep, scale, gqa)
     key = _key(q, k)
     return launch_or_fall_back(_FAILED, key, "decode attention kernel", f"SDPA runs instead for {key}",
-                               lambda: _launch(q, k, v, keep, scale, splits, block, warps, stages),
+                               lambda: _launch(q, k, v, keep, scale, splits, block, warps, stages, last, shared),
                                lambda: sdpa(q, k, v, keep, scale, gqa))
 
 
-def _launch(q, k, v, keep, scale, splits, block, warps, stages) -> torch.Tensor:
+def shares_prefix(shared: Optional[SharedPrefix], heads: int, kv_heads: int) -> bool:
+    """Whether :func:`attention` runs the shared-prefix pass for these rows and heads."""
+    return shared is not None and shared.samples > 1 and shared.samples * (heads // kv_heads) <= MAX_SHARED_QUERIES
+
+
+def _launch(q, k, v, keep, scale, splits, block, warps, stages, last=None, shared=None) -> torch.Tensor:
     from rollout.ops import decode_attention_kernel as kernels
 
     rows, heads, _, dim = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     group = heads // kv_heads
+    sms = sm_count(q.device.index or 0) if q.is_cuda else 1
+    tiles = max(1, -(-length // block))
     if splits is None:
-        splits = split_count(rows, kv_heads, length, sm_count(q.device.index or 0) if q.is_cuda else 1, block)
-    splits = max(1, min(int(splits), max(1, -(-length // block))))
+        splits = split_count(rows, kv_heads, length, sms, block)
+    splits = max(1, min(int(splits), tiles))
+    prefix = shares_prefix(shared, heads, kv_heads)
+    # The prefix pass's splits: its programs that do work are one per run of rows, not one per row.
+    prefix_splits = min(split_count(-(-rows // shared.samples), kv_heads, length, sms, block), tiles) if prefix else 0
+    slots = prefix_splits + splits
     out = torch.empty(rows, heads, 1, dim, dtype=q.dtype, device=q.device)
     dim_pad = pow2_at_least(dim, 16)
-    single = splits == 1
-    part = out if single else torch.empty(rows * heads * splits * dim_pad, dtype=torch.float32, device=q.device)
-    stat = out if single else torch.empty(rows * heads * splits * 2, dtype=torch.float32, device=q.device)
+    single = slots == 1
+    fold = prefix and splits == 1  # the row's own window in one program, which folds in the prefix's partials
+    part = out if single else torch.empty(rows * heads * slots * dim_pad, dtype=torch.float32, device=q.device)
+    stat = out if single else torch.empty(rows * heads * slots * 2, dtype=torch.float32, device=q.device)
     keep_sb, keep_sl = keep.stride(0), keep.stride(-1)
     precision = "ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32"
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+               keep_sb, keep_sl)
+    common = dict(DIM=dim, DIM_PAD=dim_pad, EVEN_D=dim == dim_pad, BLOCK_L=block, SCAN=SCAN, PRECISION=precision,
+                  DOT_FP32=not q.is_cuda and q.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
+    if prefix:
+        kernels.decode_attention_prefix[(rows, kv_heads, prefix_splits)](
+            q, k, v, keep, shared.ids, shared.end, part, stat, *strides, rows, length, prefix_splits, slots,
+            float(scale), SAMPLES=shared.samples, GROUP=group, M_PAD=pow2_at_least(shared.samples * group, 16),
+            **common)
     kernels.decode_attention_split[(rows, kv_heads, splits)](
-        q, k, v, keep, out, part, stat,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        keep_sb, keep_sl, out.stride(0), out.stride(1), length, splits, float(scale),
-        GROUP=group, GROUP_PAD=pow2_at_least(group, 16), DIM=dim, DIM_PAD=dim_pad, EVEN_D=dim == dim_pad, BLOCK_L=block, SCAN=SCAN,
-        SINGLE=single, PRECISION=precision, DOT_FP32=not q.is_cuda and q.dtype == torch.bfloat16,
-        num_warps=warps, num_stages=stages)
-    if not single:
+        q, k, v, keep, out, part, stat, shared.end if prefix else out, out if last is None else last,
+        *strides, out.stride(0), out.stride(1), length, splits, prefix_splits, slots, float(scale),
+        GROUP=group, GROUP_PAD=pow2_at_least(group, 16), SINGLE=single, FROM=prefix, LAST=last is not None,
+        FOLD=fold, **common)
+    if not single and not fold:
         kernels.decode_attention_merge[(rows, heads)](
-            part, stat, out, out.stride(0), out.stride(1), heads, splits,
-            DIM=dim, DIM_PAD=dim_pad, SPLITS_PAD=pow2_at_least(splits, 1))
+            part, stat, out, out.stride(0), out.stride(1), heads, slots,
+            DIM=dim, DIM_PAD=dim_pad, SPLITS_PAD=pow2_at_least(slots, 1))
     return out

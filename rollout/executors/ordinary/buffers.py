@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from rollout.model.step import StepParts, decode_logits
+from rollout.ops.decode_attention import MAX_SHARED_QUERIES, SharedPrefix
 from rollout.ops.sampling import Sampler
 
 
@@ -28,6 +29,7 @@ class DecodeBuffers:
         self.col = torch.zeros((), **long)
         self.step = torch.zeros((), **long)
         self.seed = torch.zeros((), **long)
+        self.prefix_end = torch.zeros((), **long)
         self.rows = torch.arange(max_rows, **long)
         self.cols = torch.arange(capacity, **long)
         self.valid = torch.ones((max_rows, capacity), dtype=torch.bool, device=device)
@@ -58,11 +60,13 @@ class DecodeBuffers:
             self.seen.zero_()
 
     def start(self, tokens: torch.Tensor, positions: torch.Tensor, prompt_len: int) -> None:
-        """After prefill: the first tokens, their positions, decode from column ``T_p``, token index 1."""
+        """After prefill: the first tokens, their positions, decode from column ``T_p``, token index 1 (the
+        prompts' columns, shared by each prompt's samples, end at ``T_p``)."""
         num_rows = tokens.shape[0]
         self.tokens[:num_rows] = tokens
         self.positions[:num_rows] = positions
         self.col.fill_(prompt_len)
+        self.prefix_end.fill_(prompt_len)
         self.step.fill_(1)
 
     def compact(self, cache, bucket: int, new_bucket: int, num_cols: int) -> int:
@@ -88,14 +92,25 @@ class DecodeBuffers:
         return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
 
 
+def shares_prefix(parts: StepParts, bucket: int, samples: int) -> bool:
+    """Whether a step of ``bucket`` rows reads each prompt's columns once for its ``samples`` rows
+    (``RolloutConfig.shared_prefix_rows``; the kernel's own limits in :func:`decode_attention.shares_prefix`)."""
+    rows = parts.fns.shared_prefix_rows
+    return samples > 1 and 0 < rows <= bucket and parts.spec.num_heads // parts.spec.num_kv_heads * samples \
+        <= MAX_SHARED_QUERIES
+
+
 def decode_step(parts: StepParts, cache, bufs: DecodeBuffers, shape: tuple[int, int], sampler: Sampler,
-                eos_ids: Optional[torch.Tensor], has_seen: bool, with_logprobs: bool = False) -> None:
+                eos_ids: Optional[torch.Tensor], has_seen: bool, with_logprobs: bool = False, samples: int = 1) -> None:
     """The captured work of one step over ``shape = (batch bucket, length bucket)``: logits, token choice,
-    and every buffer update (no host sync)."""
+    and every buffer update (no host sync). The attention reads no column past the current one (masked for
+    every row) and, where :func:`shares_prefix`, each prompt's columns once for its ``samples`` rows."""
     bucket, length = shape
     keep = (bufs.valid[:bucket, :length] & (bufs.cols[:length] <= bufs.col))[:, None, None, :]
+    shared = SharedPrefix(bufs.rows[:bucket], samples, bufs.prefix_end) if shares_prefix(parts, bucket, samples) \
+        else None
     logits = decode_logits(parts, cache.key_storage[:, :bucket], cache.value_storage[:, :bucket],
-                           bufs.tokens[:bucket], bufs.positions[:bucket], bufs.col, keep)
+                           bufs.tokens[:bucket], bufs.positions[:bucket], bufs.col, keep, last=bufs.col, shared=shared)
     seen = bufs.seen[:bucket] if has_seen else None
     rows = bufs.rows[:bucket]  # sample ids: generated is in request order whatever the rows' positions
     tokens, logprobs = sampler(logits, seen, bufs.seed, rows, bufs.step, with_logprobs)

@@ -12,7 +12,7 @@ from rollout.cache.static import cache_shape
 from rollout.executors.context import CallContext, Generation
 from rollout.executors.decode import DecodeChoice, FastStep
 from rollout.executors.graphs import EAGER, GraphSet
-from rollout.executors.ordinary.buffers import DecodeBuffers, decode_step
+from rollout.executors.ordinary.buffers import DecodeBuffers, decode_step, shares_prefix
 from rollout.executors.ordinary.loop import PromptBatch, StaticDecode, generate_ordinary
 from rollout.executors.ordinary.order import RowOrder
 from rollout.plan.buckets import batch_bucket, length_bucket, length_round
@@ -53,7 +53,7 @@ class OrdinaryExecutor:
             if order.num_samples > 1 and self.scratch is None:
                 self.scratch = ScratchArena.like(cache.shape)
         try:
-            static = self.static_decode(ctx, choice, cache, num_rows) if choice.is_fast else None
+            static = self.static_decode(ctx, choice, cache, num_rows, order.num_samples) if choice.is_fast else None
             state = generate_ordinary(ctx, cache, batch, order, static, self.scratch)
         finally:
             with ctx.stage(stages.CACHE_RELEASE):
@@ -68,8 +68,10 @@ class OrdinaryExecutor:
         logprobs = None if state.logprobs is None else state.logprobs[:, :state.num_steps]
         return Generation(state.generated[:, :state.num_steps], logprobs, stats)
 
-    def static_decode(self, ctx: CallContext, choice: DecodeChoice, cache, num_rows: int) -> StaticDecode:
-        """Buffers for this call (reused while they fit) and its step function (graphs keyed per call)."""
+    def static_decode(self, ctx: CallContext, choice: DecodeChoice, cache, num_rows: int,
+                      samples: int = 1) -> StaticDecode:
+        """Buffers for this call (reused while they fit) and its step function (graphs keyed per call);
+        ``samples``: rows per prompt (their prompt's columns may be read once for all of them)."""
         sampling, device = ctx.sampling, ctx.device
         bucket = batch_bucket(num_rows)
         if self.buffers is None or not self.buffers.fits(bucket, cache.shape.capacity, sampling.max_new_tokens,
@@ -83,21 +85,21 @@ class OrdinaryExecutor:
         parts = self.fast_step.parts(device, mirrored=True)
         use_graphs = choice.path == "graph"
         key = (sampling_key(sampling), ctx.eos.ids, has_seen, cache.key_storage.data_ptr(),
-               tuple(cache.key_storage.shape), parts.weights.signature())
+               tuple(cache.key_storage.shape), parts.weights.signature(), samples)
         eos = self.eos_tensors.setdefault(ctx.eos.ids, ctx.eos.tensor) if use_graphs else ctx.eos.tensor
 
         def step(live_len: int, rows: int) -> str:
             shape = (rows, length_bucket(live_len, cache.shape.capacity))
 
             def work():
-                decode_step(parts, cache, bufs, shape, ctx.sampler, eos, has_seen, ctx.with_logprobs)
+                decode_step(parts, cache, bufs, shape, ctx.sampler, eos, has_seen, ctx.with_logprobs, samples)
 
             if not use_graphs:
                 work()
                 return EAGER
             return self.graphs.replay((shape, key), work, bufs.mutable())
 
-        return StaticDecode(bufs, step)
+        return StaticDecode(bufs, step, lambda rows: shares_prefix(parts, rows, samples))
 
     def release(self) -> None:
         """Drop the static buffers, the prefill scratch and the captured graphs (``keep_cache=False``)."""

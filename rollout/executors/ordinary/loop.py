@@ -47,6 +47,8 @@ class StaticDecode:
     buffers: DecodeBuffers
     step: Callable[[int, int], str]
     """``step(live_len, bucket) -> "graph" | "eager"``: one decode step of rows ``[0, bucket)``."""
+    shares_prefix: Callable[[int], bool] = lambda bucket: False
+    """Whether a step of ``bucket`` rows reads each prompt's columns once for its samples."""
 
 
 @dataclass
@@ -236,6 +238,7 @@ def _static_decode_loop(ctx: CallContext, cache, state: DecodeState, static: Sta
                     state.stats.bytes_moved += bucket * columns * cache.column_bytes
         with ctx.stage(stages.DECODE):
             state.stats.count_decode(static.step(prompt_len + state.num_steps, bucket), num_live)
+            state.stats.shared_prefix_steps += static.shares_prefix(bucket)
             state.num_steps += 1
     if counts:  # the budget ended the loop: the last check may show that every row had ended before it
         done, (at_step, at_bucket) = counts.take()
