@@ -121,6 +121,46 @@ def attention_variants(rows: int, live: int, heads: int, kv_heads: int, dim: int
     return out, kv_bytes
 
 
+def shared_prefix_variants(rows: int, live: int, prefix: int, filled: int, samples: int, heads: int, kv_heads: int,
+                           dim: int, layers: int) -> list[dict]:
+    """The Triton attention over a batch whose rows are ``samples`` copies of each prompt (``prefix`` columns,
+    identical within a prompt's rows) followed by their own columns up to ``filled``, in a length bucket of
+    ``live`` columns: the whole bucket read (before ``last``), up to the last filled column (``last``), and
+    each prompt read once for its samples (``shared``), times ``layers``; with the bytes each reads."""
+    q = torch.randn(rows, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(rows, kv_heads, live, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k[:, :, :prefix] = k[::samples, :, :prefix].repeat_interleave(samples, 0)[:rows]
+    v[:, :, :prefix] = v[::samples, :, :prefix].repeat_interleave(samples, 0)[:rows]
+    keep = torch.zeros(rows, 1, 1, live, dtype=torch.bool, device="cuda")
+    keep[..., :filled] = True
+    last = torch.tensor(filled - 1, device="cuda")
+    shared = decode_attention.SharedPrefix(torch.arange(rows, device="cuda"), samples,
+                                           torch.tensor(prefix, device="cuda"))
+    scale = dim ** -0.5
+    column = 2 * kv_heads * dim * 2 * layers  # bytes of one row's column, keys and values, every layer
+    groups = -(-rows // samples)
+    cases = [("whole length bucket", lambda: decode_attention.attention(q, k, v, keep, scale, True), rows * live),
+             ("to the last column (last)", lambda: decode_attention.attention(q, k, v, keep, scale, True, last=last),
+              rows * filled),
+             (f"last + each prompt once for its {samples} samples (shared)",
+              lambda: decode_attention.attention(q, k, v, keep, scale, True, last=last, shared=shared),
+              groups * prefix + rows * (filled - prefix))]
+    reference = cases[0][1]().float()
+    out = []
+    for name, fn, columns in cases:
+        err = float((fn().float() - reference).abs().max())
+        try:
+            ms = graph_ms(fn, 20) * layers
+            gbs = columns * column / ms / 1e6
+            out.append(dict(rows=rows, part=f"attention x{layers}, prefix {prefix}, filled {filled}, bucket {live}",
+                            variant=f"{name}: {columns * column / 1e9:.2f} GB, {gbs:.0f} GB/s, max |diff| {err:.3g}",
+                            ms=ms))
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            out.append(dict(rows=rows, part="attention shared", variant=name, ms=f"failed: {exc!r:.120}"))
+    return out
+
+
 def sampler_variants(rows: int, vocab: int):
     logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
     seed = torch.zeros((), dtype=torch.long, device="cuda")
@@ -465,7 +505,12 @@ def main(argv=None) -> None:
                         help="--kernels: list the kernels of the routes' default step, or of it without the skinny "
                              "o projection")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"],
-                        choices=["attention", "sampler", "step", "skinny", "prefill"], help="which tables to time")
+                        choices=["attention", "sampler", "step", "skinny", "prefill", "shared"],
+                        help="which tables to time")
+    parser.add_argument("--shared-windows", type=lambda s: tuple(int(v) for v in s.split(",")), nargs="+",
+                        default=[(256, 384), (256, 300), (768, 820)],
+                        help="--parts shared: prefix,filled column counts (within --live)")
+    parser.add_argument("--samples", type=int, default=4, help="--parts shared: rows per prompt")
     parser.add_argument("--prefill-lengths", nargs="+", type=int, default=[16, 64, 256],
                         help="--parts prefill: prompt lengths (every row all real tokens)")
     parser.add_argument("--prefill-graph-tokens", type=int, default=16384,
@@ -482,6 +527,11 @@ def main(argv=None) -> None:
                                                head_dim, cfg.num_hidden_layers)
             for name, ms in att.items():
                 rows_out.append(dict(rows=rows, part="attention x36", variant=name, ms=ms, kv_gb=kv_bytes / 1e9))
+        if "shared" in args.parts:
+            for prefix, filled in args.shared_windows:
+                rows_out += shared_prefix_variants(rows, args.live, prefix, filled, args.samples,
+                                                   cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
+                                                   cfg.num_hidden_layers)
         if "sampler" in args.parts:
             for name, ms in sampler_variants(rows, cfg.vocab_size).items():
                 rows_out.append(dict(rows=rows, part="sampler", variant=name, ms=ms))

@@ -18,9 +18,9 @@ arguments let a caller that knows more read less:
 - ``last`` (a scalar tensor): no row attends past this column (inclusive; masked for every row), so the
   columns after it are not read (the ordinary route's length bucket reaches up to 255 columns past it);
 - ``shared`` (:class:`SharedPrefix`): rows holding copies of one prompt's keys and values (the ``n`` samples
-  of a prompt) read that prompt's columns once for all of them, in one tile of ``n x Hq / Hkv`` queries
-  (:func:`decode_attention_prefix`), then each its own columns after the prompt; their partial softmaxes are
-  merged as the splits' are. Where the
+  of a prompt) read that prompt's columns once for all of them, in one tile of ``n x Hq / Hkv`` queries,
+  while other programs of the same launch read each row's own columns after the prompt
+  (``decode_attention_kernel.decode_attention_shared``); their partial softmaxes are merged as the splits' are. Where the
 kernel cannot run (no CUDA tensor, no triton, a GPU before compute capability 8.0, a float mask, more than
 one query) the call falls back to SDPA, so the function is safe to set anywhere; a kernel that fails to
 compile or launch warns once and leaves those inputs to SDPA from then on.
@@ -181,32 +181,31 @@ def _launch(q, k, v, keep, scale, splits, block, warps, stages, last=None, share
         splits = split_count(rows, kv_heads, length, sms, block)
     splits = max(1, min(int(splits), tiles))
     prefix = shares_prefix(shared, heads, kv_heads)
-    # The prefix pass's splits: its programs that do work are one per run of rows, not one per row.
+    # The prompt's shares: its programs that do work are one per run of rows, not one per row.
     prefix_splits = min(split_count(-(-rows // shared.samples), kv_heads, length, sms, block), tiles) if prefix else 0
     slots = prefix_splits + splits
     out = torch.empty(rows, heads, 1, dim, dtype=q.dtype, device=q.device)
     dim_pad = pow2_at_least(dim, 16)
     single = slots == 1
-    fold = prefix and splits == 1  # the row's own window in one program, which folds in the prefix's partials
     part = out if single else torch.empty(rows * heads * slots * dim_pad, dtype=torch.float32, device=q.device)
     stat = out if single else torch.empty(rows * heads * slots * 2, dtype=torch.float32, device=q.device)
     keep_sb, keep_sl = keep.stride(0), keep.stride(-1)
     precision = "ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32"
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                keep_sb, keep_sl)
-    common = dict(DIM=dim, DIM_PAD=dim_pad, EVEN_D=dim == dim_pad, BLOCK_L=block, SCAN=SCAN, PRECISION=precision,
+    common = dict(GROUP=group, GROUP_PAD=pow2_at_least(group, 16), DIM=dim, DIM_PAD=dim_pad, EVEN_D=dim == dim_pad,
+                  BLOCK_L=block, SCAN=SCAN, LAST=last is not None, PRECISION=precision,
                   DOT_FP32=not q.is_cuda and q.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
+    last_ptr = out if last is None else last
     if prefix:
-        kernels.decode_attention_prefix[(rows, kv_heads, prefix_splits)](
-            q, k, v, keep, shared.ids, shared.end, part, stat, *strides, rows, length, prefix_splits, slots,
-            float(scale), SAMPLES=shared.samples, GROUP=group, M_PAD=pow2_at_least(shared.samples * group, 16),
-            **common)
-    kernels.decode_attention_split[(rows, kv_heads, splits)](
-        q, k, v, keep, out, part, stat, shared.end if prefix else out, out if last is None else last,
-        *strides, out.stride(0), out.stride(1), length, splits, prefix_splits, slots, float(scale),
-        GROUP=group, GROUP_PAD=pow2_at_least(group, 16), SINGLE=single, FROM=prefix, LAST=last is not None,
-        FOLD=fold, **common)
-    if not single and not fold:
+        kernels.decode_attention_shared[(rows, kv_heads, slots)](
+            q, k, v, keep, shared.ids, shared.end, last_ptr, part, stat, *strides, rows, length, prefix_splits, splits,
+            float(scale), SAMPLES=shared.samples, M_PAD=pow2_at_least(shared.samples * group, 16), **common)
+    else:
+        kernels.decode_attention_split[(rows, kv_heads, splits)](
+            q, k, v, keep, out, part, stat, last_ptr, *strides, out.stride(0), out.stride(1), length, splits,
+            float(scale), SINGLE=single, **common)
+    if not single:
         kernels.decode_attention_merge[(rows, heads)](
             part, stat, out, out.stride(0), out.stride(1), heads, slots,
             DIM=dim, DIM_PAD=dim_pad, SPLITS_PAD=pow2_at_least(slots, 1))

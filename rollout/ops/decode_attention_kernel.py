@@ -1,6 +1,6 @@
 """The Triton kernels of :mod:`rollout.ops.decode_attention` (imported only where they run: this module
 imports triton). Split-length ("flash-decoding") attention of one query per row, grouped by KV head, and
-the shared-prefix pass that reads a prompt's keys and values once for all of its samples."""
+its shared-prompt form that reads a prompt's keys and values once for all of its samples."""
 
 import triton
 import triton.language as tl
@@ -67,19 +67,18 @@ def _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, s
 
 
 @triton.jit
-def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, stat_ptr, from_ptr, last_ptr,
+def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, stat_ptr, last_ptr,
                            q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, keep_sb, keep_sl,
-                           o_sb, o_sh, length, splits, slot0, slots, scale,
+                           o_sb, o_sh, length, splits, scale,
                            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
                            DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr, SCAN: tl.constexpr,
-                           SINGLE: tl.constexpr, FROM: tl.constexpr, LAST: tl.constexpr, FOLD: tl.constexpr,
+                           SINGLE: tl.constexpr, LAST: tl.constexpr,
                            PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     # One program: row b, KV head kv, one share (split) of the row's key window.
     # The GROUP query heads that share KV head kv are the rows of one tile, so each key and value is read
-    # once per KV head. The window: from the row's first kept column (FROM: from column *from_ptr, the end of a
-    # shared prefix that decode_attention_prefix has covered) to the end (LAST: to column *last_ptr, inclusive:
-    # the columns after it are masked for every row, so they are not read). What is left is shared among the
-    # splits in whole tiles.
+    # once per KV head. The window: from the row's first kept column to the end (LAST: to column *last_ptr,
+    # inclusive: the columns after it are masked for every row, so they are not read). What is left is shared
+    # among the splits in whole tiles.
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,90 +89,105 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
     heads = kv * GROUP + g
     q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     keep_row = keep_ptr + b * keep_sb
-    if FROM:
-        first = tl.load(from_ptr).to(tl.int32)
-    else:
-        first = _first_kept(keep_row, keep_sl, length, SCAN, BLOCK_L)
     stop = length
     if LAST:
         stop = tl.minimum(stop, tl.load(last_ptr).to(tl.int32) + 1)
+    first = _first_kept(keep_row, keep_sl, stop, SCAN, BLOCK_L)
     tiles = tl.cdiv(tl.maximum(stop - first, 0), BLOCK_L)
     chunk = tl.cdiv(tiles, splits) * BLOCK_L
     lo = first + split * chunk
     hi = tl.minimum(lo + chunk, stop)
     acc, top, total = _window(q, k_ptr + b * k_sb + kv * k_sh, v_ptr + b * v_sb + kv * v_sh, keep_row, k_sl, v_sl,
                               keep_sl, lo, hi, d, d_ok, scale, GROUP_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
-    slot = (b * (tl.num_programs(1) * GROUP) + heads) * slots
-    if FOLD:  # one split after a prefix pass: fold in its partials (slots [0, slot0)) and normalise here
-        for s in range(0, slot0):
-            part_top = tl.load(stat_ptr + (slot + s) * 2, mask=g_ok, other=float("-inf"))
-            part_total = tl.load(stat_ptr + (slot + s) * 2 + 1, mask=g_ok, other=0.0)
-            part = tl.load(part_ptr + (slot + s)[:, None] * DIM_PAD + d[None, :], mask=g_ok[:, None], other=0.0)
-            new_top = tl.maximum(top, part_top)
-            safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)
-            alpha = tl.where(top == float("-inf"), 0.0, tl.exp(top - safe_top))
-            beta = tl.where(part_top == float("-inf"), 0.0, tl.exp(part_top - safe_top))
-            acc = acc * alpha[:, None] + part * beta[:, None]
-            total = total * alpha + part_total * beta
-            top = new_top
-    if SINGLE or FOLD:  # normalise here; a row with nothing kept gets zeros
+    if SINGLE:  # one split: normalise here; a row with nothing kept gets zeros
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])
-    else:  # partials [B, Hq, slots, DIM_PAD] and (top, total) [B, Hq, slots, 2], combined by decode_attention_merge
-        slot = slot + slot0 + split
+    else:  # partials [B, Hq, splits, DIM_PAD] and (top, total) [B, Hq, splits, 2], combined by decode_attention_merge
+        slot = (b * (tl.num_programs(1) * GROUP) + heads) * splits + split
         tl.store(part_ptr + slot[:, None] * DIM_PAD + d[None, :], acc, mask=g_ok[:, None])
         tl.store(stat_ptr + slot * 2, top, mask=g_ok)
         tl.store(stat_ptr + slot * 2 + 1, total, mask=g_ok)
 
 
 @triton.jit
-def decode_attention_prefix(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, part_ptr, stat_ptr,
+def _store_partials(part_ptr, stat_ptr, slot, ok, acc, top, total, d, DIM_PAD: tl.constexpr):
+    tl.store(part_ptr + slot[:, None] * DIM_PAD + d[None, :], acc, mask=ok[:, None])
+    tl.store(stat_ptr + slot * 2, top, mask=ok)
+    tl.store(stat_ptr + slot * 2 + 1, total, mask=ok)
+
+
+@triton.jit
+def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, last_ptr, part_ptr, stat_ptr,
                             q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, keep_sb, keep_sl,
-                            rows, length, splits, slots, scale,
-                            SAMPLES: tl.constexpr, GROUP: tl.constexpr, M_PAD: tl.constexpr, DIM: tl.constexpr,
-                            DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr, SCAN: tl.constexpr,
-                            PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    # The shared prompt of a run of rows: rows whose sample ids (ids_ptr) share id // SAMPLES hold copies of
-    # the same prompt's keys and values in columns [0, *end_ptr). One program: the first row b of such a run
-    # (the leader), KV head kv, one split of the prefix window. Its tile holds the queries of every row of
-    # the run (at most SAMPLES rows) times the GROUP query heads of kv, so the prefix is read once for the
-    # run instead of once per row. Partials go to slots [0, splits) of each of the run's rows; the programs
-    # of rows that do not lead a run store nothing.
+                            rows, length, prefix_splits, splits, scale,
+                            SAMPLES: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, M_PAD: tl.constexpr,
+                            DIM: tl.constexpr, DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                            SCAN: tl.constexpr, LAST: tl.constexpr, PRECISION: tl.constexpr,
+                            DOT_FP32: tl.constexpr):
+    # Rows whose sample ids (ids_ptr) share id // SAMPLES hold copies of the same prompt's keys, values and mask
+    # in columns [0, *end_ptr). One launch, two kinds of program over (row b, KV head kv, share s):
+    # - s < prefix_splits, the prompt: if b is the first row of a run of such rows (its leader), its tile holds
+    #   the queries of every row of the run (at most SAMPLES) times the GROUP query heads of kv, and it reads
+    #   share s of b's prompt columns once for all of them; the other rows' programs do nothing;
+    # - s >= prefix_splits, the row's own columns: share s - prefix_splits of [*end_ptr, *last_ptr] of row b.
+    # Both write partials (slot s of each of their rows, prefix_splits + splits slots a row and query head),
+    # which decode_attention_merge combines. The two kinds run side by side, so the prompt's programs cost
+    # their reads, not a launch and its latency of their own.
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
-    split = tl.program_id(2)
-    key = tl.load(ids_ptr + b) // SAMPLES
-    prev = tl.load(ids_ptr + tl.maximum(b - 1, 0)) // SAMPLES
-    leader = (b == 0) | (prev != key)
-    run = 1  # the run: rows b, b + 1, ... while their prompt is b's
-    for j in tl.static_range(1, SAMPLES):
-        inside = b + j < rows
-        other = tl.load(ids_ptr + b + j, mask=inside, other=0) // SAMPLES
-        run = tl.where(inside & (other == key) & (run == j), j + 1, run)
-    m = tl.arange(0, M_PAD)
-    member = m // GROUP
-    heads = kv * GROUP + m % GROUP
-    row = b + member
-    m_ok = member < tl.where(leader, run, 0)  # no rows unless b leads its run
+    share = tl.program_id(2)
+    slots = prefix_splits + splits
     d = tl.arange(0, DIM_PAD)
     d_ok = d < DIM
-    q = tl.load(q_ptr + row[:, None] * q_sb + heads[:, None] * q_sh + d[None, :], mask=m_ok[:, None] & d_ok[None, :],
-                other=0.0)
+    end = tl.load(end_ptr).to(tl.int32)
     keep_row = keep_ptr + b * keep_sb
-    stop = tl.load(end_ptr).to(tl.int32)
-    first = _first_kept(keep_row, keep_sl, stop, SCAN, BLOCK_L)
-    stop = tl.where(leader, stop, first)  # not a leader: an empty window
-    tiles = tl.cdiv(tl.maximum(stop - first, 0), BLOCK_L)
-    chunk = tl.cdiv(tiles, splits) * BLOCK_L
-    lo = first + split * chunk
-    hi = tl.minimum(lo + chunk, stop)
-    acc, top, total = _window(q, k_ptr + b * k_sb + kv * k_sh, v_ptr + b * v_sb + kv * v_sh, keep_row, k_sl, v_sl,
-                              keep_sl, lo, hi, d, d_ok, scale, M_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
-    slot = (row * (tl.num_programs(1) * GROUP) + heads) * slots + split
-    tl.store(part_ptr + slot[:, None] * DIM_PAD + d[None, :], acc, mask=m_ok[:, None])
-    tl.store(stat_ptr + slot * 2, top, mask=m_ok)
-    tl.store(stat_ptr + slot * 2 + 1, total, mask=m_ok)
+    k_base = k_ptr + b * k_sb + kv * k_sh
+    v_base = v_ptr + b * v_sb + kv * v_sh
+    heads_of_kv = tl.num_programs(1) * GROUP
+    if share < prefix_splits:
+        key = tl.load(ids_ptr + b) // SAMPLES
+        prev = tl.load(ids_ptr + tl.maximum(b - 1, 0)) // SAMPLES
+        leader = (b == 0) | (prev != key)
+        if leader:
+            run = 1  # the run: rows b, b + 1, ... while their prompt is b's
+            for j in tl.static_range(1, SAMPLES):
+                inside = b + j < rows
+                other = tl.load(ids_ptr + b + j, mask=inside, other=0) // SAMPLES
+                run = tl.where(inside & (other == key) & (run == j), j + 1, run)
+            m = tl.arange(0, M_PAD)
+            member = m // GROUP
+            heads = kv * GROUP + m % GROUP
+            row = b + member
+            m_ok = member < run
+            q = tl.load(q_ptr + row[:, None] * q_sb + heads[:, None] * q_sh + d[None, :],
+                        mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            first = _first_kept(keep_row, keep_sl, end, SCAN, BLOCK_L)
+            tiles = tl.cdiv(tl.maximum(end - first, 0), BLOCK_L)
+            chunk = tl.cdiv(tiles, prefix_splits) * BLOCK_L
+            lo = first + share * chunk
+            hi = tl.minimum(lo + chunk, end)
+            acc, top, total = _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale,
+                                      M_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
+            _store_partials(part_ptr, stat_ptr, (row * heads_of_kv + heads) * slots + share, m_ok, acc, top, total,
+                            d, DIM_PAD)
+    else:
+        g = tl.arange(0, GROUP_PAD)
+        g_ok = g < GROUP
+        heads = kv * GROUP + g
+        q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        stop = length
+        if LAST:
+            stop = tl.minimum(stop, tl.load(last_ptr).to(tl.int32) + 1)
+        tiles = tl.cdiv(tl.maximum(stop - end, 0), BLOCK_L)
+        chunk = tl.cdiv(tiles, splits) * BLOCK_L
+        lo = end + (share - prefix_splits) * chunk
+        hi = tl.minimum(lo + chunk, stop)
+        acc, top, total = _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale,
+                                  GROUP_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
+        _store_partials(part_ptr, stat_ptr, (b * heads_of_kv + heads) * slots + share, g_ok, acc, top, total, d,
+                        DIM_PAD)
 
 
 @triton.jit
