@@ -178,7 +178,8 @@ class RolloutConfig:
     batch bucket has at least this many rows, in calls with several samples per prompt, read each prompt's
     keys and values once for all of its samples (one tile of ``n x`` the query heads per KV head,
     ``rollout.ops.decode_attention.SharedPrefix``) and then each row's own columns after the prompt, instead
-    of every row reading its copy of the prompt. 0: off."""
+    of every row reading its copy of the prompt; only for prompts (the batch's padded prompt length) of at least
+    ``rollout.ops.decode_attention.MIN_SHARED_PROMPT`` = 512 columns, where it paid on the H200. 0: off."""
     fused_sampler: bool = True
     """On CUDA (with ``compile``), temperature + top-p sampling without top-k or a repetition penalty runs
     the one-kernel nucleus (:mod:`rollout.ops.fused_nucleus`); False keeps the compiled sort-free search.

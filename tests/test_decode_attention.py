@@ -279,11 +279,12 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list):
     SamplingConfig(max_new_tokens=10, temperature=0.0, n_samples_per_prompt=3),
     SamplingConfig(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=7, n_samples_per_prompt=3),
 ], ids=["greedy", "sampled"])
-def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
+def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monkeypatch):
     """The ordinary route with the kernel reading each prompt's columns once for its samples (every batch
-    bucket), prompts of different lengths and rows ending at different steps (compactions into smaller
-    buckets): the same tokens as the kernel reading every row's copy, and, greedy, HF generate's per request
-    (fp32)."""
+    bucket, and prompts of any length: ``MIN_SHARED_PROMPT`` lowered to 1), prompts of different lengths and
+    rows ending at different steps (compactions into smaller buckets): the same tokens as the kernel reading
+    every row's copy, and, greedy, HF generate's per request (fp32). At the default ``MIN_SHARED_PROMPT``
+    these 9-column prompts are not shared."""
     from rollout.model.step import StepFns  # noqa: F401 - the fns replaced below
     model = tiny_model("qwen2", seed=0).to(device)
     ids, mask = random_prompts(8, 9, min_len=1, seed=3)
@@ -292,6 +293,10 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
         .generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0))
     eos = [token for token, _ in Counter(free.input_ids[:, 9:].flatten().tolist()).most_common(6)][3:6]
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
+    short = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", cuda_graphs=False)), 1, [])
+    short.generate(RolloutRequest(ids, mask), sampling)
+    assert ids.shape[1] < da.MIN_SHARED_PROMPT and short.last_stats.shared_prefix_steps == 0
+    monkeypatch.setattr("rollout.executors.ordinary.executor.MIN_SHARED_PROMPT", 1)
     outputs, stats = [], []
     for rows in (1, 0):
         calls = []

@@ -15,6 +15,7 @@ from rollout.executors.graphs import EAGER, GraphSet
 from rollout.executors.ordinary.buffers import DecodeBuffers, decode_step, shares_prefix
 from rollout.executors.ordinary.loop import PromptBatch, StaticDecode, generate_ordinary
 from rollout.executors.ordinary.order import RowOrder
+from rollout.ops.decode_attention import MIN_SHARED_PROMPT
 from rollout.plan.buckets import batch_bucket, length_bucket, length_round
 from rollout.stats import CallStats
 
@@ -53,7 +54,9 @@ class OrdinaryExecutor:
             if order.num_samples > 1 and self.scratch is None:
                 self.scratch = ScratchArena.like(cache.shape)
         try:
-            static = self.static_decode(ctx, choice, cache, num_rows, order.num_samples) if choice.is_fast else None
+            # a prompt's samples read its columns once where the prompts are long enough for it to pay
+            sharing = order.num_samples if batch.ids.shape[1] >= MIN_SHARED_PROMPT else 1
+            static = self.static_decode(ctx, choice, cache, num_rows, sharing) if choice.is_fast else None
             state = generate_ordinary(ctx, cache, batch, order, static, self.scratch)
         finally:
             with ctx.stage(stages.CACHE_RELEASE):
@@ -71,7 +74,8 @@ class OrdinaryExecutor:
     def static_decode(self, ctx: CallContext, choice: DecodeChoice, cache, num_rows: int,
                       samples: int = 1) -> StaticDecode:
         """Buffers for this call (reused while they fit) and its step function (graphs keyed per call);
-        ``samples``: rows per prompt (their prompt's columns may be read once for all of them)."""
+        ``samples``: rows per prompt whose prompt's columns may be read once for all of them (1: every row
+        reads its own copy)."""
         sampling, device = ctx.sampling, ctx.device
         bucket = batch_bucket(num_rows)
         if self.buffers is None or not self.buffers.fits(bucket, cache.shape.capacity, sampling.max_new_tokens,
