@@ -125,7 +125,7 @@ class RolloutConfig:
     Measured on the H200 (3B, bf16; ``docs/BENCHMARKS.md``, "2026-12-01 (23:20 UTC session)"): one pass of 8 x 64
     tokens 41.9 -> 7.7 ms, 8 x 256 28.7 -> 21.2, 32 x 64 25.6 -> 20.8, 32 x 256 (8,192) 85.2 -> 85.3; the seed-004
     short calls 16-37% faster, its 16..512 workload 3.5-4.5% slower in two runs though its one pass ran eagerly
-    (unexplained; the twin was always timed last, so the position may be the cause),
+    (unexplained; with the benchmark's rounds alternating it stayed, 157.0 against 149.3 ms: not the position),
     the RL capped cell 3.9% faster. Token buckets are powers of two, so a pass of just over 2,048 real tokens would pay
     the GEMMs of 4,096 where the GPU, not the host, is the limit: hence 2,048."""
     compile: bool = True
@@ -179,7 +179,11 @@ class RolloutConfig:
     keys and values once for all of its samples (one tile of ``n x`` the query heads per KV head,
     ``rollout.ops.decode_attention.SharedPrefix``) and then each row's own columns after the prompt, instead
     of every row reading its copy of the prompt; only for prompts (the batch's padded prompt length) of at least
-    ``rollout.ops.decode_attention.MIN_SHARED_PROMPT`` = 512 columns, where it paid on the H200. 0: off."""
+    ``rollout.ops.decode_attention.MIN_SHARED_PROMPT`` = 512 columns, where it paid on the H200: the attention
+    alone (3B shape, 4 samples) took 27% less time at 256 rows and 30% at 128 with a 768-column prompt, 16% more
+    at 256 rows with a 256-column one; the long-tail RL cells' roofline ratios 1.97x/1.98x against their
+    twins' 1.99x/2.01x (docs/BENCHMARKS.md, "2026-12-02 (02:31 UTC session)"). The 32-row threshold was not
+    varied. 0: off."""
     fused_sampler: bool = True
     """On CUDA (with ``compile``), temperature + top-p sampling without top-k or a repetition penalty runs
     the one-kernel nucleus (:mod:`rollout.ops.fused_nucleus`); False keeps the compiled sort-free search.

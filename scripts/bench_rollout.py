@@ -92,7 +92,8 @@ def round_order(items: list, round_index: int) -> list:
     """The order of one timed round: as given in even rounds, reversed in odd ones (A B C, C B A, A B C ...),
     so no candidate always sits in the same place or follows the same one (with a fixed order, seed 004's
     16..512 ran 3.5-4.5% slower at the default than its ``prefill_graph_tokens=0`` twin, which always ran
-    last, though both passes ran eagerly: docs/BENCHMARKS.md, 2026-12-02; unexplained)."""
+    last, though both passes ran eagerly: docs/BENCHMARKS.md, 2026-12-02; with rounds alternating the gap
+    stayed, 157.0 against 149.3 ms, so the order was not its cause)."""
     return list(items) if round_index % 2 == 0 else list(reversed(items))
 
 
