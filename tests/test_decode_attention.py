@@ -2,7 +2,9 @@
 interpreter (``TRITON_INTERPRET=1``, set by conftest without CUDA; skipped where triton is missing), on
 CUDA compiled. It equals SDPA with ``enable_gqa`` for every split of the key window, on strided cache views
 and masks with left padding and holes; the step built on it gives HF generate's greedy tokens (fp32);
-inputs it does not handle go to SDPA."""
+inputs it does not handle go to SDPA. Rows holding copies of one prompt read it once (``SharedPrefix``) and no
+row reads past ``last``: NaN planted in what must not be read stays out of the output, and the ordinary route
+keeps every token with both."""
 
 from __future__ import annotations
 
@@ -260,14 +262,18 @@ def test_shared_prefix_bf16_and_the_tile_limit(device):
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
 
 
-def _with_kernel(ro, shared_prefix_rows: int, calls: list):
-    """``ro``'s step with the kernel as its attention (interpreted on the CPU) and ``shared_prefix_rows``."""
-    from rollout.model.step import StepFns
+def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts: list | None = None):
+    """``ro``'s step with ``shared_prefix_rows`` and the kernel as its attention (interpreted on the CPU;
+    ``attention``: another piece, e.g. SDPA); ``calls`` records whether each call was handed a ``SharedPrefix``
+    (and ``lasts`` whether it was handed the last column)."""
     original = ro._fast_step.parts
+    attend = attention or functools.partial(da.attention, interpret=True)
 
     def kernel(*args, **kwargs):
         calls.append(kwargs.get("shared") is not None)
-        return da.attention(*args, interpret=True, **kwargs)
+        if lasts is not None:
+            lasts.append(kwargs.get("last") is not None)
+        return attend(*args, **kwargs)
 
     ro._fast_step.parts = lambda dev, mirrored: dataclasses.replace(
         original(dev, mirrored), fns=dataclasses.replace(original(dev, mirrored).fns, attention=kernel,
@@ -276,8 +282,8 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list):
 
 
 @pytest.mark.parametrize("sampling", [
-    SamplingConfig(max_new_tokens=10, temperature=0.0, n_samples_per_prompt=3),
-    SamplingConfig(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=7, n_samples_per_prompt=3),
+    SamplingConfig(max_new_tokens=8, temperature=0.0, n_samples_per_prompt=3),
+    SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=7, n_samples_per_prompt=3),
 ], ids=["greedy", "sampled"])
 def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monkeypatch):
     """The ordinary route with the kernel reading each prompt's columns once for its samples (every batch
@@ -285,31 +291,35 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
     rows ending at different steps (compactions into smaller buckets): the same tokens as the kernel reading
     every row's copy, and, greedy, HF generate's per request (fp32). At the default ``MIN_SHARED_PROMPT``
     these 9-column prompts are not shared."""
-    from rollout.model.step import StepFns  # noqa: F401 - the fns replaced below
     model = tiny_model("qwen2", seed=0).to(device)
-    ids, mask = random_prompts(8, 9, min_len=1, seed=3)
+    ids, mask = random_prompts(6, 9, min_len=1, seed=3)
     ids, mask = ids.to(device), mask.to(device)
     free = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False)) \
         .generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0))
     eos = [token for token, _ in Counter(free.input_ids[:, 9:].flatten().tolist()).most_common(6)][3:6]
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
-    short = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", cuda_graphs=False)), 1, [])
+    short_calls = []
+    short = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", cuda_graphs=False)), 1, short_calls,
+                         attention=da.sdpa)
     short.generate(RolloutRequest(ids, mask), sampling)
     assert ids.shape[1] < da.MIN_SHARED_PROMPT and short.last_stats.shared_prefix_steps == 0
+    assert short_calls and not any(short_calls)
     monkeypatch.setattr("rollout.executors.ordinary.executor.MIN_SHARED_PROMPT", 1)
     outputs, stats = [], []
     for rows in (1, 0):
-        calls = []
-        ro = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", cuda_graphs=False)), rows, calls)
+        calls, lasts = [], []
+        ro = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", cuda_graphs=False)), rows, calls,
+                          lasts=lasts)
         outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
         stats.append(ro.last_stats)
         assert calls and all(calls) == bool(rows) and any(calls) == bool(rows)
+        assert all(lasts)  # every step stops at the current column
     assert stats[0].shared_prefix_steps == stats[0].decode_forwards > 0
     assert stats[0].compactions >= 1 or not sampling.is_greedy  # greedy rows end early (sampled ones rarely)
     assert stats[1].shared_prefix_steps == 0
     assert torch.equal(outputs[0].input_ids, outputs[1].input_ids)
     assert torch.equal(outputs[0].attention_mask, outputs[1].attention_mask)
     if sampling.is_greedy:
-        for row in range(24):
-            expected = hf_greedy(model, ids[row // 3], mask[row // 3], 10, eos=eos)
+        for row in range(18):
+            expected = hf_greedy(model, ids[row // 3], mask[row // 3], 8, eos=eos)
             assert response_of(outputs[0], row) == expected[:len(response_of(outputs[0], row))], f"row {row}"
