@@ -57,6 +57,8 @@ def test_sampling_config_keeps_upstream_defaults():
     (dict(skinny_rows=-1), "skinny_rows"),
     (dict(skinny_rows=True), "skinny_rows"),
     (dict(skinny_rows=8.0), "skinny_rows"),
+    (dict(shared_prefix_rows=-1), "shared_prefix_rows"),
+    (dict(shared_prefix_rows=2.5), "shared_prefix_rows"),
     (dict(max_context=0), "max_context"),
 ])
 def test_rollout_config_rejects_bad_values(kwargs, field):

@@ -323,3 +323,21 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
         for row in range(18):
             expected = hf_greedy(model, ids[row // 3], mask[row // 3], 8, eos=eos)
             assert response_of(outputs[0], row) == expected[:len(response_of(outputs[0], row))], f"row {row}"
+
+
+def test_which_steps_share_the_prompt():
+    """The ordinary route shares a prompt's columns in batch buckets of at least ``shared_prefix_rows`` rows,
+    with several samples per prompt, and only while their queries fit one tile."""
+    from types import SimpleNamespace
+
+    from rollout.executors.ordinary.buffers import shares_prefix
+
+    def parts(rows):
+        return SimpleNamespace(spec=SimpleNamespace(num_heads=16, num_kv_heads=2),
+                               fns=SimpleNamespace(shared_prefix_rows=rows))
+
+    assert shares_prefix(parts(32), 32, 4) and shares_prefix(parts(32), 256, 4)
+    assert not shares_prefix(parts(32), 24, 4)  # a smaller batch reads every copy
+    assert not shares_prefix(parts(0), 256, 4)  # off (and SDPA: FastStep leaves it 0)
+    assert not shares_prefix(parts(32), 256, 1)  # one sample a prompt: nothing to share
+    assert shares_prefix(parts(32), 256, 16) and not shares_prefix(parts(32), 256, 17)  # 17 x 8 > 128 queries

@@ -20,8 +20,9 @@ arguments let a caller that knows more read less:
 - ``shared`` (:class:`SharedPrefix`): rows holding copies of one prompt's keys and values (the ``n`` samples
   of a prompt) read that prompt's columns once for all of them, in one tile of ``n x Hq / Hkv`` queries,
   while other programs of the same launch read each row's own columns after the prompt
-  (``decode_attention_kernel.decode_attention_shared``); their partial softmaxes are merged as the splits' are. Where the
-kernel cannot run (no CUDA tensor, no triton, a GPU before compute capability 8.0, a float mask, more than
+  (``decode_attention_kernel.decode_attention_shared``); their partial softmaxes are merged as the splits' are.
+
+Where the kernel cannot run (no CUDA tensor, no triton, a GPU before compute capability 8.0, a float mask, more than
 one query) the call falls back to SDPA, so the function is safe to set anywhere; a kernel that fails to
 compile or launch warns once and leaves those inputs to SDPA from then on.
 """
@@ -73,6 +74,7 @@ class SharedPrefix:
     """Rows per prompt (``n_samples_per_prompt``)."""
     end: torch.Tensor
     """Scalar int64: the prompt's columns end here (the first decode column)."""
+
 
 _FAILED: dict = {}
 """(device, dtype, head dim, group) -> why the kernel failed there: SDPA runs for those inputs from then on."""
@@ -170,9 +172,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
                                lambda: sdpa(q, k, v, keep, scale, gqa))
 
 
+def one_tile(samples: int, heads: int, kv_heads: int) -> bool:
+    """Whether ``samples`` rows' query heads of one KV head fit one tile of the shared-prompt programs."""
+    return samples > 1 and samples * (heads // kv_heads) <= MAX_SHARED_QUERIES
+
+
 def shares_prefix(shared: Optional[SharedPrefix], heads: int, kv_heads: int) -> bool:
-    """Whether :func:`attention` runs the shared-prefix pass for these rows and heads."""
-    return shared is not None and shared.samples > 1 and shared.samples * (heads // kv_heads) <= MAX_SHARED_QUERIES
+    """Whether :func:`attention` reads the prompts of ``shared`` once per run of rows for these heads."""
+    return shared is not None and one_tile(shared.samples, heads, kv_heads)
 
 
 def _launch(q, k, v, keep, scale, splits, block, warps, stages, last=None, shared=None) -> torch.Tensor:

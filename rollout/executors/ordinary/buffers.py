@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from rollout.model.step import StepParts, decode_logits
-from rollout.ops.decode_attention import MAX_SHARED_QUERIES, SharedPrefix
+from rollout.ops.decode_attention import SharedPrefix, one_tile
 from rollout.ops.sampling import Sampler
 
 
@@ -94,10 +94,10 @@ class DecodeBuffers:
 
 def shares_prefix(parts: StepParts, bucket: int, samples: int) -> bool:
     """Whether a step of ``bucket`` rows reads each prompt's columns once for its ``samples`` rows
-    (``RolloutConfig.shared_prefix_rows``; the kernel's own limits in :func:`decode_attention.shares_prefix`)."""
+    (``RolloutConfig.shared_prefix_rows``, set only where the Triton attention runs; the kernel's tile limit:
+    :func:`decode_attention.one_tile`)."""
     rows = parts.fns.shared_prefix_rows
-    return samples > 1 and 0 < rows <= bucket and parts.spec.num_heads // parts.spec.num_kv_heads * samples \
-        <= MAX_SHARED_QUERIES
+    return 0 < rows <= bucket and one_tile(samples, parts.spec.num_heads, parts.spec.num_kv_heads)
 
 
 def decode_step(parts: StepParts, cache, bufs: DecodeBuffers, shape: tuple[int, int], sampler: Sampler,
