@@ -349,8 +349,11 @@ def test_a_good_export_is_complete_listed_and_alone(env, tmp_path):
 # Interrupted exports: a training process stalls inside the export (in the gzip writer torch and we
 # both use), then gets SIGINT (Ctrl-C) or SIGKILL.
 CHILD_STALL = r"""
-import gzip, sys, time, torch
+import gzip, signal, sys, time, torch
 from instrumentation import opsd_profiler, stage, stages
+
+# a foreground run's Ctrl-C, also where the suite itself runs as a background job (which ignores SIGINT)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def stall(self, data):
     open(sys.argv[1], "w").close()
