@@ -486,6 +486,11 @@ class RlRow:
     auto_choice: Optional[str] = None
     auto_vs_best: Optional[float] = None
     best_candidate: Optional[str] = None
+    auto_vs_best_roofline: Optional[float] = None
+    """Auto's roofline ratio over the lowest of the routes' (each from its own realised lengths): sampled tokens
+    differ between batch shapes in bf16, so one route may draw a longer row than another, which wall time counts
+    against it and the ratio does not."""
+    best_roofline_candidate: Optional[str] = None
     vs_deepspeed: Optional[float] = None
     same_tokens: Optional[bool] = None
     after_profile: Optional[bool] = None
@@ -502,7 +507,8 @@ ROW_FIELDS = tuple(f.name for f in dataclasses.fields(RlRow))
 
 
 def derive(rows: list[RlRow]) -> None:
-    """Fill Auto / best, best candidate and vs DeepSpeed within each (source, cell)."""
+    """Fill Auto / best (by wall time and by roofline ratio), the best candidates and vs DeepSpeed within each
+    (source, cell)."""
     groups: dict[tuple, list[RlRow]] = {}
     for r in rows:
         groups.setdefault((r.source, r.cell), []).append(r)
@@ -510,6 +516,8 @@ def derive(rows: list[RlRow]) -> None:
         timed = [r for r in group if r.status == "ok" and r.wall_ms is not None]
         routes = [r for r in timed if r.candidate == "ordinary" or r.candidate.startswith("continuous")]
         best = min(routes, key=lambda r: r.wall_ms, default=None)
+        ratios = [r for r in routes if r.x_roofline is not None]
+        best_ratio = min(ratios, key=lambda r: r.x_roofline, default=None)
         upstream = next((r for r in timed if r.candidate == "deepspeed"), None)
         for r in group:
             r.vs_deepspeed = (r.wall_ms / upstream.wall_ms if upstream is not None and r is not upstream
@@ -517,6 +525,9 @@ def derive(rows: list[RlRow]) -> None:
             if r.candidate == "auto":
                 r.best_candidate = best.candidate if best is not None else None
                 r.auto_vs_best = (r.wall_ms / best.wall_ms if best is not None and r.wall_ms is not None else None)
+                r.best_roofline_candidate = best_ratio.candidate if best_ratio is not None else None
+                r.auto_vs_best_roofline = (r.x_roofline / best_ratio.x_roofline
+                                           if best_ratio is not None and r.x_roofline is not None else None)
 
 
 def _fmt(value, spec: str = ".0f") -> str:
@@ -547,6 +558,8 @@ def format_table(rows: list[RlRow]) -> str:
         path = f"{_fmt(r.route)} / {_fmt(r.decode_path)} / {_fmt(r.prefill_path)}"
         auto = (f"{r.auto_choice}" if r.auto_choice else "")
         auto_best = f"{_fmt(r.auto_vs_best, '.3f')} (best {r.best_candidate})" if r.auto_vs_best is not None else ""
+        if r.auto_vs_best_roofline is not None:
+            auto_best += f"; by x roof {r.auto_vs_best_roofline:.3f} (best {r.best_roofline_candidate})"
         lines.append(f"| {r.source} | {r.cell} | {r.candidate} | {_fmt(r.tok_s)} | {wall} | {_fmt(r.roofline_ms)} "
                      f"| {_fmt(r.x_roofline, '.2f')} | {busy} | {_fmt(r.peak_gib, '.1f')} | {path} | {lengths} "
                      f"| {auto} | {auto_best} | {_fmt(r.vs_deepspeed, '.3f')} | {_fmt(r.same_tokens)} | {r.note} |")

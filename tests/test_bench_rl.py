@@ -225,12 +225,16 @@ def test_cap_gib_allows_the_slots_and_no_more(slots, longest, budget, kv, column
 
 
 def test_derive_auto_vs_best_and_deepspeed():
-    rows = [RlRow("c", "w", name, wall_ms=ms) for name, ms in
-            (("auto", 110.0), ("ordinary", 120.0), ("continuous-8", 100.0), ("deepspeed", 400.0))]
+    """Auto / best by wall time and by roofline ratio: here continuous batching finished first but drew
+    shorter rows (a lower roofline), so by the ratio the ordinary route is the best."""
+    rows = [RlRow("c", "w", name, wall_ms=ms, x_roofline=x) for name, ms, x in
+            (("auto", 110.0, 2.0), ("ordinary", 120.0, 1.9), ("continuous-8", 100.0, 2.1), ("deepspeed", 400.0, None))]
     rows.append(RlRow("c", "w", "continuous-4", status="error: boom"))
     derive(rows)
     auto = rows[0]
     assert auto.best_candidate == "continuous-8" and auto.auto_vs_best == pytest.approx(1.1)
+    assert auto.best_roofline_candidate == "ordinary" and auto.auto_vs_best_roofline == pytest.approx(2.0 / 1.9)
+    assert "by x roof 1.053 (best ordinary)" in bench_rl.format_table(rows)
     assert rows[1].vs_deepspeed == pytest.approx(0.3) and rows[3].vs_deepspeed is None
 
 
