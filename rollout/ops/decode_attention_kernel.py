@@ -67,6 +67,31 @@ def _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, s
 
 
 @triton.jit
+def _window_end(length, last_ptr, LAST: tl.constexpr):
+    # The window's end: ``length``, or (LAST) column *last_ptr + 1 when that comes first.
+    stop = length
+    if LAST:
+        stop = tl.minimum(stop, tl.load(last_ptr).to(tl.int32) + 1)
+    return stop
+
+
+@triton.jit
+def _share(first, stop, share, shares, BLOCK_L: tl.constexpr):
+    # Columns [lo, hi) of share ``share`` of ``shares`` of the window [first, stop), in whole tiles.
+    tiles = tl.cdiv(tl.maximum(stop - first, 0), BLOCK_L)
+    chunk = tl.cdiv(tiles, shares) * BLOCK_L
+    lo = first + share * chunk
+    return lo, tl.minimum(lo + chunk, stop)
+
+
+@triton.jit
+def _store_partials(part_ptr, stat_ptr, slot, ok, acc, top, total, d, DIM_PAD: tl.constexpr):
+    tl.store(part_ptr + slot[:, None] * DIM_PAD + d[None, :], acc, mask=ok[:, None])
+    tl.store(stat_ptr + slot * 2, top, mask=ok)
+    tl.store(stat_ptr + slot * 2 + 1, total, mask=ok)
+
+
+@triton.jit
 def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, stat_ptr, last_ptr,
                            q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, keep_sb, keep_sl,
                            o_sb, o_sh, length, splits, scale,
@@ -89,14 +114,8 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
     heads = kv * GROUP + g
     q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     keep_row = keep_ptr + b * keep_sb
-    stop = length
-    if LAST:
-        stop = tl.minimum(stop, tl.load(last_ptr).to(tl.int32) + 1)
-    first = _first_kept(keep_row, keep_sl, stop, SCAN, BLOCK_L)
-    tiles = tl.cdiv(tl.maximum(stop - first, 0), BLOCK_L)
-    chunk = tl.cdiv(tiles, splits) * BLOCK_L
-    lo = first + split * chunk
-    hi = tl.minimum(lo + chunk, stop)
+    stop = _window_end(length, last_ptr, LAST)
+    lo, hi = _share(_first_kept(keep_row, keep_sl, stop, SCAN, BLOCK_L), stop, split, splits, BLOCK_L)
     acc, top, total = _window(q, k_ptr + b * k_sb + kv * k_sh, v_ptr + b * v_sb + kv * v_sh, keep_row, k_sl, v_sl,
                               keep_sl, lo, hi, d, d_ok, scale, GROUP_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
     if SINGLE:  # one split: normalise here; a row with nothing kept gets zeros
@@ -104,17 +123,8 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
         tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])
     else:  # partials [B, Hq, splits, DIM_PAD] and (top, total) [B, Hq, splits, 2], combined by decode_attention_merge
-        slot = (b * (tl.num_programs(1) * GROUP) + heads) * splits + split
-        tl.store(part_ptr + slot[:, None] * DIM_PAD + d[None, :], acc, mask=g_ok[:, None])
-        tl.store(stat_ptr + slot * 2, top, mask=g_ok)
-        tl.store(stat_ptr + slot * 2 + 1, total, mask=g_ok)
-
-
-@triton.jit
-def _store_partials(part_ptr, stat_ptr, slot, ok, acc, top, total, d, DIM_PAD: tl.constexpr):
-    tl.store(part_ptr + slot[:, None] * DIM_PAD + d[None, :], acc, mask=ok[:, None])
-    tl.store(stat_ptr + slot * 2, top, mask=ok)
-    tl.store(stat_ptr + slot * 2 + 1, total, mask=ok)
+        _store_partials(part_ptr, stat_ptr, (b * (tl.num_programs(1) * GROUP) + heads) * splits + split, g_ok, acc,
+                        top, total, d, DIM_PAD)
 
 
 @triton.jit
@@ -162,11 +172,7 @@ def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, las
             m_ok = member < run
             q = tl.load(q_ptr + row[:, None] * q_sb + heads[:, None] * q_sh + d[None, :],
                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            first = _first_kept(keep_row, keep_sl, end, SCAN, BLOCK_L)
-            tiles = tl.cdiv(tl.maximum(end - first, 0), BLOCK_L)
-            chunk = tl.cdiv(tiles, prefix_splits) * BLOCK_L
-            lo = first + share * chunk
-            hi = tl.minimum(lo + chunk, end)
+            lo, hi = _share(_first_kept(keep_row, keep_sl, end, SCAN, BLOCK_L), end, share, prefix_splits, BLOCK_L)
             acc, top, total = _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale,
                                       M_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
             _store_partials(part_ptr, stat_ptr, (row * heads_of_kv + heads) * slots + share, m_ok, acc, top, total,
@@ -177,13 +183,7 @@ def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, las
         heads = kv * GROUP + g
         q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
                     other=0.0)
-        stop = length
-        if LAST:
-            stop = tl.minimum(stop, tl.load(last_ptr).to(tl.int32) + 1)
-        tiles = tl.cdiv(tl.maximum(stop - end, 0), BLOCK_L)
-        chunk = tl.cdiv(tiles, splits) * BLOCK_L
-        lo = end + (share - prefix_splits) * chunk
-        hi = tl.minimum(lo + chunk, stop)
+        lo, hi = _share(end, _window_end(length, last_ptr, LAST), share - prefix_splits, splits, BLOCK_L)
         acc, top, total = _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale,
                                   GROUP_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
         _store_partials(part_ptr, stat_ptr, (b * heads_of_kv + heads) * slots + share, g_ok, acc, top, total, d,
