@@ -8,6 +8,7 @@ log-probabilities against the eager ``sampled_logprobs``. Prints one table; ``--
   python scripts/bench_sampler.py                      # rows 32 and 256, vocab 151936, bf16 logits
   python scripts/bench_sampler.py --rows 256 --old-compiled --json out.json
   python scripts/bench_sampler.py --rows 8 256 --kernel-configs 2048x8 512x4   # the fused kernel's tiles
+  python scripts/bench_sampler.py --rows 8 256 --chunk-configs 8192x2048x8x16 4096x1024x4x8   # rows cut in chunks
 
 Compiling takes a while on the first call of each sampler (greedy, T=1, top-p, each with and without
 log-probs); ``--cases`` runs a subset.
@@ -142,24 +143,31 @@ _SKIP_COMPILED = False  # --skip-compiled: Inductor's compile of the search take
 
 
 _KNOBS = ("BLOCK", "NUM_WARPS", "ARITY", "WIDE_ARITY")
+_CHUNK_KNOBS = ("CHUNK_TOKENS", "SPLIT_BLOCK", "SPLIT_WARPS", "SPLIT_ARITY", "CHUNKS_PER_PROGRAM")
 
 
-def _with_config(sampler, config, with_logprobs):
-    """A call of ``sampler`` with the fused kernel's ``(BLOCK, NUM_WARPS[, ARITY])`` set to ``config`` (None: as is;
-    an arity is used at every row count: ``ARITY`` and ``WIDE_ARITY``)."""
+def _with_knobs(sampler, knobs: dict, with_logprobs):
+    """A call of ``sampler`` with ``fused_nucleus``'s module knobs set to ``knobs`` for its duration."""
     def call(lg, s, r, t):
-        saved = [getattr(fused_nucleus, k) for k in _KNOBS]
-        for knob, value in zip(_KNOBS, tuple(config or ()) + tuple(config or ())[2:]):  # an arity sets both
+        saved = {k: getattr(fused_nucleus, k) for k in knobs}
+        for knob, value in knobs.items():
             setattr(fused_nucleus, knob, value)
         try:
             return sampler(lg, None, s, r, t, with_logprobs)[0]
         finally:
-            for knob, value in zip(_KNOBS, saved):
+            for knob, value in saved.items():
                 setattr(fused_nucleus, knob, value)
     return call
 
 
-def variants(sampling: SamplingConfig, old_compiled: bool, kernel_configs=()):
+def _with_config(sampler, config, with_logprobs):
+    """A call of ``sampler``'s one-program-per-row kernel with its ``(BLOCK, NUM_WARPS[, ARITY])`` set to
+    ``config`` (None: as is; an arity is used at every row count: ``ARITY`` and ``WIDE_ARITY``)."""
+    knobs = dict(zip(_KNOBS, tuple(config or ()) + tuple(config or ())[2:]))  # an arity sets both
+    return _with_knobs(sampler, {**knobs, "CHUNK_TOKENS": 0}, with_logprobs)
+
+
+def variants(sampling: SamplingConfig, old_compiled: bool, kernel_configs=(), chunk_configs=()):
     """``(name, fn(logits, seed, rows, step) -> tokens, sampler or None)``."""
     key = sampler_key(sampling)
     compiled = Sampler(key, compiled=True, fused=False)  # the sort-free search, compiled by Inductor
@@ -172,11 +180,21 @@ def variants(sampling: SamplingConfig, old_compiled: bool, kernel_configs=()):
         out += [("compiled search", lambda lg, s, r, t: compiled(lg, None, s, r, t, False)[0], compiled),
                 ("compiled search + logprobs", lambda lg, s, r, t: compiled(lg, None, s, r, t, True)[0], compiled)]
     if fused.is_fused:
-        out.append(("fused kernel", _with_config(fused, None, False), fused))
-        out.append(("fused kernel + logprobs", _with_config(fused, None, True), fused))
+        out.append(("fused kernel (default)", _with_knobs(fused, {}, False), fused))
+        out.append(("fused kernel (default) + logprobs", _with_knobs(fused, {}, True), fused))
+        out.append(("fused kernel, a program per row", _with_config(fused, None, False), fused))
+        out.append(("fused kernel, a program per row + logprobs", _with_config(fused, None, True), fused))
         for config in kernel_configs:
             label = f"{config[0]}x{config[1]}w" + (f" arity {config[2]}" if len(config) > 2 else "")
-            out.append((f"fused kernel {label}", _with_config(fused, config, False), fused))
+            out.append((f"fused kernel, a program per row, {label}", _with_config(fused, config, False), fused))
+        for config in chunk_configs:
+            label = f"chunks of {config[0]}, {config[1]}x{config[2]}w" + (
+                f" arity {config[3]}" if len(config) > 3 else "") + (
+                f", {config[4]} a program" if len(config) > 4 else "")
+            knobs = dict(zip(_CHUNK_KNOBS, config))
+            if "SPLIT_ARITY" in knobs:  # at every row count
+                knobs["SPLIT_WIDE_ARITY"] = knobs["SPLIT_ARITY"]
+            out.append((f"fused kernel, {label}", _with_knobs(fused, knobs, False), fused))
     if old_compiled:  # a code object per case: dynamo's recompile limit counts per code object
         code = old_select.__code__.replace(co_name=f"old_select_{len(_OLD_COMPILED)}")
         fresh = types.FunctionType(code, old_select.__globals__, code.co_name, old_select.__defaults__)
@@ -195,7 +213,7 @@ def logprob_error(sampler, logits: torch.Tensor, sampling: SamplingConfig) -> fl
 
 
 def bench_case(rows: int, vocab: int, case: str, iters: int, old_compiled: bool,
-               kernel_configs=()) -> list[SamplerRow]:
+               kernel_configs=(), chunk_configs=()) -> list[SamplerRow]:
     kwargs, kind = CASES[case]
     sampling = SamplingConfig(max_new_tokens=8, **kwargs)
     logits, scale = make_logits(rows, vocab, kind, sampling.top_p)
@@ -203,7 +221,7 @@ def bench_case(rows: int, vocab: int, case: str, iters: int, old_compiled: bool,
     ids = torch.arange(rows, device="cuda")
     seed, step = torch.tensor(7, device="cuda"), torch.tensor(3, device="cuda")
     out = []
-    for name, fn, sampler in variants(sampling, old_compiled, kernel_configs):
+    for name, fn, sampler in variants(sampling, old_compiled, kernel_configs, chunk_configs):
         note = f"scale {scale:g}"
         try:
             ms = graph_ms(lambda fn=fn: fn(logits, seed, ids, step), iters)
@@ -226,24 +244,30 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--old-compiled", action="store_true", help="also torch.compile the previous implementation")
     parser.add_argument("--kernel-configs", nargs="*", default=[],
-                        help="extra BLOCKxWARPS[xARITY] configs of the fused kernel, e.g. 2048x8 512x4x8")
+                        help="extra BLOCKxWARPS[xARITY] configs of the one-program-per-row kernel, e.g. 2048x8 512x4x8")
+    parser.add_argument("--chunk-configs", nargs="*", default=[],
+                        help="extra TOKENSxBLOCKxWARPS[xARITY[xPER_PROGRAM]] configs of the chunked kernels, e.g. 8192x2048x8x16; a fifth field fixes the chunks per program")
     parser.add_argument("--skip-compiled", action="store_true", help="leave out the compiled search variants")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     configs = [tuple(int(v) for v in c.split("x")) for c in args.kernel_configs]
+    chunk_configs = [tuple(int(v) for v in c.split("x")) for c in args.chunk_configs]
     global _SKIP_COMPILED
     _SKIP_COMPILED = args.skip_compiled
     if not torch.cuda.is_available():
         raise SystemExit("bench_sampler.py needs a CUDA device")
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; vocab {args.vocab}, bf16 logits, "
           f"each call captured in a CUDA graph, median of {args.iters} replays; fused kernel defaults "
-          f"{fused_nucleus.BLOCK}x{fused_nucleus.NUM_WARPS}w arity {fused_nucleus.ARITY}", flush=True)
+          f"{fused_nucleus.BLOCK}x{fused_nucleus.NUM_WARPS}w arity {fused_nucleus.ARITY}/{fused_nucleus.WIDE_ARITY} "
+          f"a program per row; chunks of {fused_nucleus.CHUNK_TOKENS}, {fused_nucleus.SPLIT_BLOCK}x"
+          f"{fused_nucleus.SPLIT_WARPS}w arity {fused_nucleus.SPLIT_ARITY}/{fused_nucleus.SPLIT_WIDE_ARITY}, "
+          f"{fused_nucleus.CHUNKS_PER_PROGRAM} a program", flush=True)
     print("| rows | case | variant | ms | median nucleus | tokens = old | note |")
     print("|---:|---|---|---:|---:|---:|---|", flush=True)
     results = []
     for rows in args.rows:  # rows printed (and the JSON rewritten) as they come: a time limit keeps what ran
         for case in args.cases:
-            for r in bench_case(rows, args.vocab, case, args.iters, args.old_compiled, configs):
+            for r in bench_case(rows, args.vocab, case, args.iters, args.old_compiled, configs, chunk_configs):
                 results.append(r)
                 ms = f"{r.ms:.3f}" if r.ms is not None else "-"
                 print(f"| {r.rows} | {r.case} | {r.variant} | {ms} | {r.median_nucleus} | {r.tokens_equal_old} "

@@ -1,9 +1,10 @@
-"""The one-kernel nucleus sampler (``rollout/ops/fused_nucleus.py``): on the CPU through Triton's interpreter
-(``TRITON_INTERPRET=1``; skipped where triton is not installed), on CUDA compiled. Its tokens equal the
-eager sorting sampler's with ties in stable order (HF's order on CUDA), for bf16 logits at T=1 (16 key
-bits dropped) and fp32 logits at other temperatures, per-row and shared token indices; its draws follow
-the filtered softmax (chi-square); the Sampler routes to it only where it applies and falls back when it
-raises."""
+"""The one-kernel nucleus sampler (``rollout/ops/fused_nucleus.py``), in both forms (one program per row, and rows
+cut into chunks with a launch per pass): on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``; skipped
+where triton is not installed), on CUDA compiled. Its tokens equal the eager sorting sampler's with ties in stable
+order (HF's order on CUDA), for bf16 logits at T=1 (16 key bits dropped) and fp32 logits at other temperatures,
+per-row and shared token indices; tie groups that straddle chunks lose the same members; a row's token does not
+depend on its batch; its draws follow the filtered softmax (chi-square); the Sampler routes to it only where it
+applies and falls back when it raises."""
 
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ def interpreted(monkeypatch):
     if knobs is None or not knobs.runtime.interpret:
         pytest.skip("triton was imported without TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)")
     _forget_kernel()
+    monkeypatch.setattr(fused_nucleus, "CHUNK_TOKENS", 0)  # one program per row unless a test cuts rows
     try:
         importlib.import_module("rollout.ops.nucleus_kernel")
+        importlib.import_module("rollout.ops.nucleus_split_kernel")
     except Exception as exc:  # noqa: BLE001 - an old triton whose interpreter cannot run this kernel
         pytest.skip(f"triton interpreter unavailable: {exc!r:.200}")
     yield fused_nucleus
@@ -41,9 +44,19 @@ def interpreted(monkeypatch):
 
 
 def _forget_kernel():
-    sys.modules.pop("rollout.ops.nucleus_kernel", None)
-    if hasattr(ops_pkg, "nucleus_kernel"):
-        delattr(ops_pkg, "nucleus_kernel")
+    for name in ("nucleus_kernel", "nucleus_split_kernel"):
+        sys.modules.pop(f"rollout.ops.{name}", None)
+        if hasattr(ops_pkg, name):
+            delattr(ops_pkg, name)
+
+
+@pytest.fixture
+def chunked(interpreted, monkeypatch):
+    """The interpreted sampler with rows cut into chunks of 300 tokens (a vocabulary of 1000: 4 chunks, the last
+    of 100), read 128 tokens an iteration."""
+    monkeypatch.setattr(fused_nucleus, "CHUNK_TOKENS", 300)
+    monkeypatch.setattr(fused_nucleus, "SPLIT_BLOCK", 128)
+    return interpreted
 
 
 @pytest.fixture
@@ -100,6 +113,98 @@ def test_every_arity_gives_the_same_tokens(interpreted, stable_sort, monkeypatch
     monkeypatch.setattr(interpreted, "ARITY", arity)
     again, again_lp = interpreted.sample_top_p(logits, 0.9, 0.9, *args, True)
     assert torch.equal(again, tokens) and torch.equal(again_lp, logprobs)
+
+
+@pytest.mark.parametrize("dtype, temperature, top_p, scale, ties, per_row", [CASES[i] for i in (0, 3, 5, 8, 9)])
+def test_chunked_rows_give_the_sorting_samplers_tokens(chunked, stable_sort, dtype, temperature, top_p, scale, ties,
+                                                      per_row):
+    """Rows cut into 4 chunks: tokens equal the eager sorting sampler's, log-probabilities close (fp32, fp16 and
+    bf16 keys; ties; temperatures; per-row and shared token indices)."""
+    logits = _logits(4, 1000, scale, 1000 + int(top_p * 100), dtype, ties)
+    key = SamplerKey(temperature, 0, top_p, 1.0)
+    seed, rows = torch.tensor(2**32 - 5), torch.arange(4) * 7 + 3
+    step = torch.arange(4) + 11 if per_row else torch.tensor(4)
+    assert fused_nucleus.chunk_count(1000) == 4
+    tokens, logprobs = chunked.sample_top_p(logits, temperature, top_p, seed, rows, step, True)
+    expected, expected_lp = _select(logits, key, None, seed, rows, step, True, search=False)
+    assert torch.equal(tokens, expected)
+    assert torch.allclose(logprobs, expected_lp, atol=2e-6)
+    again, none = chunked.sample_top_p(logits, temperature, top_p, seed, rows, step, False)
+    assert torch.equal(again, tokens) and none is None
+
+
+@pytest.mark.parametrize("vocab, cut", [(1000, 0.7037), (1000, 0.0437), (1000, 0.9987), (260, 0.513)])
+def test_a_tie_group_across_chunks_loses_its_lowest_indices(chunked, stable_sort, vocab, cut):
+    """Every score equal: one tie group over all chunks, of which the lowest ``floor((1 - top_p) * V)`` indices
+    are dropped (the first kept member lies in the first, a middle or the last chunk; ``(1 - top_p) * V`` is not
+    within rounding of an integer, where both forms may differ from the sort by one member)."""
+    logits = torch.full((2, vocab), 1.5)
+    key = SamplerKey(1.0, 0, cut, 1.0)
+    for seed in range(2):
+        args = (torch.tensor(seed), torch.arange(2), torch.tensor(seed + 1))
+        tokens, logprobs = chunked.sample_top_p(logits, 1.0, cut, *args, True)
+        expected, expected_lp = _select(logits, key, None, *args, True, search=False)
+        assert torch.equal(tokens, expected) and torch.allclose(logprobs, expected_lp, atol=2e-6), seed
+
+
+def test_chunked_dyadic_tie_groups(chunked, stable_sort, monkeypatch):
+    """The exact masses of ``test_dyadic_tie_groups_lose_their_lowest_indices`` in chunks of 4 tokens, so the
+    straddling group's members sit in several chunks: the draws equal the stable-sort sampler's."""
+    monkeypatch.setattr(fused_nucleus, "CHUNK_TOKENS", 4)
+    level = torch.tensor([0] + [1] * 2 + [2] * 4 + [3] * 8)
+    gen = torch.Generator().manual_seed(5)
+    order = torch.stack([torch.randperm(15, generator=gen) for _ in range(2)])
+    logits = (-level[order] * torch.log(torch.tensor(2.0))).float()
+    rows = torch.arange(2)
+    for top_p in (0.3, 0.6, 0.85):
+        key = SamplerKey(1.0, 0, top_p, 1.0)
+        for seed in range(2):
+            args = (torch.tensor(seed), rows, torch.tensor(seed % 3))
+            tokens, _ = chunked.sample_top_p(logits, 1.0, top_p, *args, False)
+            assert torch.equal(tokens, _select(logits, key, None, *args, False, search=False)[0]), (top_p, seed)
+
+
+def test_a_rows_token_does_not_depend_on_its_batch(chunked):
+    """The chunked form's sums run in one order whatever the rows: a row sampled alone, or in another batch,
+    draws the same token with the same log-probability."""
+    logits = _logits(4, 1000, 3.0, 21, torch.bfloat16, False)
+    seed, rows, step = torch.tensor(8), torch.arange(4) + 40, torch.arange(4) + 3
+    tokens, logprobs = chunked.sample_top_p(logits, 0.8, 0.9, seed, rows, step, True)
+    for picked in ([2], [3, 0]):
+        alone, alone_lp = chunked.sample_top_p(logits[picked], 0.8, 0.9, seed, rows[picked], step[picked], True)
+        assert torch.equal(alone, tokens[picked]) and torch.equal(alone_lp, logprobs[picked])
+
+
+def test_chunks_per_program_and_arity_change_no_result(chunked, monkeypatch):
+    """A program taking 1, 3 or all 4 chunks of a row, at 4 or 16 thresholds a pass: the same tokens and
+    log-probabilities, bit for bit (each chunk is summed on its own; a threshold's sum does not depend on the
+    others), which is what lets both follow the rows."""
+    logits = _logits(3, 1000, 3.0, 33, torch.bfloat16, True)
+    args = (torch.tensor(12), torch.arange(3) + 5, torch.arange(3))
+    results = []
+    for per_program, arity in ((1, 16), (3, 4), (4, 16)):
+        monkeypatch.setattr(fused_nucleus, "CHUNKS_PER_PROGRAM", per_program)
+        monkeypatch.setattr(fused_nucleus, "SPLIT_ARITY", arity)
+        results.append(chunked.sample_top_p(logits, 0.9, 0.9, *args, True))
+    for tokens, logprobs in results[1:]:
+        assert torch.equal(tokens, results[0][0]) and torch.equal(logprobs, results[0][1])
+
+
+def test_the_chunked_arity_follows_the_programs_against_the_multiprocessors(monkeypatch):
+    monkeypatch.setattr(fused_nucleus, "sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert fused_nucleus.split_arity(8, 19, cuda) == fused_nucleus.SPLIT_ARITY  # 152 programs
+    assert fused_nucleus.split_arity(16, 19, cuda) == fused_nucleus.SPLIT_WIDE_ARITY != fused_nucleus.SPLIT_ARITY
+    assert fused_nucleus.split_arity(256, 19, torch.device("cpu")) == fused_nucleus.SPLIT_ARITY
+
+
+def test_chunk_count_and_passes():
+    assert fused_nucleus.search_passes(16, 16) == 4  # bf16 keys
+    assert fused_nucleus.search_passes(16, 8) == 6
+    assert fused_nucleus.search_passes(13, 16) == 5  # fp16
+    assert fused_nucleus.search_passes(0, 16) == 8  # fp32
+    assert fused_nucleus.CHUNK_TOKENS > 0 and fused_nucleus.chunk_count(151936) == -(-151936 // fused_nucleus.CHUNK_TOKENS)
+    assert fused_nucleus.chunk_count(fused_nucleus.CHUNK_TOKENS) == 1  # one chunk: the one-program kernel
 
 
 def test_the_arity_follows_the_rows_against_the_multiprocessors(monkeypatch):
@@ -261,8 +366,32 @@ def test_wide_arity_gives_the_narrow_arity_tokens_on_the_gpu(monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(1)
     logits = (torch.randn(256, 151936, device="cuda", generator=gen) * 3).bfloat16()
     args = (torch.tensor(5, device="cuda"), torch.arange(256, device="cuda"), torch.tensor(3, device="cuda"))
+    monkeypatch.setattr(fused_nucleus, "CHUNK_TOKENS", 0)  # the one-program kernel, whose arity follows the rows
     assert fused_nucleus.arity(256, logits.device) == fused_nucleus.WIDE_ARITY != fused_nucleus.ARITY
     tokens, logprobs = fused_nucleus.sample_top_p(logits, 1.0, 0.9, *args, True)
     monkeypatch.setattr(fused_nucleus, "WIDE_ARITY", fused_nucleus.ARITY)
     narrow, narrow_lp = fused_nucleus.sample_top_p(logits, 1.0, 0.9, *args, True)
     assert torch.equal(tokens, narrow) and torch.equal(logprobs, narrow_lp)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_rows_on_the_gpu(monkeypatch, temperature):
+    """At the 3B vocabulary, compiled: the chunked form's tokens equal the one-program kernel's except where
+    rounding decides, its log-probabilities are close, and a row's token is the same in batches of 256 and 8."""
+    if fused_nucleus.available() is not None:
+        pytest.skip(fused_nucleus.available())
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    logits = (torch.randn(256, 151936, device="cuda", generator=gen) * 3).bfloat16()
+    args = (torch.tensor(6, device="cuda"), torch.arange(256, device="cuda"), torch.arange(256, device="cuda") + 1)
+    assert fused_nucleus.chunk_count(151936) > 1
+    tokens, logprobs = fused_nucleus.sample_top_p(logits, temperature, 0.9, *args, True)
+    few, few_lp = fused_nucleus.sample_top_p(logits[:8], temperature, 0.9, *(a[:8] if a.dim() else a for a in args),
+                                             True)
+    assert torch.equal(few, tokens[:8]) and torch.equal(few_lp, logprobs[:8])
+    monkeypatch.setattr(fused_nucleus, "CHUNK_TOKENS", 0)
+    one, one_lp = fused_nucleus.sample_top_p(logits, temperature, 0.9, *args, True)
+    same = tokens == one
+    assert same.float().mean() >= 0.99
+    assert torch.allclose(logprobs[same], one_lp[same], atol=1e-4)

@@ -2,9 +2,13 @@
 
 Why: at 256 rows x 151,936 tokens the compiled sort-free nucleus (:mod:`rollout.ops.nucleus`) still
 ran ~22 passes over fp32 ``[B, V]`` tensors (softmax, keys, 4 search passes, the tie group, noise,
-argmax, log-softmax), ~3.9 ms a decode step (sampled minus greedy in the RL wide cell). Here one program
-per row reads the row's logits in their own dtype (bf16: 2 bytes a token) ``3 + passes`` times and writes
-one token (and its log-probability): 0.90 ms at 256 rows, 0.43 ms at 8 on the H200 (``docs/BENCHMARKS.md``).
+argmax, log-softmax), ~3.9 ms a decode step (sampled minus greedy in the RL wide cell). Here the row's logits are
+read in their own dtype (bf16: 2 bytes a token) ``3 + passes`` times and one token (and its log-probability) is
+written. Two forms with the same algorithm: one program per row (:mod:`rollout.ops.nucleus_kernel`; 0.80 ms at 256
+rows, but 0.43 ms at 8, where 8 programs leave most of the GPU idle), and, by default, each row cut into chunks of
+``CHUNK_TOKENS`` with a program per chunk and a launch per pass (:mod:`rollout.ops.nucleus_split_kernel`; 0.08 ms at
+8 rows, 0.23 at 64, 0.88 at 256 on the H200; ``docs/BENCHMARKS.md``). The chunking depends on the vocabulary only,
+so a row's token never depends on how many rows share the call.
 Keys are those of the raw logits (dividing by ``T > 0`` keeps order and ties), so bf16 logits search 16-bit
 keys at any temperature.
 Each pass keeps per-lane partial results in registers and reduces across the program once, at its end:
@@ -47,6 +51,27 @@ BLOCK = 2048
 """Tokens a program reads per iteration (2048 x 8 warps measured best on the H200 at 8 and 256 rows,
 ``docs/BENCHMARKS.md``)."""
 NUM_WARPS = 8
+CHUNK_TOKENS = 8192
+"""Tokens of a row one program reads when the row is cut into chunks (:mod:`rollout.ops.nucleus_split_kernel`: a
+program per chunk and a launch per pass, instead of one program per row reading the whole row ``3 + passes``
+times); 0, or a vocabulary of one chunk: one program per row. Depends on the vocabulary only, never on the rows,
+so a row's token does not depend on its batch (the two forms sum masses in different orders)."""
+SPLIT_ARITY = 16
+"""Thresholds per pass of the chunked form while its programs do not fill the GPU twice over (its passes are
+launches, as many as a key's width needs at this arity: fewer, longer passes). The arity changes no result: a
+threshold's mass sums the same tokens in the same order whatever the others."""
+SPLIT_WIDE_ARITY = 8
+"""... and once they do (less work per token and pass): on the H200, 8 rows 0.080 ms at 16 against 0.092 at 8; 64
+rows 0.272 against 0.232; 256 rows 1.08 against 0.88 (``docs/BENCHMARKS.md``, 2026-12-02 05:00 UTC session)."""
+SPLIT_BLOCK = 1024
+SPLIT_WARPS = 4
+"""Tokens a program of the chunked form reads per iteration, and its warps: both fix the order of its sums, so they
+never depend on the rows."""
+CHUNKS_PER_PROGRAM = 1
+"""Consecutive chunks one program of the chunked form takes (each still summed and stored on its own, so this
+changes no result): a program per chunk was the fastest or within 5% at 8 to 512 rows on the H200 (against 2, 4
+and a program per row)."""
+
 
 @functools.lru_cache(maxsize=None)
 def available() -> Optional[str]:
@@ -92,7 +117,11 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, seed: t
     tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device) if with_logprobs else tokens
     step = step.reshape(-1)
-    if num_rows:
+    chunks = chunk_count(vocab)
+    if num_rows and chunks > 1:
+        _sample_chunked(logits, chunks, float(temperature), _tau(top_p), seed.reshape(1), rows, step, tokens,
+                        logprobs, with_logprobs)
+    elif num_rows:
         kernel[(num_rows,)](
             logits, logits.stride(0), vocab, seed.reshape(1), rows, step, 1 if step.numel() > 1 else 0,
             tokens, logprobs, float(temperature), _tau(top_p),
@@ -100,6 +129,57 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, seed: t
             ARITY=arity(num_rows, logits.device), BLOCK=BLOCK,
             num_warps=NUM_WARPS)
     return tokens, (logprobs if with_logprobs else None)
+
+
+def chunk_count(vocab: int) -> int:
+    """Programs per row: ``ceil(vocab / CHUNK_TOKENS)`` (1 when ``CHUNK_TOKENS`` is 0)."""
+    return max(1, -(-vocab // CHUNK_TOKENS)) if CHUNK_TOKENS > 0 else 1
+
+
+def split_arity(rows: int, chunks: int, device: torch.device) -> int:
+    """The chunked form's thresholds per pass: ``SPLIT_WIDE_ARITY`` once its programs fill the GPU twice over."""
+    if device.type == "cuda" and rows * -(-chunks // CHUNKS_PER_PROGRAM) > 2 * sm_count(device.index or 0):
+        return SPLIT_WIDE_ARITY
+    return SPLIT_ARITY
+
+
+def search_passes(shift: int, arity: int) -> int:
+    """Passes that narrow any key range of ``32 - shift`` bits to one key, ``arity`` thresholds a pass: each pass
+    leaves at most ``floor(width / arity)`` of a range ``width`` wide (bf16 logits at arity 16: 4)."""
+    bits, per_pass = 32 - shift, int(math.log2(arity))
+    return -(-bits // per_pass)
+
+
+def _sample_chunked(logits, chunks, temperature, tau, seed, rows, step, tokens, logprobs, with_logprobs):
+    k = _split_kernels()
+    num_rows, vocab = logits.shape
+    shift, arity = key_shift(logits.dtype), split_arity(num_rows, chunks, logits.device)
+    passes = search_passes(shift, arity)
+    cells = num_rows * chunks
+    floats = torch.empty(cells * (5 + passes * arity), dtype=torch.float32, device=logits.device)
+    top, total, best, score, kept, below = torch.split(floats, [cells] * 5 + [cells * passes * arity])
+    ints = torch.empty(cells * 3, dtype=torch.int32, device=logits.device)
+    low, count, index = torch.split(ints, [cells] * 3)
+    per_program = min(CHUNKS_PER_PROGRAM, chunks)
+    grid, span, width = (num_rows, -(-chunks // per_program)), CHUNK_TOKENS, triton_next_power_of_2(chunks)
+    common = dict(BLOCK=SPLIT_BLOCK, num_warps=SPLIT_WARPS)
+    shape = dict(SHIFT=shift, ARITY=arity, CHUNKS=width)
+    scale = temperature != 1.0
+    k.chunk_stats[grid](logits, logits.stride(0), vocab, span, top, low, chunks, per_program, SHIFT=shift, **common)
+    for done in range(passes):
+        k.search_pass[grid](logits, logits.stride(0), vocab, span, top, low, below, total, num_rows, chunks,
+                            per_program, done, temperature, tau, SCALE=scale, **shape, **common)
+    k.tie_members[grid](logits, logits.stride(0), vocab, span, top, low, below, total, count, num_rows, chunks,
+                        per_program, passes, tau, **shape, **common)
+    k.draw[grid](logits, logits.stride(0), vocab, span, top, low, below, total, count, seed, rows, step,
+                 1 if step.numel() > 1 else 0, best, index, score, kept, num_rows, chunks, per_program, passes,
+                 temperature, tau, SCALE=scale, WITH_LOGPROBS=with_logprobs, **shape, **common)
+    k.finish[(num_rows,)](top, best, index, score, kept, tokens, logprobs, chunks, temperature, SCALE=scale,
+                          WITH_LOGPROBS=with_logprobs, CHUNKS=width, num_warps=1)
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def arity(rows: int, device: torch.device) -> int:
@@ -119,3 +199,8 @@ def _tau(top_p: float) -> float:
 def _kernel():
     from rollout.ops import nucleus_kernel  # imports triton: only where the kernel runs
     return nucleus_kernel.nucleus_sample
+
+
+def _split_kernels():
+    from rollout.ops import nucleus_split_kernel  # imports triton, as above
+    return nucleus_split_kernel
