@@ -193,7 +193,7 @@ def variants(sampling: SamplingConfig, old_compiled: bool, kernel_configs=(), ch
                 f", {config[4]} a program" if len(config) > 4 else "")
             knobs = dict(zip(_CHUNK_KNOBS, config))
             if "SPLIT_ARITY" in knobs:  # at every row count
-                knobs["SPLIT_WIDE_ARITY"] = knobs["SPLIT_ARITY"]
+                knobs["SPLIT_WIDE_ARITY"] = knobs["SPLIT_WIDEST_ARITY"] = knobs["SPLIT_ARITY"]
             out.append((f"fused kernel, {label}", _with_knobs(fused, knobs, False), fused))
     if old_compiled:  # a code object per case: dynamo's recompile limit counts per code object
         code = old_select.__code__.replace(co_name=f"old_select_{len(_OLD_COMPILED)}")
@@ -260,7 +260,8 @@ def main(argv=None) -> None:
           f"each call captured in a CUDA graph, median of {args.iters} replays; fused kernel defaults "
           f"{fused_nucleus.BLOCK}x{fused_nucleus.NUM_WARPS}w arity {fused_nucleus.ARITY}/{fused_nucleus.WIDE_ARITY} "
           f"a program per row; chunks of {fused_nucleus.CHUNK_TOKENS}, {fused_nucleus.SPLIT_BLOCK}x"
-          f"{fused_nucleus.SPLIT_WARPS}w arity {fused_nucleus.SPLIT_ARITY}/{fused_nucleus.SPLIT_WIDE_ARITY}, "
+          f"{fused_nucleus.SPLIT_WARPS}w arity {fused_nucleus.SPLIT_ARITY}/{fused_nucleus.SPLIT_WIDE_ARITY}/"
+          f"{fused_nucleus.SPLIT_WIDEST_ARITY}, "
           f"{fused_nucleus.CHUNKS_PER_PROGRAM} a program", flush=True)
     print("| rows | case | variant | ms | median nucleus | tokens = old | note |")
     print("|---:|---|---|---:|---:|---:|---|", flush=True)

@@ -195,6 +195,8 @@ def test_the_chunked_arity_follows_the_programs_against_the_multiprocessors(monk
     cuda = torch.device("cuda", 0)
     assert fused_nucleus.split_arity(8, 19, cuda) == fused_nucleus.SPLIT_ARITY  # 152 programs
     assert fused_nucleus.split_arity(16, 19, cuda) == fused_nucleus.SPLIT_WIDE_ARITY != fused_nucleus.SPLIT_ARITY
+    assert fused_nucleus.split_arity(111, 19, cuda) == fused_nucleus.SPLIT_WIDE_ARITY  # 2109 programs
+    assert fused_nucleus.split_arity(112, 19, cuda) == fused_nucleus.SPLIT_WIDEST_ARITY != fused_nucleus.SPLIT_WIDE_ARITY
     assert fused_nucleus.split_arity(256, 19, torch.device("cpu")) == fused_nucleus.SPLIT_ARITY
 
 

@@ -61,8 +61,11 @@ SPLIT_ARITY = 16
 launches, as many as a key's width needs at this arity: fewer, longer passes). The arity changes no result: a
 threshold's mass sums the same tokens in the same order whatever the others."""
 SPLIT_WIDE_ARITY = 8
-"""... and once they do (less work per token and pass): on the H200, 8 rows 0.080 ms at 16 against 0.092 at 8; 64
-rows 0.272 against 0.232; 256 rows 1.08 against 0.88 (``docs/BENCHMARKS.md``, 2026-12-02 05:00 UTC session)."""
+"""... and once they do (less work per token and pass; more passes)..."""
+SPLIT_WIDEST_ARITY = 4
+"""... and once they fill it 16 times over. On the H200 (T=1, top-p 0.9; ms): 8 rows 0.080 at 16 against 0.092 at 8;
+16 rows 0.115 / 0.101 / 0.112 at 16 / 8 / 4; 64 rows 0.272 / 0.232 at 16 / 8; 256 rows 1.085 / 0.870 / 0.779 and 512
+rows 2.109 / 1.689 / 1.498 at 16 / 8 / 4 (``docs/BENCHMARKS.md``, 2026-12-02 04:50 UTC session)."""
 SPLIT_BLOCK = 1024
 SPLIT_WARPS = 4
 """Tokens a program of the chunked form reads per iteration, and its warps: both fix the order of its sums, so they
@@ -137,10 +140,12 @@ def chunk_count(vocab: int) -> int:
 
 
 def split_arity(rows: int, chunks: int, device: torch.device) -> int:
-    """The chunked form's thresholds per pass: ``SPLIT_WIDE_ARITY`` once its programs fill the GPU twice over."""
-    if device.type == "cuda" and rows * -(-chunks // CHUNKS_PER_PROGRAM) > 2 * sm_count(device.index or 0):
-        return SPLIT_WIDE_ARITY
-    return SPLIT_ARITY
+    """The chunked form's thresholds per pass, from its programs against the multiprocessors (``SPLIT_ARITY``,
+    ``SPLIT_WIDE_ARITY`` beyond 2 programs each, ``SPLIT_WIDEST_ARITY`` beyond 16)."""
+    if device.type != "cuda":
+        return SPLIT_ARITY
+    programs, sms = rows * -(-chunks // CHUNKS_PER_PROGRAM), sm_count(device.index or 0)
+    return SPLIT_ARITY if programs <= 2 * sms else SPLIT_WIDE_ARITY if programs <= 16 * sms else SPLIT_WIDEST_ARITY
 
 
 def search_passes(shift: int, arity: int) -> int:
