@@ -46,7 +46,10 @@ the next; the row's note says so.
 Columns
 -------
 - tok/s: sum of realised response lengths (the output attention mask after ``response_start_idx``) / wall.
-- wall ms: mean over ``--repeats`` timed calls (min-max too), CUDA synchronised around each call.
+- wall ms: mean over ``--repeats`` timed calls (min-max too), CUDA synchronised around each call. The calls of a
+  sampled cell draw from one seed, so they draw the same tokens; ``--seeds K`` gives timed round ``r`` the seed
+  ``SAMPLING_SEED + r % K`` (every candidate of a round the same one), so that means over the rounds average the
+  realised lengths out (with K > 1 the lengths columns are over all timed calls).
 - roofline ms, x roof: see :func:`call_roofline_s`; each call's own realised lengths; x roof = wall / roofline.
 - GPU busy: union of the kernel / memcpy / memset intervals of one extra profiled call (torch.profiler, CUDA
   activity; after every timed call of the cell) / that call's own wall (both under the profiler: against the
@@ -465,6 +468,8 @@ class RlRow:
     sampling: str = ""
     slots: Optional[int] = None
     repeats: int = 0
+    seeds: int = 1
+    """Sampling seeds the timed rounds cycled through (``--seeds``)."""
     response_tokens: Optional[float] = None
     tok_s: Optional[float] = None
     wall_ms: Optional[float] = None
@@ -780,9 +785,11 @@ def _held(rollout) -> int:
     return held if isinstance(held, int) else 0
 
 
-def measure(run: CandidateRun, others: list[CandidateRun], device: str, record: bool) -> None:
-    """One call of ``run`` (wall, peak, lengths, last_stats); errors other than running out of memory are
-    recorded on the candidate, which then sits out the remaining rounds."""
+def measure(run: CandidateRun, others: list[CandidateRun], device: str, record: bool,
+            seed: Optional[int] = None) -> None:
+    """One call of ``run`` (wall, peak, lengths, last_stats; ``seed``: passed to the call, which draws with it
+    instead of ``SAMPLING_SEED``); errors other than running out of memory are recorded on the candidate, which then
+    sits out the remaining rounds."""
     if run.error is not None:
         return
     cuda = device.startswith("cuda")
@@ -791,7 +798,7 @@ def measure(run: CandidateRun, others: list[CandidateRun], device: str, record: 
         torch.cuda.reset_peak_memory_stats()
     try:
         start = time.perf_counter()
-        batch = run.call()
+        batch = run.call() if seed is None else run.call(seed)
         sync(device)
         wall_ms = (time.perf_counter() - start) * 1000.0
     except torch.cuda.OutOfMemoryError:
@@ -920,10 +927,15 @@ def rollout_for(bench: Bench, cand: Candidate, tok) -> Rollout:
     return Rollout(bench.model, tok, RolloutConfig(**kwargs))
 
 
-def sampling_for(cell: CellSpec, slots: Optional[int]) -> SamplingConfig:
+def sampling_for(cell: CellSpec, slots: Optional[int], seed: int = SAMPLING_SEED) -> SamplingConfig:
     return SamplingConfig(max_new_tokens=cell.budget, temperature=cell.temperature, top_p=cell.top_p,
                           n_samples_per_prompt=cell.n, continuous_batch_size=slots,
-                          seed=SAMPLING_SEED if cell.temperature > 0 else None)
+                          seed=seed if cell.temperature > 0 else None)
+
+
+def round_seed(round_index: int, seeds: int) -> Optional[int]:
+    """The seed of timed round ``round_index`` with ``--seeds seeds`` (None: the calls' own, ``SAMPLING_SEED``)."""
+    return None if seeds <= 1 else SAMPLING_SEED + round_index % seeds
 
 
 def upstream_for(bench: Bench, eos: bool):
@@ -957,8 +969,9 @@ def make_runs(bench: Bench, cell: CellSpec, cands: list[Candidate], ids, mask, s
         key = (cand.route, cand.max_cache_gib, cand.config) if shared else cand.name
         if key not in cache:
             cache[key] = rollout_for(bench, cand, tok)
-        ro, sampling = cache[key], sampling_for(cell, cand.slots)
-        runs.append(CandidateRun(cand, (lambda ro=ro, s=sampling: ro.generate(request, s)), ro))
+        ro = cache[key]
+        runs.append(CandidateRun(cand, (lambda seed=SAMPLING_SEED, ro=ro, slots=cand.slots:
+                                        ro.generate(request, sampling_for(cell, slots, seed))), ro))
     return runs
 
 
@@ -970,8 +983,8 @@ def _upstream_call(bench: Bench, cell: CellSpec, ids, mask) -> Callable:
     sampling = UpSampling(max_new_tokens=cell.budget, temperature=cell.temperature, top_p=cell.top_p,
                           n_samples_per_prompt=cell.n)
 
-    def call():
-        torch.manual_seed(SAMPLING_SEED)  # no seed field upstream: the global RNG
+    def call(seed=SAMPLING_SEED):
+        torch.manual_seed(seed)  # no seed field upstream: the global RNG
         return up.generate(UpRequest(ids, mask), sampling)
 
     return call
@@ -994,9 +1007,9 @@ def kept_bytes_estimate(bench: Bench, cell: CellSpec, cands: list[Candidate], wi
 
 
 def run_interleaved(runs: list[CandidateRun], device: str, repeats: int, busy: bool, max_events: int,
-                    teardown: bool = False, trace_dir: Optional[str] = None, cell: str = "") -> None:
-    """Warm-up, ``repeats`` rounds (A B C, C B A, ...: ``bench_rollout.round_order``), then (``busy``) one
-    profiled call each, after every timed call;
+                    teardown: bool = False, trace_dir: Optional[str] = None, cell: str = "", seeds: int = 1) -> None:
+    """Warm-up, ``repeats`` rounds (A B C, C B A, ...: ``bench_rollout.round_order``; round ``r`` draws with
+    :func:`round_seed`), then (``busy``) one profiled call each, after every timed call;
     ``trace_dir``: each profiled call's Chrome trace as ``<cell>--<candidate>.json`` there."""
     for run in runs:
         run.after_profile = _PROFILED["any"]
@@ -1004,7 +1017,7 @@ def run_interleaved(runs: list[CandidateRun], device: str, repeats: int, busy: b
         measure(run, [o for o in runs if o is not run], device, record=False)  # warm-up
     for r in range(repeats):
         for run in round_order(runs, r):
-            measure(run, [o for o in runs if o is not run], device, record=True)
+            measure(run, [o for o in runs if o is not run], device, record=True, seed=round_seed(r, seeds))
     if busy:
         for run in runs:
             profile_busy(run, device, max_events, teardown, trace_file(trace_dir, cell, run.cand.name))
@@ -1025,7 +1038,7 @@ def run_sequential(bench: Bench, cell: CellSpec, cands: list[Candidate], ids, ma
         (run,) = make_runs(bench, cell, [cand], ids, mask, shared=False)
         try:
             run_interleaved([run], bench.device, bench.args.repeats, bench.busy_enabled, bench.args.busy_max_events,
-                            bench.args.cupti_teardown, bench.args.trace_dir, cell.name)
+                            bench.args.cupti_teardown, bench.args.trace_dir, cell.name, bench.args.seeds)
         except torch.cuda.OutOfMemoryError as exc:
             run.error = f"OutOfMemoryError: {exc}"[:300]
         if run.last_batch is not None:
@@ -1132,7 +1145,8 @@ def run_cell(bench: Bench, spec: CellSpec) -> tuple[list[RlRow], dict]:
                   prompt_lens=f"{cell.prompt_lens[0]}..{cell.prompt_lens[1]}" if cell.prompt_lens[0] != cell.prompt_lens[1]
                   else str(cell.prompt_lens[0]), budget=cell.budget, sampling=cell.sampling_label(),
                   eos_scale=eos["scale"] if eos else None, norm_factor=peaked["factor"] if peaked else None,
-                  nucleus_median=peaked["nucleus_median"] if peaked else None, repeats=args.repeats)
+                  nucleus_median=peaked["nucleus_median"] if peaked else None, repeats=args.repeats,
+                  seeds=args.seeds if spec.temperature > 0 else 1)
     if cell.cap_slots is not None and args.upstream:
         rows.append(RlRow(candidate="deepspeed", status="not run: no KV budget upstream", **common))
     if any(c.route == "deepspeed" for c in cands):
@@ -1146,7 +1160,9 @@ def run_cell(bench: Bench, spec: CellSpec) -> tuple[list[RlRow], dict]:
                                                                or "ordinary" in args.candidate_set):
         rows.append(probe_over_cap(bench, cell, ids, mask, cap_gib, eos["scale"] if eos else None, common))
     print(f"## {spec.name}: {cell.num_prompts} prompts x n={cell.n}, prompts {common['prompt_lens']}, budget "
-          f"{cell.budget}, {cell.sampling_label()}, EOS {'scale %.4g' % eos['scale'] if eos else 'off'}"
+          f"{cell.budget}, {cell.sampling_label()}"
+          + (f" (seeds {SAMPLING_SEED}..{SAMPLING_SEED + common['seeds'] - 1})" if common["seeds"] > 1 else "")
+          + f", EOS {'scale %.4g' % eos['scale'] if eos else 'off'}"
           + (f", norm x{peaked['factor']:.4g} (median nucleus {peaked['nucleus_median']:g})" if peaked else "")
           + f"; candidates {', '.join(c.name for c in cands)}", flush=True)
     t0 = time.perf_counter()
@@ -1202,7 +1218,7 @@ def _run_candidates(bench: Bench, cell: CellSpec, cands, ids, mask) -> tuple[lis
         runs = make_runs(bench, cell, cands, ids, mask, shared=True)
         try:
             run_interleaved(runs, device, args.repeats, bench.busy_enabled, args.busy_max_events, args.cupti_teardown,
-                            args.trace_dir, cell.name)
+                            args.trace_dir, cell.name, args.seeds)
             return runs, "interleaved"
         except torch.cuda.OutOfMemoryError:
             print("  out of memory while interleaved: one candidate at a time", flush=True)
@@ -1224,8 +1240,8 @@ def _row(bench: Bench, cell: CellSpec, run: CandidateRun, prompt_lens: list[int]
     rooflines = [call_roofline_s(prompt_lens, cell.n, lengths, bench.geometry, bench.bw_bytes_s, bench.flops_s)
                  for lengths in run.lengths]
     prefill = prefill_roofline_s(prompt_lens, bench.geometry, bench.bw_bytes_s, bench.flops_s)
-    last = run.lengths[-1]
-    stats = length_stats(last)
+    drawn = common.get("seeds", 1) > 1  # the calls drew different tokens: lengths over all of them
+    stats = length_stats([n for lengths in run.lengths for n in lengths] if drawn else run.lengths[-1])
     print(f"  {run.cand.name}: lengths mean {stats['mean']:.1f} p50 {stats['p50']} p90 {stats['p90']} "
           f"max {stats['max']}; {statistics.mean(walls):.0f} ms", flush=True)
     wall = statistics.mean(walls)
@@ -1287,6 +1303,9 @@ def parse_args(argv) -> argparse.Namespace:
                         "(smoke tests; the rows and slot counts shrink with it)")
     parser.add_argument("--candidates", help="auto, ordinary, continuous, continuous/1|2|4, continuous-S, deepspeed")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seeds", type=int, default=1, help="sampled cells: timed round r draws with seed "
+                        f"{SAMPLING_SEED} + r %% SEEDS (every candidate of a round the same), so the means average "
+                        "the realised lengths out; 1: every call the same seed, the same tokens")
     parser.add_argument("--upstream", action="store_true", help="also DeepSpeed 0.19.8 no-CB, where under the cap")
     parser.add_argument("--upstream-cap-s", type=float, default=30.0, help="estimated seconds a call, above: not run")
     parser.add_argument("--busy", choices=["on", "off"], default="on", help="one profiled call per candidate (CUDA)")
@@ -1315,6 +1334,8 @@ def parse_args(argv) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats: must be >= 1")
+    if args.seeds < 1 or args.seeds > args.repeats:
+        parser.error(f"--seeds: must be in 1..--repeats ({args.repeats}); got {args.seeds}")
     args.cell_specs = select_cells(args.cells)
     args.candidate_set = _parse_candidates(parser, args.candidates)
     args.twins = tuple(_parse_twin(parser, spec) for spec in args.twin)
@@ -1391,7 +1412,7 @@ def main(argv=None) -> SuiteResult:
             "commit_label": args.commit_label, "bw_gbps": bw_gbps, "gemm_tflops": gemm_tflops,
             "command": " ".join(["scripts/bench_rl.py", *argv]), "rollout_package": os.path.dirname(
                 sys.modules[Rollout.__module__].__file__), "model": model_name, "dtype": str(dtype),
-            "scale": args.scale, "repeats": args.repeats,
+            "scale": args.scale, "repeats": args.repeats, "seeds": args.seeds,
             "features": {"max_cache_gib": "max_cache_gib" in {f.name for f in dataclasses.fields(RolloutConfig)}}}
     scales = {}
     if args.eos_scales and os.path.exists(args.eos_scales):

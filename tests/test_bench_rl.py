@@ -388,7 +388,42 @@ def test_timed_rounds_alternate_their_order(monkeypatch):
     assert set(means) == set("ABC")
 
     order = []
-    monkeypatch.setattr(bench_rl, "measure", lambda run, others, device, record: order.append((run.name, record)))
+    monkeypatch.setattr(bench_rl, "measure",
+                        lambda run, others, device, record, seed=None: order.append((run.name, record, seed)))
     runs = [types.SimpleNamespace(name=name) for name in "xy"]
     bench_rl.run_interleaved(runs, "cpu", repeats=2, busy=False, max_events=0)
-    assert order == [("x", False), ("y", False), ("x", True), ("y", True), ("y", True), ("x", True)]
+    assert order == [("x", False, None), ("y", False, None), ("x", True, None), ("y", True, None),
+                     ("y", True, None), ("x", True, None)]
+    order.clear()  # --seeds 2: every candidate of a round draws with that round's seed
+    bench_rl.run_interleaved(runs, "cpu", repeats=3, busy=False, max_events=0, seeds=2)
+    base = bench_rl.SAMPLING_SEED
+    assert [(name, seed) for name, record, seed in order if record] == [
+        ("x", base), ("y", base), ("y", base + 1), ("x", base + 1), ("x", base), ("y", base)]
+
+
+def test_seeds_vary_the_drawn_tokens(tmp_path, monkeypatch):
+    """``--seeds 2`` on a sampled cell (tiny model, CPU): the two timed calls of one candidate draw different tokens
+    (seeds 1234 and 1235) and the rows record it; ``--seeds`` above ``--repeats`` is refused before any work."""
+    drawn = []
+    lengths_of = bench_rl.response_lengths
+    monkeypatch.setattr(bench_rl, "response_lengths", lambda batch: drawn.append(batch.input_ids) or lengths_of(batch))
+    out = tmp_path / "rows.json"
+    bench_rl.main(["--cells", "longtail-64-1024", "--scale", "small", "--max-prompts", "4", "--candidates", "ordinary",
+                   "--repeats", "2", "--seeds", "2", "--busy", "off", "--json", str(out),
+                   "--eos-scales", str(tmp_path / "scales.json")])
+    data = json.loads(out.read_text())
+    assert data["meta"]["seeds"] == 2
+    (row,) = [r for r in data["rows"] if r["candidate"] == "ordinary"]
+    assert row["seeds"] == 2 and row["status"] == "ok"
+    assert not torch.equal(drawn[-2], drawn[-1])  # the two timed calls (before them: the EOS calibration's)
+    with pytest.raises(SystemExit):
+        bench_rl.main(["--cells", "wide-greedy", "--repeats", "1", "--seeds", "2"])
+
+
+def test_a_seeded_call_draws_with_its_seed():
+    calls = []
+    run = bench_rl.CandidateRun(Candidate("x", "ordinary"), lambda seed=bench_rl.SAMPLING_SEED: calls.append(seed),
+                                None)
+    bench_rl.measure(run, [], "cpu", record=False, seed=77)
+    bench_rl.measure(run, [], "cpu", record=False)
+    assert calls == [77, bench_rl.SAMPLING_SEED]
