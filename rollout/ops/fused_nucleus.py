@@ -7,7 +7,7 @@ read in their own dtype (bf16: 2 bytes a token) ``3 + passes`` times and one tok
 written. Two forms with the same algorithm: one program per row (:mod:`rollout.ops.nucleus_kernel`; 0.80 ms at 256
 rows, but 0.43 ms at 8, where 8 programs leave most of the GPU idle), and, by default, each row cut into chunks of
 ``CHUNK_TOKENS`` with a program per chunk and a launch per pass (:mod:`rollout.ops.nucleus_split_kernel`; 0.08 ms at
-8 rows, 0.23 at 64, 0.88 at 256 on the H200; ``docs/BENCHMARKS.md``). The chunking depends on the vocabulary only,
+8 rows, 0.23 at 64, 0.77 at 256 on the H200; ``docs/BENCHMARKS.md``). The chunking depends on the vocabulary only,
 so a row's token never depends on how many rows share the call.
 Keys are those of the raw logits (dividing by ``T > 0`` keeps order and ties), so bf16 logits search 16-bit
 keys at any temperature.
@@ -61,9 +61,9 @@ SPLIT_ARITY = 16
 launches, as many as a key's width needs at this arity: fewer, longer passes). The arity changes no result: a
 threshold's mass sums the same tokens in the same order whatever the others."""
 SPLIT_WIDE_ARITY = 8
-"""... and once they do (less work per token and pass; more passes)..."""
+"""The arity once the programs fill the GPU more than twice over (less work per token and pass, more passes)."""
 SPLIT_WIDEST_ARITY = 4
-"""... and once they fill it 16 times over. On the H200 (T=1, top-p 0.9; ms): 8 rows 0.080 at 16 against 0.092 at 8;
+"""The arity once they fill it more than 16 times over. On the H200 (T=1, top-p 0.9; ms): 8 rows 0.080 at 16 against 0.092 at 8;
 16 rows 0.115 / 0.101 / 0.112 at 16 / 8 / 4; 64 rows 0.272 / 0.232 at 16 / 8; 256 rows 1.085 / 0.870 / 0.779 and 512
 rows 2.109 / 1.689 / 1.498 at 16 / 8 / 4 (``docs/BENCHMARKS.md``, 2026-12-02 04:50 UTC session)."""
 SPLIT_BLOCK = 1024
@@ -135,7 +135,7 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, seed: t
 
 
 def chunk_count(vocab: int) -> int:
-    """Programs per row: ``ceil(vocab / CHUNK_TOKENS)`` (1 when ``CHUNK_TOKENS`` is 0)."""
+    """Chunks per row: ``ceil(vocab / CHUNK_TOKENS)`` (1 when ``CHUNK_TOKENS`` is 0: one program per row)."""
     return max(1, -(-vocab // CHUNK_TOKENS)) if CHUNK_TOKENS > 0 else 1
 
 
@@ -166,7 +166,7 @@ def _sample_chunked(logits, chunks, temperature, tau, seed, rows, step, tokens, 
     ints = torch.empty(cells * 3, dtype=torch.int32, device=logits.device)
     low, count, index = torch.split(ints, [cells] * 3)
     per_program = min(CHUNKS_PER_PROGRAM, chunks)
-    grid, span, width = (num_rows, -(-chunks // per_program)), CHUNK_TOKENS, triton_next_power_of_2(chunks)
+    grid, span, width = (num_rows, -(-chunks // per_program)), CHUNK_TOKENS, _next_power_of_2(chunks)
     common = dict(BLOCK=SPLIT_BLOCK, num_warps=SPLIT_WARPS)
     shape = dict(SHIFT=shift, ARITY=arity, CHUNKS=width)
     scale = temperature != 1.0
@@ -183,7 +183,7 @@ def _sample_chunked(logits, chunks, temperature, tau, seed, rows, step, tokens, 
                           WITH_LOGPROBS=with_logprobs, CHUNKS=width, num_warps=1)
 
 
-def triton_next_power_of_2(n: int) -> int:
+def _next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
