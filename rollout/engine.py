@@ -230,7 +230,7 @@ class Rollout:
         graphs = self._prefill_graphs_for(decode)
         prefill_parts = self._fast_step.parts(device, mirrored=True) if graphs is not None else parts
         sampler = sampler_fn(sampling, compiled=self.config.compile and device.type == "cuda",
-                             fused=self.config.fused_sampler)
+                             fused=self.config.fused_sampler, chunk_tokens=self.config.sampler_chunk_tokens)
         return CallContext(self.model, sampling, EosIds.on(self.eos_token_ids, device), self._costs(),
                            self.config.max_prefill_tokens,
                            routes.eos_check_interval(self.config.eos_check_interval, route), stage, self._busy,

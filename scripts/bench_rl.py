@@ -25,6 +25,8 @@ Cells (``--cells`` takes names or indices, comma-separated; ``3-6`` ranges too)
   7 capped               longtail-128-1024 under a KV budget allowing 128 slots (``max_cache_gib`` where
                          RolloutConfig has it, else emulated with ``continuous_batch_size=128``)
   8 longctx              8 prompts x n=4 = 32 rows, prompt 8192, 1024 new, T=1, EOS off
+  9 longtail-64-1024-top-p  as 3 with top-p 0.9 (3's EOS scale, so its mean length is not calibrated to 100):
+                         the nucleus sampler at the few rows of a long tail
 
 EOS on the random model: the tokenizer gets EOS id 2 and the EOS row of the output embedding (tied with the
 input embedding on the 3B shape) is multiplied in place by a scale found by a short calibration (a geometric
@@ -178,6 +180,7 @@ CELLS = (
     CellSpec("longtail-128-2048", 128, 4, (128, 1024), 2048, 1.0, mean_target=300, family="longtail"),
     CellSpec("capped", 128, 4, (128, 1024), 1024, 1.0, mean_target=100, cap_slots=128, family="longtail"),
     CellSpec("longctx", 8, 4, (8192, 8192), 1024, 1.0, family="longctx"),
+    CellSpec("longtail-64-1024-top-p", 64, 4, (128, 1024), 1024, 1.0, 0.9, mean_target=100, family="longtail"),
 )
 FAMILY_SEEDS = {"wide": 11, "longtail": 12, "longctx": 13}
 

@@ -420,6 +420,16 @@ def test_seeds_vary_the_drawn_tokens(tmp_path, monkeypatch):
         bench_rl.main(["--cells", "wide-greedy", "--repeats", "1", "--seeds", "2"])
 
 
+def test_the_top_p_long_tail_cell_reuses_the_long_tail_eos_scale():
+    """Cell 9 is cell 3 with top-p 0.9: same prompts (family), and the same EOS-scale key, so the scales file of
+    the earlier runs serves it without a calibration."""
+    (plain,) = select_cells("longtail-64-1024")
+    (top_p,) = select_cells("9")
+    assert top_p.name == "longtail-64-1024-top-p" and top_p.top_p == 0.9 and plain.top_p == 1.0
+    assert (top_p.family, top_p.prompt_lens, top_p.budget) == (plain.family, plain.prompt_lens, plain.budget)
+    assert bench_rl.eos_key("p", top_p) == bench_rl.eos_key("p", plain)
+
+
 def test_a_seeded_call_draws_with_its_seed():
     calls = []
     run = bench_rl.CandidateRun(Candidate("x", "ordinary"), lambda seed=bench_rl.SAMPLING_SEED: calls.append(seed),

@@ -39,6 +39,9 @@ def test_sampling_config_keeps_upstream_defaults():
     (dict(fuse_lora=1), "fuse_lora"),
     (dict(fuse_qkv="no"), "fuse_qkv"),
     (dict(fused_sampler=0), "fused_sampler"),
+    (dict(sampler_chunk_tokens=-1), "sampler_chunk_tokens"),
+    (dict(sampler_chunk_tokens=8192.0), "sampler_chunk_tokens"),
+    (dict(sampler_chunk_tokens=True), "sampler_chunk_tokens"),
     (dict(eos_check_interval=0), "eos_check_interval"),
     (dict(eos_check_interval=2.0), "eos_check_interval"),
     (dict(compile_mode="reduce-overhead"), "compile_mode"),  # inductor CUDA graphs inside ours

@@ -200,6 +200,46 @@ def test_the_chunked_arity_follows_the_programs_against_the_multiprocessors(monk
     assert fused_nucleus.split_arity(256, 19, torch.device("cpu")) == fused_nucleus.SPLIT_ARITY
 
 
+def test_chunk_tokens_of_a_call_override_the_default(interpreted, monkeypatch):
+    """``sample_top_p(..., chunk_tokens=N)`` cuts rows in chunks of N whatever ``CHUNK_TOKENS`` (None: it; 0: one
+    program per row)."""
+    spans = []
+    chunked = interpreted._sample_chunked
+    monkeypatch.setattr(interpreted, "_sample_chunked",
+                        lambda logits, span, chunks, *rest: spans.append((span, chunks)) or chunked(logits, span,
+                                                                                                   chunks, *rest))
+    monkeypatch.setattr(interpreted, "SPLIT_BLOCK", 128)
+    logits = _logits(2, 1000, 3.0, 8, torch.bfloat16, False)
+    args = (torch.tensor(1), torch.arange(2), torch.tensor(2))
+    one, _ = interpreted.sample_top_p(logits, 1.0, 0.9, *args, False)  # the fixture's CHUNK_TOKENS = 0
+    cut, _ = interpreted.sample_top_p(logits, 1.0, 0.9, *args, False, chunk_tokens=250)
+    again, _ = interpreted.sample_top_p(logits, 1.0, 0.9, *args, False, chunk_tokens=0)
+    assert spans == [(250, 4)] and torch.equal(cut, one) and torch.equal(again, one)
+
+
+def test_the_rollout_config_reaches_the_kernel(monkeypatch):
+    """``RolloutConfig.sampler_chunk_tokens`` -> ``sampler_fn`` -> ``Sampler`` -> ``sample_top_p``."""
+    from rollout import Rollout, RolloutConfig, RolloutRequest
+    from rollout import engine
+    from rollout.testing import TinyTokenizer, tiny_model
+
+    made = []
+    real = engine.sampler_fn
+    monkeypatch.setattr(engine, "sampler_fn", lambda *a, **k: made.append(k.get("chunk_tokens")) or real(*a, **k))
+    ro = Rollout(tiny_model("qwen2", seed=0), TinyTokenizer(pad_token_id=0, eos_token_id=None),
+                 RolloutConfig(sampler_chunk_tokens=4096))
+    ids = torch.tensor([[5, 6, 7]])
+    ro.generate(RolloutRequest(ids, torch.ones_like(ids)), SamplingConfig(max_new_tokens=2, temperature=1.0,
+                                                                           top_p=0.9, seed=3))
+    assert made == [4096]
+    seen = []
+    _route_to_kernel(monkeypatch,
+                     lambda *a, **k: seen.append(k.get("chunk_tokens")) or (torch.zeros(2, dtype=torch.long), None))
+    sampler = Sampler(SamplerKey(1.0, 0, 0.9, 1.0), compiled=True, chunk_tokens=4096)
+    sampler(torch.zeros(2, 50), None, torch.tensor(1), torch.arange(2), torch.tensor(0))
+    assert seen == [4096] and sampler.last_path == "fused"
+
+
 def test_chunk_count_and_passes():
     assert fused_nucleus.search_passes(16, 16) == 4  # bf16 keys
     assert fused_nucleus.search_passes(16, 8) == 6

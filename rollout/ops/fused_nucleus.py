@@ -105,13 +105,14 @@ def key_shift(dtype: torch.dtype) -> int:
 
 
 def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, seed: torch.Tensor, rows: torch.Tensor,
-                 step: torch.Tensor, with_logprobs: bool):
+                 step: torch.Tensor, with_logprobs: bool, chunk_tokens: Optional[int] = None):
     """``(tokens [B] int64, logprobs [B] fp32 or None)``: one nucleus sample per row of ``logits [B, V]``.
 
     The boundary is searched over the raw logits' keys (``key_shift`` of their dtype): dividing by
     ``temperature`` keeps their order and ties, so bf16 logits need 16-bit keys at any temperature.
     ``seed`` (scalar), ``rows [B]`` and ``step`` (scalar or ``[B]``) are int64 tensors keying the noise, as
-    for :func:`rollout.ops.sampling.uniform_noise`.
+    for :func:`rollout.ops.sampling.uniform_noise`. ``chunk_tokens``: tokens of a row per program (None:
+    ``CHUNK_TOKENS``; 0: one program per row).
     """
     kernel = _kernel()
     num_rows, vocab = logits.shape
@@ -120,9 +121,10 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, seed: t
     tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device) if with_logprobs else tokens
     step = step.reshape(-1)
-    chunks = chunk_count(vocab)
+    span = CHUNK_TOKENS if chunk_tokens is None else int(chunk_tokens)
+    chunks = chunk_count(vocab, span)
     if num_rows and chunks > 1:
-        _sample_chunked(logits, chunks, float(temperature), _tau(top_p), seed.reshape(1), rows, step, tokens,
+        _sample_chunked(logits, span, chunks, float(temperature), _tau(top_p), seed.reshape(1), rows, step, tokens,
                         logprobs, with_logprobs)
     elif num_rows:
         kernel[(num_rows,)](
@@ -134,9 +136,11 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, seed: t
     return tokens, (logprobs if with_logprobs else None)
 
 
-def chunk_count(vocab: int) -> int:
-    """Chunks per row: ``ceil(vocab / CHUNK_TOKENS)`` (1 when ``CHUNK_TOKENS`` is 0: one program per row)."""
-    return max(1, -(-vocab // CHUNK_TOKENS)) if CHUNK_TOKENS > 0 else 1
+def chunk_count(vocab: int, chunk_tokens: Optional[int] = None) -> int:
+    """Chunks per row: ``ceil(vocab / chunk_tokens)`` (default ``CHUNK_TOKENS``; 1 when it is 0: one program per
+    row)."""
+    span = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+    return max(1, -(-vocab // span)) if span > 0 else 1
 
 
 def split_arity(rows: int, chunks: int, device: torch.device) -> int:
@@ -155,7 +159,7 @@ def search_passes(shift: int, arity: int) -> int:
     return -(-bits // per_pass)
 
 
-def _sample_chunked(logits, chunks, temperature, tau, seed, rows, step, tokens, logprobs, with_logprobs):
+def _sample_chunked(logits, span, chunks, temperature, tau, seed, rows, step, tokens, logprobs, with_logprobs):
     k = _split_kernels()
     num_rows, vocab = logits.shape
     shift, arity = key_shift(logits.dtype), split_arity(num_rows, chunks, logits.device)
@@ -166,7 +170,7 @@ def _sample_chunked(logits, chunks, temperature, tau, seed, rows, step, tokens, 
     ints = torch.empty(cells * 3, dtype=torch.int32, device=logits.device)
     low, count, index = torch.split(ints, [cells] * 3)
     per_program = min(CHUNKS_PER_PROGRAM, chunks)
-    grid, span, width = (num_rows, -(-chunks // per_program)), CHUNK_TOKENS, _next_power_of_2(chunks)
+    grid, width = (num_rows, -(-chunks // per_program)), _next_power_of_2(chunks)
     common = dict(BLOCK=SPLIT_BLOCK, num_warps=SPLIT_WARPS)
     shape = dict(SHIFT=shift, ARITY=arity, CHUNKS=width)
     scale = temperature != 1.0

@@ -186,8 +186,10 @@ class Sampler:
     keys, same semantics); if it raises, the compiled functions take over for good, with the reason.
     """
 
-    def __init__(self, key: SamplerKey, compiled: bool, fused: bool = True):
+    def __init__(self, key: SamplerKey, compiled: bool, fused: bool = True, chunk_tokens: Optional[int] = None):
         self.key = key
+        self.chunk_tokens = chunk_tokens
+        """The fused kernels' tokens per program (``RolloutConfig.sampler_chunk_tokens``; None: their default)."""
         self.fallback_reason: Optional[str] = None
         """Why the compiled functions (or the fused kernel) were dropped (None: never built or still in use)."""
         self._fused = bool(compiled and fused and not key.is_greedy and key.top_p < 1.0 and key.top_k <= 0)
@@ -221,7 +223,7 @@ class Sampler:
         if self._fused and fused_nucleus.supports(logits, key.temperature, key.top_k, key.top_p, penalised):
             try:
                 result = fused_nucleus.sample_top_p(logits, key.temperature, key.top_p, seed, rows, step,
-                                                    bool(with_logprobs))
+                                                    bool(with_logprobs), chunk_tokens=self.chunk_tokens)
                 self.last_path = "fused"
                 return result
             except Exception as exc:  # noqa: BLE001 - the compiled sampler still works; stats say why
@@ -255,11 +257,13 @@ def _entry(key: SamplerKey, with_logprobs: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_sampler(key: SamplerKey, compiled: bool, fused: bool) -> Sampler:
-    return Sampler(key, compiled, fused)
+def _cached_sampler(key: SamplerKey, compiled: bool, fused: bool, chunk_tokens: Optional[int]) -> Sampler:
+    return Sampler(key, compiled, fused, chunk_tokens)
 
 
-def sampler_fn(sampling: SamplingConfig, compiled: bool, fused: bool = True) -> Sampler:
+def sampler_fn(sampling: SamplingConfig, compiled: bool, fused: bool = True,
+               chunk_tokens: Optional[int] = None) -> Sampler:
     """The process-wide :class:`Sampler` of ``sampling``'s key (``compiled``: pass True on CUDA; ``fused``:
-    the one-kernel nucleus where it applies)."""
-    return _cached_sampler(sampler_key(sampling), bool(compiled), bool(fused))
+    the Triton nucleus where it applies, with ``chunk_tokens`` tokens a program, None: its default)."""
+    return _cached_sampler(sampler_key(sampling), bool(compiled), bool(fused),
+                           None if chunk_tokens is None else int(chunk_tokens))
