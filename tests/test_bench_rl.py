@@ -430,6 +430,24 @@ def test_the_top_p_long_tail_cell_reuses_the_long_tail_eos_scale():
     assert bench_rl.eos_key("p", top_p) == bench_rl.eos_key("p", plain)
 
 
+def test_a_candidate_with_its_own_warm_up_call():
+    """DeepSpeed's warm-up is a short call (``UPSTREAM_WARMUP_TOKENS`` new tokens; it runs every row to the budget):
+    a run's ``warm`` serves the warm-up only, its ``call`` every timed round."""
+    calls = []
+
+    def batch(kind, new):
+        def call(seed=bench_rl.SAMPLING_SEED):
+            calls.append(kind)
+            mask = torch.ones(2, 3 + new)
+            return types.SimpleNamespace(input_ids=mask.long(), attention_mask=mask, response_start_idx=torch.tensor([3]))
+        return call
+
+    run = bench_rl.CandidateRun(Candidate("deepspeed", "deepspeed"), batch("full", 8), None, warm=batch("warm", 2))
+    bench_rl.run_interleaved([run], "cpu", repeats=2, busy=False, max_events=0)
+    assert calls == ["warm", "full", "full"] and run.lengths == [[8, 8], [8, 8]]
+    assert 0 < bench_rl.UPSTREAM_WARMUP_TOKENS < min(c.budget for c in CELLS)
+
+
 def test_a_seeded_call_draws_with_its_seed():
     calls = []
     run = bench_rl.CandidateRun(Candidate("x", "ordinary"), lambda seed=bench_rl.SAMPLING_SEED: calls.append(seed),
