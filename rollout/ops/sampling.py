@@ -182,7 +182,7 @@ class Sampler:
     ``fallback_reason``. Tokens equal the eager ones except where rounding decides (see above).
 
     ``fused`` (with ``compiled``): temperature + top-p sampling on CUDA logits without top-k or a
-    repetition penalty runs the one-kernel nucleus of :mod:`rollout.ops.fused_nucleus` instead (same
+    repetition penalty runs the Triton nucleus of :mod:`rollout.ops.fused_nucleus` instead (same
     keys, same semantics); if it raises, the compiled functions take over for good, with the reason.
     """
 
@@ -209,7 +209,7 @@ class Sampler:
 
     @property
     def is_fused(self) -> bool:
-        """Whether CUDA calls of this key run the one-kernel nucleus (until it raises)."""
+        """Whether CUDA calls of this key run the Triton nucleus (until it raises)."""
         return self._fused
 
     def _drop(self, where: str, exc: Exception) -> None:
