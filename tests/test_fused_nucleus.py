@@ -151,17 +151,7 @@ def test_chunked_dyadic_tie_groups(chunked, stable_sort, monkeypatch):
     """The exact masses of ``test_dyadic_tie_groups_lose_their_lowest_indices`` in chunks of 4 tokens, so the
     straddling group's members sit in several chunks: the draws equal the stable-sort sampler's."""
     monkeypatch.setattr(fused_nucleus, "CHUNK_TOKENS", 4)
-    level = torch.tensor([0] + [1] * 2 + [2] * 4 + [3] * 8)
-    gen = torch.Generator().manual_seed(5)
-    order = torch.stack([torch.randperm(15, generator=gen) for _ in range(2)])
-    logits = (-level[order] * torch.log(torch.tensor(2.0))).float()
-    rows = torch.arange(2)
-    for top_p in (0.3, 0.6, 0.85):
-        key = SamplerKey(1.0, 0, top_p, 1.0)
-        for seed in range(2):
-            args = (torch.tensor(seed), rows, torch.tensor(seed % 3))
-            tokens, _ = chunked.sample_top_p(logits, 1.0, top_p, *args, False)
-            assert torch.equal(tokens, _select(logits, key, None, *args, False, search=False)[0]), (top_p, seed)
+    _check_dyadic_draws(chunked, shuffle_seed=5, num_rows=2, seeds=2)
 
 
 def test_a_rows_token_does_not_depend_on_its_batch(chunked):
@@ -273,16 +263,22 @@ def test_dyadic_tie_groups_lose_their_lowest_indices(interpreted, stable_sort):
     """Exact masses (1/4, 2 x 1/8, 4 x 1/16, 8 x 1/32; shuffled per row), so which members of the straddling
     tie group survive is decided by index order alone: the draws equal the stable-sort sampler's for
     every seed and cut."""
+    _check_dyadic_draws(interpreted, shuffle_seed=3, num_rows=4, seeds=12)
+
+
+def _check_dyadic_draws(sampler, shuffle_seed: int, num_rows: int, seeds: int):
+    """Rows of the exact masses 1/4, 2 x 1/8, 4 x 1/16, 8 x 1/32 (shuffled per row) at three cuts and ``seeds``
+    seeds: ``sampler``'s draws equal the stable-sort sampler's."""
     level = torch.tensor([0] + [1] * 2 + [2] * 4 + [3] * 8)
-    gen = torch.Generator().manual_seed(3)
-    order = torch.stack([torch.randperm(15, generator=gen) for _ in range(4)])
+    gen = torch.Generator().manual_seed(shuffle_seed)
+    order = torch.stack([torch.randperm(15, generator=gen) for _ in range(num_rows)])
     logits = (-level[order] * torch.log(torch.tensor(2.0))).float()
-    rows = torch.arange(4)
+    rows = torch.arange(num_rows)
     for top_p in (0.3, 0.6, 0.85):
         key = SamplerKey(1.0, 0, top_p, 1.0)
-        for seed in range(12):
+        for seed in range(seeds):
             args = (torch.tensor(seed), rows, torch.tensor(seed % 3))
-            tokens, _ = interpreted.sample_top_p(logits, 1.0, top_p, *args, False)
+            tokens, _ = sampler.sample_top_p(logits, 1.0, top_p, *args, False)
             assert torch.equal(tokens, _select(logits, key, None, *args, False, search=False)[0]), (top_p, seed)
 
 

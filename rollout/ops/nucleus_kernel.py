@@ -31,6 +31,62 @@ def keys_of(s, SHIFT: tl.constexpr):  # nucleus.ordered_keys(s) >> SHIFT; -0.0 c
 
 
 @triton.jit
+def thresholds_of(lo, hi, ARITY: tl.constexpr):  # [ARITY] int32: the search pass's keys, evenly over (lo, hi]
+    lanes = tl.arange(0, ARITY)
+    step = (hi - lo) // ARITY + 1
+    return tl.minimum(lo + (lanes + 1).to(tl.int64) * step, hi).to(tl.int32)
+
+
+@triton.jit
+def narrowed(lo, hi, at_lo, thresholds, below, limit, ARITY: tl.constexpr):
+    """``(lo, hi, at_lo)`` after a pass whose thresholds have ``below`` [ARITY] (nondecreasing) of mass under them:
+    ``lo`` moves to the last threshold whose mass is ``<= limit`` (``at_lo`` to that mass), ``hi`` below the first
+    that is not."""
+    ok = below <= limit
+    num_ok = tl.sum(ok.to(tl.int32), 0)
+    last_ok_t = tl.max(tl.where(ok, thresholds, -(2 ** 31)), 0).to(tl.int64)
+    last_ok_v = tl.max(tl.where(ok, below, 0.0), 0)
+    first_bad_t = tl.min(tl.where(ok, 2 ** 31 - 1, thresholds), 0).to(tl.int64)
+    return (tl.where(num_ok > 0, last_ok_t, lo), tl.where(num_ok < ARITY, first_bad_t - 1, hi),
+            tl.where(num_ok > 0, last_ok_v, at_lo))
+
+
+@triton.jit
+def first_kept_rank(boundary, at_lo, limit, top, temperature, SCALE: tl.constexpr, SHIFT: tl.constexpr):
+    """1-based rank (in index order) of the first kept member of the boundary key's tie group: members of lower
+    rank carry the mass that is still ``<= limit`` above ``at_lo``."""
+    bits = boundary << SHIFT
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    group_mass = tl.exp(scaled(bits.to(tl.float32, bitcast=True), temperature, SCALE) - top)
+    removed = tl.maximum(tl.floor((limit - at_lo) / group_mass), 0.0)
+    return tl.minimum(removed, 2.0 ** 30).to(tl.int32) + 1
+
+
+@triton.jit
+def noise_base(seed_ptr, rows_ptr, step_ptr, step_stride, row):  # uint32: the row's key of the Gumbel noise
+    sample = tl.load(rows_ptr + row).to(tl.uint32)
+    token_step = tl.load(step_ptr + row * step_stride).to(tl.uint32)
+    return hash32(hash32(tl.load(seed_ptr).to(tl.uint32) ^ (sample * 0x063779B1)) ^ (token_step * 0x05EBCA6B))
+
+
+@triton.jit
+def gumbel_update(idx, s, kept, base, lane_best, lane_idx, lane_score):
+    """One block of Gumbel-max: each lane keeps its best ``s + Gumbel noise`` over kept tokens, its index and score
+    (strictly better only: a lane keeps its first index among equal values)."""
+    noise = hash32(base ^ (idx.to(tl.uint32) * 0x45D9F3B))
+    uniform = (noise.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
+    value = tl.where(kept, s - tl.log(-tl.log(uniform)), float("-inf"))
+    better = value > lane_best
+    return tl.where(better, value, lane_best), tl.where(better, idx, lane_idx), tl.where(better, s, lane_score)
+
+
+@triton.jit
+def lane_argmax(lane_best, lane_idx):  # (the best value, the first index holding it)
+    best = tl.max(lane_best, 0)
+    return best, tl.min(tl.where(lane_best == best, lane_idx, 2 ** 31 - 1), 0)
+
+
+@triton.jit
 def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, step_stride,
                    tokens_ptr, logprobs_ptr, temperature, tau,
                    SHIFT: tl.constexpr, SCALE: tl.constexpr, WITH_LOGPROBS: tl.constexpr,
@@ -61,10 +117,8 @@ def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, 
     at_lo = tl.zeros((), tl.float32)
     limit = tl.zeros((), tl.float32)
     passes = tl.zeros((), tl.int32)
-    lanes = tl.arange(0, ARITY)
     while lo < hi:
-        step = (hi - lo) // ARITY + 1
-        thresholds = tl.minimum(lo + (lanes + 1).to(tl.int64) * step, hi).to(tl.int32)  # [ARITY]
+        thresholds = thresholds_of(lo, hi, ARITY)
         lane_below = tl.zeros((ARITY, BLOCK), tl.float32)
         lane_total = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, vocab, BLOCK):
@@ -75,15 +129,7 @@ def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, 
             lane_total += mass
         limit = tl.where(passes == 0, tau * tl.sum(lane_total, 0), limit)
         passes += 1
-        below = tl.sum(lane_below, 1)  # [ARITY], nondecreasing: a prefix of the lanes is <= limit
-        ok = below <= limit
-        num_ok = tl.sum(ok.to(tl.int32), 0)
-        last_ok_t = tl.max(tl.where(ok, thresholds, -(2 ** 31)), 0).to(tl.int64)
-        last_ok_v = tl.max(tl.where(ok, below, 0.0), 0)
-        first_bad_t = tl.min(tl.where(ok, 2 ** 31 - 1, thresholds), 0).to(tl.int64)
-        hi = tl.where(num_ok < ARITY, first_bad_t - 1, hi)
-        at_lo = tl.where(num_ok > 0, last_ok_v, at_lo)
-        lo = tl.where(num_ok > 0, last_ok_t, lo)
+        lo, hi, at_lo = narrowed(lo, hi, at_lo, thresholds, tl.sum(lane_below, 1), limit, ARITY)
     boundary = lo.to(tl.int32)
     if passes == 0:  # one key in the row (one token, or all scores equal): Z without a search
         lane_total = tl.zeros((BLOCK,), tl.float32)
@@ -92,11 +138,7 @@ def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, 
         limit = tau * tl.sum(lane_total, 0)
 
     # 3. the tie group at the boundary: members of rank <= removed (1-based) are dropped
-    bits = boundary << SHIFT
-    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    group_mass = tl.exp(scaled(bits.to(tl.float32, bitcast=True), temperature, SCALE) - top)
-    removed = tl.maximum(tl.floor((limit - at_lo) / group_mass), 0.0)
-    target = tl.minimum(removed, 2.0 ** 30).to(tl.int32) + 1  # 1-based rank of the first kept member
+    target = first_kept_rank(boundary, at_lo, limit, top, temperature, SCALE, SHIFT)
     seen = tl.zeros((), tl.int32)
     first_kept = tl.full((), 2 ** 31 - 1, tl.int32)
     lane_last = tl.full((BLOCK,), -1, tl.int32)
@@ -112,9 +154,7 @@ def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, 
     first_kept = tl.minimum(first_kept, tl.max(lane_last, 0))  # the most likely token always stays
 
     # 4. Gumbel-max over the kept tokens; the kept mass for the log-probability
-    sample = tl.load(rows_ptr + row).to(tl.uint32)
-    token_step = tl.load(step_ptr + row * step_stride).to(tl.uint32)
-    base = hash32(hash32(tl.load(seed_ptr).to(tl.uint32) ^ (sample * 0x063779B1)) ^ (token_step * 0x05EBCA6B))
+    base = noise_base(seed_ptr, rows_ptr, step_ptr, step_stride, row)
     lane_best = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_idx = tl.full((BLOCK,), 2 ** 31 - 1, tl.int32)
     lane_score = tl.zeros((BLOCK,), tl.float32)
@@ -125,17 +165,10 @@ def nucleus_sample(logits_ptr, row_stride, vocab, seed_ptr, rows_ptr, step_ptr, 
         s = scaled(raw, temperature, SCALE)
         keys = keys_of(raw, SHIFT)
         kept = (keys > boundary) | ((keys == boundary) & (idx >= first_kept))
-        noise = hash32(base ^ (idx.to(tl.uint32) * 0x45D9F3B))
-        uniform = (noise.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
-        value = tl.where(kept, s - tl.log(-tl.log(uniform)), float("-inf"))
-        better = value > lane_best  # strictly: a lane keeps its first index among equal values
-        lane_best = tl.where(better, value, lane_best)
-        lane_idx = tl.where(better, idx, lane_idx)
-        lane_score = tl.where(better, s, lane_score)
+        lane_best, lane_idx, lane_score = gumbel_update(idx, s, kept, base, lane_best, lane_idx, lane_score)
         if WITH_LOGPROBS:
             lane_kept += tl.where(kept, tl.exp(s - top), 0.0)
-    best = tl.max(lane_best, 0)
-    best_idx = tl.min(tl.where(lane_best == best, lane_idx, 2 ** 31 - 1), 0)  # the first index of the maximum
+    _, best_idx = lane_argmax(lane_best, lane_idx)
     tl.store(tokens_ptr + row, best_idx.to(tl.int64))
     if WITH_LOGPROBS:
         best_score = tl.max(tl.where(lane_idx == best_idx, lane_score, float("-inf")), 0)

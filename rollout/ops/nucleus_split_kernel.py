@@ -19,7 +19,8 @@ fixed order (lanes of a chunk, then chunks in order), whatever the number of row
 import triton
 import triton.language as tl
 
-from rollout.ops.nucleus_kernel import hash32, keys_of, logits_at, scaled
+from rollout.ops.nucleus_kernel import (first_kept_rank, gumbel_update, keys_of, lane_argmax, logits_at, narrowed,
+                                        noise_base, scaled, thresholds_of)
 
 
 @triton.jit
@@ -62,20 +63,14 @@ def search_state(top_ptr, low_ptr, below_ptr, total_ptr, row, rows, chunks, done
     at_lo = tl.zeros((), tl.float32)
     lanes = tl.arange(0, ARITY)
     for p in range(0, done):
-        step = (hi - lo) // ARITY + 1
-        thresholds = tl.minimum(lo + (lanes + 1).to(tl.int64) * step, hi).to(tl.int32)
         searching = lo < hi  # a pass that found the row done left no partial sums
         base = below_ptr + ((p * rows + row) * chunks) * ARITY
-        part = tl.load(base + cs[:, None] * ARITY + lanes[None, :], mask=cs[:, None] < chunks * searching.to(tl.int32), other=0.0)
-        below = tl.sum(part, 0)  # [ARITY]
-        ok = below <= limit
-        num_ok = tl.sum(ok.to(tl.int32), 0)
-        last_ok_t = tl.max(tl.where(ok, thresholds, -(2 ** 31)), 0).to(tl.int64)
-        last_ok_v = tl.max(tl.where(ok, below, 0.0), 0)
-        first_bad_t = tl.min(tl.where(ok, 2 ** 31 - 1, thresholds), 0).to(tl.int64)
-        hi = tl.where(searching & (num_ok < ARITY), first_bad_t - 1, hi)
-        at_lo = tl.where(searching & (num_ok > 0), last_ok_v, at_lo)
-        lo = tl.where(searching & (num_ok > 0), last_ok_t, lo)
+        part = tl.load(base + cs[:, None] * ARITY + lanes[None, :], mask=cs[:, None] < chunks * searching.to(tl.int32),
+                       other=0.0)
+        new_lo, new_hi, new_at_lo = narrowed(lo, hi, at_lo, thresholds_of(lo, hi, ARITY), tl.sum(part, 0), limit,
+                                             ARITY)
+        lo, hi, at_lo = (tl.where(searching, new_lo, lo), tl.where(searching, new_hi, hi),
+                         tl.where(searching, new_at_lo, at_lo))
     return lo, hi, at_lo, limit
 
 
@@ -94,8 +89,7 @@ def search_pass(logits_ptr, row_stride, vocab, span, top_ptr, low_ptr, below_ptr
         row_ptr = logits_ptr + row.to(tl.int64) * row_stride
         offs = tl.arange(0, BLOCK)
         lanes = tl.arange(0, ARITY)
-        step = (hi - lo) // ARITY + 1
-        thresholds = tl.minimum(lo + (lanes + 1).to(tl.int64) * step, hi).to(tl.int32)
+        thresholds = thresholds_of(lo, hi, ARITY)
         for chunk in range(group * per_program, tl.minimum((group + 1) * per_program, chunks)):
             begin = chunk * span
             end = tl.minimum(begin + span, vocab)
@@ -149,11 +143,7 @@ def draw(logits_ptr, row_stride, vocab, span, top_ptr, low_ptr, below_ptr, total
     top = scaled(row_top(top_ptr, row, chunks, CHUNKS), temperature, SCALE)
 
     # the tie group: members of rank < keep_from (1-based, over the row) are dropped; the last always stays
-    bits = boundary << SHIFT
-    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    group_mass = tl.exp(scaled(bits.to(tl.float32, bitcast=True), temperature, SCALE) - top)
-    removed = tl.maximum(tl.floor((limit - at_lo) / group_mass), 0.0)
-    target = tl.minimum(removed, 2.0 ** 30).to(tl.int32) + 1
+    target = first_kept_rank(boundary, at_lo, limit, top, temperature, SCALE, SHIFT)
     cs = tl.arange(0, CHUNKS)
     counts = tl.load(count_ptr + row * chunks + cs, mask=cs < chunks, other=0)
     through = tl.cumsum(counts, 0)  # members in chunks 0..c
@@ -161,9 +151,7 @@ def draw(logits_ptr, row_stride, vocab, span, top_ptr, low_ptr, below_ptr, total
     holder = tl.min(tl.where((through >= keep_from) & (cs < chunks), cs, CHUNKS), 0)  # the chunk holding that rank
     local_from = keep_from - tl.sum(tl.where(cs < holder, counts, 0), 0)  # the rank within the holder, 1-based
 
-    sample = tl.load(rows_ptr + row).to(tl.uint32)
-    token_step = tl.load(step_ptr + row * step_stride).to(tl.uint32)
-    base = hash32(hash32(tl.load(seed_ptr).to(tl.uint32) ^ (sample * 0x063779B1)) ^ (token_step * 0x05EBCA6B))
+    base = noise_base(seed_ptr, rows_ptr, step_ptr, step_stride, row)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
     offs = tl.arange(0, BLOCK)
     for chunk in range(group * per_program, tl.minimum((group + 1) * per_program, chunks)):
@@ -186,17 +174,10 @@ def draw(logits_ptr, row_stride, vocab, span, top_ptr, low_ptr, below_ptr, total
             else:
                 tie_kept = member & (chunk > holder)
             kept = (keys > boundary) | tie_kept
-            noise = hash32(base ^ (idx.to(tl.uint32) * 0x45D9F3B))
-            uniform = (noise.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
-            value = tl.where(kept, s - tl.log(-tl.log(uniform)), float("-inf"))
-            better = value > lane_best  # strictly: a lane keeps its first index among equal values
-            lane_best = tl.where(better, value, lane_best)
-            lane_idx = tl.where(better, idx, lane_idx)
-            lane_score = tl.where(better, s, lane_score)
+            lane_best, lane_idx, lane_score = gumbel_update(idx, s, kept, base, lane_best, lane_idx, lane_score)
             if WITH_LOGPROBS:
                 lane_kept += tl.where(kept, tl.exp(s - top), 0.0)
-        best = tl.max(lane_best, 0)
-        best_idx = tl.min(tl.where(lane_best == best, lane_idx, 2 ** 31 - 1), 0)
+        best, best_idx = lane_argmax(lane_best, lane_idx)
         at = row * chunks + chunk
         tl.store(best_ptr + at, best)
         tl.store(index_ptr + at, best_idx)
