@@ -21,6 +21,9 @@ GATHER_MODES = ("once", "per_forward")
 COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
 #: ``RolloutConfig.decode_attention`` values.
 DECODE_ATTENTIONS = ("triton", "sdpa")
+#: ``RolloutConfig.blas_library`` values besides None (``rollout.executors.blas.BLAS_LIBRARIES``; kept here so the
+#: config imports nothing heavy).
+BLAS_LIBRARIES = ("cublas", "cublaslt")
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,14 @@ class RolloutConfig:
     fused_kv_write: bool = True
     """With ``compile`` and ``fuse_qkv`` on CUDA, the compiled q|k|v piece also writes k and v into the cache
     (one kernel with the rotary) instead of two ``index_copy_`` per layer after it."""
+    blas_library: Optional[str] = "cublaslt"
+    """On CUDA, the BLAS backend of the call's matrix products (PyTorch's process-wide
+    ``torch.backends.cuda.preferred_blas_library``, set for the call and restored after it, so the caller's
+    own GEMMs keep theirs; ``rollout.executors.blas``): ``"cublaslt"``, ``"cublas"``, or None to leave the
+    process's setting. ``CallStats.blas_library`` says what ran. On an H200 (3B shape, bf16, the routes' default
+    decode step captured in a CUDA graph, ``profile_decode_step.py --blas``, A B A B) cuBLASLt took the step at
+    256 rows from 5.225/5.204 to 5.029/5.045 ms (-3.4%) and left it at 8 rows (2.801/2.804 against 2.806/2.810)
+    (docs/BENCHMARKS.md, "2026-12-02 (06:50 UTC session)")."""
     fuse_qkv: bool = True
     """Our step computes q, k and v with one GEMM over a concatenated copy of their weights (refreshed at
     every call; ~1/8 of the weights for Qwen2.5-3B) instead of three; False reads the model's own tensors."""
@@ -224,6 +235,8 @@ class RolloutConfig:
                 f"got {self.sampler_chunk_tokens!r}")
         require(is_int(self.skinny_rows) and self.skinny_rows >= 0, "skinny_rows",
                 f"must be an int >= 0 (0: off); got {self.skinny_rows!r}")
+        require(self.blas_library is None or self.blas_library in BLAS_LIBRARIES, "blas_library",
+                f"must be None or one of {BLAS_LIBRARIES}; got {self.blas_library!r}")
         require(self.decode_attention in DECODE_ATTENTIONS, "decode_attention",
                  f"must be one of {DECODE_ATTENTIONS}; got {self.decode_attention!r}")
         require(self.compile_mode in COMPILE_MODES, "compile_mode",

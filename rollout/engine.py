@@ -21,6 +21,7 @@ from instrumentation import collect_stages, stage, stages
 from rollout.cache.pool import CachePool, free_device_bytes
 from rollout.cache.static import cache_shape
 from rollout.config import RolloutConfig, SamplingConfig
+from rollout.executors import blas
 from rollout.executors.context import CallContext, EosIds
 from rollout.executors.continuous.executor import ContinuousExecutor
 from rollout.executors.decode import DecodeChoice, FastStep, choose_decode
@@ -191,7 +192,8 @@ class Rollout:
             route = routes.choose_route(self.config.route, layout, sampling.n_samples_per_prompt,
                                         fit.slots if fit else sampling.continuous_batch_size, self._costs(),
                                         self.config.max_prefill_tokens, decode.prefill_path)
-        with self._inference_mode(), self._generation_weights(), self._fast_step.one_call():
+        with self._inference_mode(), self._generation_weights(), self._fast_step.one_call(), \
+                blas.blas_library(self.config.blas_library, device) as blas_in_effect:
             ctx = self._context(sampling, decode, device, route.route)  # after the gather: ZeRO-3 weights are resident
             graph_passes = ctx.prefill_graphs.replays if ctx.prefill_graphs is not None else 0
             if route.route == routes.CONTINUOUS:
@@ -205,7 +207,7 @@ class Rollout:
             stats.prefill_graph_passes = ctx.prefill_graphs.replays - graph_passes
         stats.sampler_fallback_reason, stats.sampler_path = ctx.sampler.fallback_reason, ctx.sampler.last_path
         stats.route, stats.route_reason, stats.dp_skipped = route.route, route.reason, route.dp_skipped
-        stats.eos_check_interval = ctx.eos_check_interval
+        stats.eos_check_interval, stats.blas_library = ctx.eos_check_interval, blas_in_effect
         stats.route_estimates_ms, stats.prefill_path = route.estimates_ms, decode.prefill_path
         stats.prefill_buckets = len(route.buckets) if route.buckets else 1
         stats.plans += 0 if route.dp_skipped else 1  # Auto's bucket DP ran for this call

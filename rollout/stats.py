@@ -39,6 +39,9 @@ class CallStats:
     decode_attention: str = "hf"
     """The decode step's attention: ``"triton"`` (:mod:`rollout.ops.decode_attention`), ``"sdpa"``, or
     ``"hf"`` when the HF layers decode (``RolloutConfig.decode_attention``; SDPA where the kernel cannot run)."""
+    blas_library: str = ""
+    """The BLAS backend the call's matrix products ran on (``"cublaslt"``, ``"cublas"``; ``""`` off CUDA;
+    ``RolloutConfig.blas_library``, or the process's setting when that is None)."""
     sampler_fallback_reason: Optional[str] = None
     """Why token selection runs its eager functions (or not the fused kernel) although asked (None otherwise)."""
     sampler_path: str = "eager"
@@ -212,7 +215,7 @@ def build_profile(summary: dict, stats: CallStats, shape: CallShape, elapsed_s: 
         "planner_dp_skipped": stats.dp_skipped, "num_cache_trims": stats.trims,
         "cache_bytes_moved": stats.bytes_moved, "cache_capacity": stats.capacity,
         "decode_path": stats.decode_path, "decode_fallback_reason": stats.decode_fallback_reason,
-        "decode_attention": stats.decode_attention,
+        "decode_attention": stats.decode_attention, "blas_library": stats.blas_library,
         "num_prefill_forwards": stats.prefill_forwards, "num_useful_tokens": shape.num_useful_tokens,
         "useful_tokens_per_second": per_s(shape.num_useful_tokens), "cache_bytes": cache_bytes,
         "held_bytes_after_call": held_bytes, "peak_allocated_mib": max(peaks) if peaks else None,

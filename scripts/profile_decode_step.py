@@ -310,6 +310,33 @@ def step_variants(model, rows: int, live: int, variant: StepVariant):
     return graph_ms(decode_step_fn(model, rows, live, variant), 10)
 
 
+class blas_backend:
+    """``torch.backends.cuda.preferred_blas_library(name)`` inside the block (``None``: leave it), the previous
+    choice restored after. A CUDA graph keeps the GEMM kernels chosen while it was captured."""
+
+    def __init__(self, name):
+        self.name, self.before = name, None
+
+    def __enter__(self):
+        if self.name is not None:
+            self.before = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library(self.name)
+
+    def __exit__(self, *exc):
+        if self.before is not None:
+            torch.backends.cuda.preferred_blas_library(self.before)
+
+
+def blas_ab(model, rows: int, live: int, backends: list[str]) -> list[dict]:
+    """The routes' default step captured and timed under each BLAS backend, the backends alternating twice."""
+    out = []
+    for name in backends * 2:
+        with blas_backend(name):
+            ms = step_variants(model, rows, live, ROUTE_DEFAULT)
+        out.append(dict(rows=rows, part="decode_logits", variant=f"{ROUTE_DEFAULT.name}; BLAS {name}", ms=ms))
+    return out
+
+
 #: The A/B flags (``--gate-up``, ...): each times only the routes' default step against the same with one
 #: ``StepVariant`` field flipped, twice each, alternating, the variant with the field off first.
 ROUTE_AB = {"gate_up": "gate|up as one GEMM", "rotary_kernel": "the rotary+write kernel",
@@ -511,6 +538,10 @@ def main(argv=None) -> None:
                         default=[(256, 384), (256, 300), (768, 820)],
                         help="--parts shared: prefix,filled column counts (within --live)")
     parser.add_argument("--samples", type=int, default=4, help="--parts shared: rows per prompt")
+    parser.add_argument("--blas", nargs="+", default=[], choices=["cublas", "cublaslt"],
+                        help="step: only the routes' default step under each of these BLAS backends "
+                             "(torch.backends.cuda.preferred_blas_library), alternating twice; with --kernels the "
+                             "GEMM table under each too")
     parser.add_argument("--prefill-lengths", nargs="+", type=int, default=[16, 64, 256],
                         help="--parts prefill: prompt lengths (every row all real tokens)")
     parser.add_argument("--prefill-graph-tokens", type=int, default=16384,
@@ -542,7 +573,9 @@ def main(argv=None) -> None:
                                         cfg.num_hidden_layers, launches)
         if "prefill" in args.parts:
             rows_out += prefill_variants(model, rows, args.prefill_lengths, args.prefill_graph_tokens)
-        if "step" in args.parts:
+        if "step" in args.parts and args.blas:
+            rows_out += blas_ab(model, rows, args.live, args.blas)
+        elif "step" in args.parts:
             for variant in step_variant_list(args):
                 try:
                     ms = step_variants(model, rows, args.live, variant)
@@ -551,10 +584,14 @@ def main(argv=None) -> None:
                 rows_out.append(dict(rows=rows, part="decode_logits", variant=variant.name, ms=ms))
         if args.kernels:
             kv_dim = cfg.num_key_value_heads * head_dim
-            for name, (ms, tflops) in gemm_variants(rows, cfg.hidden_size, cfg.intermediate_size,
-                                                    cfg.num_attention_heads * head_dim, kv_dim,
-                                                    cfg.num_hidden_layers).items():
-                rows_out.append(dict(rows=rows, part="GEMM x36", variant=f"{name} ({tflops:.0f} TFLOP/s)", ms=ms))
+            for backend in args.blas or [None]:
+                with blas_backend(backend):
+                    table = gemm_variants(rows, cfg.hidden_size, cfg.intermediate_size,
+                                          cfg.num_attention_heads * head_dim, kv_dim, cfg.num_hidden_layers)
+                suffix = f"; BLAS {backend}" if backend else ""
+                for name, (ms, tflops) in table.items():
+                    rows_out.append(dict(rows=rows, part="GEMM x36", variant=f"{name} ({tflops:.0f} TFLOP/s){suffix}",
+                                         ms=ms))
             listed = ROUTE_DEFAULT if args.kernel_variant == "default" else dataclasses.replace(ROUTE_DEFAULT, skinny=False)
             kernel_tables.append(step_kernels(model, rows, args.live, variant=listed))
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; live {args.live} columns")

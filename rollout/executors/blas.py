@@ -1,0 +1,45 @@
+"""The BLAS backend a rollout call's GEMMs run on (``RolloutConfig.blas_library``).
+
+PyTorch picks cuBLAS or cuBLASLt for its matrix products from one process-wide setting
+(``torch.backends.cuda.preferred_blas_library``). A call sets the backend its config asks for while it runs
+and puts the caller's back afterwards, so the training step around it keeps its own; the CUDA graphs a call
+captures keep the kernels chosen while they were captured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+
+from rollout.config import BLAS_LIBRARIES  # noqa: F401 - the values of RolloutConfig.blas_library besides None
+
+
+def current() -> str:
+    """The process's preferred BLAS backend, lower-case (``"cublas"``, ``"cublaslt"``, ...)."""
+    return str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1].lower()
+
+
+@contextlib.contextmanager
+def blas_library(name: Optional[str], device: torch.device) -> Iterator[str]:
+    """Run the block with ``name`` as the preferred BLAS backend on a CUDA ``device`` and restore the previous
+    one after it, whatever happens in the block. Yields the backend in effect (``""`` off CUDA, where no
+    BLAS backend is chosen). ``None`` changes nothing; a backend this PyTorch build lacks leaves the current
+    one and says so in the yielded text."""
+    if device.type != "cuda":
+        yield ""
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    in_effect, changed = current(), False
+    if name is not None and name != in_effect:
+        try:
+            torch.backends.cuda.preferred_blas_library(name)
+            in_effect, changed = name, True
+        except RuntimeError as exc:  # e.g. a build without cuBLASLt
+            in_effect = f"{in_effect} ({name} unavailable: {exc})"
+    try:
+        yield in_effect
+    finally:
+        if changed:
+            torch.backends.cuda.preferred_blas_library(before)
