@@ -481,6 +481,8 @@ class RlRow:
     wall_ms: Optional[float] = None
     wall_ms_min: Optional[float] = None
     wall_ms_max: Optional[float] = None
+    walls_ms: list = field(default_factory=list)
+    """Each timed call's wall ms, in round order."""
     roofline_ms: Optional[float] = None
     prefill_roofline_ms: Optional[float] = None
     x_roofline: Optional[float] = None
@@ -1019,13 +1021,16 @@ def kept_bytes_estimate(bench: Bench, cell: CellSpec, cands: list[Candidate], wi
 
 def run_interleaved(runs: list[CandidateRun], device: str, repeats: int, busy: bool, max_events: int,
                     teardown: bool = False, trace_dir: Optional[str] = None, cell: str = "", seeds: int = 1) -> None:
-    """Warm-up, ``repeats`` rounds (A B C, C B A, ...: ``bench_rollout.round_order``; round ``r`` draws with
-    :func:`round_seed`), then (``busy``) one profiled call each, after every timed call;
+    """Warm-up (with ``seeds`` > 1 one call per seed: a seed's rows end at other steps, so its calls compact into
+    batch buckets, and compile or capture pieces, that another seed's did not; timed first, that work went to the
+    first candidate of a sequential cell: 4,039 against 3,888 ms for the same tokens), ``repeats`` rounds
+    (A B C, C B A, ...: ``bench_rollout.round_order``; round ``r`` draws with :func:`round_seed`), then (``busy``) one profiled call each, after every timed call;
     ``trace_dir``: each profiled call's Chrome trace as ``<cell>--<candidate>.json`` there."""
     for run in runs:
         run.after_profile = _PROFILED["any"]
-    for run in runs:
-        measure(run, [o for o in runs if o is not run], device, record=False)  # warm-up
+    for run in runs:  # warm-up: each seed of the rounds once, so no timed call meets a batch shape first
+        for w in range(seeds):
+            measure(run, [o for o in runs if o is not run], device, record=False, seed=round_seed(w, seeds))
     for r in range(repeats):
         for run in round_order(runs, r):
             measure(run, [o for o in runs if o is not run], device, record=True, seed=round_seed(r, seeds))
@@ -1267,7 +1272,8 @@ def _row(bench: Bench, cell: CellSpec, run: CandidateRun, prompt_lens: list[int]
     route = stats_kept.pop("route", None)
     row = RlRow(candidate=run.cand.name, slots=run.cand.slots, note="; ".join(notes),
                 response_tokens=statistics.mean(tokens), tok_s=statistics.mean(tokens) / (wall / 1000.0),
-                wall_ms=wall, wall_ms_min=min(walls), wall_ms_max=max(walls), roofline_ms=roofline_ms,
+                wall_ms=wall, wall_ms_min=min(walls), wall_ms_max=max(walls), walls_ms=[round(w, 2) for w in walls],
+                roofline_ms=roofline_ms,
                 prefill_roofline_ms=prefill * 1000.0, x_roofline=wall / roofline_ms if roofline_ms > 0 else None,
                 gpu_busy_pct=run.busy[0], gpu_busy_note=run.busy[1],
                 peak_gib=max(run.peaks_bytes) / 2 ** 30 if run.peaks_bytes else None,

@@ -399,6 +399,8 @@ def test_timed_rounds_alternate_their_order(monkeypatch):
     base = bench_rl.SAMPLING_SEED
     assert [(name, seed) for name, record, seed in order if record] == [
         ("x", base), ("y", base), ("y", base + 1), ("x", base + 1), ("x", base), ("y", base)]
+    # the warm-up draws every seed of the rounds once per candidate, before any timed call
+    assert order[:4] == [("x", False, base), ("x", False, base + 1), ("y", False, base), ("y", False, base + 1)]
 
 
 def test_seeds_vary_the_drawn_tokens(tmp_path, monkeypatch):
@@ -415,6 +417,7 @@ def test_seeds_vary_the_drawn_tokens(tmp_path, monkeypatch):
     assert data["meta"]["seeds"] == 2
     (row,) = [r for r in data["rows"] if r["candidate"] == "ordinary"]
     assert row["seeds"] == 2 and row["status"] == "ok"
+    assert len(row["walls_ms"]) == 2 and min(row["walls_ms"]) == pytest.approx(row["wall_ms_min"], abs=0.01)
     assert not torch.equal(drawn[-2], drawn[-1])  # the two timed calls (before them: the EOS calibration's)
     with pytest.raises(SystemExit):
         bench_rl.main(["--cells", "wide-greedy", "--repeats", "1", "--seeds", "2"])
