@@ -153,8 +153,9 @@ class RolloutConfig:
     own GEMMs keep theirs; ``rollout.executors.blas``): ``"cublaslt"``, ``"cublas"``, or None to leave the
     process's setting. ``CallStats.blas_library`` says what ran. On an H200 (3B shape, bf16, the routes' default
     decode step captured in a CUDA graph, ``profile_decode_step.py --blas``, A B A B) cuBLASLt took the step at
-    256 rows from 5.225/5.204 to 5.029/5.045 ms (-3.4%) and left it at 8 rows (2.801/2.804 against 2.806/2.810)
-    (docs/BENCHMARKS.md, "2026-12-02 (06:50 UTC session)")."""
+    256 rows from 5.225/5.204 to 5.029/5.045 ms (-3.4%) and moved it by at most 0.6% at 8, 32, 128 and 512 rows;
+    the wide RL cells took 2.3% (greedy) and 1.7% (sampled) less time, the long-tail and capped cells' roofline
+    ratios stayed within their spread (docs/BENCHMARKS.md, "2026-12-02 (06:50 UTC session)")."""
     fuse_qkv: bool = True
     """Our step computes q, k and v with one GEMM over a concatenated copy of their weights (refreshed at
     every call; ~1/8 of the weights for Qwen2.5-3B) instead of three; False reads the model's own tensors."""
@@ -202,7 +203,8 @@ class RolloutConfig:
     sampler_chunk_tokens: Optional[int] = None
     """Tokens of a row each program of the nucleus kernels reads (``fused_sampler``): None, the kernels' default
     (``rollout.ops.fused_nucleus.CHUNK_TOKENS`` = 8192: a program per chunk, 5.4x faster than one program per row
-    at 8 rows, 3% at 256 on the H200); 0, one program per row. Fixed per call, never from the rows, so a row's
+    at 8 rows, 3% at 256 on the H200; the RL suite's top-p long-tail cell 6.4% faster, same tokens); 0, one program
+    per row. Fixed per call, never from the rows, so a row's
     token does not depend on its batch; other values sum masses in another order, so tokens may differ where a
     cumulative mass lies within rounding of ``1 - top_p``."""
     cost_model: Optional[object] = None
