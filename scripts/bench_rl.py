@@ -1024,7 +1024,8 @@ def run_interleaved(runs: list[CandidateRun], device: str, repeats: int, busy: b
     """Warm-up (with ``seeds`` > 1 one call per seed: a seed's rows end at other steps, so its calls compact into
     batch buckets, and compile or capture pieces, that another seed's did not; timed first, that work went to the
     first candidate of a sequential cell: 4,039 against 3,888 ms for the same tokens), ``repeats`` rounds
-    (A B C, C B A, ...: ``bench_rollout.round_order``; round ``r`` draws with :func:`round_seed`), then (``busy``) one profiled call each, after every timed call;
+    (A B C, C B A, ...: ``bench_rollout.round_order``; round ``r`` draws with :func:`round_seed`), then
+    (``busy``) one profiled call each, after every timed call;
     ``trace_dir``: each profiled call's Chrome trace as ``<cell>--<candidate>.json`` there."""
     for run in runs:
         run.after_profile = _PROFILED["any"]

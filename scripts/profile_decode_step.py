@@ -26,6 +26,7 @@ from rollout.config import RolloutConfig, SamplingConfig  # noqa: E402
 from rollout.model.step import (SPLIT_K, FusedGateUp, FusedQKV, StepFns, StepParts, compiled_step_fns,  # noqa: E402
                                 decode_logits, attention_inputs_qkv_write, compile_piece, grouped_decode_attention,
                                 spec_and_weights, split_k_linear)
+from rollout.executors import blas  # noqa: E402
 from rollout.executors.graphs import capture_graph  # noqa: E402
 from rollout.ops import decode_attention, rotary_write, skinny_linear  # noqa: E402
 from rollout.ops.sampling import select_next_token  # noqa: E402
@@ -310,21 +311,11 @@ def step_variants(model, rows: int, live: int, variant: StepVariant):
     return graph_ms(decode_step_fn(model, rows, live, variant), 10)
 
 
-class blas_backend:
-    """``torch.backends.cuda.preferred_blas_library(name)`` inside the block (``None``: leave it), the previous
-    choice restored after. A CUDA graph keeps the GEMM kernels chosen while it was captured."""
-
-    def __init__(self, name):
-        self.name, self.before = name, None
-
-    def __enter__(self):
-        if self.name is not None:
-            self.before = torch.backends.cuda.preferred_blas_library()
-            torch.backends.cuda.preferred_blas_library(self.name)
-
-    def __exit__(self, *exc):
-        if self.before is not None:
-            torch.backends.cuda.preferred_blas_library(self.before)
+def blas_backend(name):
+    """``rollout.executors.blas.blas_library`` on this GPU: the routes' way of running a block on one BLAS backend
+    (``None``: leave the process's), the previous one restored after. A CUDA graph keeps the GEMM kernels chosen
+    while it was captured."""
+    return blas.blas_library(name, torch.device("cuda"))
 
 
 def blas_ab(model, rows: int, live: int, backends: list[str]) -> list[dict]:
