@@ -196,6 +196,14 @@ class RolloutConfig:
     at 256 rows with a 256-column one; the long-tail RL cells' roofline ratios 1.97x/1.98x against their
     twins' 1.99x/2.01x (docs/BENCHMARKS.md, "2026-12-02 (02:31 UTC session)"). The 32-row threshold was not
     varied. 0: off."""
+    continuous_stop_at_front: bool = False
+    """Continuous route, static buffers (``cuda_graphs``): the captured step's attention is told the front (the
+    column the step writes) as the last column any row attends, so the Triton kernel does not read the up to 255
+    columns past it that the read window's rounding adds (masked for every row). The ordinary route always does
+    this (its ``last``, -3.5% on the wide cell). Off: in its one H200 A/B (capped, one call each, other tokens)
+    the route took 2.24x its roofline against 1.99x without it, unexplained, and not yet measured over several
+    seeds in one process (``--twin continuous_stop_at_front=True``); the tokens do not depend on it beyond bf16
+    rounding (fp32: HF ``generate``'s, tested)."""
     fused_sampler: bool = True
     """On CUDA (with ``compile``), temperature + top-p sampling without top-k or a repetition penalty runs
     the Triton nucleus kernels (:mod:`rollout.ops.fused_nucleus`); False keeps the compiled sort-free search.
@@ -223,7 +231,7 @@ class RolloutConfig:
         require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
         require(isinstance(self.keep_cache, bool), "keep_cache", f"must be a bool; got {self.keep_cache!r}")
         for name in ("fuse_lora", "fast_decode", "fast_prefill", "cuda_graphs", "compile", "fuse_qkv", "fuse_gate_up",
-                     "rotary_kernel", "fused_sampler", "fused_kv_write", "late_eos_count"):
+                     "rotary_kernel", "fused_sampler", "fused_kv_write", "late_eos_count", "continuous_stop_at_front"):
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
         require(is_int(self.prefill_graph_tokens) and self.prefill_graph_tokens >= 0, "prefill_graph_tokens",
                 f"must be an int >= 0 (0: off); got {self.prefill_graph_tokens!r}")

@@ -341,3 +341,35 @@ def test_which_steps_share_the_prompt():
     assert not shares_prefix(parts(0), 256, 4)  # off (and SDPA: FastStep leaves it 0)
     assert not shares_prefix(parts(32), 256, 1)  # one sample a prompt: nothing to share
     assert shares_prefix(parts(32), 256, 16) and not shares_prefix(parts(32), 256, 17)  # 17 x 8 > 128 queries
+
+
+@pytest.mark.parametrize("stop_at_front", [True, False])
+def test_continuous_route_stops_at_the_front_when_asked(device, stop_at_front):
+    """``RolloutConfig.continuous_stop_at_front``: the continuous route's static step hands the kernel the front
+    as the last column (its read window is rounded up past it) only when asked; either way, with prompts of
+    different lengths, refills into freed slots and rows ending at different steps, the tokens of HF generate per
+    request (greedy, fp32)."""
+    model = tiny_model("qwen2", seed=0).to(device)
+    ids, mask = random_prompts(6, 9, min_len=1, seed=4)
+    ids, mask = ids.to(device), mask.to(device)
+    free = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False)) \
+        .generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0))
+    eos = [token for token, _ in Counter(free.input_ids[:, 9:].flatten().tolist()).most_common(6)][3:6]
+    calls = []
+    ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=eos),
+                 RolloutConfig(route="continuous", continuous_stop_at_front=stop_at_front))
+    original = ro._fast_step.parts
+
+    def kernel(*args, **kwargs):
+        calls.append(kwargs.get("last"))
+        return da.attention(*args, interpret=True, **kwargs)
+
+    ro._fast_step.parts = lambda dev, mirrored: dataclasses.replace(
+        original(dev, mirrored), fns=dataclasses.replace(original(dev, mirrored).fns, attention=kernel))
+    out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0,
+                                                                continuous_batch_size=3))
+    assert calls and all((last is not None) == stop_at_front for last in calls)
+    assert ro.last_stats.route == "continuous" and ro.last_stats.decode_forwards > 10  # slots were refilled
+    for row in range(6):
+        expected = hf_greedy(model, ids[row], mask[row], 10, eos=eos)
+        assert response_of(out, row) == expected[:len(response_of(out, row))], f"row {row}"

@@ -83,6 +83,8 @@ class CallContext:
     ``RolloutConfig.prefill_graph_tokens`` asks for them, else None."""
     late_eos_count: bool = True
     """Ordinary route, static buffers: a check reads the previous check's count (``RolloutConfig.late_eos_count``)."""
+    continuous_stop_at_front: bool = False
+    """Continuous route, static buffers: the attention stops at the front (``RolloutConfig.continuous_stop_at_front``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingConfig):

@@ -80,14 +80,18 @@ class CBBuffers:
 
 
 def cb_decode_step(parts: StepParts, cache, bufs: CBBuffers, bucket: int, window: tuple[int, int],
-                   sampler: Sampler, has_seen: bool, with_logprobs: bool = False) -> None:
+                   sampler: Sampler, has_seen: bool, with_logprobs: bool = False, stop_at_front: bool = False) -> None:
     """The captured work of one continuous decode step over slots ``[0, bucket)`` and the columns of
-    ``window``: logits, token choice, and the buffer updates (no host sync)."""
+    ``window``: logits, token choice, and the buffer updates (no host sync). The window reaches up to 255
+    columns past the front (``read_window``'s rounding), which no live row attends (``AlignedKVCache``'s
+    invariant of ``valid``); ``stop_at_front`` tells the attention to stop at the front (``last``;
+    ``RolloutConfig.continuous_stop_at_front``)."""
     start, stop = window
     keep = cache.valid[:bucket, None, None, start:stop]
     rowdata = bufs.rowdata[:, :bucket]
+    last = cache.write_col - start if stop_at_front else None
     logits = decode_logits(parts, cache.key_storage[:, :bucket], cache.value_storage[:, :bucket],
-                           bufs.last_tokens[:bucket], rowdata[2], cache.write_col, keep, start=start)
+                           bufs.last_tokens[:bucket], rowdata[2], cache.write_col, keep, start=start, last=last)
     seen = bufs.seen[:bucket] if has_seen else None
     tokens, logprobs = sampler(logits, seen, bufs.seed, rowdata[0], rowdata[1], with_logprobs)  # [bucket]
     bufs.last_tokens[:bucket].copy_(tokens)

@@ -91,15 +91,17 @@ class ContinuousExecutor:
         sampling = ctx.sampling
         parts = self.fast_step.parts(ctx.device, mirrored=True)
         use_graphs = choice.path == "graph"
+        stop_at_front = ctx.continuous_stop_at_front
         key = (sampling_key(sampling), has_seen, cache.key_storage.data_ptr(), tuple(cache.key_storage.shape),
-               cache.valid.data_ptr(), parts.weights.signature())
+               cache.valid.data_ptr(), parts.weights.signature(), stop_at_front)
 
         def step(num_rows: int, front: int, read_start: int) -> str:
             bucket = batch_bucket(num_rows)
             window = read_window(read_start, front, cache.capacity)
 
             def work():
-                cb_decode_step(parts, cache, bufs, bucket, window, ctx.sampler, has_seen, ctx.with_logprobs)
+                cb_decode_step(parts, cache, bufs, bucket, window, ctx.sampler, has_seen, ctx.with_logprobs,
+                               stop_at_front)
 
             if not use_graphs:
                 work()
