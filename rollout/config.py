@@ -204,6 +204,14 @@ class RolloutConfig:
     the route took 2.24x its roofline against 1.99x without it, unexplained, and not yet measured over several
     seeds in one process (``--twin continuous_stop_at_front=True``); the tokens do not depend on it beyond bf16
     rounding (fp32: HF ``generate``'s, tested)."""
+    continuous_shared_prefix: bool = False
+    """Continuous route, static buffers, the Triton attention: decode steps whose batch bucket has at least
+    ``shared_prefix_rows`` rows read each prompt's keys and values once for all of its samples held in adjacent
+    slots (admitted together, so adjacent until a compaction separates them), as the ordinary route does; each
+    row's prompt ends at its own column (rows were admitted at different fronts). Only in calls whose padded
+    prompts have at least ``rollout.ops.decode_attention.MIN_SHARED_PROMPT`` columns. Off: CPU-tested (the
+    interpreted kernel; HF ``generate``'s tokens), not yet timed on a GPU (``--twin continuous_shared_prefix=True``
+    on the RL suite's capped cell, whose attention took ~30% of its decode GPU time in an H200 trace)."""
     fused_sampler: bool = True
     """On CUDA (with ``compile``), temperature + top-p sampling without top-k or a repetition penalty runs
     the Triton nucleus kernels (:mod:`rollout.ops.fused_nucleus`); False keeps the compiled sort-free search.
@@ -231,7 +239,8 @@ class RolloutConfig:
         require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
         require(isinstance(self.keep_cache, bool), "keep_cache", f"must be a bool; got {self.keep_cache!r}")
         for name in ("fuse_lora", "fast_decode", "fast_prefill", "cuda_graphs", "compile", "fuse_qkv", "fuse_gate_up",
-                     "rotary_kernel", "fused_sampler", "fused_kv_write", "late_eos_count", "continuous_stop_at_front"):
+                     "rotary_kernel", "fused_sampler", "fused_kv_write", "late_eos_count", "continuous_stop_at_front",
+                     "continuous_shared_prefix"):
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
         require(is_int(self.prefill_graph_tokens) and self.prefill_graph_tokens >= 0, "prefill_graph_tokens",
                 f"must be an int >= 0 (0: off); got {self.prefill_graph_tokens!r}")

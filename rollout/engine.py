@@ -238,7 +238,8 @@ class Rollout:
                            routes.eos_check_interval(self.config.eos_check_interval, route), stage, self._busy,
                            fast=parts, fast_prefill=prefill_parts if decode.prefill_path != "hf" else None,
                            sampler=sampler, prefill_graphs=graphs, late_eos_count=self.config.late_eos_count,
-                           continuous_stop_at_front=self.config.continuous_stop_at_front)
+                           continuous_stop_at_front=self.config.continuous_stop_at_front,
+                           continuous_shared_prefix=self.config.continuous_shared_prefix)
 
     def _prefill_graphs_for(self, decode: DecodeChoice):
         """The captured prefill passes where this call can run them (``prefill_graph_tokens`` set, the

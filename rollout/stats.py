@@ -79,8 +79,9 @@ class CallStats:
     ordinary route's EOS checks on static buffers wait on an event of the previous check
     (``RolloutConfig.late_eos_count``), not on the step just launched."""
     shared_prefix_steps: int = 0
-    """Ordinary route, Triton attention: decode steps whose attention read each prompt's keys and values once
-    for all of its samples (``RolloutConfig.shared_prefix_rows``)."""
+    """Triton attention: decode steps whose attention read each prompt's keys and values once for all of its
+    samples (``RolloutConfig.shared_prefix_rows``; the continuous route only with
+    ``RolloutConfig.continuous_shared_prefix``)."""
     eos_overrun_steps: int = 0
     """Ordinary route, static buffers: decode steps run after every row had ended. Its EOS check reads the
     finished count one check late, so the host never waits for the step it has just launched; these

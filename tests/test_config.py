@@ -53,6 +53,7 @@ def test_sampling_config_keeps_upstream_defaults():
     (dict(blas_library="cuBLASLt"), "blas_library"),
     (dict(blas_library=1), "blas_library"),
     (dict(continuous_stop_at_front=1), "continuous_stop_at_front"),
+    (dict(continuous_shared_prefix="yes"), "continuous_shared_prefix"),
     (dict(fused_kv_write=1), "fused_kv_write"),
     (dict(fuse_gate_up="yes"), "fuse_gate_up"),
     (dict(rotary_kernel=1), "rotary_kernel"),

@@ -85,6 +85,9 @@ class CallContext:
     """Ordinary route, static buffers: a check reads the previous check's count (``RolloutConfig.late_eos_count``)."""
     continuous_stop_at_front: bool = False
     """Continuous route, static buffers: the attention stops at the front (``RolloutConfig.continuous_stop_at_front``)."""
+    continuous_shared_prefix: bool = False
+    """Continuous route, static buffers: a prompt's samples read its columns once
+    (``RolloutConfig.continuous_shared_prefix``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingConfig):

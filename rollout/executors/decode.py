@@ -190,3 +190,11 @@ def _hf_reason(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool) ->
     if is_zero3 and config.gather == "per_forward":
         return "ZeRO-3 per-forward gathering (parameters are not resident)"
     return unsupported_reason(model)
+
+
+def shares_prefix(parts: StepParts, bucket: int, samples: int) -> bool:
+    """Whether a decode step of ``bucket`` rows (either route) reads each prompt's columns once for its ``samples``
+    rows (``RolloutConfig.shared_prefix_rows``, set only where the Triton attention runs; the kernel's tile limit:
+    :func:`decode_attention.one_tile`)."""
+    rows = parts.fns.shared_prefix_rows
+    return 0 < rows <= bucket and decode_attention.one_tile(samples, parts.spec.num_heads, parts.spec.num_kv_heads)

@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 
 from rollout.model.step import StepParts, decode_logits
-from rollout.ops.decode_attention import SharedPrefix, one_tile
+from rollout.executors.decode import shares_prefix
+from rollout.ops.decode_attention import SharedPrefix
 from rollout.ops.sampling import Sampler
 
 
@@ -90,14 +91,6 @@ class DecodeBuffers:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
-
-
-def shares_prefix(parts: StepParts, bucket: int, samples: int) -> bool:
-    """Whether a step of ``bucket`` rows reads each prompt's columns once for its ``samples`` rows
-    (``RolloutConfig.shared_prefix_rows``, set only where the Triton attention runs; the kernel's tile limit:
-    :func:`decode_attention.one_tile`)."""
-    rows = parts.fns.shared_prefix_rows
-    return 0 < rows <= bucket and one_tile(samples, parts.spec.num_heads, parts.spec.num_kv_heads)
 
 
 def decode_step(parts: StepParts, cache, bufs: DecodeBuffers, shape: tuple[int, int], sampler: Sampler,

@@ -10,9 +10,9 @@ from instrumentation import stages
 from rollout.cache.pool import CachePool, ScratchArena
 from rollout.cache.static import cache_shape
 from rollout.executors.context import CallContext, Generation
-from rollout.executors.decode import DecodeChoice, FastStep
+from rollout.executors.decode import DecodeChoice, FastStep, shares_prefix
 from rollout.executors.graphs import EAGER, GraphSet
-from rollout.executors.ordinary.buffers import DecodeBuffers, decode_step, shares_prefix
+from rollout.executors.ordinary.buffers import DecodeBuffers, decode_step
 from rollout.executors.ordinary.loop import PromptBatch, StaticDecode, generate_ordinary
 from rollout.executors.ordinary.order import RowOrder
 from rollout.ops.decode_attention import MIN_SHARED_PROMPT
