@@ -294,6 +294,33 @@ def test_shared_prefix_bf16_and_the_tile_limit(device):
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
 
 
+def _eos_setup(device, seed: int):
+    """A tiny fp32 model, 6 left-padded prompts of up to 9 tokens, and 3 EOS ids among the tokens it generates
+    greedily (so rows end at different steps)."""
+    model = tiny_model("qwen2", seed=0).to(device)
+    ids, mask = random_prompts(6, 9, min_len=1, seed=seed)
+    ids, mask = ids.to(device), mask.to(device)
+    free = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False)) \
+        .generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0))
+    eos = [token for token, _ in Counter(free.input_ids[:, 9:].flatten().tolist()).most_common(6)][3:6]
+    return model, ids, mask, eos
+
+
+def _assert_hf_greedy(out, model, ids, mask, eos, new: int, samples: int) -> None:
+    """Every row's response is HF generate's greedy one for its prompt (row // samples), up to its EOS."""
+    for row in range(ids.shape[0] * samples):
+        expected = hf_greedy(model, ids[row // samples], mask[row // samples], new, eos=eos)
+        assert response_of(out, row) == expected[:len(response_of(out, row))], f"row {row}"
+
+
+def _same_tokens_and_hf_greedy(outputs, sampling, model, ids, mask, eos) -> None:
+    """Two calls' outputs are equal, and (greedy) HF generate's per request."""
+    assert torch.equal(outputs[0].input_ids, outputs[1].input_ids)
+    assert torch.equal(outputs[0].attention_mask, outputs[1].attention_mask)
+    if sampling.is_greedy:
+        _assert_hf_greedy(outputs[0], model, ids, mask, eos, sampling.max_new_tokens, sampling.n_samples_per_prompt)
+
+
 def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts: list | None = None):
     """``ro``'s step with ``shared_prefix_rows`` and the kernel as its attention (interpreted on the CPU;
     ``attention``: another piece, e.g. SDPA); ``calls`` records whether each call was handed a ``SharedPrefix``
@@ -323,12 +350,7 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
     rows ending at different steps (compactions into smaller buckets): the same tokens as the kernel reading
     every row's copy, and, greedy, HF generate's per request (fp32). At the default ``MIN_SHARED_PROMPT``
     these 9-column prompts are not shared."""
-    model = tiny_model("qwen2", seed=0).to(device)
-    ids, mask = random_prompts(6, 9, min_len=1, seed=3)
-    ids, mask = ids.to(device), mask.to(device)
-    free = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False)) \
-        .generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0))
-    eos = [token for token, _ in Counter(free.input_ids[:, 9:].flatten().tolist()).most_common(6)][3:6]
+    model, ids, mask, eos = _eos_setup(device, seed=3)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
     short_calls = []
     short = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", cuda_graphs=False)), 1, short_calls,
@@ -349,12 +371,7 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
     assert stats[0].shared_prefix_steps == stats[0].decode_forwards > 0
     assert stats[0].compactions >= 1 or not sampling.is_greedy  # greedy rows end early (sampled ones rarely)
     assert stats[1].shared_prefix_steps == 0
-    assert torch.equal(outputs[0].input_ids, outputs[1].input_ids)
-    assert torch.equal(outputs[0].attention_mask, outputs[1].attention_mask)
-    if sampling.is_greedy:
-        for row in range(18):
-            expected = hf_greedy(model, ids[row // 3], mask[row // 3], 8, eos=eos)
-            assert response_of(outputs[0], row) == expected[:len(response_of(outputs[0], row))], f"row {row}"
+    _same_tokens_and_hf_greedy(outputs, sampling, model, ids, mask, eos)
 
 
 def test_which_steps_share_the_prompt():
@@ -381,12 +398,7 @@ def test_continuous_route_stops_at_the_front_when_asked(device, stop_at_front):
     as the last column (its read window is rounded up past it) only when asked; either way, with prompts of
     different lengths, refills into freed slots and rows ending at different steps, the tokens of HF generate per
     request (greedy, fp32)."""
-    model = tiny_model("qwen2", seed=0).to(device)
-    ids, mask = random_prompts(6, 9, min_len=1, seed=4)
-    ids, mask = ids.to(device), mask.to(device)
-    free = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False)) \
-        .generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0))
-    eos = [token for token, _ in Counter(free.input_ids[:, 9:].flatten().tolist()).most_common(6)][3:6]
+    model, ids, mask, eos = _eos_setup(device, seed=4)
     calls = []
     ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=eos),
                  RolloutConfig(route="continuous", continuous_stop_at_front=stop_at_front))
@@ -402,9 +414,7 @@ def test_continuous_route_stops_at_the_front_when_asked(device, stop_at_front):
                                                                 continuous_batch_size=3))
     assert calls and all((last is not None) == stop_at_front for last in calls)
     assert ro.last_stats.route == "continuous" and ro.last_stats.decode_forwards > 10  # slots were refilled
-    for row in range(6):
-        expected = hf_greedy(model, ids[row], mask[row], 10, eos=eos)
-        assert response_of(out, row) == expected[:len(response_of(out, row))], f"row {row}"
+    _assert_hf_greedy(out, model, ids, mask, eos, 10, samples=1)
 
 
 @pytest.mark.parametrize("sampling", [
@@ -419,12 +429,7 @@ def test_continuous_route_reading_each_prompt_once_keeps_every_token(device, sam
     to the kernel holds exactly its prompt's real columns before it, and the tokens are those of the kernel reading
     every row's copy (sampled: the samples of a prompt differ, so a prompt end one column late would show) and,
     greedy, HF generate's per request (fp32)."""
-    model = tiny_model("qwen2", seed=0).to(device)
-    ids, mask = random_prompts(6, 9, min_len=1, seed=3)
-    ids, mask = ids.to(device), mask.to(device)
-    free = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False)) \
-        .generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0))
-    eos = [token for token, _ in Counter(free.input_ids[:, 9:].flatten().tolist()).most_common(6)][3:6]
+    model, ids, mask, eos = _eos_setup(device, seed=3)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
     real = mask.sum(1).tolist()
     monkeypatch.setattr("rollout.executors.continuous.executor.MIN_SHARED_PROMPT", 1)
@@ -453,11 +458,6 @@ def test_continuous_route_reading_each_prompt_once_keeps_every_token(device, sam
     assert stats[0].route == "continuous" and stats[0].prefill_forwards > 1  # refills
     assert stats[0].shared_prefix_steps == stats[0].decode_forwards > 0 and stats[1].shared_prefix_steps == 0
     assert checked
-    assert torch.equal(outputs[0].input_ids, outputs[1].input_ids)
-    assert torch.equal(outputs[0].attention_mask, outputs[1].attention_mask)
-    if sampling.is_greedy:
-        for row in range(18):
-            expected = hf_greedy(model, ids[row // 3], mask[row // 3], 8, eos=eos)
-            assert response_of(outputs[0], row) == expected[:len(response_of(outputs[0], row))], f"row {row}"
-    else:  # the samples of a prompt differ: sharing a column that is not the prompt's would change tokens
+    _same_tokens_and_hf_greedy(outputs, sampling, model, ids, mask, eos)
+    if not sampling.is_greedy:  # the samples of a prompt differ: sharing a column not the prompt's would show
         assert any(not torch.equal(outputs[0].input_ids[3 * p], outputs[0].input_ids[3 * p + 1]) for p in range(6))
