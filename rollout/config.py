@@ -21,8 +21,7 @@ GATHER_MODES = ("once", "per_forward")
 COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
 #: ``RolloutConfig.decode_attention`` values.
 DECODE_ATTENTIONS = ("triton", "sdpa")
-#: ``RolloutConfig.blas_library`` values besides None (``rollout.executors.blas.BLAS_LIBRARIES``; kept here so the
-#: config imports nothing heavy).
+#: ``RolloutConfig.blas_library`` values besides None (``rollout.executors.blas`` sets them).
 BLAS_LIBRARIES = ("cublas", "cublaslt")
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rollout.config import RolloutConfig, SamplingConfig  # noqa: E402
+from rollout.config import BLAS_LIBRARIES, RolloutConfig, SamplingConfig  # noqa: E402
 from rollout.model.step import (SPLIT_K, FusedGateUp, FusedQKV, StepFns, StepParts, compiled_step_fns,  # noqa: E402
                                 decode_logits, attention_inputs_qkv_write, compile_piece, grouped_decode_attention,
                                 spec_and_weights, split_k_linear)
@@ -529,7 +529,7 @@ def main(argv=None) -> None:
                         default=[(256, 384), (256, 300), (768, 820)],
                         help="--parts shared: prefix,filled column counts (within --live)")
     parser.add_argument("--samples", type=int, default=4, help="--parts shared: rows per prompt")
-    parser.add_argument("--blas", nargs="+", default=[], choices=["cublas", "cublaslt"],
+    parser.add_argument("--blas", nargs="+", default=[], choices=BLAS_LIBRARIES,
                         help="step: only the routes' default step under each of these BLAS backends "
                              "(torch.backends.cuda.preferred_blas_library), alternating twice; with --kernels the "
                              "GEMM table under each too")

@@ -13,12 +13,15 @@ from typing import Iterator, Optional
 
 import torch
 
-from rollout.config import BLAS_LIBRARIES  # noqa: F401 - the values of RolloutConfig.blas_library besides None
+
+def _name(backend) -> str:
+    """A backend as torch's getter returns it (``_BlasBackend.Cublaslt``), lower-case (``"cublaslt"``)."""
+    return str(backend).rsplit(".", 1)[-1].lower()
 
 
 def current() -> str:
     """The process's preferred BLAS backend, lower-case (``"cublas"``, ``"cublaslt"``, ...)."""
-    return str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1].lower()
+    return _name(torch.backends.cuda.preferred_blas_library())
 
 
 @contextlib.contextmanager
@@ -31,7 +34,7 @@ def blas_library(name: Optional[str], device: torch.device) -> Iterator[str]:
         yield ""
         return
     before = torch.backends.cuda.preferred_blas_library()
-    in_effect, changed = current(), False
+    in_effect, changed = _name(before), False
     if name is not None and name != in_effect:
         try:
             torch.backends.cuda.preferred_blas_library(name)

@@ -39,6 +39,7 @@ from typing import Optional
 
 import torch
 
+from rollout.checks import pow2_at_least
 from rollout.ops.decode_attention import sm_count
 
 ARITY = 16
@@ -170,7 +171,7 @@ def _sample_chunked(logits, span, chunks, temperature, tau, seed, rows, step, to
     ints = torch.empty(cells * 3, dtype=torch.int32, device=logits.device)
     low, count, index = torch.split(ints, [cells] * 3)
     per_program = min(CHUNKS_PER_PROGRAM, chunks)
-    grid, width = (num_rows, -(-chunks // per_program)), _next_power_of_2(chunks)
+    grid, width = (num_rows, -(-chunks // per_program)), pow2_at_least(chunks, 1)
     common = dict(BLOCK=SPLIT_BLOCK, num_warps=SPLIT_WARPS)
     shape = dict(SHIFT=shift, ARITY=arity, CHUNKS=width)
     scale = temperature != 1.0
@@ -185,10 +186,6 @@ def _sample_chunked(logits, span, chunks, temperature, tau, seed, rows, step, to
                  temperature, tau, SCALE=scale, WITH_LOGPROBS=with_logprobs, **shape, **common)
     k.finish[(num_rows,)](top, best, index, score, kept, tokens, logprobs, chunks, temperature, SCALE=scale,
                           WITH_LOGPROBS=with_logprobs, CHUNKS=width, num_warps=1)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def arity(rows: int, device: torch.device) -> int:

@@ -195,8 +195,7 @@ def finish(top_ptr, best_ptr, index_ptr, score_ptr, kept_ptr, tokens_ptr, logpro
     in_row = cs < chunks
     best = tl.load(best_ptr + row * chunks + cs, mask=in_row, other=float("-inf"))
     index = tl.load(index_ptr + row * chunks + cs, mask=in_row, other=2 ** 31 - 1)
-    top_value = tl.max(best, 0)
-    token = tl.min(tl.where(best == top_value, index, 2 ** 31 - 1), 0)
+    _, token = lane_argmax(best, index)
     tl.store(tokens_ptr + row, token.to(tl.int64))
     if WITH_LOGPROBS:
         score = tl.max(tl.where(in_row & (index == token),
