@@ -11,8 +11,9 @@ A worker is a script in ``tests/ds_workers/`` (a bare ``*.py`` name is looked up
 a script, or a string of Python code. The worker imports ``common`` (``tests/ds_workers/
 common.py``: ``init_deepspeed_cpu``, ``make_engine``, ``emit``) and calls ``emit(obj)`` once, at
 the end, on every rank, to return a JSON-serialisable result (with torch.distributed initialised,
-``emit`` is collective: barrier, then the process group is destroyed). Any non-zero exit, a timeout, or a missing result fails the
-calling test with that rank's stderr.
+``emit`` is collective: barrier, then the process group is destroyed; then the worker exits without
+interpreter finalization). Any non-zero exit, a timeout, or a missing result fails the calling test
+with that rank's stderr.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -118,11 +119,12 @@ def make_engine(model: torch.nn.Module, zero_stage: int, *, gather_tiny: bool = 
 
 
 def emit(result) -> None:
-    """Record this rank's JSON-serialisable ``result`` for the launcher; call once, at the end.
+    """Record this rank's JSON-serialisable ``result`` for the launcher and end the process (exit 0).
 
     With torch.distributed initialised this is collective: every rank must call it. It waits for
     all ranks (barrier) and destroys the process group, so no rank tears gloo down under a peer
-    still using it (which aborts the peer: "terminate called without an active exception").
+    still using it (which aborts the peer: "terminate called without an active exception"), then
+    leaves without interpreter finalization, as ``scripts/train_opsd.py`` does.
     """
     path = os.environ.get("OPSD_WORKER_RESULT")
     payload = json.dumps(result)
@@ -134,3 +136,8 @@ def emit(result) -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    # Leave without interpreter finalization, as train_opsd.py does: communication objects freed there
+    # can abort a finished rank the same way.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
