@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.checks import pow2_at_least
+from rollout.ops.dot_options import dot_options
 from rollout.ops.fallback import launch_or_fall_back
 
 #: Columns per tile of the key window, warps per program and software-pipelining stages (the kernel's
@@ -205,12 +206,11 @@ def _launch(q, k, v, keep, scale, splits, block, warps, stages, last=None, share
     part = out if single else torch.empty(rows * heads * slots * dim_pad, dtype=torch.float32, device=q.device)
     stat = out if single else torch.empty(rows * heads * slots * 2, dtype=torch.float32, device=q.device)
     keep_sb, keep_sl = keep.stride(0), keep.stride(-1)
-    precision = "ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32"
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                keep_sb, keep_sl)
     common = dict(GROUP=group, GROUP_PAD=pow2_at_least(group, 16), DIM=dim, DIM_PAD=dim_pad, EVEN_D=dim == dim_pad,
-                  BLOCK_L=block, SCAN=SCAN, LAST=last is not None, PRECISION=precision,
-                  DOT_FP32=not q.is_cuda and q.dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
+                  BLOCK_L=block, SCAN=SCAN, LAST=last is not None, **dot_options(q.dtype, q.is_cuda), num_warps=warps,
+                  num_stages=stages)
     last_ptr = out if last is None else last
     if prefix:
         kernels.decode_attention_shared[(rows, kv_heads, slots)](

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from rollout.checks import pow2_at_least
 from rollout.ops.decode_attention import available
+from rollout.ops.dot_options import dot_options
 from rollout.ops.fallback import launch_or_fall_back
 from rollout.ops.norm import rms_norm
 
@@ -119,7 +120,6 @@ def _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, 
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_k = min(block_k, pow2_at_least(k, 16))
-    precision = "ieee" if x.dtype == torch.float32 or not x.is_cuda else "tf32"
     block_m = block_m or pow2_at_least(rows, 16)
     kernels.skinny_linear[(-(-n // block_n), -(-rows // block_m))](
         x, weight, bias if bias is not None else x, norm if norm is not None else x,
@@ -127,6 +127,6 @@ def _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, 
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         NORM=norm is not None, BIAS=bias is not None, RESIDUAL=residual is not None, GLU=glu,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        PRECISION=precision, DOT_FP32=not x.is_cuda and x.dtype != torch.float32,
+        **dot_options(x.dtype, x.is_cuda),
         num_warps=warps, num_stages=stages)
     return out

@@ -1,0 +1,292 @@
+#!/usr/bin/env python
+"""Compile every Triton kernel of ``rollout/ops`` for a GPU on a machine that has none.
+
+Triton's CPU interpreter (what the tests run without CUDA) accepts code that the GPU compiler rejects
+(types it would not unify, shapes, unsupported constructs), so a kernel changed and tested on the CPU can
+still fail to compile on the GPU, where the op then falls back to its PyTorch path with a warning: slower,
+not wrong, and easy to miss. This script calls the ops' own launchers on CPU tensors with the kernels'
+launch replaced: each launch's arguments become a Triton signature (tensors as typed pointers, Python ints
+as i32/i64, floats as fp32, constexprs with their values, ``num_warps``/``num_stages`` as options) and the
+kernel is compiled for ``--arch`` (default 90: the H100/H200) through PTX to a cubin with the ptxas that
+ships with Triton. Nothing is launched and no GPU is needed. Choices the launchers make from the device
+are made as on CUDA (``rollout.ops.dot_options``; the samplers' arities are each tried).
+
+The cases cover each kernel's variants that the routes launch (dtypes, head sizes, a split or single key
+window, with or without ``last``, a shared prompt with one end or one per row, the skinny linear's fused
+forms, the nucleus kernels' arities, temperature scaling and log-probabilities). Prints one line per
+compiled variant; exit 1 when any failed or a kernel of ``ENTRY_KERNELS`` was never compiled.
+
+  python scripts/check_kernels.py [--arch 90 80] [--json FILE]
+
+Run it with ``TRITON_INTERPRET`` unset (the script refuses otherwise: interpreted kernels cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ENTRY_KERNELS = {
+    "rollout.ops.decode_attention_kernel": ("decode_attention_split", "decode_attention_shared",
+                                            "decode_attention_merge"),
+    "rollout.ops.skinny_linear_kernel": ("skinny_linear",),
+    "rollout.ops.rotary_write_kernel": ("rotary_write",),
+    "rollout.ops.nucleus_kernel": ("nucleus_sample",),
+    "rollout.ops.nucleus_split_kernel": ("chunk_stats", "search_pass", "tie_members", "draw", "finish"),
+}
+"""The kernels the ops launch (the other ``@triton.jit`` functions of these modules are helpers they call)."""
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """One kernel variant compiled (or not) for one architecture."""
+
+    kernel: str
+    case: str
+    arch: int
+    constexprs: str
+    options: str
+    ok: bool
+    error: Optional[str]
+    seconds: float
+
+
+def tensor_type(dtype) -> str:
+    import torch
+
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+             torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+             torch.bool: "i1"}
+    if dtype not in names:
+        raise TypeError(f"no Triton pointer type for {dtype}")
+    return "*" + names[dtype]
+
+
+def value_type(value) -> str:
+    """The Triton type of a runtime (non-constexpr) argument, as the launcher would derive it."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return tensor_type(value.dtype)
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__} {value!r}")
+
+
+def signature_of(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    """``(signature, constexprs, options)`` of a launch of the ``@triton.jit`` function ``fn``."""
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in LAUNCH_OPTIONS}
+    bound = inspect.signature(fn.fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    constexpr_names = {p.name for p in fn.params if p.is_constexpr}
+    signature, constexprs = {}, {}
+    for name, value in bound.arguments.items():
+        if name in constexpr_names or value is None:
+            signature[name], constexprs[name] = "constexpr", value
+        else:
+            signature[name] = value_type(value)
+    return signature, constexprs, options
+
+
+class Compiler:
+    """Stands in for ``JITFunction.run``: compiles each new variant for every architecture, launches nothing."""
+
+    def __init__(self, archs: list[int]):
+        self.archs = archs
+        self.case = ""
+        self.results: list[Compiled] = []
+        self._seen: set = set()
+
+    def run(self, fn, *args, grid, warmup, **kwargs):
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        signature, constexprs, options = signature_of(fn, args, dict(kwargs))
+        name = f"{fn.fn.__module__}.{fn.fn.__name__}"
+        for arch in self.archs:
+            key = (name, arch, tuple(signature.items()), tuple(sorted(map(repr, constexprs.items()))),
+                   tuple(sorted(options.items())))
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            start, error = time.perf_counter(), None
+            try:
+                triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
+                               options=options)
+            except Exception as exc:  # noqa: BLE001 - reported per variant, the run goes on
+                error = f"{type(exc).__name__}: {exc}"
+            shown = ", ".join(f"{k}={v!r}" for k, v in constexprs.items() if k.isupper())
+            self.results.append(Compiled(name, self.case, arch, shown, ", ".join(f"{k}={v}" for k, v in
+                                                                                options.items()),
+                                         error is None, error, time.perf_counter() - start))
+        return None
+
+
+def attention_cases() -> list[tuple[str, Callable]]:
+    import torch
+
+    from rollout.ops import decode_attention as da
+
+    def call(dtype, heads, kv_heads, dim, rows=8, length=1024, splits=None, last=False, samples=0,
+             row_end=False):
+        q = torch.zeros(rows, heads, 1, dim, dtype=dtype)
+        k = torch.zeros(rows, kv_heads, length, dim, dtype=dtype)
+        keep = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+        shared = None
+        if samples:
+            end = torch.full((rows,), length // 2, dtype=torch.long) if row_end else torch.tensor(length // 2)
+            shared = da.SharedPrefix(torch.arange(rows, dtype=torch.long), samples, end)
+        da.attention(q, k, k.clone(), keep, dim ** -0.5, heads != kv_heads, splits=splits, interpret=True,
+                     last=torch.tensor(length - 1) if last else None, shared=shared)
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    return [
+        ("attention 3B bf16, split", lambda: call(bf16, 16, 2, 128, splits=4)),
+        ("attention 3B bf16, one program", lambda: call(bf16, 16, 2, 128, splits=1)),
+        ("attention 3B bf16, split, last", lambda: call(bf16, 16, 2, 128, splits=4, last=True)),
+        ("attention 7B bf16 (group 7), split", lambda: call(bf16, 28, 4, 128, splits=4)),
+        ("attention fp32 head 64", lambda: call(fp32, 4, 2, 64, splits=2)),
+        ("attention fp16 head 80 (padded)", lambda: call(torch.float16, 4, 4, 80, splits=2)),
+        ("attention shared prompt, one end", lambda: call(bf16, 16, 2, 128, splits=2, samples=4)),
+        ("attention shared prompt, an end per row, last", lambda: call(bf16, 16, 2, 128, splits=2, samples=4,
+                                                                       row_end=True, last=True)),
+    ]
+
+
+def linear_cases() -> list[tuple[str, Callable]]:
+    import torch
+
+    from rollout.ops import skinny_linear as sl
+
+    def call(dtype=torch.bfloat16, rows=8, n=256, k=512, bias=False, norm=False, residual=False, glu=False,
+             block_m=None):
+        x = torch.zeros(rows, k, dtype=dtype)
+        weight = torch.zeros(2 * n if glu else n, k, dtype=dtype)
+        sl.skinny_linear(x, weight, torch.zeros(weight.shape[0], dtype=dtype) if bias else None,
+                         torch.ones(k, dtype=dtype) if norm else None, 1e-6,
+                         torch.zeros(rows, n, dtype=dtype) if residual else None, glu, interpret=True,
+                         block_m=block_m)
+
+    return [
+        ("skinny linear, RMSNorm first + SiLU gate", lambda: call(norm=True, glu=True)),
+        ("skinny linear, residual", lambda: call(residual=True)),
+        ("skinny linear, bias, K not a block multiple", lambda: call(bias=True, k=520)),
+        ("skinny linear, rows tiled", lambda: call(rows=64, block_m=32, norm=True)),
+        ("skinny linear fp32", lambda: call(dtype=torch.float32)),
+    ]
+
+
+def rotary_cases() -> list[tuple[str, Callable]]:
+    import torch
+
+    from rollout.ops import rotary_write as rw
+
+    def call(dtype, heads, kv_heads, dim, batch=8, length=64):
+        qkv = torch.zeros(batch, (heads + 2 * kv_heads) * dim, dtype=dtype)
+        cos = torch.ones(batch, 1, dim, dtype=dtype)
+        cache = torch.zeros(batch, kv_heads, length, dim, dtype=dtype)
+        rw.rotary_write(qkv, cos, cos.clone(), cache, cache.clone(), torch.zeros(batch, dtype=torch.long), heads,
+                        kv_heads, dim, interpret=True)
+
+    return [("rotary + cache write bf16", lambda: call(torch.bfloat16, 16, 2, 128)),
+            ("rotary + cache write fp32", lambda: call(torch.float32, 4, 2, 64))]
+
+
+def sampler_cases() -> list[tuple[str, Callable]]:
+    import torch
+
+    from rollout.ops import fused_nucleus as fn
+
+    def call(arity, chunk_tokens, dtype=torch.bfloat16, temperature=1.0, logprobs=False, rows=4, vocab=151936,
+             step_per_row=False):
+        fn.arity = lambda rows, device: arity
+        fn.split_arity = lambda rows, chunks, device: arity
+        logits = torch.zeros(rows, vocab, dtype=dtype)
+        step = torch.zeros(rows if step_per_row else (), dtype=torch.long)
+        fn.sample_top_p(logits, temperature, 0.9, torch.tensor(7), torch.arange(rows), step, logprobs,
+                        chunk_tokens=chunk_tokens)
+
+    cases = []
+    for arity in (fn.ARITY, fn.WIDE_ARITY):
+        cases.append((f"nucleus, a program per row, arity {arity}", lambda a=arity: call(a, 0)))
+    cases.append(("nucleus, a program per row, fp32, T=0.7, log-probs", lambda: call(fn.ARITY, 0, torch.float32,
+                                                                                    0.7, True, step_per_row=True)))
+    for arity in (fn.SPLIT_ARITY, fn.SPLIT_WIDE_ARITY, fn.SPLIT_WIDEST_ARITY):
+        cases.append((f"nucleus, chunked, arity {arity}", lambda a=arity: call(a, None)))
+    cases.append(("nucleus, chunked, fp16, T=0.7, log-probs", lambda: call(fn.SPLIT_ARITY, None, torch.float16, 0.7,
+                                                                           True, step_per_row=True)))
+    return cases
+
+
+def run_cases(compiler: Compiler, cases) -> None:
+    from rollout.ops import decode_attention, fused_nucleus, skinny_linear
+    from rollout.ops.dot_options import dot_options
+
+    decode_attention.dot_options = skinny_linear.dot_options = lambda dtype, on_cuda: dot_options(dtype, True)
+    arity, split_arity = fused_nucleus.arity, fused_nucleus.split_arity
+    try:
+        for name, case in cases:
+            compiler.case = name
+            case()
+    finally:
+        decode_attention.dot_options = skinny_linear.dot_options = dot_options
+        fused_nucleus.arity, fused_nucleus.split_arity = arity, split_arity
+
+
+def missing_kernels(results: list[Compiled]) -> list[str]:
+    """Entry kernels that no case compiled."""
+    compiled = {r.kernel for r in results}
+    return [f"{module}.{name}" for module, names in ENTRY_KERNELS.items() for name in names
+            if f"{module}.{name}" not in compiled]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90], help="CUDA compute capabilities x10")
+    parser.add_argument("--json", metavar="FILE", help="write every variant's record here")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        parser.error("TRITON_INTERPRET is set: interpreted kernels cannot be compiled; unset it")
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    compiler = Compiler(args.arch)
+    original = JITFunction.run
+    JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiler.run(fn, *a, grid=grid, warmup=warmup, **kw)
+    try:
+        run_cases(compiler, attention_cases() + linear_cases() + rotary_cases() + sampler_cases())
+    finally:
+        JITFunction.run = original
+    print(f"triton {triton.__version__}, target cuda sm_{'/'.join(map(str, args.arch))}")
+    for r in compiler.results:
+        status = "ok" if r.ok else "FAILED"
+        print(f"{status:6} {r.kernel.rsplit('.', 1)[1]:24} sm_{r.arch} {r.seconds:5.1f} s  {r.case}  [{r.constexprs}]"
+              + ("" if r.ok else f"\n       {r.error[:2000]}"))
+    missing = missing_kernels(compiler.results)
+    failed = [r for r in compiler.results if not r.ok]
+    print(f"{len(compiler.results) - len(failed)} compiled, {len(failed)} failed"
+          + (f"; never launched by a case: {', '.join(missing)}" if missing else ""))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"triton": triton.__version__, "missing": missing,
+                       "variants": [asdict(r) for r in compiler.results]}, handle, indent=1)
+    return 1 if failed or missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
