@@ -25,9 +25,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
-def _compiler_env() -> dict:
+def _compiler_env(cache_dir) -> dict:
+    """The script's environment: no interpreter, and Triton's cache in the test's own directory (nothing read from
+    or written to the home directory's)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=REPO, TRITON_DEFAULT_FP_FUSION="1")
+    env.update(PYTHONPATH=REPO, TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(cache_dir))
     return env
 
 
@@ -36,7 +38,7 @@ def _compiler_env() -> dict:
 def test_every_kernel_the_ops_launch_compiles_for_sm90(tmp_path):
     out = tmp_path / "kernels.json"
     proc = subprocess.run([sys.executable, "scripts/check_kernels.py", "--json", str(out)], cwd=REPO,
-                          env=_compiler_env(), capture_output=True, text=True, timeout=900)
+                          env=_compiler_env(tmp_path / "cache"), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["missing"] == []
@@ -84,15 +86,15 @@ def test_a_kernel_only_the_interpreter_accepts_is_reported(tmp_path):
     # Triton's interpreter runs it and gets the sum ...
     script = tmp_path / "broken.py"
     script.write_text(textwrap.dedent(BROKEN))
-    interpreted = subprocess.run([sys.executable, "-c", BROKEN.split("compiler = ")[0]
-                                  + "x = torch.ones(100); loop_sum[(1,)](x, 100, BLOCK=32); print(x[0].item())"],
-                                 cwd=REPO, env={**_compiler_env(), "TRITON_INTERPRET": "1"}, capture_output=True,
-                                 text=True, timeout=300)
+    definition = BROKEN.split("compiler = ")[0]
+    run_it = definition + "x = torch.ones(100)\nloop_sum[(1,)](x, 100, BLOCK=32)\nprint(x[0].item())\n"
+    interpreted = subprocess.run([sys.executable, "-c", run_it], cwd=REPO, capture_output=True, text=True, timeout=300,
+                                 env={**_compiler_env(tmp_path / "cache"), "TRITON_INTERPRET": "1"})
     assert interpreted.returncode == 0, interpreted.stderr[-3000:]
     assert interpreted.stdout.split() == ["100.0"]
     # ... and the check compiles it for sm_90, which fails, and says where
-    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=_compiler_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=_compiler_env(tmp_path / "cache"),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, *error = proc.stdout.splitlines()
     assert first == "False loop_sum BLOCK=32"
