@@ -11,6 +11,10 @@ kernel is compiled for ``--arch`` (default 90: the H100/H200) through PTX to a c
 ships with Triton. Nothing is launched and no GPU is needed. Choices the launchers make from the device
 are made as on CUDA (``rollout.ops.dot_options``; the samplers' arities are each tried).
 
+Each variant also reports what a launch would ask of the GPU, read from the cubin (the bundled ``cuobjdump``):
+registers per thread, local memory (spills) and shared memory, and fails where a launch could not start
+(``MAX_SHARED_BYTES`` of the architecture, 64K registers per block); spills are shown, not failed.
+
 The cases cover each kernel's variants that the routes launch (dtypes, head sizes, a split or single key
 window, with or without ``last``, a shared prompt with one end or one per row, the skinny linear's fused
 forms, the nucleus kernels' arities, temperature scaling and log-probabilities). Prints one line per
@@ -46,6 +50,10 @@ ENTRY_KERNELS = {
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
+MAX_SHARED_BYTES = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
+"""Shared memory one block may use (the opt-in maximum) by compute capability x10 (CUDA's programming guide)."""
+REGISTERS_PER_BLOCK = 65_536
+
 
 @dataclass(frozen=True)
 class Compiled:
@@ -59,6 +67,11 @@ class Compiled:
     ok: bool
     error: Optional[str]
     seconds: float
+    registers: Optional[int] = None
+    """Per thread."""
+    local_bytes: Optional[int] = None
+    """Local memory per thread (register spills)."""
+    shared_bytes: Optional[int] = None
 
 
 def tensor_type(dtype) -> str:
@@ -102,6 +115,44 @@ def signature_of(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
     return signature, constexprs, options
 
 
+def cubin_usage(cubin: bytes) -> dict:
+    """``{"registers", "local_bytes", "static_shared"}`` of a one-kernel cubin, from the ``cuobjdump`` that ships
+    with Triton (``--dump-resource-usage``)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", handle.name], capture_output=True, text=True,
+                             check=True).stdout
+    return parse_usage(out)
+
+
+def parse_usage(text: str) -> dict:
+    """The first kernel's ``REG``, ``LOCAL`` and ``SHARED`` from ``cuobjdump --dump-resource-usage`` output."""
+    import re
+
+    found = re.search(r"REG:(\d+) STACK:\d+ SHARED:(\d+) LOCAL:(\d+)", text)
+    if found is None:
+        raise ValueError(f"no resource usage in cuobjdump's output: {text[:300]!r}")
+    return {"registers": int(found.group(1)), "static_shared": int(found.group(2)), "local_bytes": int(found.group(3))}
+
+
+def launch_problem(arch: int, registers: int, shared: int, num_warps: int) -> Optional[str]:
+    """Why a launch of this kernel could not start on that architecture, or None."""
+    limit = MAX_SHARED_BYTES.get(arch)
+    if limit is not None and shared > limit:
+        return f"needs {shared:,} bytes of shared memory, sm_{arch} allows {limit:,} per block"
+    if registers * 32 * num_warps > REGISTERS_PER_BLOCK:
+        return (f"needs {registers} registers x {32 * num_warps} threads = {registers * 32 * num_warps:,} per block, "
+                f"more than {REGISTERS_PER_BLOCK:,}")
+    return None
+
+
 class Compiler:
     """Stands in for ``JITFunction.run``: compiles each new variant for every architecture, launches nothing."""
 
@@ -124,16 +175,20 @@ class Compiler:
             if key in self._seen:
                 continue
             self._seen.add(key)
-            start, error = time.perf_counter(), None
+            start, error, usage = time.perf_counter(), None, {}
             try:
-                triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
-                               options=options)
+                compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs),
+                                          target=GPUTarget("cuda", arch, 32), options=options)
+                found = cubin_usage(compiled.asm["cubin"])
+                usage = dict(registers=found["registers"], local_bytes=found["local_bytes"],
+                             shared_bytes=compiled.metadata.shared + found["static_shared"])
+                error = launch_problem(arch, usage["registers"], usage["shared_bytes"], compiled.metadata.num_warps)
             except Exception as exc:  # noqa: BLE001 - reported per variant, the run goes on
                 error = f"{type(exc).__name__}: {exc}"
             shown = ", ".join(f"{k}={v!r}" for k, v in constexprs.items() if k.isupper())
             self.results.append(Compiled(name, self.case, arch, shown, ", ".join(f"{k}={v}" for k, v in
                                                                                 options.items()),
-                                         error is None, error, time.perf_counter() - start))
+                                         error is None, error, time.perf_counter() - start, **usage))
         return None
 
 
@@ -273,10 +328,13 @@ def main(argv=None) -> int:
     finally:
         JITFunction.run = original
     print(f"triton {triton.__version__}, target cuda sm_{'/'.join(map(str, args.arch))}")
+    print(f"{'':6} {'kernel':24} {'arch':5} {'regs':>4} {'spill B':>7} {'smem KiB':>8} {'compile':>7}  case  [constexprs]")
     for r in compiler.results:
         status = "ok" if r.ok else "FAILED"
-        print(f"{status:6} {r.kernel.rsplit('.', 1)[1]:24} sm_{r.arch} {r.seconds:5.1f} s  {r.case}  [{r.constexprs}]"
-              + ("" if r.ok else f"\n       {r.error[:2000]}"))
+        usage = (f"{r.registers:4d} {r.local_bytes:7d} {r.shared_bytes / 1024:8.1f}" if r.registers is not None
+                 else f"{'-':>4} {'-':>7} {'-':>8}")
+        print(f"{status:6} {r.kernel.rsplit('.', 1)[1]:24} sm_{r.arch} {usage} {r.seconds:6.1f}s  {r.case}  "
+              f"[{r.constexprs}]" + ("" if r.ok else f"\n       {r.error[:2000]}"))
     missing = missing_kernels(compiler.results)
     failed = [r for r in compiler.results if not r.ok]
     print(f"{len(compiler.results) - len(failed)} compiled, {len(failed)} failed"

@@ -48,6 +48,8 @@ def test_every_kernel_the_ops_launch_compiles_for_sm90(tmp_path):
     assert compiled == {f"{module}.{name}" for module, names in check_kernels.ENTRY_KERNELS.items()
                         for name in names}
     assert {v["arch"] for v in variants} == {90}
+    # what each launch asks of the GPU, read from its cubin
+    assert all(0 < v["registers"] <= 255 and v["local_bytes"] >= 0 and v["shared_bytes"] >= 0 for v in variants)
     # each kernel's variants that the routes launch, with the constexprs a CUDA launch passes
     shared = [v["constexprs"] for v in variants if v["kernel"].endswith(".decode_attention_shared")]
     assert any("ROW_END=True" in c for c in shared) and any("ROW_END=False" in c for c in shared)
@@ -127,3 +129,29 @@ def test_an_argument_without_a_triton_type_is_named():
         check_kernels.value_type("x")
     with pytest.raises(TypeError, match="no Triton pointer type for torch.complex64"):
         check_kernels.value_type(torch.zeros(2, dtype=torch.complex64))
+
+
+USAGE = """
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function decode_attention_split:
+  REG:182 STACK:0 SHARED:0 LOCAL:16 CONSTANT[0]:656 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+
+def test_cuobjdump_resource_usage_is_read():
+    assert check_kernels.parse_usage(USAGE) == {"registers": 182, "static_shared": 0, "local_bytes": 16}
+    with pytest.raises(ValueError, match="no resource usage in cuobjdump's output"):
+        check_kernels.parse_usage("Resource usage:\n")
+
+
+@pytest.mark.parametrize("arch, registers, shared, warps, problem", [
+    (90, 255, 232_448, 8, None),  # at both limits
+    (90, 255, 232_449, 4, "needs 232,449 bytes of shared memory, sm_90 allows 232,448 per block"),
+    (80, 128, 200_000, 4, "needs 200,000 bytes of shared memory, sm_80 allows 166,912 per block"),
+    (90, 255, 0, 16, "needs 255 registers x 512 threads = 130,560 per block, more than 65,536"),
+    (75, 64, 10 ** 6, 4, None),  # an architecture without a known shared limit: registers only
+])
+def test_a_launch_that_could_not_start_is_named(arch, registers, shared, warps, problem):
+    assert check_kernels.launch_problem(arch, registers, shared, warps) == problem
