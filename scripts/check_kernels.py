@@ -102,8 +102,8 @@ def value_type(value) -> str:
 
 def signature_of(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
     """``(signature, constexprs, options)`` of a launch of the ``@triton.jit`` function ``fn``."""
-    options = {k: kwargs.pop(k) for k in list(kwargs) if k in LAUNCH_OPTIONS}
-    bound = inspect.signature(fn.fn).bind(*args, **kwargs)
+    options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
+    bound = inspect.signature(fn.fn).bind(*args, **{k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS})
     bound.apply_defaults()
     constexpr_names = {p.name for p in fn.params if p.is_constexpr}
     signature, constexprs = {}, {}
@@ -167,7 +167,7 @@ class Compiler:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        signature, constexprs, options = signature_of(fn, args, dict(kwargs))
+        signature, constexprs, options = signature_of(fn, args, kwargs)
         name = f"{fn.fn.__module__}.{fn.fn.__name__}"
         for arch in self.archs:
             key = (name, arch, tuple(signature.items()), tuple(sorted(map(repr, constexprs.items()))),

@@ -206,17 +206,14 @@ def test_ranks_of_one_launch_share_the_name_without_torch_distributed(env, tmp_p
 
 
 CHILD_DIST = """
-import os, sys, torch, torch.distributed as dist
+import sys, torch, torch.distributed as dist
+from tests.ds_workers.common import end_process
 rank, port = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 try:""" + textwrap.indent(LOOP, "    ") + """    print("wrote", len(prof.trace_paths()))
 except ValueError as exc:
     print("refused", exc)
-dist.barrier()
-dist.destroy_process_group()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)  # no interpreter finalization (see test_instrumentation_profiler.RANK_SCRIPT)
+end_process()  # barrier, destroy, exit without finalization
 """
 
 

@@ -261,9 +261,9 @@ def test_rank_comes_from_the_environment(tmp_path, monkeypatch):
 
 
 RANK_SCRIPT = r"""
-import os, sys
 import torch, torch.distributed as dist
 from instrumentation import opsd_profiler, stage, stages
+from tests.ds_workers.common import end_process
 dist.init_process_group("gloo")
 with opsd_profiler() as prof:
     for _ in range(3):
@@ -272,12 +272,7 @@ with opsd_profiler() as prof:
             dist.all_reduce(t)
         prof.step()
 print("TRACES", *prof.trace_paths(), flush=True)
-dist.barrier()
-dist.destroy_process_group()
-# Leave without interpreter finalization, as train_opsd.py does: torch's communication objects freed
-# there can abort a finished rank ("terminate called without an active exception", once in a CI run).
-sys.stderr.flush()
-os._exit(0)
+end_process()  # barrier, destroy, exit without finalization
 """
 
 

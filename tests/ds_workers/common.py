@@ -119,13 +119,8 @@ def make_engine(model: torch.nn.Module, zero_stage: int, *, gather_tiny: bool = 
 
 
 def emit(result) -> None:
-    """Record this rank's JSON-serialisable ``result`` for the launcher and end the process (exit 0).
-
-    With torch.distributed initialised this is collective: every rank must call it. It waits for
-    all ranks (barrier) and destroys the process group, so no rank tears gloo down under a peer
-    still using it (which aborts the peer: "terminate called without an active exception"), then
-    leaves without interpreter finalization, as ``scripts/train_opsd.py`` does.
-    """
+    """Record this rank's JSON-serialisable ``result`` for the launcher and end the process
+    (:func:`end_process`: collective where torch.distributed is initialised; every rank must call it)."""
     path = os.environ.get("OPSD_WORKER_RESULT")
     payload = json.dumps(result)
     if path is None:
@@ -133,11 +128,21 @@ def emit(result) -> None:
     else:
         with open(path, "w") as handle:
             handle.write(payload)
+    end_process()
+
+
+def end_process() -> None:
+    """End a test child process that has done its work, with exit status 0.
+
+    With torch.distributed initialised this is collective: it waits for all ranks (barrier) and destroys
+    the process group, so no rank tears gloo down under a peer still using it (which aborts the peer:
+    "terminate called without an active exception"). Then it flushes and leaves without interpreter
+    finalization, as ``scripts/train_opsd.py`` does: communication objects freed there can abort a finished
+    rank the same way (seen once in CI after a rank had written its traces).
+    """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    # Leave without interpreter finalization, as train_opsd.py does: communication objects freed there
-    # can abort a finished rank the same way.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
