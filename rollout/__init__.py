@@ -20,6 +20,9 @@ require_own_package("instrumentation")
 _PUBLIC = {
     "Rollout": "rollout.engine",
     "RolloutConfig": "rollout.config",
+    "RoutingConfig": "rollout.config",
+    "KernelConfig": "rollout.config",
+    "SamplerConfig": "rollout.config",
     "SamplingConfig": "rollout.config",
     "RolloutRequest": "rollout.request",
     "RolloutBatch": "rollout.request",

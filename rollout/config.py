@@ -1,4 +1,5 @@
-"""Configuration dataclasses: what to sample (``SamplingConfig``) and how to run (``RolloutConfig``).
+"""Configuration dataclasses: what to sample (``SamplingConfig``) and how to run (``RolloutConfig`` and its
+sections ``RoutingConfig``, ``KernelConfig``, ``SamplerConfig``).
 
 ``SamplingConfig`` keeps the field names and defaults of DeepSpeed's ``deepspeed.runtime.rollout``
 so users can switch; it is the only source of sampling behaviour (a model's ``generation_config``,
@@ -7,9 +8,11 @@ e.g. an Instruct model's default temperature, is ignored).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Mapping, Optional
 
 from rollout.checks import is_int, require
 
@@ -79,197 +82,257 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
-class RolloutConfig:
-    """How the rollout runs (our own; DeepSpeed's ``HybridEngineRolloutConfig`` has no equivalent)."""
+class RoutingConfig:
+    """How a route plans its prefill and checks for finished rows (``RolloutConfig.routing``)."""
 
-    route: str = "ordinary"
-    """``"ordinary"`` (one padded batch over a static KV cache), ``"continuous"`` (aligned-cache continuous
-    batching with ``SamplingConfig.continuous_batch_size`` slots) or ``"auto"`` (chosen per call by the
-    cost model; see :mod:`rollout.routes`)."""
-    gather: str = "once"
-    """ZeRO-3 only: ``"once"`` gathers all parameters once per ``generate`` call (fast, needs memory for the
-    full model); ``"per_forward"`` keeps ZeRO-3's own per-forward gathering (low memory, slow)."""
-    keep_cache: bool = True
-    """Keep the KV cache allocated between compatible calls (no re-allocation) or release it after each call."""
-    fuse_lora: bool = True
-    """Merge peft LoRA adapters into the base weights for generation (restored bit-exactly afterwards)."""
+    cost_model: Optional[object] = None
+    """Prefill cost model for planning: a ``rollout.plan.planner.CostModel``, the path of a calibration JSON
+    (``scripts/calibrate_prefill.py``), or None for the seed PR's default coefficients with this model's geometry.
+    The defaults are starting estimates: calibrate for your model, GPU and dtype."""
+    max_prefill_tokens: Optional[int] = 65536
+    """Padded tokens (rows x length) per planned prefill forward; None removes the limit."""
     eos_check_interval: Optional[int] = None
-    """Decode steps between the checks whether rows have finished (each check is one host sync): the
-    ordinary route stops when all have; the continuous route retires them then, so a row that ended in
-    between decodes up to ``k - 1`` more tokens (masked in the output) while the host, not waiting, runs
-    ahead of the GPU. Outputs are the same for every ``k``. None: the route's default
-    (``rollout.plan.routes.EOS_CHECK_INTERVAL``: 1 for the ordinary route, 4 for continuous batching,
-    chosen by measurement on the H200)."""
+    """Decode steps between the checks whether rows have finished (one host sync each). Outputs are the same for
+    every value. None: the route's default (``rollout.plan.routes.EOS_CHECK_INTERVAL``: 1 ordinary, 4 continuous;
+    docs/config.md)."""
     late_eos_count: bool = True
-    """The ordinary route's EOS checks (static buffers) read the count of unfinished rows one check late: the
-    host then waits for a step that a later one already follows, so the GPU never idles while the host
-    launches the next step (with the count read at once it did, at every check). Rows that have ended stay
-    ended, so the late count only delays a compaction by one check; the steps run after the last row ended
-    (up to one check's worth, ``CallStats.eos_overrun_steps``) are cut from the output, which is the same
-    either way. On an H200 (3B, long-tailed sampled lengths; docs/BENCHMARKS.md, 2026-12-02) Auto went from 1.99x
-    to 1.97x its roofline at 64 x 4 rows and from 2.03x to 1.98x at 128 x 4. False reads the count at once."""
-    max_context: Optional[int] = None
-    """Upper bound on prompt + new tokens; None reads ``max_position_embeddings`` from the model config."""
+    """The ordinary route's EOS checks (static buffers) read the count of unfinished rows one check late, so the
+    host never waits for the step it has just launched; the steps run after the last row ended are cut from the
+    output (``CallStats.decode.eos_overrun_steps``). False reads the count at once (docs/config.md)."""
+
+    def __post_init__(self) -> None:
+        from rollout.plan.planner import CostModel  # light, pure Python
+        require(self.cost_model is None or isinstance(self.cost_model, (CostModel, str)), "routing.cost_model",
+                f"must be a CostModel, a calibration file path or None; got {type(self.cost_model).__name__}")
+        require(self.max_prefill_tokens is None or (is_int(self.max_prefill_tokens) and self.max_prefill_tokens > 0),
+                "routing.max_prefill_tokens", f"must be None or a positive int; got {self.max_prefill_tokens!r}")
+        require(self.eos_check_interval is None or (is_int(self.eos_check_interval) and self.eos_check_interval >= 1),
+                "routing.eos_check_interval", f"must be None or an int >= 1; got {self.eos_check_interval!r}")
+        _require_bools(self, "routing", ("late_eos_count",))
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which step runs the prefill and the decode steps, and its kernels (``RolloutConfig.kernels``).
+
+    Every default was chosen by measurement on an H200 (docs/config.md has the figures); the step is
+    ``rollout.executors.decode.FastStep``, which receives this section whole."""
+
     fast_decode: bool = True
-    """Run decode steps through our own fused step (Llama-family models); other models, unfused LoRA and
-    ZeRO-3 per-forward gathering use the HF forward, with the reason in the profile."""
+    """Decode through our own fused step (Llama-family models); other models, unfused LoRA and ZeRO-3 per-forward
+    gathering use the HF forward, with the reason in ``CallStats.decode.fallback_reason``."""
     fast_prefill: bool = True
-    """Prefill through our own pass (:mod:`rollout.fast_prefill`: linear layers over the packed real tokens,
-    attention per planner bucket) wherever the fast decode step runs; False keeps the HF forward."""
+    """Prefill through our own pass (linear layers over the packed real tokens, attention per planner bucket)
+    wherever the fast decode step runs; False keeps the HF forward."""
     cuda_graphs: bool = True
     """On CUDA, capture the fast decode step in CUDA graphs (per batch and length bucket) and replay them."""
     prefill_graph_tokens: int = 2048
     """With ``cuda_graphs`` and the variable-length prefill (CUDA, bf16/fp16), prefill passes of at most this many
-    real tokens replay a CUDA graph captured per token, row and length bucket
-    (:mod:`rollout.executors.prefill_graph`) instead of launching each layer's pieces from Python (~22-28 ms of
-    host time per pass for the 3B shape on an H200). It keeps a staging buffer of the largest bucket's keys and
-    values (36 x 256 x 4 bytes a token for the 3B shape: 75 MB at 2,048) between calls. 0: off.
-    Measured on the H200 (3B, bf16; ``docs/BENCHMARKS.md``, "2026-12-01 (23:20 UTC session)"): one pass of 8 x 64
-    tokens 41.9 -> 7.7 ms, 8 x 256 28.7 -> 21.2, 32 x 64 25.6 -> 20.8, 32 x 256 (8,192) 85.2 -> 85.3; the seed-004
-    short calls 16-37% faster, its 16..512 workload 3.5-4.5% slower in two runs though its one pass ran eagerly
-    (unexplained; with the benchmark's rounds alternating it stayed, 157.0 against 149.3 ms: not the position),
-    the RL capped cell 3.9% faster. Token buckets are powers of two, so a pass of just over 2,048 real tokens would pay
-    the GEMMs of 4,096 where the GPU, not the host, is the limit: hence 2,048."""
+    real tokens replay a CUDA graph captured per token, row and length bucket (``rollout.executors.prefill_graph``).
+    Keeps a staging buffer of the largest bucket's keys and values between calls. 0: off."""
     compile: bool = True
     """On CUDA, ``torch.compile`` the fast step's fusable pieces (norms, rotary, MLP activation)."""
     compile_mode: Optional[str] = None
-    """``torch.compile`` mode of those pieces: None (torch's default: cuBLAS GEMMs, inductor's fusions) or
-    ``"max-autotune-no-cudagraphs"`` (inductor benchmarks Triton GEMM templates against cuBLAS per shape and
-    batch bucket, at a compile time of minutes; aimed at small-batch decode, where the weight GEMMs run at
-    ~58% of the copy rate on an H200). Modes that add inductor's own CUDA graphs are refused: ours capture
-    the whole step. On an H200 it made the 3B step 15-19% slower (docs/BENCHMARKS.md): not the default."""
+    """``torch.compile`` mode of those pieces: None (torch's default) or ``"max-autotune-no-cudagraphs"`` (15-19%
+    slower on the H200's 3B step). Modes with inductor's own CUDA graphs are refused: ours capture the whole step."""
     decode_attention: str = "triton"
-    """Attention of our decode step: ``"triton"`` (:mod:`rollout.ops.decode_attention`: the query heads of a
-    KV head as one tile, no mask conversion, a row's left padding not read; where it cannot run — no CUDA,
-    no triton — SDPA runs and ``CallStats.decode_attention`` says so) or ``"sdpa"`` (PyTorch's SDPA with a
-    boolean mask). Chosen by measurement on the H200 (docs/BENCHMARKS.md)."""
+    """Attention of our decode step: ``"triton"`` (``rollout.ops.decode_attention``; SDPA where it cannot run, and
+    ``CallStats.decode.attention`` says so) or ``"sdpa"``."""
     fused_kv_write: bool = True
-    """With ``compile`` and ``fuse_qkv`` on CUDA, the compiled q|k|v piece also writes k and v into the cache
-    (one kernel with the rotary) instead of two ``index_copy_`` per layer after it."""
+    """With ``compile`` and ``fuse_qkv`` on CUDA, the compiled q|k|v piece also writes k and v into the cache."""
     blas_library: Optional[str] = "cublaslt"
-    """On CUDA, the BLAS backend of the call's matrix products (PyTorch's process-wide
-    ``torch.backends.cuda.preferred_blas_library``, set for the call and restored after it, so the caller's
-    own GEMMs keep theirs; ``rollout.executors.blas``): ``"cublaslt"``, ``"cublas"``, or None to leave the
-    process's setting. ``CallStats.blas_library`` says what ran. On an H200 (3B shape, bf16, the routes' default
-    decode step captured in a CUDA graph, ``profile_decode_step.py --blas``, A B A B) cuBLASLt took the step at
-    256 rows from 5.225/5.204 to 5.029/5.045 ms (-3.4%) and moved it by at most 0.6% at 8, 32, 128 and 512 rows;
-    the wide RL cells took 2.3% (greedy) and 1.7% (sampled) less time, the long-tail and capped cells' roofline
-    ratios stayed within their spread (docs/BENCHMARKS.md, "2026-12-02 (06:50 UTC session)")."""
+    """On CUDA, the BLAS backend of the call's matrix products, set for the call and restored after it
+    (``rollout.executors.blas``): ``"cublaslt"``, ``"cublas"``, or None to leave the process's setting."""
     fuse_qkv: bool = True
-    """Our step computes q, k and v with one GEMM over a concatenated copy of their weights (refreshed at
-    every call; ~1/8 of the weights for Qwen2.5-3B) instead of three; False reads the model's own tensors."""
+    """q, k and v with one GEMM over a concatenated copy of their weights (refreshed at every call)."""
     fuse_gate_up: bool = True
-    """Our step (decode and the fast prefill) computes the MLP's gate and up projections with one GEMM over a
-    concatenated copy of their weights (refreshed at every call) instead of two. On an H200 (3B shape) it
-    made the decode step 4-5% faster at 8, 32 and 256 rows and every RL cell 1.4-3% faster
-    (docs/BENCHMARKS.md). It costs memory: ~58% of the weights for Qwen2.5-3B (3.2 GB), held between calls
-    like the fused q|k|v copy and counted by the memory budget before a call allocates it; False reads the
-    model's own tensors."""
+    """The MLP's gate and up projections with one GEMM over a concatenated copy of their weights (refreshed at every
+    call; ~58% of the weights for Qwen2.5-3B, counted by the memory budget)."""
     rotary_kernel: bool = True
-    """On CUDA with triton (and ``fuse_qkv``), the rotary of a decode step's q and k and the cache writes of k
-    and v run as one Triton kernel per layer (:mod:`rollout.ops.rotary_write`) instead of inductor's three
-    (``fused_kv_write``) or the eager path's rotaries and two ``index_copy_``. On an H200 (3B shape) the step
-    took 3.0% less time at 8 rows, 3.8% at 32 and 1.2% at 256 (docs/BENCHMARKS.md)."""
+    """On CUDA with triton (and ``fuse_qkv``): a decode step's rotary and k/v cache writes as one Triton kernel a layer
+    (``rollout.ops.rotary_write``)."""
     skinny_rows: int = 32
-    """On CUDA with ``rotary_kernel`` and ``fuse_gate_up``: decode steps whose batch bucket has at most this many
-    rows (up to 64) compute each layer's o projection and residual add as one Triton kernel
-    (:mod:`rollout.ops.skinny_linear`) instead of a cuBLAS GEMM and a copy. On an H200 (3B shape) that part of
-    the step took 0.206 ms instead of 0.270 at 8 rows and 0.236 instead of 0.305 at 32 (docs/BENCHMARKS.md);
-    64 rows were not timed. 0: off."""
-    split_k_rows: int = 0
-    """With ``fuse_gate_up``: decode steps whose batch bucket has at least this many rows compute the o and down
-    projections (and, with ``rotary_kernel``, the fused q|k|v) as ``rollout.model.step.SPLIT_K`` partial products
-    summed in fp32 (one batched GEMM each, :func:`rollout.model.step.split_k_linear`) instead of one GEMM. On an
-    H200 (3B shape, ``profile_decode_step.py --split-k``, A B A B) the whole step took 3.888/3.887 -> 3.745/3.747
-    ms at 128 rows (-3.7%) and 5.059/5.068 -> 5.035/5.049 at 256 (-0.4%) (docs/BENCHMARKS.md, "2026-12-01
-    (23:20 UTC session)"); in the RL cells against its twin wide-greedy -1.3% and longtail-64-1024's roofline ratio
-    +1% ("2026-12-02"), within their spread; not timed at 512 rows; so off. 0: off."""
+    """On CUDA with ``rotary_kernel`` and ``fuse_gate_up``: decode steps of at most this many rows (up to 64) compute
+    each layer's o projection and residual add as one Triton kernel (``rollout.ops.skinny_linear``). 0: off."""
     shared_prefix_rows: int = 32
-    """With the Triton decode attention (``decode_attention="triton"``, CUDA), ordinary-route decode steps whose
-    batch bucket has at least this many rows, in calls with several samples per prompt, read each prompt's
-    keys and values once for all of its samples (one tile of ``n x`` the query heads per KV head,
-    ``rollout.ops.decode_attention.SharedPrefix``) and then each row's own columns after the prompt, instead
-    of every row reading its copy of the prompt; only for prompts (the batch's padded prompt length) of at least
-    ``rollout.ops.decode_attention.MIN_SHARED_PROMPT`` = 512 columns, where it paid on the H200: the attention
-    alone (3B shape, 4 samples) took 27% less time at 256 rows and 30% at 128 with a 768-column prompt, 16% more
-    at 256 rows with a 256-column one; the long-tail RL cells' roofline ratios 1.97x/1.98x against their
-    twins' 1.99x/2.01x (docs/BENCHMARKS.md, "2026-12-02 (02:31 UTC session)"). The 32-row threshold was not
-    varied. 0: off."""
-    continuous_stop_at_front: bool = False
-    """Continuous route, static buffers (``cuda_graphs``): the captured step's attention is told the front (the
-    column the step writes) as the last column any row attends, so the Triton kernel does not read the up to 255
-    columns past it that the read window's rounding adds (masked for every row). The ordinary route always does
-    this (its ``last``, -3.5% on the wide cell). Off: in its one H200 A/B (capped, one call each, other tokens)
-    the route took 2.24x its roofline against 1.99x without it, unexplained, and not yet measured over several
-    seeds in one process (``--twin continuous_stop_at_front=True``); the tokens do not depend on it beyond bf16
-    rounding (fp32: HF ``generate``'s, tested)."""
-    continuous_shared_prefix: bool = False
-    """Continuous route, static buffers, the Triton attention: decode steps whose batch bucket has at least
-    ``shared_prefix_rows`` rows read each prompt's keys and values once for all of its samples held in adjacent
-    slots (admitted together, so adjacent until a compaction separates them), as the ordinary route does; each
-    row's prompt ends at its own column (rows were admitted at different fronts). Only in calls whose padded
-    prompts have at least ``rollout.ops.decode_attention.MIN_SHARED_PROMPT`` columns. Off: CPU-tested (the
-    interpreted kernel; HF ``generate``'s tokens), not yet timed on a GPU (``--twin continuous_shared_prefix=True``
-    on the RL suite's capped cell, whose attention took ~30% of its decode GPU time in an H200 trace)."""
-    fused_sampler: bool = True
-    """On CUDA (with ``compile``), temperature + top-p sampling without top-k or a repetition penalty runs
-    the Triton nucleus kernels (:mod:`rollout.ops.fused_nucleus`); False keeps the compiled sort-free search.
-    Both draw the same tokens except where a cumulative mass lies within rounding of ``1 - top_p``."""
-    sampler_chunk_tokens: Optional[int] = None
-    """Tokens of a row each program of the nucleus kernels reads (``fused_sampler``): None, the kernels' default
-    (``rollout.ops.fused_nucleus.CHUNK_TOKENS`` = 8192: a program per chunk, 5.4x faster than one program per row
-    at 8 rows, 3% at 256 on the H200; the RL suite's top-p long-tail cell 6.4% faster, same tokens); 0, one program
-    per row. Fixed per call, never from the rows, so a row's
-    token does not depend on its batch; other values sum masses in another order, so tokens may differ where a
-    cumulative mass lies within rounding of ``1 - top_p``."""
-    cost_model: Optional[object] = None
-    """Prefill cost model for planning: a ``planner.CostModel``, the path of a calibration JSON
-    (``scripts/calibrate_prefill.py``), or None for the seed PR's default coefficients with this model's
-    geometry. The defaults are starting estimates: calibrate for your model, GPU and dtype."""
-    max_prefill_tokens: Optional[int] = 65536
-    """Padded tokens (rows x length) per planned prefill forward; None removes the limit."""
+    """With the Triton attention on CUDA: ordinary-route decode steps of at least this many rows, in calls with
+    several samples per prompt and prompts of at least ``rollout.ops.decode_attention.MIN_SHARED_PROMPT`` columns,
+    read each prompt's keys and values once for all of its samples. 0: off."""
+
+    def __post_init__(self) -> None:
+        _require_bools(self, "kernels", ("fast_decode", "fast_prefill", "cuda_graphs", "compile", "fused_kv_write",
+                                         "fuse_qkv", "fuse_gate_up", "rotary_kernel"))
+        for name in ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows"):
+            value = getattr(self, name)
+            require(is_int(value) and value >= 0, f"kernels.{name}", f"must be an int >= 0 (0: off); got {value!r}")
+        require(self.compile_mode in COMPILE_MODES, "kernels.compile_mode",
+                f"must be one of {COMPILE_MODES} (modes with inductor CUDA graphs clash with ours); "
+                f"got {self.compile_mode!r}")
+        require(self.decode_attention in DECODE_ATTENTIONS, "kernels.decode_attention",
+                f"must be one of {DECODE_ATTENTIONS}; got {self.decode_attention!r}")
+        require(self.blas_library is None or self.blas_library in BLAS_LIBRARIES, "kernels.blas_library",
+                f"must be None or one of {BLAS_LIBRARIES}; got {self.blas_library!r}")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """How tokens are drawn on CUDA (``RolloutConfig.sampler``; what to sample is ``SamplingConfig``)."""
+
+    fused: bool = True
+    """With ``kernels.compile``: temperature + top-p sampling without top-k or a repetition penalty runs the Triton
+    nucleus kernels (``rollout.ops.fused_nucleus``); False keeps the compiled sort-free search. Both draw the same
+    tokens except where a cumulative mass lies within rounding of ``1 - top_p``."""
+    chunk_tokens: Optional[int] = None
+    """Tokens of a row each program of the nucleus kernels reads: None, the kernels' default
+    (``rollout.ops.fused_nucleus.CHUNK_TOKENS``); 0, one program per row. Fixed per call, so a row's token does not
+    depend on its batch; other values sum masses in another order (tokens may differ at rounding ties)."""
+
+    def __post_init__(self) -> None:
+        _require_bools(self, "sampler", ("fused",))
+        require(self.chunk_tokens is None or (is_int(self.chunk_tokens) and self.chunk_tokens >= 0),
+                "sampler.chunk_tokens", f"must be None or an int >= 0 (0: a program per row); "
+                f"got {self.chunk_tokens!r}")
+
+
+#: The sections of ``RolloutConfig``: field name -> class.
+SECTIONS = {"routing": RoutingConfig, "kernels": KernelConfig, "sampler": SamplerConfig}
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How the rollout runs (our own; DeepSpeed's ``HybridEngineRolloutConfig`` has no equivalent).
+
+    The common settings are fields of their own (``RolloutConfig(route="auto", max_cache_gib=40)``); the rest
+    come in sections, each handed whole to the component it configures::
+
+        RolloutConfig(route="continuous", kernels=KernelConfig(cuda_graphs=False), sampler=SamplerConfig(fused=False))
+        config.with_settings({"kernels.fuse_gate_up": False, "routing.eos_check_interval": 2})
+
+    A keyword of the flat API before 0.2 (``RolloutConfig(compile=False)``) raises a ``ValueError`` naming its new
+    place (``CHANGELOG.md``)."""
+
+    route: str = "ordinary"
+    """``"ordinary"`` (one padded batch over a static KV cache), ``"continuous"`` (aligned-cache continuous batching
+    with ``SamplingConfig.continuous_batch_size`` slots) or ``"auto"`` (chosen per call by the cost model)."""
     max_cache_gib: Optional[float] = None
-    """Cap on the KV cache of a call (GiB). The continuous route's slots and Auto's choice follow it; a call
-    whose smallest feasible cache does not fit is refused with the figures before anything is allocated.
-    None: the memory the device has free (a call that could not fit there is refused the same way)."""
+    """Cap on the KV cache of a call (GiB). The continuous route's slots and Auto's choice follow it; a call whose
+    smallest feasible cache does not fit is refused with the figures before anything is allocated. None: the memory
+    the device has free (a call that could not fit there is refused the same way)."""
+    keep_cache: bool = True
+    """Keep the KV cache, decode buffers, graphs and fused weight copies between compatible calls, or release them
+    after each call."""
+    max_context: Optional[int] = None
+    """Upper bound on prompt + new tokens; None reads ``max_position_embeddings`` from the model config."""
+    gather: str = "once"
+    """ZeRO-3 only: ``"once"`` gathers all parameters once per ``generate`` call (fast, needs memory for the full
+    model); ``"per_forward"`` keeps ZeRO-3's own per-forward gathering (low memory, slow)."""
+    fuse_lora: bool = True
+    """Merge peft LoRA adapters into the base weights for generation (restored bit-exactly afterwards)."""
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
 
     def __post_init__(self) -> None:
         require(self.route in ROUTES, "route", f"must be one of {ROUTES}; got {self.route!r}")
         require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
-        require(isinstance(self.keep_cache, bool), "keep_cache", f"must be a bool; got {self.keep_cache!r}")
-        for name in ("fuse_lora", "fast_decode", "fast_prefill", "cuda_graphs", "compile", "fuse_qkv", "fuse_gate_up",
-                     "rotary_kernel", "fused_sampler", "fused_kv_write", "late_eos_count", "continuous_stop_at_front",
-                     "continuous_shared_prefix"):
-            require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
-        require(is_int(self.prefill_graph_tokens) and self.prefill_graph_tokens >= 0, "prefill_graph_tokens",
-                f"must be an int >= 0 (0: off); got {self.prefill_graph_tokens!r}")
-        require(is_int(self.split_k_rows) and self.split_k_rows >= 0, "split_k_rows",
-                f"must be an int >= 0 (0: off); got {self.split_k_rows!r}")
-        require(is_int(self.shared_prefix_rows) and self.shared_prefix_rows >= 0, "shared_prefix_rows",
-                f"must be an int >= 0 (0: off); got {self.shared_prefix_rows!r}")
-        require(self.sampler_chunk_tokens is None or (is_int(self.sampler_chunk_tokens)
-                                                      and self.sampler_chunk_tokens >= 0),
-                "sampler_chunk_tokens", f"must be None or an int >= 0 (0: a program per row); "
-                f"got {self.sampler_chunk_tokens!r}")
-        require(is_int(self.skinny_rows) and self.skinny_rows >= 0, "skinny_rows",
-                f"must be an int >= 0 (0: off); got {self.skinny_rows!r}")
-        require(self.blas_library is None or self.blas_library in BLAS_LIBRARIES, "blas_library",
-                f"must be None or one of {BLAS_LIBRARIES}; got {self.blas_library!r}")
-        require(self.decode_attention in DECODE_ATTENTIONS, "decode_attention",
-                 f"must be one of {DECODE_ATTENTIONS}; got {self.decode_attention!r}")
-        require(self.compile_mode in COMPILE_MODES, "compile_mode",
-                 f"must be one of {COMPILE_MODES} (modes with inductor CUDA graphs clash with ours); "
-                 f"got {self.compile_mode!r}")
-        require(self.eos_check_interval is None or (is_int(self.eos_check_interval) and self.eos_check_interval >= 1),
-                 "eos_check_interval", f"must be None or an int >= 1; got {self.eos_check_interval!r}")
-        require(self.max_prefill_tokens is None or (is_int(self.max_prefill_tokens) and self.max_prefill_tokens > 0),
-                 "max_prefill_tokens", f"must be None or a positive int; got {self.max_prefill_tokens!r}")
-        from rollout.plan.planner import CostModel  # light, pure Python
-        require(self.cost_model is None or isinstance(self.cost_model, (CostModel, str)), "cost_model",
-                 f"must be a CostModel, a calibration file path or None; got {type(self.cost_model).__name__}")
+        _require_bools(self, "", ("keep_cache", "fuse_lora"))
         require(self.max_cache_gib is None or (isinstance(self.max_cache_gib, (int, float))
                                                 and not isinstance(self.max_cache_gib, bool)
                                                 and math.isfinite(self.max_cache_gib) and self.max_cache_gib > 0),
                 "max_cache_gib", f"must be None or a finite number > 0; got {self.max_cache_gib!r}")
         require(self.max_context is None or (is_int(self.max_context) and self.max_context > 0),
-                 "max_context", f"must be None or a positive int; got {self.max_context!r}")
+                "max_context", f"must be None or a positive int; got {self.max_context!r}")
+        for name, cls in SECTIONS.items():
+            value = getattr(self, name)
+            require(isinstance(value, cls), name, f"must be a {cls.__name__}; got {type(value).__name__}")
+
+    def with_settings(self, settings: Mapping[str, object]) -> "RolloutConfig":
+        """A copy with ``settings`` applied: ``{"route": "auto", "kernels.compile": False}`` (dotted names reach into
+        a section; :func:`setting_names` lists them). Unknown names raise ``ValueError`` naming them."""
+        top: dict = {}
+        sections: dict[str, dict] = {}
+        for name, value in settings.items():
+            require(name in setting_names(), name, f"not a RolloutConfig setting{_moved_hint(name)}")
+            section, _, key = name.rpartition(".")
+            if section:
+                sections.setdefault(section, {})[key] = value
+            else:
+                top[name] = value
+        for section, values in sections.items():
+            top[section] = dataclasses.replace(getattr(self, section), **values)
+        return dataclasses.replace(self, **top)
+
+    def settings(self) -> dict[str, object]:
+        """Every setting by its dotted name (what a benchmark row records)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in SECTIONS:
+                out.update({f"{f.name}.{g.name}": getattr(value, g.name) for g in fields(value)})
+            else:
+                out[f.name] = value
+        return out
+
+
+def setting_names() -> tuple[str, ...]:
+    """Every ``RolloutConfig`` setting by its dotted name (``"route"``, ``"kernels.compile"``, ...)."""
+    names = []
+    for f in fields(RolloutConfig):
+        if f.name in SECTIONS:
+            names.extend(f"{f.name}.{g.name}" for g in fields(SECTIONS[f.name]))
+        else:
+            names.append(f.name)
+    return tuple(names)
+
+
+#: Flat keywords of ``RolloutConfig`` before 0.2 -> their dotted place now.
+MOVED = {
+    **{name: f"routing.{name}" for name in ("cost_model", "max_prefill_tokens", "eos_check_interval",
+                                            "late_eos_count")},
+    **{name: f"kernels.{name}" for name in ("fast_decode", "fast_prefill", "cuda_graphs", "prefill_graph_tokens",
+                                            "compile", "compile_mode", "decode_attention", "fused_kv_write",
+                                            "blas_library", "fuse_qkv", "fuse_gate_up", "rotary_kernel",
+                                            "skinny_rows", "shared_prefix_rows")},
+    "fused_sampler": "sampler.fused", "sampler_chunk_tokens": "sampler.chunk_tokens",
+}
+#: Settings removed in 0.2 after measurement (CHANGELOG.md, docs/BENCHMARKS.md) -> why.
+REMOVED = {
+    "split_k_rows": "split-K GEMMs made the decode step 4.0% faster at 128 rows and 5.9% slower at 512 on the H200, the RL cells "
+                    "within their spread",
+    "continuous_stop_at_front": "no gain on the capped RL cell over 4 seeds (2.13x its roofline against 2.11x)",
+    "continuous_shared_prefix": "slower on the capped RL cell over 4 seeds (2.33x its roofline against 2.11x)",
+}
+
+
+def _moved_hint(name: str) -> str:
+    if name in MOVED:
+        section, _, key = MOVED[name].partition(".")
+        return (f"; it moved to RolloutConfig({section}={SECTIONS[section].__name__}({key}=...)), "
+                f"or with_settings({{{MOVED[name]!r}: ...}})")
+    if name in REMOVED:
+        return f"; it was removed in 0.2: {REMOVED[name]}"
+    return ""
+
+
+def _require_bools(record, section: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(record, name)
+        require(isinstance(value, bool), f"{section}.{name}" if section else name, f"must be a bool; got {value!r}")
+
+
+def _refuse_flat_keywords(cls):
+    """Wrap the dataclass ``__init__`` so an old flat keyword names its new place instead of a bare TypeError."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for name in kwargs:
+            if name in MOVED or name in REMOVED:
+                raise ValueError(f"RolloutConfig({name}=...): not a field{_moved_hint(name)}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+_refuse_flat_keywords(RolloutConfig)

@@ -106,7 +106,7 @@ class Rollout:
         self._fast_step = self._new_fast_step()
         self._ordinary = OrdinaryExecutor(self._pool, self._fast_step)
         self._continuous = ContinuousExecutor(self._pool, self._fast_step)
-        tokens = self.config.prefill_graph_tokens
+        tokens = self.config.kernels.prefill_graph_tokens
         self._prefill_graphs = PrefillGraphs(tokens) if tokens else None
         self._cost_model = None
         self._lora_fuser = None
@@ -159,12 +159,7 @@ class Rollout:
 
     def _new_fast_step(self) -> FastStep:
         """Our step for this model as the config asks (nothing held yet: no weight copies, no mirror)."""
-        return FastStep(self.model, self.config.compile, mirror_weights=self.is_zero3, fuse_qkv=self.config.fuse_qkv,
-                        compile_mode=self.config.compile_mode, attention=self.config.decode_attention,
-                        kv_write=self.config.fused_kv_write, fuse_gate_up=self.config.fuse_gate_up,
-                        rotary_kernel=self.config.rotary_kernel, skinny_rows=self.config.skinny_rows,
-                        split_k_rows=self.config.split_k_rows,
-                        shared_prefix_rows=self.config.shared_prefix_rows)
+        return FastStep(self.model, self.config.kernels, mirror_weights=self.is_zero3)
 
     @property
     def held_bytes(self) -> int:
@@ -191,9 +186,9 @@ class Rollout:
         with stage(stages.PLAN):
             route = routes.choose_route(self.config.route, layout, sampling.n_samples_per_prompt,
                                         fit.slots if fit else sampling.continuous_batch_size, self._costs(),
-                                        self.config.max_prefill_tokens, decode.prefill_path)
+                                        self.config.routing.max_prefill_tokens, decode.prefill_path)
         with self._inference_mode(), self._generation_weights(), self._fast_step.one_call(), \
-                blas.blas_library(self.config.blas_library, device) as blas_in_effect:
+                blas.blas_library(self.config.kernels.blas_library, device) as blas_in_effect:
             ctx = self._context(sampling, decode, device, route.route)  # after the gather: ZeRO-3 weights are resident
             graph_passes = ctx.prefill_graphs.replays if ctx.prefill_graphs is not None else 0
             if route.route == routes.CONTINUOUS:
@@ -231,15 +226,13 @@ class Rollout:
         parts = self._fast_step.parts(device, mirrored=False) if decode.is_fast else None
         graphs = self._prefill_graphs_for(decode)
         prefill_parts = self._fast_step.parts(device, mirrored=True) if graphs is not None else parts
-        sampler = sampler_fn(sampling, compiled=self.config.compile and device.type == "cuda",
-                             fused=self.config.fused_sampler, chunk_tokens=self.config.sampler_chunk_tokens)
+        sampler = sampler_fn(sampling, compiled=self.config.kernels.compile and device.type == "cuda",
+                             fused=self.config.sampler.fused, chunk_tokens=self.config.sampler.chunk_tokens)
         return CallContext(self.model, sampling, EosIds.on(self.eos_token_ids, device), self._costs(),
-                           self.config.max_prefill_tokens,
-                           routes.eos_check_interval(self.config.eos_check_interval, route), stage, self._busy,
+                           self.config.routing.max_prefill_tokens,
+                           routes.eos_check_interval(self.config.routing.eos_check_interval, route), stage, self._busy,
                            fast=parts, fast_prefill=prefill_parts if decode.prefill_path != "hf" else None,
-                           sampler=sampler, prefill_graphs=graphs, late_eos_count=self.config.late_eos_count,
-                           continuous_stop_at_front=self.config.continuous_stop_at_front,
-                           continuous_shared_prefix=self.config.continuous_shared_prefix)
+                           sampler=sampler, prefill_graphs=graphs, late_eos_count=self.config.routing.late_eos_count)
 
     def _prefill_graphs_for(self, decode: DecodeChoice):
         """The captured prefill passes where this call can run them (``prefill_graph_tokens`` set, the
@@ -268,7 +261,7 @@ class Rollout:
 
     def _costs(self):
         if self._cost_model is None:
-            self._cost_model = cost_model_for(self.config.cost_model, self.model)
+            self._cost_model = cost_model_for(self.config.routing.cost_model, self.model)
         return self._cost_model
 
     @contextlib.contextmanager

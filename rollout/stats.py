@@ -38,24 +38,24 @@ class CallStats:
     """Why decode steps did not all run from CUDA graphs (None when they did)."""
     decode_attention: str = "hf"
     """The decode step's attention: ``"triton"`` (:mod:`rollout.ops.decode_attention`), ``"sdpa"``, or
-    ``"hf"`` when the HF layers decode (``RolloutConfig.decode_attention``; SDPA where the kernel cannot run)."""
+    ``"hf"`` when the HF layers decode (``RolloutConfig.kernels.decode_attention``; SDPA where the kernel cannot run)."""
     blas_library: str = ""
     """The BLAS backend the call's matrix products ran on (``"cublaslt"``, ``"cublas"``; ``""`` off CUDA;
-    ``RolloutConfig.blas_library``, or the process's setting when that is None)."""
+    ``RolloutConfig.kernels.blas_library``, or the process's setting when that is None)."""
     sampler_fallback_reason: Optional[str] = None
     """Why token selection runs its eager functions (or not the fused kernel) although asked (None otherwise)."""
     sampler_path: str = "eager"
     """What the call's last token selection ran: ``"fused"`` (the one-kernel nucleus), ``"compiled"`` or
     ``"eager"`` (``rollout.ops.sampling.Sampler.last_path``)."""
     eos_check_interval: int = 1
-    """Decode steps between EOS checks in this call: ``RolloutConfig.eos_check_interval``, or the route's
+    """Decode steps between EOS checks in this call: ``RolloutConfig.routing.eos_check_interval``, or the route's
     default when that is None (``rollout.plan.routes.EOS_CHECK_INTERVAL``)."""
     prefill_buckets: int = 1
     """Prefill buckets of the plan (ordinary route; 1 when unplanned)."""
     prefill_forwards: int = 0
     """Prefill passes over the weights (a packed pass counts once whatever its groups)."""
     prefill_graph_passes: int = 0
-    """Of those, passes run from a CUDA graph (``RolloutConfig.prefill_graph_tokens``)."""
+    """Of those, passes run from a CUDA graph (``RolloutConfig.kernels.prefill_graph_tokens``)."""
     prefill_attention_groups: int = 0
     """Attention groups over all prefill passes."""
     prefill_rows: int = 0
@@ -77,11 +77,10 @@ class CallStats:
     host_syncs: int = 0
     """Host syncs the route made for EOS checks and the layout (the input checks' one sync not counted). The
     ordinary route's EOS checks on static buffers wait on an event of the previous check
-    (``RolloutConfig.late_eos_count``), not on the step just launched."""
+    (``RolloutConfig.routing.late_eos_count``), not on the step just launched."""
     shared_prefix_steps: int = 0
     """Triton attention: decode steps whose attention read each prompt's keys and values once for all of its
-    samples (``RolloutConfig.shared_prefix_rows``; the continuous route only with
-    ``RolloutConfig.continuous_shared_prefix``)."""
+    samples (ordinary route, ``RolloutConfig.kernels.shared_prefix_rows``)."""
     eos_overrun_steps: int = 0
     """Ordinary route, static buffers: decode steps run after every row had ended. Its EOS check reads the
     finished count one check late, so the host never waits for the step it has just launched; these

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig  # noqa: E402
+from rollout import KernelConfig, Rollout, RolloutConfig, RolloutRequest, RoutingConfig, SamplingConfig  # noqa: E402
 from rollout.testing import TinyTokenizer, shaped_model, tiny_model  # noqa: E402
 
 FILL_TOKEN = 14990  # seed 004: inputs repeat one non-special token id
@@ -41,9 +41,9 @@ SEED004 = {
 }
 
 DECODE_VARIANTS = {
-    "hf_forward": dict(fast_decode=False),
-    "fast_eager": dict(cuda_graphs=False, compile=False),
-    "fast_graph": dict(compile=False),
+    "hf_forward": {'kernels.fast_decode': False},
+    "fast_eager": {'kernels.cuda_graphs': False, 'kernels.compile': False},
+    "fast_graph": {'kernels.compile': False},
     "fast_graph_compiled": dict(),
 }
 
@@ -133,7 +133,7 @@ def suite_decode(model, tok, device, repeats, bandwidth_gbps) -> list[Row]:
     rows = []
     candidates = {}
     for name, cfg in DECODE_VARIANTS.items():
-        ro = Rollout(model, tok, RolloutConfig(**cfg))
+        ro = Rollout(model, tok, RolloutConfig().with_settings(cfg))
         for new in (2, 66):
             sampling = SamplingConfig(max_new_tokens=new, temperature=0.0)
             candidates[(name, new)] = (lambda ro=ro, s=sampling: ro.generate(RolloutRequest(ids, mask), s))
@@ -200,19 +200,19 @@ def suite_seed004(model, tok, device, repeats, upstream: bool, names, cost_confi
                   prefill_graph_tokens: int | None = None) -> list[Row]:
     """``rates``: (copy bytes/s, GEMM FLOP/s) measured in this run; with them every row carries its
     ``roofline_ms`` and ``x_roofline`` (issue 15's target: <= 3x). ``prefill_graph_tokens`` (an int, 0
-    included) adds the candidate ``ours_auto_prefill_graph_<N>``: Auto with ``RolloutConfig.prefill_graph_tokens``
+    included) adds the candidate ``ours_auto_prefill_graph_<N>``: Auto with ``RolloutConfig.kernels.prefill_graph_tokens``
     set to it (an A/B against the default's)."""
     geo = None
     if rates is not None:
         from scripts.bench_rl import model_geometry
         geo = model_geometry(model)
-    ours = {f"ours_{route}": Rollout(model, tok, RolloutConfig(route=route, cost_model=cost_config))
+    ours = {f"ours_{route}": Rollout(model, tok, RolloutConfig(route=route, routing=RoutingConfig(cost_model=cost_config)))
             for route in ("ordinary", "auto", "continuous")}
     # A/B of the prefill path: the ordinary route with the HF layers' prefill (not a route of its own)
-    ours["ours_ordinary_hf_prefill"] = Rollout(model, tok, RolloutConfig(fast_prefill=False))
+    ours["ours_ordinary_hf_prefill"] = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(fast_prefill=False)))
     if prefill_graph_tokens is not None:
         ours[f"ours_auto_prefill_graph_{prefill_graph_tokens}"] = Rollout(
-            model, tok, RolloutConfig(cost_model=cost_config, prefill_graph_tokens=prefill_graph_tokens))
+            model, tok, RolloutConfig(routing=RoutingConfig(cost_model=cost_config), kernels=KernelConfig(prefill_graph_tokens=prefill_graph_tokens)))
     up = upstream_rollout(model, tok, device, continuous=False) if upstream else None
     rows = []
     for name in names:
@@ -340,7 +340,7 @@ def main(argv=None) -> None:
     parser.add_argument("--upstream", action="store_true", help="also time DeepSpeed's HybridEngineRollout")
     parser.add_argument("--cost-config", help="calibration JSON for route=auto (scripts/calibrate_prefill.py)")
     parser.add_argument("--prefill-graph-tokens", type=int, default=None,
-                        help="seed004: also time Auto with RolloutConfig.prefill_graph_tokens set to this (A/B against "
+                        help="seed004: also time Auto with RolloutConfig.kernels.prefill_graph_tokens set to this (A/B against "
                              "the default; 0: off)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge shards' --json files into one table")

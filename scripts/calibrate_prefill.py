@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig  # noqa: E402
+from rollout import Rollout, RolloutConfig, RolloutRequest, RoutingConfig, SamplingConfig  # noqa: E402
 from rollout.cache.aligned import AlignedKVCache  # noqa: E402
 from rollout.cache.pool import ScratchArena  # noqa: E402
 from rollout.executors.decode import FastStep  # noqa: E402
@@ -169,7 +169,7 @@ def measure_copies(model, shapes, repeats: int) -> list[CopySample]:
 def measure_decode(model, shapes, extra_steps: int, repeats: int, cost_model: CostModel) -> list[DecodeSample]:
     device = next(model.parameters()).device
     ordinary = Rollout(model, NO_EOS, RolloutConfig())
-    continuous = Rollout(model, NO_EOS, RolloutConfig(route="continuous", cost_model=cost_model))
+    continuous = Rollout(model, NO_EOS, RolloutConfig(route="continuous", routing=RoutingConfig(cost_model=cost_model)))
     samples = []
     for batch, length in shapes:
         ids, mask = left_padded([length] * batch, model.config.vocab_size, device)
@@ -234,7 +234,7 @@ def sweep_workload(model, name, lengths, cost_model, args, slots=None) -> SweepR
     device = next(model.parameters()).device
     ids, mask = left_padded(lengths, model.config.vocab_size, device, seed=1)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, continuous_batch_size=slots)
-    engines = {route: Rollout(model, NO_EOS, RolloutConfig(route=route, cost_model=cost_model))
+    engines = {route: Rollout(model, NO_EOS, RolloutConfig(route=route, routing=RoutingConfig(cost_model=cost_model)))
                for route in ("ordinary", "continuous", "auto")}
     candidates = {route: (lambda ro=ro: ro.generate(RolloutRequest(ids, mask), sampling))
                   for route, ro in engines.items()}

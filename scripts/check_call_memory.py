@@ -46,7 +46,7 @@ def allocated_mib(collect: bool = True) -> float:
 
 
 def calls_in_a_row(model, cfg: dict, base: float) -> str:
-    ro = Rollout(model, TOKENIZER, RolloutConfig(**cfg))
+    ro = Rollout(model, TOKENIZER, RolloutConfig().with_settings(cfg))
     after = []
     for call, (rows, length, new) in enumerate(CALLS):
         ids, mask = random_prompts(rows, length, min_len=length // 2, vocab_size=model.config.vocab_size,
@@ -68,7 +68,7 @@ def one_call(model, cfg: dict, record: bool = False) -> str:
     a0 = allocated_mib(collect=False)
     if record:
         torch.cuda.memory._record_memory_history(max_entries=200000)
-    ro = Rollout(model, TOKENIZER, RolloutConfig(**cfg))
+    ro = Rollout(model, TOKENIZER, RolloutConfig().with_settings(cfg))
     batch = ro.generate(RolloutRequest(ids, mask), sampling)
     a1 = allocated_mib(collect=False)
     a2 = allocated_mib()
@@ -107,7 +107,7 @@ def main(argv=None) -> None:
     model = build_model(args.model, torch.bfloat16, "cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, model {args.model} bf16")
     if args.snapshot:
-        for cfg in (dict(keep_cache=True), dict(keep_cache=False), dict(keep_cache=False, cuda_graphs=False),
+        for cfg in (dict(keep_cache=True), dict(keep_cache=False), {'keep_cache': False, 'kernels.cuda_graphs': False},
                     dict(keep_cache=True), dict(keep_cache=False), dict(keep_cache=False, route="continuous")):
             print(one_call(model, cfg))
         print(one_call(model, dict(keep_cache=False), record=True))
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
     gc.collect()
     torch.cuda.empty_cache()
     base = allocated_mib()  # the start: whatever a setting leaves behind shows in the next one's row too
-    for cfg in (dict(keep_cache=False), dict(keep_cache=True), dict(keep_cache=False, compile=False)):
+    for cfg in (dict(keep_cache=False), dict(keep_cache=True), {'keep_cache': False, 'kernels.compile': False}):
         print(calls_in_a_row(model, cfg, base))
 
 

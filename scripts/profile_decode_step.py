@@ -189,7 +189,7 @@ class StepVariant:
     compiled: bool = True
     fuse_qkv: bool = True
     mode: str | None = None
-    """The ``torch.compile`` mode of the compiled pieces (``RolloutConfig.compile_mode``)."""
+    """The ``torch.compile`` mode of the compiled pieces (``RolloutConfig.kernels.compile_mode``)."""
     additive_mask: bool = False
     """SDPA gets an additive bf16 mask built once, instead of the boolean ``keep`` that torch converts at
     every layer's call under the cuDNN backend (the experiment of BENCHMARKS' leads)."""
@@ -200,12 +200,12 @@ class StepVariant:
     triton_attention: bool = False
     """Attention by the Triton kernel (``rollout.ops.decode_attention``) instead of SDPA."""
     gate_up: bool = False
-    """gate and up as one GEMM over their concatenated weight (``RolloutConfig.fuse_gate_up``)."""
+    """gate and up as one GEMM over their concatenated weight (``RolloutConfig.kernels.fuse_gate_up``)."""
     rotary_kernel: bool = False
-    """q/k rotary and the k/v cache writes as one Triton kernel (``RolloutConfig.rotary_kernel``)."""
+    """q/k rotary and the k/v cache writes as one Triton kernel (``RolloutConfig.kernels.rotary_kernel``)."""
     skinny: bool = False
     """Each layer's o projection and residual add as one Triton kernel at batches up to the default
-    ``RolloutConfig.skinny_rows`` (with the rotary kernel)."""
+    ``RolloutConfig.kernels.skinny_rows`` (with the rotary kernel)."""
     split_k: bool = False
     """o, down and q|k|v as split-K GEMMs at every batch (``RolloutConfig.split_k_rows=1``; with fused gate|up)."""
 
@@ -265,7 +265,7 @@ def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
 
 def prefill_variants(model, rows: int, lengths: list[int], max_tokens: int, rounds: int = 10) -> list[dict]:
     """The packed prefill of ``rows`` prompts of each length (all real tokens, the routes' default pieces), run
-    eagerly and from a CUDA graph (``RolloutConfig.prefill_graph_tokens``): median wall ms of one pass, host
+    eagerly and from a CUDA graph (``RolloutConfig.kernels.prefill_graph_tokens``): median wall ms of one pass, host
     included (synchronized before and after), ``rounds`` interleaved rounds after two warm-up passes each (the
     graph's first pass captures), and the max |diff| of their logits."""
     from rollout import Rollout
@@ -536,7 +536,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill-lengths", nargs="+", type=int, default=[16, 64, 256],
                         help="--parts prefill: prompt lengths (every row all real tokens)")
     parser.add_argument("--prefill-graph-tokens", type=int, default=16384,
-                        help="--parts prefill: RolloutConfig.prefill_graph_tokens of the graph variant")
+                        help="--parts prefill: RolloutConfig.kernels.prefill_graph_tokens of the graph variant")
     args = parser.parse_args(argv)
     model = shaped_model("qwen25-3b", dtype=torch.bfloat16, device="cuda")
     cfg = model.config

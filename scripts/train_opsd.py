@@ -109,11 +109,11 @@ class JobConfig:
     gather: str = "once"
     """ZeRO-3 rollout gathering: once or per_forward (``RolloutConfig.gather``)."""
     compile: int = 1
-    """1: ``torch.compile`` the fast decode step's pieces on CUDA (``RolloutConfig.compile``)."""
+    """1: ``torch.compile`` the fast decode step's pieces on CUDA (``RolloutConfig.kernels.compile``)."""
     cuda_graphs: int = 1
-    """1: replay the fast decode step from CUDA graphs on CUDA (``RolloutConfig.cuda_graphs``)."""
+    """1: replay the fast decode step from CUDA graphs on CUDA (``RolloutConfig.kernels.cuda_graphs``)."""
     prefill_graph_tokens: int = 2048
-    """Prefill passes of at most this many real tokens replay CUDA graphs (``RolloutConfig.prefill_graph_tokens``,
+    """Prefill passes of at most this many real tokens replay CUDA graphs (``RolloutConfig.kernels.prefill_graph_tokens``,
     whose default this is; 0: off)."""
     teacher_offload: int = 0
     """1: the teacher runs in an inference-only DeepSpeed ZeRO-3 engine with its parameters offloaded
@@ -618,11 +618,11 @@ def build_step(job: JobConfig, opsd_config, device):
         if job.teacher_offload:
             teacher = make_offloaded_teacher(teacher, config, job.batch_size * job.samples_per_prompt)
     engine = make_student_engine(student, job, config)
-    from rollout import RolloutConfig
+    from rollout import KernelConfig, RolloutConfig
 
     rollout_config = RolloutConfig(route=job.route, keep_cache=bool(job.keep_cache), gather=job.gather,
-                                   compile=bool(job.compile), cuda_graphs=bool(job.cuda_graphs),
-                                   prefill_graph_tokens=job.prefill_graph_tokens)
+                                   kernels=KernelConfig(compile=bool(job.compile), cuda_graphs=bool(job.cuda_graphs),
+                                                        prefill_graph_tokens=job.prefill_graph_tokens))
     return OPSDStep(engine, engine if teacher is None else teacher, tokenizer, opsd_config,
                     teacher_tokenizer=teacher_tokenizer, rollout_config=rollout_config)
 

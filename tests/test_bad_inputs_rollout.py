@@ -54,7 +54,7 @@ def test_bad_input_is_refused_before_any_work(model, name):
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=message):
         ro = Rollout(model, TinyTokenizer(**{"pad_token_id": 0, "eos_token_id": 2, **tokenizer}),
-                     RolloutConfig(**config))
+                     RolloutConfig().with_settings(config))
         ro.generate(RolloutRequest(**{"prompt_ids": IDS, "prompt_attention_mask": MASK, **request}),
                     SamplingConfig(**{**OK_SAMPLING, **sampling}))
     if "ro" in locals():

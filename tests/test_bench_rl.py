@@ -344,7 +344,7 @@ def test_seed004_rows_carry_their_roofline():
 
 
 def test_seed004_prefill_graph_candidate():
-    """``--prefill-graph-tokens N`` adds Auto with ``RolloutConfig.prefill_graph_tokens=N`` as a candidate whose
+    """``--prefill-graph-tokens N`` adds Auto with ``RolloutConfig.kernels.prefill_graph_tokens=N`` as a candidate whose
     rows say how many prefill passes ran from a graph (none on the CPU: no variable-length attention)."""
     from rollout.testing import TinyTokenizer, tiny_model
     from scripts import bench_rollout

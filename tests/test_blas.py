@@ -1,4 +1,4 @@
-"""The BLAS backend of a call (``RolloutConfig.blas_library``, ``rollout.executors.blas``): set for the call on
+"""The BLAS backend of a call (``RolloutConfig.kernels.blas_library``, ``rollout.executors.blas``): set for the call on
 CUDA, the caller's restored after it (also when the call fails), nothing touched off CUDA or with None."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, KernelConfig
 from rollout.executors import blas
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 
@@ -96,7 +96,7 @@ def test_cuda_call_runs_on_the_asked_backend_and_restores_the_callers(asked):
     torch.backends.cuda.preferred_blas_library("cublas")
     model = tiny_model("qwen2", seed=0).cuda()
     ids, mask = random_prompts(3, 6, seed=2)
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(blas_library=asked))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(kernels=KernelConfig(blas_library=asked)))
     ro.generate(RolloutRequest(ids.cuda(), mask.cuda()), SamplingConfig(max_new_tokens=3, temperature=0.0))
     assert ro.last_stats.blas_library == (asked or "cublas")
     assert blas.current() == "cublas"

@@ -9,7 +9,7 @@ Tiny Qwen2: 2 layers, 2 KV heads of 16 channels, fp32 -> one cache column of one
 import pytest
 import torch
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, RoutingConfig
 from rollout.stats import CallStats
 from rollout.testing import TinyTokenizer, tiny_model
 
@@ -46,11 +46,11 @@ CASES = {
     "ordinary-fast": (dict(route="ordinary"), None, dict(
         ORDINARY, prefill_path="packed", decode_path="fast_eager", decode_fallback_reason=CPU_REASON,
         eager_decode_steps=4, num_slots=8, capacity=11, cache_bytes=8 * 11 * COLUMN_BYTES)),
-    "ordinary-hf": (dict(route="ordinary", fast_decode=False), None, dict(
-        ORDINARY, prefill_path="hf", decode_path="hf", decode_fallback_reason="fast_decode disabled in RolloutConfig",
+    "ordinary-hf": ({"route": "ordinary", "kernels.fast_decode": False}, None, dict(
+        ORDINARY, prefill_path="hf", decode_path="hf", decode_fallback_reason="kernels.fast_decode disabled in RolloutConfig",
         decode_attention="hf",
         eager_decode_steps=0, num_slots=6, capacity=11, cache_bytes=6 * 11 * COLUMN_BYTES)),
-    "ordinary-hf-prefill": (dict(route="ordinary", fast_prefill=False), None, dict(
+    "ordinary-hf-prefill": ({"route": "ordinary", "kernels.fast_prefill": False}, None, dict(
         ORDINARY, prefill_path="hf", decode_path="fast_eager", decode_fallback_reason=CPU_REASON,
         eager_decode_steps=4, num_slots=8, capacity=11, cache_bytes=8 * 11 * COLUMN_BYTES)),
     # static buffers: capacity 2 x (6 + 5 - 1) = 20 (refills) -> 64 -> the 256-column length bucket
@@ -58,12 +58,12 @@ CASES = {
         CONTINUOUS, prefill_path="packed", decode_path="fast_eager", decode_fallback_reason=CPU_REASON,
         eager_decode_steps=8, num_slots=4, capacity=256, cache_bytes=4 * 256 * COLUMN_BYTES)),
     # per-call tensors (cuda_graphs off): capacity 64, no static-buffer steps
-    "continuous-per-call": (dict(route="continuous", cuda_graphs=False), 4, dict(
+    "continuous-per-call": ({"route": "continuous", "kernels.cuda_graphs": False}, 4, dict(
         CONTINUOUS, prefill_path="packed", decode_path="fast_eager",
-        decode_fallback_reason="eager fast step: cuda_graphs disabled in RolloutConfig",
+        decode_fallback_reason="eager fast step: kernels.cuda_graphs disabled in RolloutConfig",
         eager_decode_steps=0, num_slots=4, capacity=64, cache_bytes=4 * 64 * COLUMN_BYTES)),
-    "continuous-hf": (dict(route="continuous", fast_decode=False), 4, dict(
-        CONTINUOUS, prefill_path="hf", decode_path="hf", decode_fallback_reason="fast_decode disabled in RolloutConfig",
+    "continuous-hf": ({"route": "continuous", "kernels.fast_decode": False}, 4, dict(
+        CONTINUOUS, prefill_path="hf", decode_path="hf", decode_fallback_reason="kernels.fast_decode disabled in RolloutConfig",
         decode_attention="hf",
         eager_decode_steps=0, num_slots=4, capacity=64, cache_bytes=4 * 64 * COLUMN_BYTES)),
 }
@@ -79,7 +79,7 @@ def prompts():
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_field_has_its_value(name, prompts):
     config, slots, expected = CASES[name]
-    ro = Rollout(tiny_model("qwen2", seed=0), NO_EOS, RolloutConfig(**config))
+    ro = Rollout(tiny_model("qwen2", seed=0), NO_EOS, RolloutConfig().with_settings(config))
     ro.generate(RolloutRequest(*prompts), SamplingConfig(max_new_tokens=5, temperature=0.0, n_samples_per_prompt=2,
                                                          continuous_batch_size=slots))
     stats = ro.last_stats
@@ -105,7 +105,7 @@ def test_eos_checks_are_counted_as_host_syncs(route, slots, interval, checks, sy
     default; every 2nd: 2); the continuous route reads the flags once per scheduler iteration with k = 1
     (10, as above) and, by default (k = 4), after iterations 4 and 8."""
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=1)
-    ro = Rollout(tiny_model("qwen2", seed=0), tok, RolloutConfig(route=route, eos_check_interval=interval))
+    ro = Rollout(tiny_model("qwen2", seed=0), tok, RolloutConfig(route=route, routing=RoutingConfig(eos_check_interval=interval)))
     batch = ro.generate(RolloutRequest(*prompts), SamplingConfig(max_new_tokens=5, temperature=0.0,
                                                                  n_samples_per_prompt=2, continuous_batch_size=slots))
     assert not (batch.input_ids[:, 6:] == 1).any()  # precondition: the EOS id is never generated

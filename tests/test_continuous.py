@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from instrumentation import stages
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, KernelConfig
 from rollout.cache.aligned import AlignedKVCache
 from rollout.cache.pool import CachePool, ScratchArena
 from rollout.cache.static import CacheShape, cache_shape
@@ -378,7 +378,7 @@ def test_static_buffer_decode_equals_the_per_call_path(qwen, sampling):
     eos = staggered_eos(qwen, ids, mask, sampling.max_new_tokens)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
     static = Rollout(qwen, tok, RolloutConfig(route="continuous"))
-    per_call = Rollout(qwen, tok, RolloutConfig(route="continuous", cuda_graphs=False))
+    per_call = Rollout(qwen, tok, RolloutConfig(route="continuous", kernels=KernelConfig(cuda_graphs=False)))
     got = static.generate(RolloutRequest(ids, mask), sampling)
     expected = per_call.generate(RolloutRequest(ids, mask), sampling)
     assert torch.equal(got.input_ids, expected.input_ids)
@@ -420,13 +420,13 @@ def test_cuda_graph_continuous_decode_equals_the_eager_paths_fp32():
     for sampling in (SamplingConfig(max_new_tokens=12, temperature=0.0, continuous_batch_size=3),
                      SamplingConfig(max_new_tokens=12, temperature=1.0, top_p=0.8, seed=2, repetition_penalty=1.3,
                                     n_samples_per_prompt=2, continuous_batch_size=6)):
-        graphs = Rollout(model, tok, RolloutConfig(route="continuous", compile=False))
+        graphs = Rollout(model, tok, RolloutConfig(route="continuous", kernels=KernelConfig(compile=False)))
         got = graphs.generate(RolloutRequest(ids, mask), sampling)
         assert graphs.last_stats["decode_path"] == "graph", graphs.last_stats.get("decode_fallback_reason")
         assert graphs.last_stats["graph_decode_steps"] == graphs.last_stats["decode_forwards"]
-        eager = Rollout(model, tok, RolloutConfig(route="continuous", cuda_graphs=False, compile=False))
+        eager = Rollout(model, tok, RolloutConfig(route="continuous", kernels=KernelConfig(cuda_graphs=False, compile=False)))
         assert torch.equal(got.input_ids, eager.generate(RolloutRequest(ids, mask), sampling).input_ids)
-        hf = Rollout(model, tok, RolloutConfig(route="continuous", fast_decode=False))
+        hf = Rollout(model, tok, RolloutConfig(route="continuous", kernels=KernelConfig(fast_decode=False)))
         assert torch.equal(got.input_ids, hf.generate(RolloutRequest(ids, mask), sampling).input_ids)
         captures = graphs._continuous.graphs.num_captures
         assert torch.equal(graphs.generate(RolloutRequest(ids, mask), sampling).input_ids, got.input_ids)

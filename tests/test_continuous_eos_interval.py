@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, RoutingConfig
 from rollout.request import FINISH_BUDGET, FINISH_EOS
 from rollout.testing import TinyTokenizer
 from tests.conftest import hf_greedy, response_of
@@ -20,7 +20,7 @@ MAX_NEW = 12
 
 def _run(model, ids, mask, eos, interval, sampling):
     ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=eos),
-                 RolloutConfig(route="continuous", eos_check_interval=interval))
+                 RolloutConfig(route="continuous", routing=RoutingConfig(eos_check_interval=interval)))
     return ro.generate(RolloutRequest(ids, mask), sampling), ro.last_stats
 
 

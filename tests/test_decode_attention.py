@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, KernelConfig
 from rollout.ops import decode_attention as da
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 from tests.conftest import hf_greedy, response_of
@@ -108,7 +108,7 @@ def test_step_with_the_kernel_equals_hf_generate(device):
     model = tiny_model("qwen2", seed=5).to(device)
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
     ids, mask = ids.to(device), mask.to(device)
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False)))
     fns = dataclasses.replace(StepFns(), attention=functools.partial(da.attention, interpret=True))
     original = ro._fast_step.parts
     calls = []
@@ -300,7 +300,7 @@ def _eos_setup(device, seed: int):
     model = tiny_model("qwen2", seed=0).to(device)
     ids, mask = random_prompts(6, 9, min_len=1, seed=seed)
     ids, mask = ids.to(device), mask.to(device)
-    free = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False)) \
+    free = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))) \
         .generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0))
     eos = [token for token, _ in Counter(free.input_ids[:, 9:].flatten().tolist()).most_common(6)][3:6]
     return model, ids, mask, eos
@@ -353,7 +353,7 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
     model, ids, mask, eos = _eos_setup(device, seed=3)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
     short_calls = []
-    short = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", cuda_graphs=False)), 1, short_calls,
+    short = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), 1, short_calls,
                          attention=da.sdpa)
     short.generate(RolloutRequest(ids, mask), sampling)
     assert ids.shape[1] < da.MIN_SHARED_PROMPT and short.last_stats.shared_prefix_steps == 0
@@ -362,7 +362,7 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
     outputs, stats = [], []
     for rows in (1, 0):
         calls, lasts = [], []
-        ro = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", cuda_graphs=False)), rows, calls,
+        ro = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), rows, calls,
                           lasts=lasts)
         outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
         stats.append(ro.last_stats)
@@ -375,7 +375,7 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
 
 
 def test_which_steps_share_the_prompt():
-    """Both routes share a prompt's columns in batch buckets of at least ``shared_prefix_rows`` rows, with several
+    """The ordinary route shares a prompt's columns in batch buckets of at least ``shared_prefix_rows`` rows, with several
     samples per prompt, and only while their queries fit one tile."""
     from types import SimpleNamespace
 
@@ -390,74 +390,3 @@ def test_which_steps_share_the_prompt():
     assert not shares_prefix(parts(0), 256, 4)  # off (and SDPA: FastStep leaves it 0)
     assert not shares_prefix(parts(32), 256, 1)  # one sample a prompt: nothing to share
     assert shares_prefix(parts(32), 256, 16) and not shares_prefix(parts(32), 256, 17)  # 17 x 8 > 128 queries
-
-
-@pytest.mark.parametrize("stop_at_front", [True, False])
-def test_continuous_route_stops_at_the_front_when_asked(device, stop_at_front):
-    """``RolloutConfig.continuous_stop_at_front``: the continuous route's static step hands the kernel the front
-    as the last column (its read window is rounded up past it) only when asked; either way, with prompts of
-    different lengths, refills into freed slots and rows ending at different steps, the tokens of HF generate per
-    request (greedy, fp32)."""
-    model, ids, mask, eos = _eos_setup(device, seed=4)
-    calls = []
-    ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=eos),
-                 RolloutConfig(route="continuous", continuous_stop_at_front=stop_at_front))
-    original = ro._fast_step.parts
-
-    def kernel(*args, **kwargs):
-        calls.append(kwargs.get("last"))
-        return da.attention(*args, interpret=True, **kwargs)
-
-    ro._fast_step.parts = lambda dev, mirrored: dataclasses.replace(
-        original(dev, mirrored), fns=dataclasses.replace(original(dev, mirrored).fns, attention=kernel))
-    out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0,
-                                                                continuous_batch_size=3))
-    assert calls and all((last is not None) == stop_at_front for last in calls)
-    assert ro.last_stats.route == "continuous" and ro.last_stats.decode_forwards > 10  # slots were refilled
-    _assert_hf_greedy(out, model, ids, mask, eos, 10, samples=1)
-
-
-@pytest.mark.parametrize("sampling", [
-    SamplingConfig(max_new_tokens=8, temperature=0.0, n_samples_per_prompt=3, continuous_batch_size=6),
-    SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=7, n_samples_per_prompt=3,
-                   continuous_batch_size=6),
-], ids=["greedy", "sampled"])
-def test_continuous_route_reading_each_prompt_once_keeps_every_token(device, sampling, monkeypatch):
-    """``RolloutConfig.continuous_shared_prefix`` (every batch bucket, prompts of any length: ``MIN_SHARED_PROMPT``
-    lowered to 1): with 6 slots for 18 rows (refills admitted at other fronts, so each row's prompt ends at its
-    own column), prompts of different lengths and rows ending at different steps, each row's prompt end handed
-    to the kernel holds exactly its prompt's real columns before it, and the tokens are those of the kernel reading
-    every row's copy (sampled: the samples of a prompt differ, so a prompt end one column late would show) and,
-    greedy, HF generate's per request (fp32)."""
-    model, ids, mask, eos = _eos_setup(device, seed=3)
-    tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
-    real = mask.sum(1).tolist()
-    monkeypatch.setattr("rollout.executors.continuous.executor.MIN_SHARED_PROMPT", 1)
-    outputs, stats, checked = [], [], []
-    for share in (True, False):
-        calls = []
-        ro = Rollout(model, tok, RolloutConfig(route="continuous", continuous_shared_prefix=share))
-        original = ro._fast_step.parts
-
-        def kernel(q, k, v, keep, *args, **kwargs):
-            shared = kwargs.get("shared")
-            calls.append(shared is not None)
-            if shared is not None:  # live rows (padding slots carry the dummy row's id): the prompt's real columns
-                for row, (sample, end) in enumerate(zip(shared.ids.tolist(), shared.end.tolist())):
-                    if sample < 18:
-                        assert int(keep[row, 0, 0, :end].sum()) == real[sample // 3], (row, sample, end)
-                        checked.append(row)
-            return da.attention(q, k, v, keep, *args, interpret=True, **kwargs)
-
-        ro._fast_step.parts = lambda dev, mirrored, original=original, kernel=kernel: dataclasses.replace(
-            original(dev, mirrored), fns=dataclasses.replace(original(dev, mirrored).fns, attention=kernel,
-                                                             shared_prefix_rows=1))
-        outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
-        stats.append(ro.last_stats)
-        assert calls and all(calls) == share and any(calls) == share
-    assert stats[0].route == "continuous" and stats[0].prefill_forwards > 1  # refills
-    assert stats[0].shared_prefix_steps == stats[0].decode_forwards > 0 and stats[1].shared_prefix_steps == 0
-    assert checked
-    _same_tokens_and_hf_greedy(outputs, sampling, model, ids, mask, eos)
-    if not sampling.is_greedy:  # the samples of a prompt differ: sharing a column not the prompt's would show
-        assert any(not torch.equal(outputs[0].input_ids[3 * p], outputs[0].input_ids[3 * p + 1]) for p in range(6))

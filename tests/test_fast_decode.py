@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, KernelConfig
 from rollout.model import step as fast_decode
 from rollout.plan.buckets import batch_bucket, length_bucket
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
@@ -18,8 +18,8 @@ def _parts(model, fns=None):
 
 
 def _paths(model, ids, mask, sampling, **cfg):
-    fast = Rollout(model, TOK, RolloutConfig(**cfg)).generate(RolloutRequest(ids, mask), sampling)
-    slow = Rollout(model, TOK, RolloutConfig(fast_decode=False)).generate(RolloutRequest(ids, mask), sampling)
+    fast = Rollout(model, TOK, RolloutConfig().with_settings(cfg)).generate(RolloutRequest(ids, mask), sampling)
+    slow = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(fast_decode=False))).generate(RolloutRequest(ids, mask), sampling)
     return fast, slow
 
 
@@ -114,7 +114,7 @@ def test_failed_graph_capture_falls_back_to_eager_with_the_reason(route, monkeyp
     ids, mask = random_prompts(5, 9, min_len=1, seed=44)
     sampling = SamplingConfig(max_new_tokens=10, temperature=0.9, top_p=0.9, seed=5, n_samples_per_prompt=2,
                               continuous_batch_size=3 if route == "continuous" else None)
-    want = Rollout(model, TOK, RolloutConfig(route=route, cuda_graphs=False)).generate(RolloutRequest(ids, mask),
+    want = Rollout(model, TOK, RolloutConfig(route=route, kernels=KernelConfig(cuda_graphs=False))).generate(RolloutRequest(ids, mask),
                                                                                        sampling)
     real_choose = decode.choose_decode
 
@@ -149,11 +149,11 @@ def test_cuda_graph_replay_equals_eager_fp32(compile_step):
     ids, mask = random_prompts(6, 10, min_len=2, seed=43, device="cuda")
     for sampling in (SamplingConfig(max_new_tokens=300, temperature=0.0),
                      SamplingConfig(max_new_tokens=20, temperature=1.0, top_p=0.8, seed=1, repetition_penalty=1.2)):
-        ro = Rollout(model, TOK, RolloutConfig(compile=compile_step))
+        ro = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(compile=compile_step)))
         graph = ro.generate(RolloutRequest(ids, mask), sampling)
-        eager = Rollout(model, TOK, RolloutConfig(cuda_graphs=False, compile=False)).generate(
+        eager = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(cuda_graphs=False, compile=False))).generate(
             RolloutRequest(ids, mask), sampling)
-        hf = Rollout(model, TOK, RolloutConfig(fast_decode=False)).generate(RolloutRequest(ids, mask), sampling)
+        hf = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(fast_decode=False))).generate(RolloutRequest(ids, mask), sampling)
         assert torch.equal(graph.input_ids, eager.input_ids)
         assert torch.equal(graph.input_ids, hf.input_ids)
         captures = ro._ordinary.graphs.num_captures

@@ -1,4 +1,4 @@
-"""The fused gate|up projection of our step (``RolloutConfig.fuse_gate_up``, ``rollout.model.step.FusedGateUp``):
+"""The fused gate|up projection of our step (``RolloutConfig.kernels.fuse_gate_up``, ``rollout.model.step.FusedGateUp``):
 the same tokens as two projections and as HF ``generate`` (fp32) on both routes and in prefill, weights changed
 between calls are followed, the copy is counted in ``held_bytes``, announced to the memory budget before it is
 allocated, and dropped with ``keep_cache=False``."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, KernelConfig
 from rollout.model import step
 from rollout.model.step import FusedGateUp, spec_and_weights
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
@@ -33,9 +33,9 @@ def test_same_tokens_as_two_projections_and_hf(family, route):
     model = tiny_model(family, seed=11)
     ids, mask = random_prompts(4, 9, seed=6, vocab_size=model.config.vocab_size, min_len=2)
     sampling = SamplingConfig(max_new_tokens=7, temperature=0.0, continuous_batch_size=2)
-    fused = Rollout(model, NO_EOS, RolloutConfig(route=route, fuse_gate_up=True)).generate(
+    fused = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(fuse_gate_up=True))).generate(
         RolloutRequest(ids, mask), sampling)
-    plain = Rollout(model, NO_EOS, RolloutConfig(route=route, fuse_gate_up=False)).generate(RolloutRequest(ids, mask),
+    plain = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(fuse_gate_up=False))).generate(RolloutRequest(ids, mask),
                                                                                             sampling)
     assert torch.equal(fused.input_ids, plain.input_ids)
     for row in range(ids.shape[0]):
@@ -59,7 +59,7 @@ def test_the_fused_piece_runs_in_decode_and_prefill(monkeypatch):
     sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
     for fuse in (True, False):
         calls.update(fused=0, plain=0)
-        ro = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", fuse_gate_up=fuse))
+        ro = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_gate_up=fuse)))
         with_step_pieces(ro, attention_output_and_gate_up_mlp=count("fused", fused_piece),
                          attention_output_and_mlp=count("plain", plain_piece))
         ro.generate(RolloutRequest(ids, mask), sampling)
@@ -75,7 +75,7 @@ def test_weights_changed_between_calls_are_followed():
     model = tiny_model("llama", seed=13)
     ids, mask = random_prompts(3, 8, seed=4, vocab_size=model.config.vocab_size, min_len=3)
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.0)
-    ro = Rollout(model, NO_EOS, RolloutConfig(fuse_gate_up=True))
+    ro = Rollout(model, NO_EOS, RolloutConfig(kernels=KernelConfig(fuse_gate_up=True)))
     before = ro.generate(RolloutRequest(ids, mask), sampling)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -91,15 +91,15 @@ def test_copies_are_announced_before_allocation_held_and_dropped(family):
     model = tiny_model(family, seed=14)
     ids, mask = random_prompts(2, 6, seed=5, vocab_size=model.config.vocab_size, min_len=2)
     sampling = SamplingConfig(max_new_tokens=3, temperature=0.0)
-    ro = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", fuse_gate_up=True))
+    ro = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_gate_up=True)))
     assert ro._fast_step.new_copy_bytes() == _gate_up_bytes(model) + _qkv_bytes(model)
     ro.generate(RolloutRequest(ids, mask), sampling)
     assert ro._fast_step.nbytes == _gate_up_bytes(model) + _qkv_bytes(model)
     assert ro._fast_step.new_copy_bytes() == 0  # held: the next call allocates nothing new
-    plain = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", fuse_gate_up=False))
+    plain = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_gate_up=False)))
     plain.generate(RolloutRequest(ids, mask), sampling)
     assert ro.held_bytes - plain.held_bytes == _gate_up_bytes(model)
-    loose = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", keep_cache=False, fuse_gate_up=True))
+    loose = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", keep_cache=False, kernels=KernelConfig(fuse_gate_up=True)))
     loose.generate(RolloutRequest(ids, mask), sampling)
     assert loose.held_bytes == 0 and loose._fast_step.new_copy_bytes() == _gate_up_bytes(model) + _qkv_bytes(model)
 
@@ -113,15 +113,15 @@ def test_the_budget_counts_copies_not_yet_held(monkeypatch):
     model = tiny_model("qwen2", seed=15)
     ids, mask = random_prompts(2, 6, seed=5, vocab_size=model.config.vocab_size, min_len=2)
     sampling = SamplingConfig(max_new_tokens=3, temperature=0.0)
-    probe = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", fuse_qkv=False, fuse_gate_up=False))
+    probe = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=False)))
     monkeypatch.setattr(engine, "free_device_bytes", lambda device: 10**12)
     probe.generate(RolloutRequest(ids, mask), sampling)
     need = probe._pool.nbytes + 64 * 1024  # the cache plus a margin for the per-row buffers
     free = need + _gate_up_bytes(model) // 2
     monkeypatch.setattr(engine, "free_device_bytes", lambda device: free)
-    Rollout(model, NO_EOS, RolloutConfig(route="ordinary", fuse_qkv=False, fuse_gate_up=False)).generate(
+    Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=False))).generate(
         RolloutRequest(ids, mask), sampling)
-    fused = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", fuse_qkv=False, fuse_gate_up=True))
+    fused = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=True)))
     with pytest.raises(ValueError, match="max_cache_gib"):
         fused.generate(RolloutRequest(ids, mask), sampling)
     assert fused._fast_step.nbytes == 0 and fused._pool.nbytes == 0  # nothing was allocated

@@ -17,7 +17,7 @@ from scipy.stats import chisquare
 from transformers.generation.logits_process import TopPLogitsWarper
 
 import rollout.ops as ops_pkg
-from rollout.config import SamplingConfig
+from rollout.config import SamplerConfig, SamplingConfig
 from rollout.ops import fused_nucleus
 from rollout.ops.sampling import Sampler, SamplerKey, _select, sampler_key
 
@@ -208,7 +208,7 @@ def test_chunk_tokens_of_a_call_override_the_default(interpreted, monkeypatch):
 
 
 def test_the_rollout_config_reaches_the_kernel(monkeypatch):
-    """``RolloutConfig.sampler_chunk_tokens`` -> ``sampler_fn`` -> ``Sampler`` -> ``sample_top_p``."""
+    """``RolloutConfig.sampler.chunk_tokens`` -> ``sampler_fn`` -> ``Sampler`` -> ``sample_top_p``."""
     from rollout import Rollout, RolloutConfig, RolloutRequest
     from rollout import engine
     from rollout.testing import TinyTokenizer, tiny_model
@@ -217,7 +217,7 @@ def test_the_rollout_config_reaches_the_kernel(monkeypatch):
     real = engine.sampler_fn
     monkeypatch.setattr(engine, "sampler_fn", lambda *a, **k: made.append(k.get("chunk_tokens")) or real(*a, **k))
     ro = Rollout(tiny_model("qwen2", seed=0), TinyTokenizer(pad_token_id=0, eos_token_id=None),
-                 RolloutConfig(sampler_chunk_tokens=4096))
+                 RolloutConfig(sampler=SamplerConfig(chunk_tokens=4096)))
     ids = torch.tensor([[5, 6, 7]])
     ro.generate(RolloutRequest(ids, torch.ones_like(ids)), SamplingConfig(max_new_tokens=2, temperature=1.0,
                                                                            top_p=0.9, seed=3))

@@ -1,4 +1,4 @@
-"""The fused q|k|v projection of our step (``RolloutConfig.fuse_qkv``, ``rollout.model.step.FusedQKV``): the
+"""The fused q|k|v projection of our step (``RolloutConfig.kernels.fuse_qkv``, ``rollout.model.step.FusedQKV``): the
 same tokens as three projections and as HF ``generate`` (fp32), weights changed between calls are followed,
 its copy is counted in ``held_bytes`` and dropped with ``keep_cache=False``."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, KernelConfig
 from rollout.model.step import FusedQKV, spec_and_weights
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 from tests.conftest import hf_greedy, response_of
@@ -30,7 +30,7 @@ def test_same_tokens_as_three_projections_and_hf(family, route):
     ids, mask = random_prompts(4, 9, seed=3, vocab_size=model.config.vocab_size, min_len=2)
     sampling = SamplingConfig(max_new_tokens=7, temperature=0.0, continuous_batch_size=2)
     fused = Rollout(model, NO_EOS, RolloutConfig(route=route)).generate(RolloutRequest(ids, mask), sampling)
-    plain = Rollout(model, NO_EOS, RolloutConfig(route=route, fuse_qkv=False)).generate(RolloutRequest(ids, mask),
+    plain = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(fuse_qkv=False))).generate(RolloutRequest(ids, mask),
                                                                                         sampling)
     assert torch.equal(fused.input_ids, plain.input_ids)
     for row in range(ids.shape[0]):
@@ -50,7 +50,7 @@ def test_weights_changed_between_calls_are_followed():
             layer.self_attn.k_proj.weight.mul_(-3.0)
             layer.self_attn.v_proj.bias.add_(0.5)
     after = ro.generate(RolloutRequest(ids, mask), sampling)
-    fresh = Rollout(model, NO_EOS, RolloutConfig(fuse_qkv=False)).generate(RolloutRequest(ids, mask), sampling)
+    fresh = Rollout(model, NO_EOS, RolloutConfig(kernels=KernelConfig(fuse_qkv=False))).generate(RolloutRequest(ids, mask), sampling)
     assert torch.equal(after.input_ids, fresh.input_ids)
     assert not torch.equal(after.input_ids, before.input_ids)
     for row in range(ids.shape[0]):
@@ -61,10 +61,10 @@ def test_held_bytes_count_the_copy_and_keep_cache_false_drops_it():
     model = tiny_model("qwen2", seed=7)
     ids, mask = random_prompts(2, 6, seed=5, vocab_size=model.config.vocab_size, min_len=2)
     sampling = SamplingConfig(max_new_tokens=3, temperature=0.0)
-    kept = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", fuse_gate_up=False))
+    kept = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_gate_up=False)))
     kept.generate(RolloutRequest(ids, mask), sampling)
     assert kept._fast_step.nbytes == _qkv_bytes(model)
-    unfused = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", fuse_qkv=False, fuse_gate_up=False))
+    unfused = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=False)))
     unfused.generate(RolloutRequest(ids, mask), sampling)
     assert kept.held_bytes - unfused.held_bytes == _qkv_bytes(model)
     loose = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", keep_cache=False))
@@ -91,7 +91,7 @@ def test_fused_copy_layout_and_reuse():
 
 
 def test_compile_mode_reaches_torch_compile(monkeypatch):
-    """``RolloutConfig.compile_mode`` is the mode every compiled piece of the step is built with (on CUDA;
+    """``RolloutConfig.kernels.compile_mode`` is the mode every compiled piece of the step is built with (on CUDA;
     checked here through the pieces a CUDA call would read, with torch.compile recorded)."""
     from rollout.executors.decode import FastStep
     from rollout.model import step
@@ -106,7 +106,7 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     step.compiled_step_fns.cache_clear()
     try:
         model = tiny_model("qwen2", seed=0)
-        ro = Rollout(model, TinyTokenizer(), RolloutConfig(compile_mode="max-autotune-no-cudagraphs"))
+        ro = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(compile_mode="max-autotune-no-cudagraphs")))
         parts = ro._fast_step.parts(torch.device("cuda"), mirrored=False)  # no CUDA needed to build them
         assert {mode for _, mode in seen} == {"max-autotune-no-cudagraphs"}
         assert parts.fns.attention_output_and_mlp is step.attention_output_and_mlp  # the recorder's output
@@ -122,7 +122,7 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
 
 @pytest.mark.parametrize("attention,kv_write", [("triton", True), ("sdpa", False), ("triton", False)])
 def test_step_pieces_follow_the_config(monkeypatch, attention, kv_write):
-    """``RolloutConfig.decode_attention`` and ``fused_kv_write`` decide the pieces a CUDA call's step runs:
+    """``RolloutConfig.kernels.decode_attention`` and ``fused_kv_write`` decide the pieces a CUDA call's step runs:
     the Triton attention (where triton imports) or SDPA, and the compiled q|k|v piece that writes k and v
     or none; on the CPU the step keeps SDPA and the separate writes."""
     pytest.importorskip("triton")
@@ -133,7 +133,7 @@ def test_step_pieces_follow_the_config(monkeypatch, attention, kv_write):
     step.compiled_step_fns.cache_clear()
     try:
         ro = Rollout(tiny_model("qwen2", seed=0), TinyTokenizer(),
-                     RolloutConfig(decode_attention=attention, fused_kv_write=kv_write))
+                     RolloutConfig(kernels=KernelConfig(decode_attention=attention, fused_kv_write=kv_write)))
         cuda = ro._fast_step.parts(torch.device("cuda"), mirrored=False)  # no CUDA needed to build them
         assert cuda.fns.attention is (decode_attention.attention if attention == "triton" else step.decode_attention)
         assert cuda.fns.attention_inputs_qkv_write is (step.attention_inputs_qkv_write if kv_write else None)

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, KernelConfig, RoutingConfig
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -20,7 +20,7 @@ def ragged_eos(model, ids, mask, max_new: int = 40, samples: int = 3) -> list[in
     none at all. The free run has the tests' config (compile=False) and batch shape (``samples`` per
     prompt): up to the first compaction a call with these EOS ids computes exactly the same steps, so
     their tokens, and the compaction, follow (fp32 GEMMs of other shapes can round near-ties otherwise)."""
-    free = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=None), RolloutConfig(compile=False)).generate(
+    free = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=None), RolloutConfig(kernels=KernelConfig(compile=False))).generate(
         RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=max_new, temperature=0.0,
                                                   n_samples_per_prompt=samples))
     generated = free.input_ids[:, ids.shape[1]:].cpu()
@@ -62,7 +62,7 @@ def test_one_graph_launch_per_decode_step(setup, monkeypatch, route, slots):
     # greedy on the ordinary route: rows end at the EOS tokens' steps, so the batch surely shrinks
     sampling = SamplingConfig(max_new_tokens=40, temperature=0.0 if route == "ordinary" else 1.0, top_p=0.9,
                               seed=1, n_samples_per_prompt=3, continuous_batch_size=slots)
-    ro = Rollout(model, tok, RolloutConfig(route=route, compile=False))
+    ro = Rollout(model, tok, RolloutConfig(route=route, kernels=KernelConfig(compile=False)))
     ro.generate(RolloutRequest(ids, mask), sampling)  # captures
     replays = _count_replays(monkeypatch)
     ro.generate(RolloutRequest(ids, mask), sampling)
@@ -83,7 +83,7 @@ def test_decode_host_syncs_are_the_eos_checks(setup, monkeypatch):
     which must read a live EOS tensor (a per-call tensor freed after the first call left rows unfinished:
     no compaction, every step run; fixed 2026-12-01)."""
     model, ids, mask, tok = setup
-    ro = Rollout(model, tok, RolloutConfig(compile=False))
+    ro = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(compile=False)))
     waits = []
     original = torch.cuda.Event.synchronize
 
@@ -122,12 +122,12 @@ def test_graph_decode_with_compaction_equals_eager_and_hf_fp32(setup, n):
     for sampling in (SamplingConfig(max_new_tokens=40, temperature=0.0, n_samples_per_prompt=n),
                      SamplingConfig(max_new_tokens=40, temperature=1.0, top_k=100, top_p=0.8, seed=2,
                                     repetition_penalty=1.2, n_samples_per_prompt=n)):
-        graph = Rollout(model, tok, RolloutConfig(compile=False))
+        graph = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(compile=False)))
         got = graph.generate(RolloutRequest(ids, mask), sampling)
         assert graph.last_stats.decode_path == "graph", graph.last_stats.decode_fallback_reason
         assert graph.last_stats.decode_attention == "triton"  # the default: our kernel inside the graphs
-        eager = Rollout(model, tok, RolloutConfig(cuda_graphs=False, compile=False))
-        hf = Rollout(model, tok, RolloutConfig(fast_decode=False))
+        eager = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(cuda_graphs=False, compile=False)))
+        hf = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(fast_decode=False)))
         assert torch.equal(got.input_ids, eager.generate(RolloutRequest(ids, mask), sampling).input_ids)
         assert torch.equal(got.input_ids, hf.generate(RolloutRequest(ids, mask), sampling).input_ids)
 
@@ -143,7 +143,7 @@ def test_continuous_eos_check_interval_on_graphs(setup):
                                     continuous_batch_size=24)):
         outs = {}
         for interval in (1, 4):
-            ro = Rollout(model, tok, RolloutConfig(route="continuous", compile=False, eos_check_interval=interval))
+            ro = Rollout(model, tok, RolloutConfig(route="continuous", kernels=KernelConfig(compile=False), routing=RoutingConfig(eos_check_interval=interval)))
             outs[interval] = ro.generate(RolloutRequest(ids, mask), sampling)
             stats = ro.last_stats
             assert stats.decode_path == "graph", stats.decode_fallback_reason
@@ -157,7 +157,7 @@ def test_continuous_eos_check_interval_on_graphs(setup):
 
 
 def _same_tokens_for_each(setup, route, slots, field, values, check=None, **fixed):
-    """Greedy and seeded top-p calls (fp32, graphs, both samples of every prompt) with ``RolloutConfig`` field
+    """Greedy and seeded top-p calls (fp32, graphs, both samples of every prompt) with ``RolloutConfig.kernels`` field
     ``field`` at each of ``values`` (``fixed``: the other fields) give the same tokens; ``check(ro, value)`` runs
     after each call."""
     model, ids, mask, tok = setup
@@ -167,7 +167,8 @@ def _same_tokens_for_each(setup, route, slots, field, values, check=None, **fixe
                                     continuous_batch_size=slots)):
         outs = []
         for value in values:
-            ro = Rollout(model, tok, RolloutConfig(route=route, **fixed, **{field: value}))
+            settings = {f"kernels.{name}": fixed_value for name, fixed_value in fixed.items()}
+            ro = Rollout(model, tok, RolloutConfig(route=route).with_settings({**settings, f"kernels.{field}": value}))
             outs.append(ro.generate(RolloutRequest(ids, mask), sampling).input_ids)
             assert ro.last_stats.decode_path == "graph", ro.last_stats.decode_fallback_reason
             if check is not None:
@@ -202,17 +203,6 @@ def test_rotary_kernel_gives_the_same_tokens_fp32(setup, route, slots):
     """``rotary_kernel``: the same greedy and seeded-sampled tokens in fp32 as inductor's rotary and cache
     writes, captured in graphs on both routes (compaction and refills included)."""
     _same_tokens_for_each(setup, route, slots, "rotary_kernel", (True, False))
-
-
-@cuda
-@ROUTES_AND_SLOTS
-def test_split_k_gives_the_same_tokens_fp32(setup, route, slots):
-    """``split_k_rows``: the same greedy and seeded-sampled tokens in fp32 with o and down as split-K GEMMs at
-    every batch (the skinny o kernel off, so that small batches take it too), captured in graphs on both
-    routes."""
-    def reports(ro, rows):
-        assert ro._fast_step.parts(torch.device("cuda"), mirrored=True).fns.split_k_rows == rows
-    _same_tokens_for_each(setup, route, slots, "split_k_rows", (1, 0), reports, skinny_rows=0)
 
 
 @cuda

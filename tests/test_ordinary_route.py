@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, KernelConfig, RoutingConfig
 from rollout.executors.ordinary.order import RowOrder
 from rollout.plan.layout import PromptLayout
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
@@ -49,7 +49,7 @@ def test_compaction_keeps_every_token(model, prompts, frequent_eos, sampling):
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=frequent_eos)
     fast = Rollout(model, tok, RolloutConfig())
     got = fast.generate(RolloutRequest(*prompts), sampling)
-    hf = Rollout(model, tok, RolloutConfig(fast_decode=False))
+    hf = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(fast_decode=False)))
     want = hf.generate(RolloutRequest(*prompts), sampling)
     continuous = Rollout(model, tok, RolloutConfig(route="continuous")).generate(RolloutRequest(*prompts), sampling)
     assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.attention_mask, want.attention_mask)
@@ -68,7 +68,7 @@ def test_compaction_checks_once_per_eos_check_interval(model, prompts, frequent_
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=frequent_eos)
     sampling = SamplingConfig(max_new_tokens=30, temperature=0.0, n_samples_per_prompt=3)
     every = Rollout(model, tok, RolloutConfig())
-    sparse = Rollout(model, tok, RolloutConfig(eos_check_interval=4))
+    sparse = Rollout(model, tok, RolloutConfig(routing=RoutingConfig(eos_check_interval=4)))
     assert torch.equal(every.generate(RolloutRequest(*prompts), sampling).input_ids,
                        sparse.generate(RolloutRequest(*prompts), sampling).input_ids)
     assert sparse.last_stats.host_syncs < every.last_stats.host_syncs
@@ -98,7 +98,7 @@ def test_shared_prefill_with_planned_buckets(model, fast_prefill):
     costs = CostModel.from_model(model, prefill_fixed_cost_ms=0.0, prefill_group_cost_ms=0.0,
                                  prefill_attention_cost_ms=10.0)
     sampling = SamplingConfig(max_new_tokens=5, temperature=0.0, n_samples_per_prompt=2)
-    auto = Rollout(model, NO_EOS, RolloutConfig(route="auto", cost_model=costs, fast_prefill=fast_prefill))
+    auto = Rollout(model, NO_EOS, RolloutConfig(route="auto", routing=RoutingConfig(cost_model=costs), kernels=KernelConfig(fast_prefill=fast_prefill)))
     got = auto.generate(RolloutRequest(ids, mask), sampling)
     assert auto.last_stats.prefill_buckets >= 2 and auto.last_stats.prefill_rows == 6
     for row in range(12):
@@ -124,7 +124,7 @@ def test_continuous_refills_come_in_waves(model, prompts, frequent_eos, monkeypa
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=frequent_eos)
     sampling = SamplingConfig(max_new_tokens=30, temperature=0.0, continuous_batch_size=16)
     # EOS checks every step: with the default (every 4th) retirements already come 4 steps apart
-    config = RolloutConfig(route="continuous", eos_check_interval=1)
+    config = RolloutConfig(route="continuous", routing=RoutingConfig(eos_check_interval=1))
     waves = Rollout(model, tok, config)
     got = waves.generate(RolloutRequest(*prompts), sampling)
     monkeypatch.setattr(loop, "refill_threshold", lambda slots, n: n)
@@ -147,9 +147,9 @@ def test_late_eos_count_cuts_the_overrun_steps(model, prompts, interval, late):
     overruns = []
     for max_new in range(2, 9):
         sampling = SamplingConfig(max_new_tokens=max_new, temperature=0.0)
-        fast = Rollout(model, tok, RolloutConfig(eos_check_interval=interval, late_eos_count=late))
+        fast = Rollout(model, tok, RolloutConfig(routing=RoutingConfig(eos_check_interval=interval, late_eos_count=late)))
         got = fast.generate(RolloutRequest(*prompts), sampling)
-        want = Rollout(model, tok, RolloutConfig(fast_decode=False, eos_check_interval=interval)).generate(
+        want = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(fast_decode=False), routing=RoutingConfig(eos_check_interval=interval))).generate(
             RolloutRequest(*prompts), sampling)
         assert fast.last_stats.decode_path == "fast_eager"
         assert torch.equal(got.input_ids, want.input_ids), (interval, max_new)

@@ -45,12 +45,12 @@ SEED = 1234
 #: name -> (RolloutConfig kwargs, SamplingConfig kwargs).
 PATHS = {
     "ordinary": (dict(route="ordinary"), {}),
-    "ordinary-hf-decode": (dict(route="ordinary", fast_decode=False), {}),
-    "ordinary-hf-prefill": (dict(route="ordinary", fast_prefill=False), {}),
+    "ordinary-hf-decode": ({'route': "ordinary", 'kernels.fast_decode': False}, {}),
+    "ordinary-hf-prefill": ({'route': "ordinary", 'kernels.fast_prefill': False}, {}),
     "continuous": (dict(route="continuous"), {}),
     "continuous-2-slots": (dict(route="continuous"), dict(continuous_batch_size=2)),
-    "continuous-hf-decode": (dict(route="continuous", fast_decode=False), dict(continuous_batch_size=3)),
-    "continuous-hf-prefill": (dict(route="continuous", fast_prefill=False), dict(continuous_batch_size=2)),
+    "continuous-hf-decode": ({'route': "continuous", 'kernels.fast_decode': False}, dict(continuous_batch_size=3)),
+    "continuous-hf-prefill": ({'route': "continuous", 'kernels.fast_prefill': False}, dict(continuous_batch_size=2)),
     "auto": (dict(route="auto"), {}),
     "auto-2-slots": (dict(route="auto"), dict(continuous_batch_size=2)),
 }
@@ -93,7 +93,7 @@ def oracle(smollm2, prompts):
 def _generate(smollm2, prompts, path: str, **sampling):
     model, tokenizer = smollm2
     rollout_kwargs, sampling_kwargs = PATHS[path]
-    ro = Rollout(model, tokenizer, RolloutConfig(**rollout_kwargs))
+    ro = Rollout(model, tokenizer, RolloutConfig().with_settings(rollout_kwargs))
     return ro.generate(RolloutRequest(*prompts), SamplingConfig(**{**sampling_kwargs, **sampling}))
 
 

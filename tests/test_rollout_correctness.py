@@ -14,7 +14,7 @@ NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
 
 
 def _rollout(model, tokenizer=NO_EOS, **cfg):
-    return Rollout(model, tokenizer, RolloutConfig(**cfg))
+    return Rollout(model, tokenizer, RolloutConfig().with_settings(cfg))
 
 
 def _check_rows_match_hf(model, batch, ids, mask, n, max_new, eos=None, pad=0):

@@ -2,7 +2,7 @@
 Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest without CUDA), on CUDA compiled. It equals the
 compiled step's arithmetic (fp32 rotary, rounded once) for q, the written k and v, and leaves every other
 cache column alone; the step built on it gives HF generate's greedy tokens (fp32); inputs it does not handle
-take the PyTorch path; ``RolloutConfig.rotary_kernel`` decides whether the step uses it."""
+take the PyTorch path; ``RolloutConfig.kernels.rotary_kernel`` decides whether the step uses it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, KernelConfig
 from rollout.model.step import _rotate, rotary
 from rollout.ops import rotary_write as rw
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
@@ -97,7 +97,7 @@ def test_step_with_the_kernel_equals_hf_generate(device, family):
     model = tiny_model(family, seed=5).to(device)
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
     ids, mask = ids.to(device), mask.to(device)
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False)))
     calls = []
 
     def counted(*args, **kwargs):
@@ -114,7 +114,7 @@ def test_step_with_the_kernel_equals_hf_generate(device, family):
 
 @pytest.mark.parametrize("setting", [True, False])
 def test_config_decides_the_piece(monkeypatch, setting):
-    """``RolloutConfig.rotary_kernel`` puts the kernel in a CUDA call's step (built without a GPU here); never on
+    """``RolloutConfig.kernels.rotary_kernel`` puts the kernel in a CUDA call's step (built without a GPU here); never on
     the CPU, nor without fused q|k|v."""
     pytest.importorskip("triton")
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
@@ -122,11 +122,11 @@ def test_config_decides_the_piece(monkeypatch, setting):
     step.compiled_step_fns.cache_clear()
     try:
         model = tiny_model("qwen2", seed=0)
-        ro = Rollout(model, TinyTokenizer(), RolloutConfig(rotary_kernel=setting))
+        ro = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(rotary_kernel=setting)))
         cuda = ro._fast_step.parts(torch.device("cuda"), mirrored=False)
         assert cuda.fns.rotary_write is (rw.rotary_write if setting else None)
         assert ro._fast_step.parts(torch.device("cpu"), mirrored=False).fns.rotary_write is None
-        unfused = Rollout(model, TinyTokenizer(), RolloutConfig(rotary_kernel=setting, fuse_qkv=False))
+        unfused = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(rotary_kernel=setting, fuse_qkv=False)))
         assert unfused._fast_step.parts(torch.device("cuda"), mirrored=False).fns.rotary_write is None
     finally:
         step.compiled_step_fns.cache_clear()

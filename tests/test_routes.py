@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, KernelConfig, RoutingConfig
 from rollout.plan.layout import PromptLayout, check_gather
 from rollout.plan.planner import CostModel
 from rollout.plan.routes import choose_route
@@ -47,7 +47,7 @@ def test_greedy_tokens_equal_hf_per_request_on_every_route(model, route, slots, 
     ids, mask = _skewed([30, 3, 4, 2, 17, 5, 3], seed=1)
     eos = _eos_for(model, ids, mask)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
-    cfg = RolloutConfig(route=route, cost_model=CostModel.from_model(model, **CHEAP_FIXED), fast_prefill=fast_prefill)
+    cfg = RolloutConfig(route=route, routing=RoutingConfig(cost_model=CostModel.from_model(model, **CHEAP_FIXED)), kernels=KernelConfig(fast_prefill=fast_prefill))
     ro = Rollout(model, tok, cfg)
     batch = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0,
                                                                   continuous_batch_size=slots))
@@ -84,7 +84,7 @@ def test_routes_agree_on_samples_and_penalties(model, sampling):
     costs = CostModel.from_model(model, **CHEAP_FIXED)
     outs = {}
     for route, slots in (("ordinary", None), ("auto", None), ("continuous", None), ("continuous", 3)):
-        ro = Rollout(model, tok, RolloutConfig(route=route, cost_model=costs))
+        ro = Rollout(model, tok, RolloutConfig(route=route, routing=RoutingConfig(cost_model=costs)))
         cfg = SamplingConfig(max_new_tokens=8, continuous_batch_size=slots, **sampling)
         outs[(route, slots)] = ro.generate(RolloutRequest(ids, mask), cfg).input_ids
     reference = outs[("ordinary", None)]
@@ -175,7 +175,7 @@ def test_mismatched_calibration_file_is_refused(model, tmp_path):
     meta = calibration_metadata(model, torch.device("cpu"), torch.bfloat16)  # the model runs in fp32
     save_calibration(tmp_path / "costs.json", CostModel(), meta)
     ro = Rollout(model, TinyTokenizer(eos_token_id=None),
-                 RolloutConfig(route="auto", cost_model=str(tmp_path / "costs.json")))
+                 RolloutConfig(route="auto", routing=RoutingConfig(cost_model=str(tmp_path / "costs.json"))))
     ids, mask = _skewed([5, 2], seed=4)
     with pytest.raises(ValueError, match="dtype"):
         ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=2))
@@ -184,7 +184,7 @@ def test_mismatched_calibration_file_is_refused(model, tmp_path):
 def test_continuous_route_decodes_through_the_fast_step_and_reports_it(model):
     ids, mask = _skewed([9, 3, 5], seed=5)
     fast = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="continuous"))
-    slow = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="continuous", fast_decode=False))
+    slow = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="continuous", kernels=KernelConfig(fast_decode=False)))
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, continuous_batch_size=2)
     assert torch.equal(fast.generate(RolloutRequest(ids, mask), sampling).input_ids,
                        slow.generate(RolloutRequest(ids, mask), sampling).input_ids)

@@ -2,7 +2,7 @@
 (``TRITON_INTERPRET=1``, set by conftest without CUDA), on CUDA compiled. Each fused form (RMSNorm first, bias,
 SiLU·mul over a gate|up weight, residual add) equals the step's own arithmetic; uneven shapes and every launch
 shape give the same result; inputs it does not take run in PyTorch, bad ones are refused; the step built on it
-gives HF generate's greedy tokens (fp32) with each layer's o projection on the kernel; ``RolloutConfig.skinny_rows``
+gives HF generate's greedy tokens (fp32) with each layer's o projection on the kernel; ``RolloutConfig.kernels.skinny_rows``
 decides where it runs."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, KernelConfig
 from rollout.ops import rotary_write as rw
 from rollout.ops import skinny_linear as sl
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
@@ -137,7 +137,7 @@ def test_step_with_the_kernels_equals_hf_generate(device, family):
     model = tiny_model(family, seed=5).to(device)
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
     ids, mask = ids.to(device), mask.to(device)
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False)))
     calls = []
     _with_skinny(ro, 8, calls)
     out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6, temperature=0.0))
@@ -153,7 +153,7 @@ def test_step_with_the_kernels_equals_hf_generate(device, family):
 def test_batches_above_the_limit_keep_the_compiled_pieces(device):
     model = tiny_model("qwen2", seed=6).to(device)
     ids, mask = random_prompts(4, 6, min_len=2, seed=2)
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", cuda_graphs=False))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False)))
     calls = []
     _with_skinny(ro, 3, calls)  # 4 rows > 3
     ro.generate(RolloutRequest(ids.to(device), mask.to(device)), SamplingConfig(max_new_tokens=4, temperature=0.0))
@@ -164,7 +164,7 @@ def test_batches_above_the_limit_keep_the_compiled_pieces(device):
                                                           (0, True, True, None), (16, False, True, None),
                                                           (16, True, False, None)])
 def test_config_decides_the_piece(monkeypatch, rows, rotary, gate_up, expected):
-    """``RolloutConfig.skinny_rows`` puts the kernels in a CUDA call's step (built without a GPU here), capped at
+    """``RolloutConfig.kernels.skinny_rows`` puts the kernels in a CUDA call's step (built without a GPU here), capped at
     ``MAX_ROWS``; only with the rotary kernel and fused gate|up, never on the CPU."""
     pytest.importorskip("triton")
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
@@ -172,7 +172,7 @@ def test_config_decides_the_piece(monkeypatch, rows, rotary, gate_up, expected):
     step.compiled_step_fns.cache_clear()
     try:
         ro = Rollout(tiny_model("qwen2", seed=0), TinyTokenizer(),
-                     RolloutConfig(skinny_rows=rows, rotary_kernel=rotary, fuse_gate_up=gate_up))
+                     RolloutConfig(kernels=KernelConfig(skinny_rows=rows, rotary_kernel=rotary, fuse_gate_up=gate_up)))
         fns = ro._fast_step.parts(torch.device("cuda"), mirrored=False).fns
         if expected is None:
             assert fns.skinny_linear is None

@@ -1,4 +1,4 @@
-"""The BLAS backend a rollout call's GEMMs run on (``RolloutConfig.blas_library``).
+"""The BLAS backend a rollout call's GEMMs run on (``RolloutConfig.kernels.blas_library``).
 
 PyTorch picks cuBLAS or cuBLASLt for its matrix products from one process-wide setting
 (``torch.backends.cuda.preferred_blas_library``). A call sets the backend its config asks for while it runs

@@ -67,7 +67,7 @@ class CallContext:
     cost_model: CostModel
     """What prefill buckets are planned on (``rollout.model.costs.cost_model_for``)."""
     max_prefill_tokens: Optional[int] = DEFAULT_MAX_TOKENS
-    """Padded tokens per planned prefill forward (``RolloutConfig.max_prefill_tokens``)."""
+    """Padded tokens per planned prefill forward (``RolloutConfig.routing.max_prefill_tokens``)."""
     eos_check_interval: int = 1
     """Ordinary route: decode steps between the "anyone still running?" checks (one host sync each)."""
     stage: StageFn = no_stage
@@ -80,14 +80,9 @@ class CallContext:
     """Token selection (``rollout.ops.sampling.sampler_fn``; compiled on CUDA); None: the eager one."""
     prefill_graphs: Optional[object] = None
     """Captured prefill passes (``rollout.executors.prefill_graph.PrefillGraphs``) where
-    ``RolloutConfig.prefill_graph_tokens`` asks for them, else None."""
+    ``RolloutConfig.kernels.prefill_graph_tokens`` asks for them, else None."""
     late_eos_count: bool = True
-    """Ordinary route, static buffers: a check reads the previous check's count (``RolloutConfig.late_eos_count``)."""
-    continuous_stop_at_front: bool = False
-    """Continuous route, static buffers: the attention stops at the front (``RolloutConfig.continuous_stop_at_front``)."""
-    continuous_shared_prefix: bool = False
-    """Continuous route, static buffers: a prompt's samples read its columns once
-    (``RolloutConfig.continuous_shared_prefix``)."""
+    """Ordinary route, static buffers: a check reads the previous check's count (``RolloutConfig.routing.late_eos_count``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingConfig):

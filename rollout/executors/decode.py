@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from rollout.config import RolloutConfig
+from rollout.config import KernelConfig, RolloutConfig
 from rollout.model import prefill
 from rollout.ops import decode_attention, rotary_write, skinny_linear
 from rollout.model.step import FusedGateUp, FusedQKV, StepFns, StepParts, WeightMirror, compiled_step_fns, spec_and_weights, \
@@ -43,7 +43,7 @@ class DecodeChoice:
     """The decode step's attention (``CallStats.decode_attention``): ``"triton"``, ``"sdpa"``, or ``"hf"`` on
     the HF path."""
     cuda_graphs: bool = True
-    """``RolloutConfig.cuda_graphs``: with it off the continuous route decodes from per-call tensors
+    """``RolloutConfig.kernels.cuda_graphs``: with it off the continuous route decodes from per-call tensors
     (nothing kept between calls) instead of its graph-ready static buffers."""
 
     @property
@@ -54,28 +54,13 @@ class DecodeChoice:
 class FastStep:
     """Our fused step for one model: ``StepParts`` read at each call (weights may move between calls)."""
 
-    def __init__(self, model: torch.nn.Module, use_compile: bool, mirror_weights: bool, fuse_qkv: bool = True,
-                 compile_mode: Optional[str] = None, attention: str = "sdpa", kv_write: bool = False,
-                 fuse_gate_up: bool = False, rotary_kernel: bool = False, skinny_rows: int = 0,
-                 split_k_rows: int = 0, shared_prefix_rows: int = 0):
+    def __init__(self, model: torch.nn.Module, kernels: KernelConfig, mirror_weights: bool):
         self.model = model
-        self.use_compile = use_compile
-        self.compile_mode = compile_mode
-        self.attention = attention
-        """``RolloutConfig.decode_attention``."""
-        self.kv_write = kv_write
-        """``RolloutConfig.fused_kv_write`` (compiled pieces with fused q|k|v only)."""
+        self.kernels = kernels
+        """``RolloutConfig.kernels``: which pieces the step runs (each where its device allows)."""
         self.mirror = WeightMirror() if mirror_weights else None
-        self.fused_qkv = FusedQKV() if fuse_qkv else None
-        self.fused_gate_up = FusedGateUp() if fuse_gate_up else None
-        self.rotary_kernel = rotary_kernel
-        """``RolloutConfig.rotary_kernel`` (with fused q|k|v on CUDA only)."""
-        self.skinny_rows = skinny_rows
-        """``RolloutConfig.skinny_rows`` (with the rotary kernel and fused gate|up on CUDA only)."""
-        self.split_k_rows = split_k_rows
-        """``RolloutConfig.split_k_rows`` (with fused gate|up)."""
-        self.shared_prefix_rows = shared_prefix_rows
-        """``RolloutConfig.shared_prefix_rows`` (with the Triton attention only: SDPA reads every row's columns)."""
+        self.fused_qkv = FusedQKV() if kernels.fuse_qkv else None
+        self.fused_gate_up = FusedGateUp() if kernels.fuse_gate_up else None
         self.last_weight_signature: Optional[tuple[int, ...]] = None
         """Addresses of the weights the last captured-step parts read (stable across calls under ZeRO-3)."""
         self._refreshed: Optional[set[str]] = None
@@ -109,21 +94,20 @@ class FastStep:
             done.add("mirror")
         if mirrored:
             self.last_weight_signature = weights.signature()
-        if self.use_compile and device.type == "cuda":
-            fns = compiled_step_fns(self.compile_mode, kv_write=self.kv_write and self.fused_qkv is not None)
+        kernels = self.kernels
+        if kernels.compile and device.type == "cuda":
+            fns = compiled_step_fns(kernels.compile_mode, kv_write=kernels.fused_kv_write and self.fused_qkv is not None)
         else:
             fns = StepFns()
-        if attention_path(self.attention, device) == "triton":
+        if attention_path(kernels.decode_attention, device) == "triton":
             fns = dataclasses.replace(fns, attention=decode_attention.attention,
-                                      shared_prefix_rows=self.shared_prefix_rows)
-        if (self.rotary_kernel and self.fused_qkv is not None and device.type == "cuda"
+                                      shared_prefix_rows=kernels.shared_prefix_rows)
+        if (kernels.rotary_kernel and self.fused_qkv is not None and device.type == "cuda"
                 and decode_attention.available() is None and rotary_write.failure(device) is None):
             fns = dataclasses.replace(fns, rotary_write=rotary_write.rotary_write)
-            if self.skinny_rows and self.fused_gate_up is not None and skinny_linear.failure(device) is None:
+            if kernels.skinny_rows and self.fused_gate_up is not None and skinny_linear.failure(device) is None:
                 fns = dataclasses.replace(fns, skinny_linear=skinny_linear.skinny_linear,
-                                          skinny_rows=min(self.skinny_rows, skinny_linear.MAX_ROWS))
-        if self.split_k_rows and self.fused_gate_up is not None:
-            fns = dataclasses.replace(fns, split_k_rows=self.split_k_rows)
+                                          skinny_rows=min(kernels.skinny_rows, skinny_linear.MAX_ROWS))
         return StepParts(spec, weights, fns)
 
     def release_copies(self) -> None:
@@ -159,7 +143,7 @@ class FastStep:
 
 
 def attention_path(setting: str, device: torch.device) -> str:
-    """The attention our step runs for ``RolloutConfig.decode_attention``: ``"triton"`` where the kernel can
+    """The attention our step runs for ``RolloutConfig.kernels.decode_attention``: ``"triton"`` where the kernel can
     (CUDA, triton importable, no earlier failure of the kernel on this device), else ``"sdpa"``."""
     if (setting == "triton" and device.type == "cuda" and decode_attention.available() is None
             and decode_attention.failure(device) is None):
@@ -169,13 +153,14 @@ def attention_path(setting: str, device: torch.device) -> str:
 
 def choose_decode(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool, device: torch.device) -> DecodeChoice:
     """The decode and prefill paths of a call (one place for both routes)."""
+    kernels = config.kernels
     reason = _hf_reason(config, model, is_zero3)
     if reason is not None:
-        return DecodeChoice("hf", reason, "hf", "hf", config.cuda_graphs)
-    prefill_path = prefill.attention_path(device, next(model.parameters()).dtype) if config.fast_prefill else "hf"
-    attention = attention_path(config.decode_attention, device)
-    if not config.cuda_graphs:
-        return DecodeChoice("fast_eager", "eager fast step: cuda_graphs disabled in RolloutConfig", prefill_path,
+        return DecodeChoice("hf", reason, "hf", "hf", kernels.cuda_graphs)
+    prefill_path = prefill.attention_path(device, next(model.parameters()).dtype) if kernels.fast_prefill else "hf"
+    attention = attention_path(kernels.decode_attention, device)
+    if not kernels.cuda_graphs:
+        return DecodeChoice("fast_eager", "eager fast step: kernels.cuda_graphs disabled in RolloutConfig", prefill_path,
                             attention, cuda_graphs=False)
     if device.type != "cuda":
         return DecodeChoice("fast_eager", f"eager fast step: device {device.type} has no CUDA graphs", prefill_path,
@@ -185,8 +170,8 @@ def choose_decode(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool,
 
 def _hf_reason(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool) -> Optional[str]:
     """Why the HF layers decode (None: our step can)."""
-    if not config.fast_decode:
-        return "fast_decode disabled in RolloutConfig"
+    if not config.kernels.fast_decode:
+        return "kernels.fast_decode disabled in RolloutConfig"
     if is_zero3 and config.gather == "per_forward":
         return "ZeRO-3 per-forward gathering (parameters are not resident)"
     return unsupported_reason(model)
@@ -194,7 +179,7 @@ def _hf_reason(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool) ->
 
 def shares_prefix(parts: StepParts, bucket: int, samples: int) -> bool:
     """Whether a decode step of ``bucket`` rows (either route) reads each prompt's columns once for its ``samples``
-    rows (``RolloutConfig.shared_prefix_rows``, set only where the Triton attention runs; the kernel's tile limit:
+    rows (``RolloutConfig.kernels.shared_prefix_rows``, set only where the Triton attention runs; the kernel's tile limit:
     :func:`decode_attention.one_tile`)."""
     rows = parts.fns.shared_prefix_rows
     return 0 < rows <= bucket and decode_attention.one_tile(samples, parts.spec.num_heads, parts.spec.num_kv_heads)

@@ -1,4 +1,4 @@
-"""The packed prefill replayed from CUDA graphs, one graph per shape bucket (``RolloutConfig.prefill_graph_tokens``).
+"""The packed prefill replayed from CUDA graphs, one graph per shape bucket (``RolloutConfig.kernels.prefill_graph_tokens``).
 
 Why: a prefill pass of the 3B shape costs ~22-28 ms of host time on an H200 (36 layers of compiled pieces,
 variable-length attention and cache writes, each a few hundred microseconds of Python and launches), while
@@ -121,7 +121,7 @@ class PrefillGraphs:
 
     def __init__(self, max_tokens: int, use_graphs: bool = True):
         self.max_tokens = max_tokens
-        """``RolloutConfig.prefill_graph_tokens``: the most real tokens a captured pass takes."""
+        """``RolloutConfig.kernels.prefill_graph_tokens``: the most real tokens a captured pass takes."""
         self.use_graphs = use_graphs
         """False: run the padded pass eagerly (the CPU tests of its arithmetic)."""
         self.graphs = GraphSet("prefill")

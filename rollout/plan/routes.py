@@ -36,7 +36,7 @@ ORDINARY, CONTINUOUS = "ordinary", "continuous"
 PREFILL_PATHS = ("hf", "packed", "varlen")
 
 
-#: Decode steps between EOS checks per route when ``RolloutConfig.eos_check_interval`` is None. Measured on
+#: Decode steps between EOS checks per route when ``RolloutConfig.routing.eos_check_interval`` is None. Measured on
 #: the H200 (docs/BENCHMARKS.md, 2026-12-01 evening; long-tail cell, 256 rows, budget 1024, two runs): the
 #: continuous route at k = 4 ran 2.41x and 2.46x its roofline against 2.62x and 2.71x at k = 1 (the host
 #: stops waiting for every step's EOS flags); the ordinary route gained nothing (2.77x / 2.36x at k = 4

@@ -28,9 +28,7 @@ from typing import Optional
 
 import torch
 
-from rollout.executors.decode import shares_prefix
 from rollout.model.step import StepParts, decode_logits
-from rollout.ops.decode_attention import SharedPrefix
 from rollout.ops.sampling import Sampler
 
 
@@ -82,25 +80,16 @@ class CBBuffers:
 
 
 def cb_decode_step(parts: StepParts, cache, bufs: CBBuffers, bucket: int, window: tuple[int, int],
-                   sampler: Sampler, has_seen: bool, with_logprobs: bool = False, stop_at_front: bool = False,
-                   samples: int = 1) -> None:
+                   sampler: Sampler, has_seen: bool, with_logprobs: bool = False) -> None:
     """The captured work of one continuous decode step over slots ``[0, bucket)`` and the columns of
     ``window``: logits, token choice, and the buffer updates (no host sync). The window reaches up to 255
     columns past the front (``read_window``'s rounding), which no live row attends (``AlignedKVCache``'s
-    invariant of ``valid``); ``stop_at_front`` tells the attention to stop at the front (``last``;
-    ``RolloutConfig.continuous_stop_at_front``). Where :func:`shares_prefix` (``samples`` > 1:
-    ``RolloutConfig.continuous_shared_prefix``), the rows of one prompt in adjacent slots read its columns once:
-    a row that produces its token ``t`` (``rowdata[1]``) has fed ``t - 1`` tokens before the front, so its prompt
-    (right-aligned at the front it was admitted at) ends at column ``write_col - t + 1``."""
+    invariant of ``valid``)."""
     start, stop = window
     keep = cache.valid[:bucket, None, None, start:stop]
     rowdata = bufs.rowdata[:, :bucket]
-    last = cache.write_col - start if stop_at_front else None
-    shared = SharedPrefix(rowdata[0], samples, cache.write_col - rowdata[1] + 1 - start) \
-        if shares_prefix(parts, bucket, samples) else None
     logits = decode_logits(parts, cache.key_storage[:, :bucket], cache.value_storage[:, :bucket],
-                           bufs.last_tokens[:bucket], rowdata[2], cache.write_col, keep, start=start, last=last,
-                           shared=shared)
+                           bufs.last_tokens[:bucket], rowdata[2], cache.write_col, keep, start=start)
     seen = bufs.seen[:bucket] if has_seen else None
     tokens, logprobs = sampler(logits, seen, bufs.seed, rowdata[0], rowdata[1], with_logprobs)  # [bucket]
     bufs.last_tokens[:bucket].copy_(tokens)

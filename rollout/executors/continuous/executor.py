@@ -14,10 +14,9 @@ from rollout.executors.context import CallContext, Generation
 from rollout.executors.continuous.buffers import CBBuffers, cb_decode_step
 from rollout.executors.continuous.loop import SlotSpec, generate_continuous
 from rollout.executors.continuous.state import GraphDecode
-from rollout.executors.decode import DecodeChoice, FastStep, shares_prefix
+from rollout.executors.decode import DecodeChoice, FastStep
 from rollout.executors.graphs import EAGER, GraphSet
 from rollout.executors.ordinary.executor import sampling_key
-from rollout.ops.decode_attention import MIN_SHARED_PROMPT
 from rollout.plan.buckets import batch_bucket, length_round, read_window
 from rollout.plan.layout import PromptLayout, continuous_cache_shape, resolve_num_slots
 from rollout.plan.memory import SlotPlan
@@ -45,11 +44,8 @@ class ContinuousExecutor:
         static = choice.is_fast and choice.cuda_graphs  # graph-ready static buffers (eager steps without CUDA)
         cache_slots, capacity = continuous_cache_shape(layout, sampling.max_new_tokens, slots, num_rows, static,
                                                        fit.capacity if fit else None)
-        # a prompt's samples read its columns once (asked, and prompts long enough for it to pay in the ordinary route)
-        sharing = sampling.n_samples_per_prompt if ctx.continuous_shared_prefix and \
-            prompt_ids.shape[1] >= MIN_SHARED_PROMPT else 1
         with ctx.stage(stages.CACHE_ACQUIRE):
-            cache, graph = self._cache(ctx, choice, cache_slots, capacity, num_rows, static, sharing)
+            cache, graph = self._cache(ctx, choice, cache_slots, capacity, num_rows, static)
             if self.arena is None or not self.pool.keep:
                 self.arena = ScratchArena.like(cache.shape)
         try:
@@ -65,7 +61,7 @@ class ContinuousExecutor:
         return Generation(result.generated, result.logprobs, result.stats)
 
     def _cache(self, ctx: CallContext, choice: DecodeChoice, slots: int, capacity: int, num_rows: int,
-               static: bool, sharing: int = 1) -> tuple[AlignedKVCache, Optional[GraphDecode]]:
+               static: bool) -> tuple[AlignedKVCache, Optional[GraphDecode]]:
         shape = cache_shape(ctx.model, slots, capacity)
         base = self.pool.acquire(shape)
         storage = (base.key_storage, base.value_storage)
@@ -75,8 +71,7 @@ class ContinuousExecutor:
         bufs = self._buffers(ctx, slots, capacity, num_rows, has_seen)
         cache = AlignedKVCache(shape, storage=storage, state=(bufs.valid, bufs.write_col))
         parts = self.fast_step.parts(ctx.device, mirrored=True)
-        return cache, GraphDecode(bufs, self._stepper(ctx, choice, parts, cache, bufs, has_seen, sharing),
-                                  lambda bucket: shares_prefix(parts, bucket, sharing))
+        return cache, GraphDecode(bufs, self._stepper(ctx, choice, parts, cache, bufs, has_seen))
 
     def _buffers(self, ctx: CallContext, slots: int, capacity: int, rows: int, has_seen: bool) -> CBBuffers:
         """Static buffers for ``slots`` (a batch bucket) x ``capacity``; reused while they fit (the graphs
@@ -91,23 +86,21 @@ class ContinuousExecutor:
         return self.buffers
 
     def _stepper(self, ctx: CallContext, choice: DecodeChoice, parts, cache: AlignedKVCache, bufs: CBBuffers,
-                 has_seen: bool, sharing: int = 1):
+                 has_seen: bool):
         """``step(num_rows, front, read_start) -> "graph" | "eager"``: one decode step of live rows
         ``[0, num_rows)`` writing column ``front`` and reading from ``read_start`` on (``parts``: the call's
-        mirrored step parts; ``sharing``: samples per prompt whose rows read its columns once, 1: none)."""
+        mirrored step parts)."""
         sampling = ctx.sampling
         use_graphs = choice.path == "graph"
-        stop_at_front = ctx.continuous_stop_at_front
         key = (sampling_key(sampling), has_seen, cache.key_storage.data_ptr(), tuple(cache.key_storage.shape),
-               cache.valid.data_ptr(), parts.weights.signature(), stop_at_front, sharing)
+               cache.valid.data_ptr(), parts.weights.signature())
 
         def step(num_rows: int, front: int, read_start: int) -> str:
             bucket = batch_bucket(num_rows)
             window = read_window(read_start, front, cache.capacity)
 
             def work():
-                cb_decode_step(parts, cache, bufs, bucket, window, ctx.sampler, has_seen, ctx.with_logprobs,
-                               stop_at_front, sharing)
+                cb_decode_step(parts, cache, bufs, bucket, window, ctx.sampler, has_seen, ctx.with_logprobs)
 
             if not use_graphs:
                 work()

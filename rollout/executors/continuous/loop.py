@@ -215,7 +215,6 @@ def _graph_step(run: RunState, num_rows: int, sample_ids, steps, positions) -> s
     pad = bucket - num_rows
     bufs.rowdata[:, :bucket].copy_(row_data(run, sample_ids + [bufs.dummy_row] * pad, steps + [0] * pad,
                                             positions + [0] * pad))
-    run.stats.shared_prefix_steps += run.graph.shares_prefix(bucket)
     return run.graph.step(num_rows, cache.front, cache.read_start)
 
 

@@ -35,9 +35,6 @@ class GraphDecode:
     step: Callable[[int, int, int], str]
     """``step(num_rows, front, read_start) -> "graph" | "eager"`` (``cache.begin_decode`` already ran and
     the rows' data is in ``buffers.rowdata``)."""
-    shares_prefix: Callable[[int], bool] = lambda bucket: False
-    """Whether a step of ``bucket`` rows reads each prompt's columns once for its samples
-    (``RolloutConfig.continuous_shared_prefix``)."""
 
 
 @dataclass
