@@ -245,8 +245,8 @@ def sweep_workload(model, name, lengths, cost_model, args, slots=None) -> SweepR
             times[route].append(timed_ms(fn, device, 1, warmup=0))
     ms = {route: statistics.mean(values) for route, values in times.items()}
     stats = engines["auto"].last_stats
-    auto_route = stats["route"] + (f"+{stats['prefill_buckets']} buckets" if stats["prefill_buckets"] > 1 else "")
-    return SweepRow(name + (f" ({slots} slots)" if slots else ""), auto_route, stats["prefill_buckets"],
+    auto_route = stats.route + (f"+{stats.prefill.buckets} buckets" if stats.prefill.buckets > 1 else "")
+    return SweepRow(name + (f" ({slots} slots)" if slots else ""), auto_route, stats.prefill.buckets,
                     ms["ordinary"], ms["continuous"], ms["auto"],
                     # with a slot bound only the continuous route honours it: that is the manual route to beat
                     ms["auto"] / (ms["continuous"] if slots else min(ms["ordinary"], ms["continuous"])),

@@ -110,17 +110,17 @@ def test_step_with_the_kernel_equals_hf_generate(device):
     ids, mask = ids.to(device), mask.to(device)
     ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False)))
     fns = dataclasses.replace(StepFns(), attention=functools.partial(da.attention, interpret=True))
-    original = ro._fast_step.parts
+    original = ro.runner.fast_step.parts
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(1)
         return fns.attention(*args, **kwargs)
 
-    ro._fast_step.parts = lambda dev, mirrored: dataclasses.replace(
+    ro.runner.fast_step.parts = lambda dev, mirrored: dataclasses.replace(
         original(dev, mirrored), fns=dataclasses.replace(fns, attention=counted))
     out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6, temperature=0.0))
-    assert ro.last_stats.decode_path == "fast_eager"
+    assert ro.last_stats.decode.path == "fast_eager"
     assert calls, "the step did not call the attention piece"
     for row in range(3):
         assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 6)
@@ -325,7 +325,7 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
     """``ro``'s step with ``shared_prefix_rows`` and the kernel as its attention (interpreted on the CPU;
     ``attention``: another piece, e.g. SDPA); ``calls`` records whether each call was handed a ``SharedPrefix``
     (and ``lasts`` whether it was handed the last column)."""
-    original = ro._fast_step.parts
+    original = ro.runner.fast_step.parts
     attend = attention or functools.partial(da.attention, interpret=True)
 
     def kernel(*args, **kwargs):
@@ -334,7 +334,7 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
             lasts.append(kwargs.get("last") is not None)
         return attend(*args, **kwargs)
 
-    ro._fast_step.parts = lambda dev, mirrored: dataclasses.replace(
+    ro.runner.fast_step.parts = lambda dev, mirrored: dataclasses.replace(
         original(dev, mirrored), fns=dataclasses.replace(original(dev, mirrored).fns, attention=kernel,
                                                          shared_prefix_rows=shared_prefix_rows))
     return ro
@@ -356,7 +356,7 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
     short = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), 1, short_calls,
                          attention=da.sdpa)
     short.generate(RolloutRequest(ids, mask), sampling)
-    assert ids.shape[1] < da.MIN_SHARED_PROMPT and short.last_stats.shared_prefix_steps == 0
+    assert ids.shape[1] < da.MIN_SHARED_PROMPT and short.last_stats.decode.shared_prefix_steps == 0
     assert short_calls and not any(short_calls)
     monkeypatch.setattr("rollout.executors.ordinary.executor.MIN_SHARED_PROMPT", 1)
     outputs, stats = [], []
@@ -368,9 +368,9 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
         stats.append(ro.last_stats)
         assert calls and all(calls) == bool(rows) and any(calls) == bool(rows)
         assert all(lasts)  # every step stops at the current column
-    assert stats[0].shared_prefix_steps == stats[0].decode_forwards > 0
-    assert stats[0].compactions >= 1 or not sampling.is_greedy  # greedy rows end early (sampled ones rarely)
-    assert stats[1].shared_prefix_steps == 0
+    assert stats[0].decode.shared_prefix_steps == stats[0].decode.forwards > 0
+    assert stats[0].cache.compactions >= 1 or not sampling.is_greedy  # greedy rows end early (sampled ones rarely)
+    assert stats[1].decode.shared_prefix_steps == 0
     _same_tokens_and_hf_greedy(outputs, sampling, model, ids, mask, eos)
 
 

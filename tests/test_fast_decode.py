@@ -129,10 +129,10 @@ def test_failed_graph_capture_falls_back_to_eager_with_the_reason(route, monkeyp
     got = ro.generate(RolloutRequest(ids, mask), sampling)
     assert torch.equal(got.input_ids, want.input_ids)
     stats = ro.last_stats
-    assert f"{route} route: CUDA graph capture failed" in stats["decode_fallback_reason"]
-    assert "stream is capturing" in stats["decode_fallback_reason"]
-    assert stats["eager_decode_steps"] == stats["decode_forwards"] and not stats.get("graph_decode_steps")
-    graph_set = ro._ordinary.graphs if route == "ordinary" else ro._continuous.graphs
+    assert f"{route} route: CUDA graph capture failed" in stats.decode.fallback_reason
+    assert "stream is capturing" in stats.decode.fallback_reason
+    assert stats.decode.eager_steps == stats.decode.forwards and not stats.decode.graph_steps
+    graph_set = ro.runner.executors["ordinary"].graphs if route == "ordinary" else ro.runner.executors["continuous"].graphs
     assert len(attempts) == len(graph_set._graphs) > 0  # one attempt per graph key, not one per step
     assert graph_set.num_captures == 0
 
@@ -156,9 +156,9 @@ def test_cuda_graph_replay_equals_eager_fp32(compile_step):
         hf = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(fast_decode=False))).generate(RolloutRequest(ids, mask), sampling)
         assert torch.equal(graph.input_ids, eager.input_ids)
         assert torch.equal(graph.input_ids, hf.input_ids)
-        captures = ro._ordinary.graphs.num_captures
+        captures = ro.runner.executors["ordinary"].graphs.num_captures
         ro.generate(RolloutRequest(ids, mask), sampling)
-        assert ro._ordinary.graphs.num_captures == captures  # graphs are reused across calls
+        assert ro.runner.executors["ordinary"].graphs.num_captures == captures  # graphs are reused across calls
 
 
 @cuda
@@ -174,7 +174,7 @@ def test_graph_decode_calls_leave_no_memory_behind():
     after = []
     for _ in range(4):
         ro.generate(RolloutRequest(ids, mask), sampling)
-        assert ro.last_stats["graph_decode_steps"] > 0
+        assert ro.last_stats.decode.graph_steps > 0
         torch.cuda.synchronize()
         gc.collect()
         after.append(torch.cuda.memory_allocated())
@@ -193,7 +193,7 @@ def test_graph_decode_makes_no_host_sync_per_step():
     from rollout.plan.planner import CostModel
     ctx = CallContext(model, sampling, EosIds.on((), "cuda"), CostModel.from_model(model))
     choice = choose_decode(ro.config, model, False, torch.device("cuda"))
-    static = ro._ordinary.static_decode(ctx, choice, ro._pool._cache, 4)
+    static = ro.runner.executors["ordinary"].static_decode(ctx, choice, ro.runner.pool._cache, 4)
     bufs, step = static.buffers, static.step
     bufs.step.fill_(1)  # rewind to the first decode step (fill_ with a Python number: no sync)
     bufs.col.fill_(8)
@@ -261,14 +261,14 @@ def test_step_with_grouped_attention_equals_hf_generate():
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
     ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary"))
     grouped = dataclasses.replace(StepFns(), attention=grouped_decode_attention)
-    original = ro._fast_step.parts
+    original = ro.runner.fast_step.parts
 
     def parts(device, mirrored):
         return dataclasses.replace(original(device, mirrored), fns=grouped)
 
-    ro._fast_step.parts = parts
+    ro.runner.fast_step.parts = parts
     out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6, temperature=0.0))
-    assert ro.last_stats.decode_path == "fast_eager"
+    assert ro.last_stats.decode.path == "fast_eager"
     for row in range(3):
         assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 6)
 

@@ -63,7 +63,7 @@ def test_the_fused_piece_runs_in_decode_and_prefill(monkeypatch):
         with_step_pieces(ro, attention_output_and_gate_up_mlp=count("fused", fused_piece),
                          attention_output_and_mlp=count("plain", plain_piece))
         ro.generate(RolloutRequest(ids, mask), sampling)
-        assert ro.last_stats.prefill_path != "hf"
+        assert ro.last_stats.prefill.path != "hf"
         layers = model.config.num_hidden_layers
         used, unused = ("fused", "plain") if fuse else ("plain", "fused")
         assert calls[unused] == 0
@@ -92,16 +92,16 @@ def test_copies_are_announced_before_allocation_held_and_dropped(family):
     ids, mask = random_prompts(2, 6, seed=5, vocab_size=model.config.vocab_size, min_len=2)
     sampling = SamplingConfig(max_new_tokens=3, temperature=0.0)
     ro = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_gate_up=True)))
-    assert ro._fast_step.new_copy_bytes() == _gate_up_bytes(model) + _qkv_bytes(model)
+    assert ro.runner.fast_step.new_copy_bytes() == _gate_up_bytes(model) + _qkv_bytes(model)
     ro.generate(RolloutRequest(ids, mask), sampling)
-    assert ro._fast_step.nbytes == _gate_up_bytes(model) + _qkv_bytes(model)
-    assert ro._fast_step.new_copy_bytes() == 0  # held: the next call allocates nothing new
+    assert ro.runner.fast_step.nbytes == _gate_up_bytes(model) + _qkv_bytes(model)
+    assert ro.runner.fast_step.new_copy_bytes() == 0  # held: the next call allocates nothing new
     plain = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_gate_up=False)))
     plain.generate(RolloutRequest(ids, mask), sampling)
     assert ro.held_bytes - plain.held_bytes == _gate_up_bytes(model)
     loose = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", keep_cache=False, kernels=KernelConfig(fuse_gate_up=True)))
     loose.generate(RolloutRequest(ids, mask), sampling)
-    assert loose.held_bytes == 0 and loose._fast_step.new_copy_bytes() == _gate_up_bytes(model) + _qkv_bytes(model)
+    assert loose.held_bytes == 0 and loose.runner.fast_step.new_copy_bytes() == _gate_up_bytes(model) + _qkv_bytes(model)
 
 
 def test_the_budget_counts_copies_not_yet_held(monkeypatch):
@@ -116,7 +116,7 @@ def test_the_budget_counts_copies_not_yet_held(monkeypatch):
     probe = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=False)))
     monkeypatch.setattr(engine, "free_device_bytes", lambda device: 10**12)
     probe.generate(RolloutRequest(ids, mask), sampling)
-    need = probe._pool.nbytes + 64 * 1024  # the cache plus a margin for the per-row buffers
+    need = probe.runner.pool.nbytes + 64 * 1024  # the cache plus a margin for the per-row buffers
     free = need + _gate_up_bytes(model) // 2
     monkeypatch.setattr(engine, "free_device_bytes", lambda device: free)
     Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=False))).generate(
@@ -124,7 +124,7 @@ def test_the_budget_counts_copies_not_yet_held(monkeypatch):
     fused = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=True)))
     with pytest.raises(ValueError, match="max_cache_gib"):
         fused.generate(RolloutRequest(ids, mask), sampling)
-    assert fused._fast_step.nbytes == 0 and fused._pool.nbytes == 0  # nothing was allocated
+    assert fused.runner.fast_step.nbytes == 0 and fused.runner.pool.nbytes == 0  # nothing was allocated
     monkeypatch.setattr(engine, "free_device_bytes", lambda device: 10**12)
     fused.generate(RolloutRequest(ids, mask), sampling)
     monkeypatch.setattr(engine, "free_device_bytes", lambda device: free)

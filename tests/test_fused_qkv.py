@@ -63,7 +63,7 @@ def test_held_bytes_count_the_copy_and_keep_cache_false_drops_it():
     sampling = SamplingConfig(max_new_tokens=3, temperature=0.0)
     kept = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_gate_up=False)))
     kept.generate(RolloutRequest(ids, mask), sampling)
-    assert kept._fast_step.nbytes == _qkv_bytes(model)
+    assert kept.runner.fast_step.nbytes == _qkv_bytes(model)
     unfused = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=False)))
     unfused.generate(RolloutRequest(ids, mask), sampling)
     assert kept.held_bytes - unfused.held_bytes == _qkv_bytes(model)
@@ -107,7 +107,7 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     try:
         model = tiny_model("qwen2", seed=0)
         ro = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(compile_mode="max-autotune-no-cudagraphs")))
-        parts = ro._fast_step.parts(torch.device("cuda"), mirrored=False)  # no CUDA needed to build them
+        parts = ro.runner.fast_step.parts(torch.device("cuda"), mirrored=False)  # no CUDA needed to build them
         assert {mode for _, mode in seen} == {"max-autotune-no-cudagraphs"}
         assert parts.fns.attention_output_and_mlp is step.attention_output_and_mlp  # the recorder's output
         seen.clear()
@@ -134,10 +134,10 @@ def test_step_pieces_follow_the_config(monkeypatch, attention, kv_write):
     try:
         ro = Rollout(tiny_model("qwen2", seed=0), TinyTokenizer(),
                      RolloutConfig(kernels=KernelConfig(decode_attention=attention, fused_kv_write=kv_write)))
-        cuda = ro._fast_step.parts(torch.device("cuda"), mirrored=False)  # no CUDA needed to build them
+        cuda = ro.runner.fast_step.parts(torch.device("cuda"), mirrored=False)  # no CUDA needed to build them
         assert cuda.fns.attention is (decode_attention.attention if attention == "triton" else step.decode_attention)
         assert cuda.fns.attention_inputs_qkv_write is (step.attention_inputs_qkv_write if kv_write else None)
-        cpu = ro._fast_step.parts(torch.device("cpu"), mirrored=False)
+        cpu = ro.runner.fast_step.parts(torch.device("cpu"), mirrored=False)
         assert cpu.fns.attention is step.decode_attention and cpu.fns.attention_inputs_qkv_write is None
     finally:
         step.compiled_step_fns.cache_clear()
@@ -150,7 +150,7 @@ def test_one_refresh_per_call():
     is the refresh)."""
     model = tiny_model("qwen2", seed=9)
     ro = Rollout(model, NO_EOS, RolloutConfig())
-    step, cpu = ro._fast_step, torch.device("cpu")
+    step, cpu = ro.runner.fast_step, torch.device("cpu")
     with step.one_call():
         first = step.parts(cpu, mirrored=False).weights.layers[0].qkv.clone()
         with torch.no_grad():

@@ -45,11 +45,11 @@ def test_every_call_reads_the_eos_tensor_its_graphs_were_captured_with(graph_pat
     ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=[5, 7]), RolloutConfig(route="ordinary"))
     sampling = SamplingConfig(max_new_tokens=5, temperature=0.0)
     first = ro.generate(RolloutRequest(ids, mask), sampling)
-    assert ro.last_stats.decode_path == "graph"
+    assert ro.last_stats.decode.path == "graph"
     calls_first = len(graph_path_on_cpu)
     second = ro.generate(RolloutRequest(ids, mask), sampling)
     assert torch.equal(first.input_ids, second.input_ids)
-    kept = ro._ordinary.eos_tensors[(5, 7)]
+    kept = ro.runner.executors["ordinary"].eos_tensors[(5, 7)]
     assert calls_first > 0 and len(graph_path_on_cpu) > calls_first
     assert all(t is kept for t in graph_path_on_cpu)  # the same object, hence the same address, every call
     assert kept.tolist() == [5, 7]
@@ -63,7 +63,7 @@ def test_another_eos_set_gets_its_own_tensor_and_release_drops_them(graph_path_o
     a.generate(RolloutRequest(ids, mask), sampling)
     a.eos_token_ids = (9,)  # as a tokenizer with another EOS set would give
     a.generate(RolloutRequest(ids, mask), sampling)
-    assert set(a._ordinary.eos_tensors) == {(5,), (9,)}
-    assert a._ordinary.eos_tensors[(9,)].tolist() == [9]
+    assert set(a.runner.executors["ordinary"].eos_tensors) == {(5,), (9,)}
+    assert a.runner.executors["ordinary"].eos_tensors[(9,)].tolist() == [9]
     a.shutdown()
-    assert a._ordinary.eos_tensors == {}
+    assert a.runner.executors["ordinary"].eos_tensors == {}

@@ -86,7 +86,7 @@ def test_padded_pass_writes_the_cache_and_logits_of_the_eager_prefill(family, mo
     model = tiny_model(family, seed=3)
     ids, mask = random_prompts(5, 13, min_len=1, seed=4)
     ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))
-    parts = ro._fast_step.parts(torch.device("cpu"), mirrored=False)
+    parts = ro.runner.fast_step.parts(torch.device("cpu"), mirrored=False)
     keys, values = _cache(model, 5, 20, seed=1)
     want_keys, want_values = keys.clone(), values.clone()
     want = prefill_logits(parts, want_keys, want_values, ids, mask)  # the CPU's eager prefill (SDPA per group)
@@ -194,13 +194,13 @@ def test_routes_through_the_padded_pass_equal_hf_generate(emulated_varlen, route
     ids, mask = random_prompts(5, 10, min_len=2, seed=12)
     ro = Rollout(model, TinyTokenizer(eos_token_id=None),
                  RolloutConfig(route=route, kernels=KernelConfig(cuda_graphs=False, prefill_graph_tokens=512)))
-    ro._prefill_graphs.use_graphs = False  # the CPU runs the padded pass eagerly
+    ro.runner.prefill_graphs.use_graphs = False  # the CPU runs the padded pass eagerly
     sampling = SamplingConfig(max_new_tokens=5, temperature=0.0,
                               **({} if slots is None else {"continuous_batch_size": slots}))
     out = ro.generate(RolloutRequest(ids, mask), sampling)
     stats = ro.last_stats
-    assert stats.prefill_path == "varlen" and stats.route == route
-    assert stats.prefill_graph_passes == stats.prefill_forwards >= (1 if slots is None else 2)
+    assert stats.prefill.path == "varlen" and stats.route == route
+    assert stats.prefill.graph_passes == stats.prefill.forwards >= (1 if slots is None else 2)
     for row in range(5):
         assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 5)
 
@@ -212,14 +212,14 @@ def test_on_by_default_off_at_zero_and_released_without_keep_cache(emulated_varl
     assert Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(prefill_graph_tokens=0)))._prefill_graphs is None
     ro = Rollout(model, TinyTokenizer(eos_token_id=None),
                  RolloutConfig(keep_cache=False, kernels=KernelConfig(cuda_graphs=False, prefill_graph_tokens=512)))
-    ro._prefill_graphs.use_graphs = False
+    ro.runner.prefill_graphs.use_graphs = False
     ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=2, temperature=0.0))
-    assert ro.last_stats.prefill_graph_passes == 1 and ro._prefill_graphs.nbytes == 0
+    assert ro.last_stats.prefill.graph_passes == 1 and ro.runner.prefill_graphs.nbytes == 0
     kept = Rollout(model, TinyTokenizer(eos_token_id=None),
                    RolloutConfig(kernels=KernelConfig(cuda_graphs=False, prefill_graph_tokens=512)))
-    kept._prefill_graphs.use_graphs = False
+    kept.runner.prefill_graphs.use_graphs = False
     kept.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=2, temperature=0.0))
-    assert kept._prefill_graphs.nbytes > 0 and kept.held_bytes >= kept._prefill_graphs.nbytes
+    assert kept.runner.prefill_graphs.nbytes > 0 and kept.held_bytes >= kept.runner.prefill_graphs.nbytes
 
 
 def test_staging_bytes_the_budget_counts(emulated_varlen):
@@ -255,7 +255,7 @@ def test_captured_pass_replays_and_stays_close_to_the_eager_one_bf16():
     if prefill.varlen_attention(torch.device("cuda"), torch.bfloat16) is None:
         pytest.skip("no variable-length attention in this torch")
     ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig())
-    parts = ro._fast_step.parts(torch.device("cuda"), mirrored=True)
+    parts = ro.runner.fast_step.parts(torch.device("cuda"), mirrored=True)
     graphs = pg.PrefillGraphs(4096)
     for seed in (4, 5, 6):  # three passes of one bucket: one capture
         ids, mask = random_prompts(6, 40, min_len=3, seed=seed, device="cuda")
@@ -283,5 +283,5 @@ def test_routes_replay_captured_prefills_bf16(route, slots):
     for _ in range(2):
         ro.generate(RolloutRequest(ids, mask), sampling)
         stats = ro.last_stats
-        assert stats.prefill_graph_passes == stats.prefill_forwards >= 1 and stats.decode_path == "graph"
-    assert ro._prefill_graphs.failure is None and ro._prefill_graphs.graphs.fallback_reason is None
+        assert stats.prefill.graph_passes == stats.prefill.forwards >= 1 and stats.decode.path == "graph"
+    assert ro.runner.prefill_graphs.failure is None and ro.runner.prefill_graphs.graphs.fallback_reason is None

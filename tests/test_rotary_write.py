@@ -106,7 +106,7 @@ def test_step_with_the_kernel_equals_hf_generate(device, family):
 
     with_step_pieces(ro, rotary_write=counted)
     out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6, temperature=0.0))
-    assert ro.last_stats.decode_path == "fast_eager"
+    assert ro.last_stats.decode.path == "fast_eager"
     assert len(calls) == 5 * model.config.num_hidden_layers  # 5 decode steps after the prefill's token
     for row in range(3):
         assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 6)
@@ -123,10 +123,10 @@ def test_config_decides_the_piece(monkeypatch, setting):
     try:
         model = tiny_model("qwen2", seed=0)
         ro = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(rotary_kernel=setting)))
-        cuda = ro._fast_step.parts(torch.device("cuda"), mirrored=False)
+        cuda = ro.runner.fast_step.parts(torch.device("cuda"), mirrored=False)
         assert cuda.fns.rotary_write is (rw.rotary_write if setting else None)
-        assert ro._fast_step.parts(torch.device("cpu"), mirrored=False).fns.rotary_write is None
+        assert ro.runner.fast_step.parts(torch.device("cpu"), mirrored=False).fns.rotary_write is None
         unfused = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(rotary_kernel=setting, fuse_qkv=False)))
-        assert unfused._fast_step.parts(torch.device("cuda"), mirrored=False).fns.rotary_write is None
+        assert unfused.runner.fast_step.parts(torch.device("cuda"), mirrored=False).fns.rotary_write is None
     finally:
         step.compiled_step_fns.cache_clear()
