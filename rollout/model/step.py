@@ -338,12 +338,6 @@ def qkv_projection(h, norm, wqkv, bqkv, eps: float):
     return F.linear(rms_norm(h, norm, eps), wqkv, bqkv)
 
 
-def qkv_projection_split_k(h, norm, wqkv, bqkv, eps: float):
-    """:func:`qkv_projection` with the GEMM as :func:`split_k_linear` (``RolloutConfig.split_k_rows``)."""
-    qkv = split_k_linear(rms_norm(h, norm, eps), wqkv)
-    return qkv if bqkv is None else qkv + bqkv
-
-
 def layer_qkv(fns: "StepFns", h, w: LayerWeights, cos, sin, spec: DecoderSpec):
     """q ``[N, Hq, 1, D]``, k/v ``[N, Hkv, 1, D]`` of one layer: one GEMM where ``w.qkv`` is set, else three."""
     if w.qkv is not None:
@@ -363,36 +357,6 @@ def attention_output_and_mlp(h, attn, wo, bo, norm, gate, up, down, eps: float):
 def attention_output_and_gate_up_mlp(h, attn, wo, bo, norm, gate_up, down, eps: float):
     """:func:`attention_output_and_mlp` with one GEMM over the concatenated ``[gate; up]`` weight."""
     return gate_up_mlp(h + F.linear(attn.reshape(h.shape[0], -1), wo, bo), norm, gate_up, down, eps)
-
-
-#: Partial products of a split-K projection (``RolloutConfig.split_k_rows``).
-SPLIT_K = 4
-
-
-def split_k_linear(x, weight, splits: int = SPLIT_K):
-    """``F.linear(x, weight)`` with K cut in ``splits`` parts: one batched GEMM of the partial products, summed in
-    fp32 (on CUDA in fp16/bf16 the GEMM writes them in fp32). Why: at wide decode batches the o and down GEMMs
-    have few output tiles (32 of 128 x 128 at 256 rows for the 3B shape, on 132 SMs of an H200), and ran at
-    142 and 358 TFLOP/s; split K gives ``splits`` times more work items. Where K does not divide, the plain
-    GEMM."""
-    rows, k = x.shape
-    if k % splits:
-        return F.linear(x, weight)
-    parts_x = x.reshape(rows, splits, k // splits).transpose(0, 1)  # [S, M, K/S]
-    parts_w = weight.reshape(weight.shape[0], splits, k // splits).permute(1, 2, 0)  # [S, K/S, N]
-    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
-        partial = torch.bmm(parts_x, parts_w, out_dtype=torch.float32)
-    else:
-        partial = torch.bmm(parts_x, parts_w).float()
-    return partial.sum(0).to(x.dtype)
-
-
-def attention_output_and_gate_up_mlp_split_k(h, attn, wo, bo, norm, gate_up, down, eps: float):
-    """:func:`attention_output_and_gate_up_mlp` with the o and down projections as :func:`split_k_linear`."""
-    o = split_k_linear(attn.reshape(h.shape[0], -1), wo)
-    h = h + (o if bo is None else o + bo)
-    gate, up = F.linear(rms_norm(h, norm, eps), gate_up).chunk(2, dim=-1)
-    return h + split_k_linear(F.silu(gate) * up, down)
 
 
 def gate_up_mlp(h, norm, gate_up, down, eps: float):
@@ -449,11 +413,6 @@ class StepFns:
     attention_output_and_gate_up_mlp: object = attention_output_and_gate_up_mlp
     qkv_projection: object = qkv_projection
     gate_up_mlp: object = gate_up_mlp
-    attention_output_and_gate_up_mlp_split_k: object = attention_output_and_gate_up_mlp_split_k
-    qkv_projection_split_k: object = qkv_projection_split_k
-    split_k_rows: int = 0
-    """Decode steps of at least this many rows (and fused gate|up) run ``attention_output_and_gate_up_mlp_split_k``
-    and, with ``rotary_write``, ``qkv_projection_split_k`` (``RolloutConfig.split_k_rows``; 0: never)."""
     skinny_linear: object = None
     """When set (with ``rotary_write`` and fused gate|up), decode steps of at most ``skinny_rows`` rows compute each
     layer's o projection and its residual add with this kernel (``RolloutConfig.skinny_rows``:
@@ -484,9 +443,7 @@ def compiled_step_fns(mode: str | None = None, kv_write: bool = False) -> StepFn
     fns = StepFns(*(compile_piece(fn, mode) for fn in (attention_inputs, attention_inputs_qkv,
                                                         attention_output_and_mlp, final_logits)),
                   attention_output_and_gate_up_mlp=compile_piece(attention_output_and_gate_up_mlp, mode),
-                  qkv_projection=compile_piece(qkv_projection, mode), gate_up_mlp=compile_piece(gate_up_mlp, mode),
-                  attention_output_and_gate_up_mlp_split_k=compile_piece(attention_output_and_gate_up_mlp_split_k, mode),
-                  qkv_projection_split_k=compile_piece(qkv_projection_split_k, mode))
+                  qkv_projection=compile_piece(qkv_projection, mode), gate_up_mlp=compile_piece(gate_up_mlp, mode))
     if kv_write:
         fns = dataclasses.replace(fns, attention_inputs_qkv_write=compile_piece(attention_inputs_qkv_write, mode))
     return fns
@@ -524,11 +481,9 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
     cols = col.view(1)
     eps = spec.rms_eps
     skinny = (fns.skinny_linear is not None and fns.rotary_write is not None and tokens.shape[0] <= fns.skinny_rows)
-    split_k = 0 < fns.split_k_rows <= tokens.shape[0]
     for i, w in enumerate(weights.layers):
         if fns.rotary_write is not None and w.qkv is not None:
-            project = fns.qkv_projection_split_k if split_k else fns.qkv_projection
-            qkv = project(h, w.input_norm, w.qkv, w.qkv_bias, eps)
+            qkv = fns.qkv_projection(h, w.input_norm, w.qkv, w.qkv_bias, eps)
             q = fns.rotary_write(qkv, cos, sin, key_cache[i], value_cache[i], cols, spec.num_heads, spec.num_kv_heads,
                                  spec.head_dim)
         elif fns.attention_inputs_qkv_write is not None and w.qkv is not None:
@@ -544,9 +499,6 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
         if skinny and w.gate_up is not None:  # o + residual in one kernel, then the compiled MLP
             h = fns.skinny_linear(attn.reshape(h.shape[0], -1), w.o, w.o_bias, residual=h)
             h = fns.gate_up_mlp(h, w.post_norm, w.gate_up, w.down, eps)
-        elif split_k and w.gate_up is not None:  # a wide batch: o and down as split-K GEMMs
-            h = fns.attention_output_and_gate_up_mlp_split_k(h, attn, w.o, w.o_bias, w.post_norm, w.gate_up, w.down,
-                                                             eps)
         else:
             h = layer_output(fns, h, attn, w, eps)
     return fns.final_logits(h, weights.final_norm, weights.lm_head, weights.lm_head_bias, eps)
