@@ -247,36 +247,13 @@ def test_shared_prefix_reads_one_copy_and_nothing_after_last(device):
     assert torch.isnan(unshared[1]).all() and not torch.isnan(unshared[0]).any()
 
 
-@pytest.mark.parametrize("splits", [None, 1, 3])
-def test_shared_prefix_with_an_end_per_row(device, splits):
-    """The continuous route's form: each row's prompt ends at its own column (rows admitted at different fronts;
-    a run's rows agree), one of them at the window's end, one at 0 (nothing shared), one past the window (clamped).
-    SDPA's result, and NaN in every copy of a prompt but its run's first row stays out (fp32)."""
-    ids, samples, last = [0, 1, 2, 4, 5, 9, 10, 11, 12, 16], 4, 140
-    ends = {0: 70, 1: 33, 2: 141, 3: 0, 4: 400}  # per prompt (id // samples); 400: clamped to the window
-    q, k, v, keep, _, last_col = _shared_inputs(ids, samples, 0, last, device="cpu", seed=5)
-    row_end = [min(ends[i // samples], k.shape[2]) for i in ids]
-    first = {}
-    for row, sample in enumerate(ids):  # each run's copies of its own prompt, up to its own end
-        lead, end = first.setdefault(sample // samples, row), row_end[row]
-        k[row, :, :end], v[row, :, :end] = k[lead, :, :end], v[lead, :, :end]
-        keep[row, ..., :end] = keep[lead, ..., :end]
-    keep[..., last] = True
-    q, k, v, keep = q.to(device), k.to(device), v.to(device), keep.to(device)
-    shared = da.SharedPrefix(torch.tensor(ids, dtype=torch.long, device=device), samples,
-                             torch.tensor([ends[i // samples] for i in ids], dtype=torch.long, device=device))
-    expected = _sdpa(q, k, v, keep, 4, 2)
-    got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, last=last_col.to(device),
-                       shared=shared)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    poisoned_k, poisoned_v = k.clone(), v.clone()
-    leaders = set(first.values())
-    for row in range(len(ids)):
-        if row not in leaders:
-            poisoned_k[row, :, :row_end[row]], poisoned_v[row, :, :row_end[row]] = float("nan"), float("nan")
-    got = da.attention(q, poisoned_k, poisoned_v, keep, 0.25, True, splits=splits, interpret=True,
-                       last=last_col.to(device), shared=shared)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+def test_shared_prefix_takes_one_prompt_end_for_every_row():
+    """``SharedPrefix.end`` is one column for every row (a scalar tensor); an end per row is refused, not read as
+    its first element."""
+    ids = torch.arange(4)
+    assert int(da.SharedPrefix(ids, 2, torch.tensor(5)).end) == 5
+    with pytest.raises(ValueError, match="scalar"):
+        da.SharedPrefix(ids, 2, torch.tensor([5, 5, 3, 3]))
 
 
 def test_shared_prefix_bf16_and_the_tile_limit(device):
@@ -375,7 +352,7 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
 
 
 def test_which_steps_share_the_prompt():
-    """Both routes share a prompt's columns in batch buckets of at least ``shared_prefix_rows`` rows, with several
+    """A step shares a prompt's columns in batch buckets of at least ``shared_prefix_rows`` rows, with several
     samples per prompt, and only while their queries fit one tile."""
     from types import SimpleNamespace
 
@@ -390,74 +367,3 @@ def test_which_steps_share_the_prompt():
     assert not shares_prefix(parts(0), 256, 4)  # off (and SDPA: FastStep leaves it 0)
     assert not shares_prefix(parts(32), 256, 1)  # one sample a prompt: nothing to share
     assert shares_prefix(parts(32), 256, 16) and not shares_prefix(parts(32), 256, 17)  # 17 x 8 > 128 queries
-
-
-@pytest.mark.parametrize("stop_at_front", [True, False])
-def test_continuous_route_stops_at_the_front_when_asked(device, stop_at_front):
-    """``RolloutConfig.continuous_stop_at_front``: the continuous route's static step hands the kernel the front
-    as the last column (its read window is rounded up past it) only when asked; either way, with prompts of
-    different lengths, refills into freed slots and rows ending at different steps, the tokens of HF generate per
-    request (greedy, fp32)."""
-    model, ids, mask, eos = _eos_setup(device, seed=4)
-    calls = []
-    ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=eos),
-                 RolloutConfig(route="continuous", continuous_stop_at_front=stop_at_front))
-    original = ro._fast_step.parts
-
-    def kernel(*args, **kwargs):
-        calls.append(kwargs.get("last"))
-        return da.attention(*args, interpret=True, **kwargs)
-
-    ro._fast_step.parts = lambda dev, mirrored: dataclasses.replace(
-        original(dev, mirrored), fns=dataclasses.replace(original(dev, mirrored).fns, attention=kernel))
-    out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0,
-                                                                continuous_batch_size=3))
-    assert calls and all((last is not None) == stop_at_front for last in calls)
-    assert ro.last_stats.route == "continuous" and ro.last_stats.decode_forwards > 10  # slots were refilled
-    _assert_hf_greedy(out, model, ids, mask, eos, 10, samples=1)
-
-
-@pytest.mark.parametrize("sampling", [
-    SamplingConfig(max_new_tokens=8, temperature=0.0, n_samples_per_prompt=3, continuous_batch_size=6),
-    SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=7, n_samples_per_prompt=3,
-                   continuous_batch_size=6),
-], ids=["greedy", "sampled"])
-def test_continuous_route_reading_each_prompt_once_keeps_every_token(device, sampling, monkeypatch):
-    """``RolloutConfig.continuous_shared_prefix`` (every batch bucket, prompts of any length: ``MIN_SHARED_PROMPT``
-    lowered to 1): with 6 slots for 18 rows (refills admitted at other fronts, so each row's prompt ends at its
-    own column), prompts of different lengths and rows ending at different steps, each row's prompt end handed
-    to the kernel holds exactly its prompt's real columns before it, and the tokens are those of the kernel reading
-    every row's copy (sampled: the samples of a prompt differ, so a prompt end one column late would show) and,
-    greedy, HF generate's per request (fp32)."""
-    model, ids, mask, eos = _eos_setup(device, seed=3)
-    tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
-    real = mask.sum(1).tolist()
-    monkeypatch.setattr("rollout.executors.continuous.executor.MIN_SHARED_PROMPT", 1)
-    outputs, stats, checked = [], [], []
-    for share in (True, False):
-        calls = []
-        ro = Rollout(model, tok, RolloutConfig(route="continuous", continuous_shared_prefix=share))
-        original = ro._fast_step.parts
-
-        def kernel(q, k, v, keep, *args, **kwargs):
-            shared = kwargs.get("shared")
-            calls.append(shared is not None)
-            if shared is not None:  # live rows (padding slots carry the dummy row's id): the prompt's real columns
-                for row, (sample, end) in enumerate(zip(shared.ids.tolist(), shared.end.tolist())):
-                    if sample < 18:
-                        assert int(keep[row, 0, 0, :end].sum()) == real[sample // 3], (row, sample, end)
-                        checked.append(row)
-            return da.attention(q, k, v, keep, *args, interpret=True, **kwargs)
-
-        ro._fast_step.parts = lambda dev, mirrored, original=original, kernel=kernel: dataclasses.replace(
-            original(dev, mirrored), fns=dataclasses.replace(original(dev, mirrored).fns, attention=kernel,
-                                                             shared_prefix_rows=1))
-        outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
-        stats.append(ro.last_stats)
-        assert calls and all(calls) == share and any(calls) == share
-    assert stats[0].route == "continuous" and stats[0].prefill_forwards > 1  # refills
-    assert stats[0].shared_prefix_steps == stats[0].decode_forwards > 0 and stats[1].shared_prefix_steps == 0
-    assert checked
-    _same_tokens_and_hf_greedy(outputs, sampling, model, ids, mask, eos)
-    if not sampling.is_greedy:  # the samples of a prompt differ: sharing a column not the prompt's would show
-        assert any(not torch.equal(outputs[0].input_ids[3 * p], outputs[0].input_ids[3 * p + 1]) for p in range(6))

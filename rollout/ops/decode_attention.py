@@ -74,9 +74,13 @@ class SharedPrefix:
     samples: int
     """Rows per prompt (``n_samples_per_prompt``)."""
     end: torch.Tensor
-    """int64, the column where the prompts end (the first decode column; exclusive), as a column of the window:
-    a scalar for every row (the ordinary route), or ``[B]``, each row's own (the continuous route, whose rows were
-    admitted at different fronts; rows of one prompt agree; clamped to the window)."""
+    """A scalar int64 tensor: the column where the prompts end (the first decode column; exclusive), as a column of
+    the window, the same for every row."""
+
+    def __post_init__(self):
+        if self.end.dim() != 0:
+            raise ValueError(f"SharedPrefix.end must be a scalar tensor (one prompt end for every row), got shape "
+                             f"{tuple(self.end.shape)}")
 
 
 _FAILED: dict = {}
@@ -215,8 +219,7 @@ def _launch(q, k, v, keep, scale, splits, block, warps, stages, last=None, share
     if prefix:
         kernels.decode_attention_shared[(rows, kv_heads, slots)](
             q, k, v, keep, shared.ids, shared.end, last_ptr, part, stat, *strides, rows, length, prefix_splits, splits,
-            float(scale), shared.end.stride(0) if shared.end.dim() else 0, SAMPLES=shared.samples,
-            M_PAD=pow2_at_least(shared.samples * group, 16), ROW_END=shared.end.dim() > 0, **common)
+            float(scale), SAMPLES=shared.samples, M_PAD=pow2_at_least(shared.samples * group, 16), **common)
     else:
         kernels.decode_attention_split[(rows, kv_heads, splits)](
             q, k, v, keep, out, part, stat, last_ptr, *strides, out.stride(0), out.stride(1), length, splits,
