@@ -197,7 +197,7 @@ def attention_cases() -> list[tuple[str, Callable]]:
 
     from rollout.ops import decode_attention as da
 
-    def call(dtype, heads, kv_heads, dim, rows=8, length=1024, splits=None, last=False, samples=0):
+    def call(dtype, heads, kv_heads, dim, *, rows=8, length=1024, splits=None, last=False, samples=0):
         q = torch.zeros(rows, heads, 1, dim, dtype=dtype)
         k = torch.zeros(rows, kv_heads, length, dim, dtype=dtype)
         keep = torch.ones(rows, 1, 1, length, dtype=torch.bool)
@@ -225,7 +225,7 @@ def linear_cases() -> list[tuple[str, Callable]]:
 
     from rollout.ops import skinny_linear as sl
 
-    def call(dtype=torch.bfloat16, rows=8, n=256, k=512, bias=False, norm=False, residual=False, glu=False,
+    def call(dtype=torch.bfloat16, *, rows=8, n=256, k=512, bias=False, norm=False, residual=False, glu=False,
              block_m=None):
         x = torch.zeros(rows, k, dtype=dtype)
         weight = torch.zeros(2 * n if glu else n, k, dtype=dtype)
@@ -252,8 +252,8 @@ def rotary_cases() -> list[tuple[str, Callable]]:
         qkv = torch.zeros(batch, (heads + 2 * kv_heads) * dim, dtype=dtype)
         cos = torch.ones(batch, 1, dim, dtype=dtype)
         cache = torch.zeros(batch, kv_heads, length, dim, dtype=dtype)
-        rw.rotary_write(qkv, cos, cos.clone(), cache, cache.clone(), torch.zeros(batch, dtype=torch.long), heads,
-                        kv_heads, dim, interpret=True)
+        rw.rotary_write(qkv, cos, cos.clone(), cache, cache.clone(), torch.zeros(batch, dtype=torch.long),
+                        heads=heads, kv_heads=kv_heads, head_dim=dim, interpret=True)
 
     return [("rotary + cache write bf16", lambda: call(torch.bfloat16, 16, 2, 128)),
             ("rotary + cache write fp32", lambda: call(torch.float32, 4, 2, 64))]

@@ -39,6 +39,12 @@ class DecoderSpec:
     rms_eps: float
     attention_scaling: float
 
+    @property
+    def piece_constants(self) -> dict:
+        """The keyword constants of the q/k/v pieces (``attention_inputs*``): ``eps`` and the head geometry."""
+        return dict(eps=self.rms_eps, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim)
+
 
 @dataclass
 class LayerWeights:
@@ -297,7 +303,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def attention_inputs(h, norm, wq, bq, wk, bk, wv, bv, cos, sin, eps: float, num_heads: int, num_kv_heads: int,
+# keyword-only, not records: compiled piece; records would add guards
+def attention_inputs(h, norm, wq, bq, wk, bk, wv, bv, *, cos, sin, eps: float, num_heads: int, num_kv_heads: int,
                      head_dim: int):
     """RMSNorm -> q/k/v projections -> rotary. ``h [B, H]`` -> q ``[B, Hq, 1, D]``, k/v ``[B, Hkv, 1, D]``."""
     batch = h.shape[0]
@@ -308,7 +315,8 @@ def attention_inputs(h, norm, wq, bq, wk, bk, wv, bv, cos, sin, eps: float, num_
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
 
-def attention_inputs_qkv(h, norm, wqkv, bqkv, cos, sin, eps: float, num_heads: int, num_kv_heads: int,
+# keyword-only, not records: compiled piece; records would add guards
+def attention_inputs_qkv(h, norm, wqkv, bqkv, *, cos, sin, eps: float, num_heads: int, num_kv_heads: int,
                          head_dim: int):
     """:func:`attention_inputs` with one GEMM over the concatenated ``[q; k; v]`` weight."""
     batch = h.shape[0]
@@ -319,14 +327,16 @@ def attention_inputs_qkv(h, norm, wqkv, bqkv, cos, sin, eps: float, num_heads: i
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v.reshape(batch, num_kv_heads, 1, head_dim)
 
 
-def attention_inputs_qkv_write(h, norm, wqkv, bqkv, cos, sin, key_layer, value_layer, cols, eps: float,
+# keyword-only, not records: compiled piece; records would add guards
+def attention_inputs_qkv_write(h, norm, wqkv, bqkv, *, cos, sin, key_layer, value_layer, cols, eps: float,
                                num_heads: int, num_kv_heads: int, head_dim: int):
     """:func:`attention_inputs_qkv` that also writes the step's k and v into one layer's cache
     (``key_layer``/``value_layer [B, Hkv, capacity, D]``, column ``cols [1]``) and returns q only. Under
     ``torch.compile`` the rotary of q and k and both cache writes become one kernel that writes the cache in
     place (checked on inductor's CPU code: no copy of the cache; one compiled graph serves every layer's
     cache view), where the separate path launches two rotary kernels, two ``index_copy_`` and copies."""
-    q, k, v = attention_inputs_qkv(h, norm, wqkv, bqkv, cos, sin, eps, num_heads, num_kv_heads, head_dim)
+    q, k, v = attention_inputs_qkv(h, norm, wqkv, bqkv, cos=cos, sin=sin, eps=eps, num_heads=num_heads,
+                                   num_kv_heads=num_kv_heads, head_dim=head_dim)
     key_layer.index_copy_(2, cols, k)
     value_layer.index_copy_(2, cols, v)
     return q
@@ -341,20 +351,21 @@ def qkv_projection(h, norm, wqkv, bqkv, eps: float):
 def layer_qkv(fns: "StepFns", h, w: LayerWeights, cos, sin, spec: DecoderSpec):
     """q ``[N, Hq, 1, D]``, k/v ``[N, Hkv, 1, D]`` of one layer: one GEMM where ``w.qkv`` is set, else three."""
     if w.qkv is not None:
-        return fns.attention_inputs_qkv(h, w.input_norm, w.qkv, w.qkv_bias, cos, sin, spec.rms_eps, spec.num_heads,
-                                        spec.num_kv_heads, spec.head_dim)
-    return fns.attention_inputs(h, w.input_norm, w.q, w.q_bias, w.k, w.k_bias, w.v, w.v_bias, cos, sin, spec.rms_eps,
-                                spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        return fns.attention_inputs_qkv(h, w.input_norm, w.qkv, w.qkv_bias, cos=cos, sin=sin, **spec.piece_constants)
+    return fns.attention_inputs(h, w.input_norm, w.q, w.q_bias, w.k, w.k_bias, w.v, w.v_bias, cos=cos, sin=sin,
+                                **spec.piece_constants)
 
 
-def attention_output_and_mlp(h, attn, wo, bo, norm, gate, up, down, eps: float):
+# keyword-only, not records: compiled piece; records would add guards
+def attention_output_and_mlp(h, attn, wo, bo, norm, gate, up, down, *, eps: float):
     """o projection + residual, RMSNorm, SiLU MLP + residual. ``attn [B, Hq, 1, D]``."""
     h = h + F.linear(attn.reshape(h.shape[0], -1), wo, bo)
     x = rms_norm(h, norm, eps)
     return h + F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-def attention_output_and_gate_up_mlp(h, attn, wo, bo, norm, gate_up, down, eps: float):
+# keyword-only, not records: compiled piece; records would add guards
+def attention_output_and_gate_up_mlp(h, attn, wo, bo, norm, gate_up, down, *, eps: float):
     """:func:`attention_output_and_mlp` with one GEMM over the concatenated ``[gate; up]`` weight."""
     return gate_up_mlp(h + F.linear(attn.reshape(h.shape[0], -1), wo, bo), norm, gate_up, down, eps)
 
@@ -369,15 +380,15 @@ def gate_up_mlp(h, norm, gate_up, down, eps: float):
 def layer_output(fns: "StepFns", h, attn, w: LayerWeights, eps: float):
     """The layer's output from its attention: one gate|up GEMM where ``w.gate_up`` is set, else two."""
     if w.gate_up is not None:
-        return fns.attention_output_and_gate_up_mlp(h, attn, w.o, w.o_bias, w.post_norm, w.gate_up, w.down, eps)
-    return fns.attention_output_and_mlp(h, attn, w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down, eps)
+        return fns.attention_output_and_gate_up_mlp(h, attn, w.o, w.o_bias, w.post_norm, w.gate_up, w.down, eps=eps)
+    return fns.attention_output_and_mlp(h, attn, w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down, eps=eps)
 
 
 def final_logits(h, norm, lm_head, lm_bias, eps: float):
     return F.linear(rms_norm(h, norm, eps), lm_head, lm_bias)
 
 
-def grouped_decode_attention(q, k, v, keep, scale: float, gqa: bool, last=None, shared=None):
+def grouped_decode_attention(q, k, v, keep, scale: float, gqa: bool, *, last=None, shared=None):
     """:func:`decode_attention` as two batched GEMMs per KV head over its group of query heads (q heads
     ``h * G .. h * G + G - 1`` share KV head ``h``, as in SDPA's ``enable_gqa``): each key and value is read
     once per KV head, and under ``torch.compile`` the mask and softmax fuse into one kernel. Scores are
@@ -397,7 +408,8 @@ def grouped_decode_attention(q, k, v, keep, scale: float, gqa: bool, last=None, 
 @dataclass(frozen=True)
 class StepFns:
     """The fusable pieces (eager functions, or their ``torch.compile``d versions). They take tensors and
-    constants only, so one compiled graph serves every layer."""
+    constants only, so one compiled graph serves every layer: the layer's input and weights positionally, the
+    rest keyword-only (not records, which would add guards)."""
 
     attention_inputs: object = attention_inputs
     attention_inputs_qkv: object = attention_inputs_qkv
@@ -461,7 +473,7 @@ class StepParts:
 
 
 def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.Tensor, tokens: torch.Tensor,
-                  positions: torch.Tensor, col: torch.Tensor, keep: torch.Tensor, start: int = 0,
+                  positions: torch.Tensor, col: torch.Tensor, keep: torch.Tensor, *, start: int = 0,
                   last: torch.Tensor | None = None, shared=None) -> torch.Tensor:
     """One decode step: ``logits [B, V]`` for ``tokens [B]`` at ``positions [B]``, written at cache column ``col``.
 
@@ -484,12 +496,12 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
     for i, w in enumerate(weights.layers):
         if fns.rotary_write is not None and w.qkv is not None:
             qkv = fns.qkv_projection(h, w.input_norm, w.qkv, w.qkv_bias, eps)
-            q = fns.rotary_write(qkv, cos, sin, key_cache[i], value_cache[i], cols, spec.num_heads, spec.num_kv_heads,
-                                 spec.head_dim)
+            q = fns.rotary_write(qkv, cos, sin, key_cache[i], value_cache[i], cols, heads=spec.num_heads,
+                                 kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
         elif fns.attention_inputs_qkv_write is not None and w.qkv is not None:
-            q = fns.attention_inputs_qkv_write(h, w.input_norm, w.qkv, w.qkv_bias, cos, sin, key_cache[i],
-                                               value_cache[i], cols, eps, spec.num_heads, spec.num_kv_heads,
-                                               spec.head_dim)
+            q = fns.attention_inputs_qkv_write(h, w.input_norm, w.qkv, w.qkv_bias, cos=cos, sin=sin,
+                                               key_layer=key_cache[i], value_layer=value_cache[i], cols=cols,
+                                               **spec.piece_constants)
         else:
             q, k, v = layer_qkv(fns, h, w, cos, sin, spec)
             key_cache[i].index_copy_(2, cols, k)

@@ -87,7 +87,7 @@ _FAILED: dict = {}
 """(device, dtype, head dim, group) -> why the kernel failed there: SDPA runs for those inputs from then on."""
 
 
-def sdpa(q, k, v, keep, scale: float, gqa: bool, last: Optional[torch.Tensor] = None,
+def sdpa(q, k, v, keep, scale: float, gqa: bool, *, last: Optional[torch.Tensor] = None,
          shared: Optional[SharedPrefix] = None):
     """One query per row: ``q [B, Hq, 1, D]`` against ``k/v [B, Hkv, L, D]``; ``keep [B, 1, 1, L]`` is a
     boolean mask (True: attend) or an additive one. PyTorch's SDPA (cuDNN on an H200); what :func:`attention`
@@ -161,7 +161,7 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, gqa: bool,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, gqa: bool, *,
               splits: Optional[int] = None, interpret: bool = False, block: int = BLOCK_L, warps: int = WARPS,
               stages: int = STAGES, last: Optional[torch.Tensor] = None,
               shared: Optional[SharedPrefix] = None) -> torch.Tensor:
@@ -175,7 +175,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
         return sdpa(q, k, v, keep, scale, gqa)
     key = _key(q, k)
     return launch_or_fall_back(_FAILED, key, "decode attention kernel", f"SDPA runs instead for {key}",
-                               lambda: _launch(q, k, v, keep, scale, splits, block, warps, stages, last, shared),
+                               lambda: _launch(q, k, v, keep, scale, splits=splits, block=block, warps=warps,
+                                               stages=stages, last=last, shared=shared),
                                lambda: sdpa(q, k, v, keep, scale, gqa))
 
 
@@ -189,7 +190,7 @@ def shares_prefix(shared: Optional[SharedPrefix], heads: int, kv_heads: int) -> 
     return shared is not None and one_tile(shared.samples, heads, kv_heads)
 
 
-def _launch(q, k, v, keep, scale, splits, block, warps, stages, last=None, shared=None) -> torch.Tensor:
+def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, shared=None) -> torch.Tensor:
     from rollout.ops import decode_attention_kernel as kernels
 
     rows, heads, _, dim = q.shape
