@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
-from rollout.model.step import _rotate, rotary
+from rollout.model.pieces import _rotate, rotary
 from rollout.ops import rotary_write as rw
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 from tests.test_decode_attention import device  # noqa: F401 - the fixture

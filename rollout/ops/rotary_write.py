@@ -2,10 +2,10 @@
 
 ``rotary_write(qkv, cos, sin, key_layer, value_layer, cols, *, heads, kv_heads, head_dim)`` takes the fused
 q|k|v projection ``[B, (Hq + 2 Hkv) D]`` of one decode step (bias included), ``cos``/``sin`` ``[B, 1, 1, D]``
-(:func:`rollout.model.step.rotary`), one layer's cache ``key_layer``/``value_layer [B, Hkv, capacity, D]`` (any
+(:func:`rollout.model.pieces.rotary`), one layer's cache ``key_layer``/``value_layer [B, Hkv, capacity, D]`` (any
 strides with a contiguous last dimension) and the column ``cols [1]`` (a device tensor, so captured graphs
 replay it at every step); it writes k (rotated) and v into that column and returns the rotated q
-``[B, Hq, 1, D]``, as :func:`rollout.model.step.attention_inputs_qkv_write` does after its projection.
+``[B, Hq, 1, D]``, as :func:`rollout.model.pieces.attention_inputs_qkv_write` does after its projection.
 
 Why: under ``torch.compile`` those writes take three elementwise kernels a layer (q's rotary, k's rotary and
 write, v's write); here they take one. The rotary is computed in fp32 and rounded once, as inductor's kernels
