@@ -247,36 +247,13 @@ def test_shared_prefix_reads_one_copy_and_nothing_after_last(device):
     assert torch.isnan(unshared[1]).all() and not torch.isnan(unshared[0]).any()
 
 
-@pytest.mark.parametrize("splits", [None, 1, 3])
-def test_shared_prefix_with_an_end_per_row(device, splits):
-    """The continuous route's form: each row's prompt ends at its own column (rows admitted at different fronts;
-    a run's rows agree), one of them at the window's end, one at 0 (nothing shared), one past the window (clamped).
-    SDPA's result, and NaN in every copy of a prompt but its run's first row stays out (fp32)."""
-    ids, samples, last = [0, 1, 2, 4, 5, 9, 10, 11, 12, 16], 4, 140
-    ends = {0: 70, 1: 33, 2: 141, 3: 0, 4: 400}  # per prompt (id // samples); 400: clamped to the window
-    q, k, v, keep, _, last_col = _shared_inputs(ids, samples, 0, last, device="cpu", seed=5)
-    row_end = [min(ends[i // samples], k.shape[2]) for i in ids]
-    first = {}
-    for row, sample in enumerate(ids):  # each run's copies of its own prompt, up to its own end
-        lead, end = first.setdefault(sample // samples, row), row_end[row]
-        k[row, :, :end], v[row, :, :end] = k[lead, :, :end], v[lead, :, :end]
-        keep[row, ..., :end] = keep[lead, ..., :end]
-    keep[..., last] = True
-    q, k, v, keep = q.to(device), k.to(device), v.to(device), keep.to(device)
-    shared = da.SharedPrefix(torch.tensor(ids, dtype=torch.long, device=device), samples,
-                             torch.tensor([ends[i // samples] for i in ids], dtype=torch.long, device=device))
-    expected = _sdpa(q, k, v, keep, 4, 2)
-    got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, last=last_col.to(device),
-                       shared=shared)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    poisoned_k, poisoned_v = k.clone(), v.clone()
-    leaders = set(first.values())
-    for row in range(len(ids)):
-        if row not in leaders:
-            poisoned_k[row, :, :row_end[row]], poisoned_v[row, :, :row_end[row]] = float("nan"), float("nan")
-    got = da.attention(q, poisoned_k, poisoned_v, keep, 0.25, True, splits=splits, interpret=True,
-                       last=last_col.to(device), shared=shared)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+def test_shared_prefix_takes_one_prompt_end_for_every_row():
+    """``SharedPrefix.end`` is one column for every row (a scalar tensor); an end per row is refused, not read as
+    its first element."""
+    ids = torch.arange(4)
+    assert int(da.SharedPrefix(ids, 2, torch.tensor(5)).end) == 5
+    with pytest.raises(ValueError, match="scalar"):
+        da.SharedPrefix(ids, 2, torch.tensor([5, 5, 3, 3]))
 
 
 def test_shared_prefix_bf16_and_the_tile_limit(device):
@@ -375,7 +352,7 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
 
 
 def test_which_steps_share_the_prompt():
-    """The ordinary route shares a prompt's columns in batch buckets of at least ``shared_prefix_rows`` rows, with several
+    """A step shares a prompt's columns in batch buckets of at least ``shared_prefix_rows`` rows, with several
     samples per prompt, and only while their queries fit one tile."""
     from types import SimpleNamespace
 

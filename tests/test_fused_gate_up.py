@@ -49,9 +49,9 @@ def test_the_fused_piece_runs_in_decode_and_prefill(monkeypatch):
     fused_piece, plain_piece = step.attention_output_and_gate_up_mlp, step.attention_output_and_mlp
 
     def count(name, fn):
-        def wrapped(*args):
+        def wrapped(*args, **kwargs):
             calls[name] += 1
-            return fn(*args)
+            return fn(*args, **kwargs)
         return wrapped
 
     model = tiny_model("qwen2", seed=12)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, KernelConfig
-from rollout.model.step import _rotate, rotary
+from rollout import KernelConfig, Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout.model.pieces import _rotate, rotary
 from rollout.ops import rotary_write as rw
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 from tests.test_decode_attention import device  # noqa: F401 - the fixture
@@ -42,7 +42,8 @@ def _eager(qkv, cos, sin, heads, kv_heads, dim):
 def test_kernel_equals_the_step_arithmetic(device, heads, kv_heads, dim, dtype):
     qkv, cos, sin, key_layer, value_layer, cols = _inputs(3, heads, kv_heads, dim, dtype, device, seed=heads + dim)
     keys_before, values_before = key_layer.clone(), value_layer.clone()
-    q = rw.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, heads, kv_heads, dim, interpret=True)
+    q = rw.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, heads=heads, kv_heads=kv_heads, head_dim=dim,
+                        interpret=True)
     eq, ek, ev = _eager(qkv, cos, sin, heads, kv_heads, dim)
     tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     if dtype == torch.float32:
@@ -57,7 +58,7 @@ def test_kernel_equals_the_step_arithmetic(device, heads, kv_heads, dim, dtype):
     assert torch.equal(value_layer[:, :, others], values_before[:, :, others])
     # the PyTorch path (the fallback) computes the same
     key2, value2 = keys_before.clone(), values_before.clone()
-    q2 = rw.rotary_write_reference(qkv, cos, sin, key2, value2, cols, heads, kv_heads, dim)
+    q2 = rw.rotary_write_reference(qkv, cos, sin, key2, value2, cols, heads=heads, kv_heads=kv_heads, head_dim=dim)
     torch.testing.assert_close(q2.float(), q.float(), **tol)
     torch.testing.assert_close(key2.float(), key_layer.float(), **tol)
     assert torch.equal(value2, value_layer)
@@ -66,7 +67,7 @@ def test_kernel_equals_the_step_arithmetic(device, heads, kv_heads, dim, dtype):
 def test_unsupported_inputs_take_the_pytorch_path(device):
     qkv, cos, sin, key_layer, value_layer, cols = _inputs(2, 4, 2, 24, torch.float32, device)
     assert "power of two" in rw.unsupported_reason(qkv, key_layer, value_layer, 24, interpret=True)
-    q = rw.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, 4, 2, 24, interpret=True)
+    q = rw.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, heads=4, kv_heads=2, head_dim=24, interpret=True)
     eq, ek, _ = _eager(qkv, cos, sin, 4, 2, 24)
     torch.testing.assert_close(q, eq, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(key_layer[:, :, 5:6], ek, rtol=1e-6, atol=1e-6)
@@ -83,7 +84,8 @@ def test_a_failing_kernel_warns_once_and_falls_back(device, monkeypatch):
     monkeypatch.setattr(rw, "_launch", broken)
     monkeypatch.setattr(rw, "_FAILED", {})
     with pytest.warns(RuntimeWarning, match="no kernel for you"):
-        q = rw.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, 4, 2, 16, interpret=True)
+        q = rw.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, heads=4, kv_heads=2, head_dim=16,
+                            interpret=True)
     torch.testing.assert_close(q, _eager(qkv, cos, sin, 4, 2, 16)[0], rtol=1e-6, atol=1e-6)
     assert rw.failure(qkv.device) is not None
     assert "no kernel for you" in rw.unsupported_reason(qkv, key_layer, value_layer, 16, interpret=True)
