@@ -23,7 +23,7 @@ from traces.format import csv_rows, format_headline, format_kernels, format_over
 from traces.load import LoadedSet, load, read_trace
 from traces.report import Report, build_report
 from traces.rows import row_from_dict
-from traces.table import Column, render
+from instrumentation.table import Column, render
 
 FORMATS = ("table", "markdown", "json", "csv")
 #: A --diff baseline smaller than this is first tried as a saved JSON report.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from traces.headline import Headline
 from traces.rows import StageRow
-from traces.table import FORMATS, Column, fixed, percent, render
+from instrumentation.table import FORMATS, Column, fixed, percent, render
 
 _STATS = ("total", "mean", "p50", "p90", "max")
 _MS, _MIB, _PCT = fixed(3), fixed(1), percent(1)
