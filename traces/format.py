@@ -7,7 +7,7 @@ their depth in the stage tree (two spaces per level in text, ``&emsp;`` in Markd
 from __future__ import annotations
 
 from traces.headline import Headline
-from traces.rows import StageRow
+from traces.records import StageRow
 from instrumentation.table import FORMATS, Column, fixed, percent, render
 
 _STATS = ("total", "mean", "p50", "p90", "max")
