@@ -193,6 +193,14 @@ def map_rows() -> list[tuple[int, str]]:
     return sorted(rows, key=lambda row: row[0])
 
 
+def _probe(monkeypatch, folder: pathlib.Path, source: str) -> pathlib.Path:
+    """A module ``_layer_probe.py`` in ``folder`` whose text is ``source`` (nothing written)."""
+    fake = folder / "_layer_probe.py"
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self, *a, **k: source if self == fake else
+                        pathlib.Path.read_bytes(self).decode())
+    return fake
+
+
 MODULES = sorted(PACKAGE.rglob("*.py"))
 ALL_MODULES = _sources(PACKAGE_RANK)
 
@@ -222,9 +230,7 @@ def test_every_package_and_part_is_in_the_tables():
 ])
 def test_a_plan_module_importing_an_upper_layer_is_caught(tmp_path, source, bad, monkeypatch):
     """The check itself: a pure planning module that imports torch, an executor or (lazily) the model layer."""
-    fake = PACKAGE / "plan" / "_layer_probe.py"
-    monkeypatch.setattr(pathlib.Path, "read_text", lambda self, *a, **k: source if self == fake else
-                        pathlib.Path.read_bytes(self).decode())
+    fake = _probe(monkeypatch, PACKAGE / "plan", source)
     assert any(bad in v for v in _violations(fake))
 
 
@@ -240,9 +246,7 @@ def test_a_plan_module_importing_an_upper_layer_is_caught(tmp_path, source, bad,
 ])
 def test_a_module_importing_a_package_above_it_is_caught(where, source, bad, monkeypatch):
     """The package check itself: upward and sideways imports, lazy and relative ones included."""
-    fake = ROOT / where / "_layer_probe.py"
-    monkeypatch.setattr(pathlib.Path, "read_text", lambda self, *a, **k: source if self == fake else
-                        pathlib.Path.read_bytes(self).decode())
+    fake = _probe(monkeypatch, ROOT / where, source)
     assert [v for v in _package_violations(fake) if v.startswith(bad)], _package_violations(fake)
 
 
