@@ -80,7 +80,7 @@ class Rollout:
             raise ValueError(f"config: must be a RolloutConfig; got {type(self.config).__name__}")
         self.engine = engine
         self.eos_token_ids, self.pad_token_id = token_ids(tokenizer)
-        self.runner = Runner(engine, self.config, self.eos_token_ids)
+        self.runner = Runner(engine, self.config)
         """The device side (pool, step, graphs, route executors): internals, for tests and benchmarks."""
         self.module, self.model = self.runner.module, self.runner.model
         _check_in_vocab(self.eos_token_ids, self.pad_token_id, self.model.config.vocab_size)
@@ -141,7 +141,7 @@ class Rollout:
         mask = request.prompt_attention_mask.to(device, non_blocking=True)
         layout = checked_layout(ids, mask, self.model.config.vocab_size, sampling.max_new_tokens,
                                 self.runner.context_limit)
-        prepared = self.runner.prepare(layout, sampling)  # refuses a call that cannot fit before any allocation
+        prepared = self.runner.prepare(layout, sampling, self.eos_token_ids)  # refuses a call that cannot fit
         with stage(stages.EXPAND):
             expanded_ids, expanded_mask = expand_prompts(ids, mask, sampling.n_samples_per_prompt)
         with stage(stages.PLAN):

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, RoutingConfig, SamplingConfig  # noqa: E402
+from rollout import KernelConfig, Rollout, RolloutConfig, RolloutRequest, RoutingConfig, SamplingConfig  # noqa: E402
 from rollout.cache.aligned import AlignedKVCache  # noqa: E402
 from rollout.cache.pool import ScratchArena  # noqa: E402
 from rollout.executors.decode import FastStep  # noqa: E402
@@ -107,7 +107,7 @@ def packed_parts(model):
     """``StepParts`` of the packed prefill as the engine builds them, or None (HF forward)."""
     if fast_decode.unsupported_reason(model) is not None:
         return None
-    return FastStep(model, use_compile=True, mirror_weights=False).parts(next(model.parameters()).device,
+    return FastStep(model, KernelConfig(fuse_gate_up=False), mirror_weights=False).parts(next(model.parameters()).device,
                                                                        mirrored=False)
 
 

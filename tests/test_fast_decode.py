@@ -121,7 +121,7 @@ def test_failed_graph_capture_falls_back_to_eager_with_the_reason(route, monkeyp
     def pretend_cuda(config, model, is_zero3, device):  # graphs chosen as on a GPU
         choice = real_choose(config, model, is_zero3, device)
         return decode.DecodeChoice("graph", None, choice.prefill_path)
-    from rollout import engine
+    from rollout.executors import runner as engine
     monkeypatch.setattr(engine, "choose_decode", pretend_cuda)
     monkeypatch.setattr(graphs, "capture_graph", failing_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", route))
@@ -327,7 +327,7 @@ def test_the_zero3_mirror_copies_only_what_the_fused_copies_do_not_hold():
     from rollout.executors.decode import FastStep
 
     model = tiny_model("qwen2", seed=9, tie_word_embeddings=True)
-    step = FastStep(model, use_compile=False, mirror_weights=True, fuse_qkv=True, fuse_gate_up=True)
+    step = FastStep(model, KernelConfig(compile=False, fuse_qkv=True, fuse_gate_up=True), mirror_weights=True)
     cpu = torch.device("cpu")
     with step.one_call():
         first = step.parts(cpu, mirrored=True)
@@ -351,17 +351,3 @@ def test_the_zero3_mirror_copies_only_what_the_fused_copies_do_not_hold():
     torch.testing.assert_close(w.up, layer.mlp.up_proj.weight, rtol=0, atol=0)
     torch.testing.assert_close(w.v_bias, layer.self_attn.v_proj.bias, rtol=0, atol=0)
     assert w.k.untyped_storage().data_ptr() == w.qkv.untyped_storage().data_ptr()
-
-
-@pytest.mark.parametrize("splits", [2, 4, 8])
-def test_split_k_linear_is_the_linear(splits):
-    """``split_k_linear`` (``RolloutConfig.split_k_rows``: wide batches' o and down GEMMs as ``splits`` partial
-    products summed) computes ``F.linear``; a K that does not divide takes the plain GEMM."""
-    from rollout.model.step import split_k_linear
-
-    gen = torch.Generator().manual_seed(splits)
-    x, w = torch.randn(24, 128, generator=gen), torch.randn(40, 128, generator=gen)
-    torch.testing.assert_close(split_k_linear(x, w, splits), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
-    odd = torch.randn(24, 130, generator=gen)
-    torch.testing.assert_close(split_k_linear(odd, torch.randn(40, 130, generator=gen), splits).shape,
-                               torch.Size([24, 40]))

@@ -108,7 +108,7 @@ def test_the_budget_counts_copies_not_yet_held(monkeypatch):
     """A device with room for the call's cache and buffers but not also for the weight copies a first call
     allocates: refused with the figures before anything runs; with the copies already held, the same free
     memory is enough."""
-    import rollout.engine as engine
+    import rollout.executors.runner as engine
 
     model = tiny_model("qwen2", seed=15)
     ids, mask = random_prompts(2, 6, seed=5, vocab_size=model.config.vocab_size, min_len=2)

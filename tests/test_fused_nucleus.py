@@ -210,7 +210,7 @@ def test_chunk_tokens_of_a_call_override_the_default(interpreted, monkeypatch):
 def test_the_rollout_config_reaches_the_kernel(monkeypatch):
     """``RolloutConfig.sampler.chunk_tokens`` -> ``sampler_fn`` -> ``Sampler`` -> ``sample_top_p``."""
     from rollout import Rollout, RolloutConfig, RolloutRequest
-    from rollout import engine
+    from rollout.executors import runner as engine
     from rollout.testing import TinyTokenizer, tiny_model
 
     made = []

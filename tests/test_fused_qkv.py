@@ -111,10 +111,10 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
         assert {mode for _, mode in seen} == {"max-autotune-no-cudagraphs"}
         assert parts.fns.attention_output_and_mlp is step.attention_output_and_mlp  # the recorder's output
         seen.clear()
-        FastStep(model, use_compile=True, mirror_weights=False).parts(torch.device("cuda"), mirrored=False)
+        FastStep(model, KernelConfig(), mirror_weights=False).parts(torch.device("cuda"), mirrored=False)
         assert seen and {mode for _, mode in seen} == {None}  # the default: torch's default mode
         seen.clear()
-        FastStep(model, use_compile=True, mirror_weights=False).parts(torch.device("cpu"), mirrored=False)
+        FastStep(model, KernelConfig(), mirror_weights=False).parts(torch.device("cpu"), mirrored=False)
         assert seen == []  # never compiled on the CPU
     finally:
         step.compiled_step_fns.cache_clear()

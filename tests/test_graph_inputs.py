@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rollout.engine as engine_module
+import rollout.executors.runner as runner_module
 import rollout.executors.ordinary.executor as executor_module
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
 from rollout.executors.decode import DecodeChoice
@@ -25,15 +25,15 @@ from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 def graph_path_on_cpu(monkeypatch):
     """The graph decode path on the CPU: ``replay`` runs the step (no capture) and reports a graph step;
     every ``decode_step`` call's EOS tensor is recorded."""
-    monkeypatch.setattr(engine_module, "choose_decode",
+    monkeypatch.setattr(runner_module, "choose_decode",
                         lambda config, model, is_zero3, device: DecodeChoice("graph", None, "packed"))
     monkeypatch.setattr(GraphSet, "replay", lambda self, key, work, mutable: (work(), GRAPH)[1])
     seen = []
     real = executor_module.decode_step
 
-    def recording(parts, cache, bufs, shape, sampler, eos_ids, *args):
+    def recording(parts, cache, bufs, shape, sampler, eos_ids, **kwargs):
         seen.append(eos_ids)
-        return real(parts, cache, bufs, shape, sampler, eos_ids, *args)
+        return real(parts, cache, bufs, shape, sampler, eos_ids, **kwargs)
 
     monkeypatch.setattr(executor_module, "decode_step", recording)
     return seen

@@ -25,9 +25,6 @@ MAX_SCRIPT_LINES = 500
 #: ``(path, limit)`` over its limit today in a file being restructured by others: an xfail(strict=True), so
 #: remove the entry once the file is fixed (a fixed file fails until then). ``limit``: "positional" or "lines".
 KNOWN_OVER = {
-    ("rollout/executors/continuous/buffers.py", "positional"),  # cb_decode_step: 10
-    ("rollout/executors/decode.py", "positional"),  # FastStep.__init__: 12
-    ("rollout/executors/ordinary/buffers.py", "positional"),  # decode_step: 9
     ("scripts/bench_rl.py", "positional"),  # run_interleaved: 9
     ("scripts/bench_rl.py", "lines"),  # 1474
     ("scripts/bench_rollout.py", "positional"),  # suite_seed004: 9

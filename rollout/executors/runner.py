@@ -43,6 +43,8 @@ class Prepared:
     fit: Optional[SlotPlan]
     """The continuous route's slots and capacity within the budget (None: as planned)."""
     sampling: SamplingConfig
+    eos_ids: tuple[int, ...]
+    """The tokenizer's end-of-sequence ids (empty: rows run to the budget)."""
     device: torch.device
 
     @property
@@ -54,13 +56,12 @@ class Prepared:
 class Runner:
     """The device side of one ``Rollout``: pool, step, graphs and the route executors."""
 
-    def __init__(self, engine, config: RolloutConfig, eos_ids: tuple[int, ...]):
+    def __init__(self, engine, config: RolloutConfig):
         self.engine = engine
         self.config = config
         self.module = compat.unwrap_model(engine)
         self.model = compat.causal_lm(self.module)
         compat.check_supported(self.model)
-        self.eos_ids = eos_ids
         self.is_zero3 = zero.is_zero3(engine)
         if config.route != routes.ORDINARY:
             check_gather(config.route, config.gather, self.is_zero3)
@@ -90,18 +91,18 @@ class Runner:
         return self._cost_model
 
     # ---- one call ---------------------------------------------------------------------------------
-    def prepare(self, layout: PromptLayout, sampling: SamplingConfig) -> Prepared:
+    def prepare(self, layout: PromptLayout, sampling: SamplingConfig, eos_ids: tuple[int, ...]) -> Prepared:
         """The call's decode path and its KV budget; refuses a call that cannot fit before any allocation."""
         device = self.device
         decode = choose_decode(self.config, self.model, self.is_zero3, device)
-        return Prepared(decode, self._slots_within_budget(layout, sampling, decode, device), sampling, device)
+        return Prepared(decode, self._slots_within_budget(layout, sampling, decode, device), sampling, eos_ids, device)
 
     def run(self, prepared: Prepared, plan: RouteChoice, prompts: Prompts) -> Generation:
         """The planned route over ``prompts``, with the weights ready for generation around it."""
         device, decode = prepared.device, prepared.decode
         with self._inference_mode(), self._generation_weights(), self.fast_step.one_call(), \
                 blas.blas_library(self.config.kernels.blas_library, device) as blas_in_effect:
-            ctx = self._context(prepared.sampling, decode, device, plan.route)  # after the gather: weights resident
+            ctx = self._context(prepared, plan.route)  # after the gather: ZeRO-3 weights are resident
             graphs = ctx.prefill_graphs
             call = RouteCall(ctx, decode, plan, prompts, prepared.fit, blas_in_effect,
                              graph_passes_before=graphs.replays if graphs is not None else 0)
@@ -134,19 +135,18 @@ class Runner:
                 + graphs)
 
     # ---- pieces of a call -------------------------------------------------------------------------
-    def _context(self, sampling: SamplingConfig, decode: DecodeChoice, device: torch.device,
-                 route: str) -> CallContext:
+    def _context(self, prepared: Prepared, route: str) -> CallContext:
         """What the executors need of this call (inside the gather). An eager prefill reads the (gathered)
         parameters directly, as eager decode steps do; a captured one (``kernels.prefill_graph_tokens``, with graph
         decode and the variable-length prefill) reads them through the weight mirror, whose addresses hold across
         calls under ZeRO-3."""
-        config = self.config
+        config, sampling, decode, device = self.config, prepared.sampling, prepared.decode, prepared.device
         parts = self.fast_step.parts(device, mirrored=False) if decode.is_fast else None
         graphs = self._prefill_graphs_for(decode)
         prefill_parts = self.fast_step.parts(device, mirrored=True) if graphs is not None else parts
         sampler = sampler_fn(sampling, compiled=config.kernels.compile and device.type == "cuda",
                              fused=config.sampler.fused, chunk_tokens=config.sampler.chunk_tokens)
-        return CallContext(self.model, sampling, EosIds.on(self.eos_ids, device), self.cost_model,
+        return CallContext(self.model, sampling, EosIds.on(prepared.eos_ids, device), self.cost_model,
                            max_prefill_tokens=config.routing.max_prefill_tokens,
                            eos_check_interval=routes.eos_check_interval(config.routing.eos_check_interval, route),
                            stage=stage, busy=self._busy, fast=parts,

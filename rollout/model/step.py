@@ -69,41 +69,41 @@ class StepFns:
     final_logits: object = final_logits
     attention: object = decode_attention
     """Decode attention, left eager: :func:`decode_attention` (SDPA), or on CUDA with
-    ``RolloutConfig.decode_attention="triton"`` the kernel of :mod:`rollout.ops.decode_attention`."""
+    ``RolloutConfig.kernels.decode_attention="triton"`` the kernel of :mod:`rollout.ops.decode_attention`."""
     attention_inputs_qkv_write: object = None
     """When set (and q|k|v are fused), decode steps write k and v into the cache inside this piece
     (:func:`attention_inputs_qkv_write`) instead of with two ``index_copy_`` after it
-    (``RolloutConfig.fused_kv_write``, compiled pieces only)."""
+    (``RolloutConfig.kernels.fused_kv_write``, compiled pieces only)."""
     attention_output_and_gate_up_mlp: object = attention_output_and_gate_up_mlp
     qkv_projection: object = qkv_projection
     gate_up_mlp: object = gate_up_mlp
     skinny_linear: object = None
     """When set (with ``rotary_write`` and fused gate|up), decode steps of at most ``skinny_rows`` rows compute each
-    layer's o projection and its residual add with this kernel (``RolloutConfig.skinny_rows``:
+    layer's o projection and its residual add with this kernel (``RolloutConfig.kernels.skinny_rows``:
     :func:`rollout.ops.skinny_linear.skinny_linear`), then ``gate_up_mlp``; the other projections stay cuBLAS
     GEMMs in the compiled pieces, which were faster there on an H200."""
     skinny_rows: int = 0
     shared_prefix_rows: int = 0
     """Ordinary-route decode steps of at least this many rows, whose prompts have several samples, hand the
-    attention piece a ``SharedPrefix`` (``RolloutConfig.shared_prefix_rows``; 0: never)."""
+    attention piece a ``SharedPrefix`` (``RolloutConfig.kernels.shared_prefix_rows``; 0: never)."""
     rotary_write: object = None
     """When set (and q|k|v are fused), decode steps compute ``qkv_projection`` and hand it to this function,
-    which rotates q and k and writes k and v into the cache (``RolloutConfig.rotary_kernel``: the one Triton
+    which rotates q and k and writes k and v into the cache (``RolloutConfig.kernels.rotary_kernel``: the one Triton
     kernel of :mod:`rollout.ops.rotary_write`); it takes precedence over ``attention_inputs_qkv_write``."""
 
 
 def compile_piece(fn, mode: str | None = None):
     """``fn`` compiled as every piece of the step is: one graph, shapes dynamic after a second size, no
-    inductor CUDA graphs (ours wrap the whole step). ``mode``: ``RolloutConfig.compile_mode``."""
+    inductor CUDA graphs (ours wrap the whole step). ``mode``: ``RolloutConfig.kernels.compile_mode``."""
     return torch.compile(fn, dynamic=None, fullgraph=True, mode=mode)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_step_fns(mode: str | None = None, kv_write: bool = False) -> StepFns:
     """``torch.compile``d pieces (inductor fuses norms, rotary, SiLU and residual adds). One compiled graph
-    serves every layer. ``mode``: the ``torch.compile`` mode (``RolloutConfig.compile_mode``; None: torch's
+    serves every layer. ``mode``: the ``torch.compile`` mode (``RolloutConfig.kernels.compile_mode``; None: torch's
     default); ``kv_write``: the fused q|k|v piece also writes k and v into the cache
-    (``RolloutConfig.fused_kv_write``)."""
+    (``RolloutConfig.kernels.fused_kv_write``)."""
     fns = StepFns(*(compile_piece(fn, mode) for fn in (attention_inputs, attention_inputs_qkv,
                                                         attention_output_and_mlp, final_logits)),
                   attention_output_and_gate_up_mlp=compile_piece(attention_output_and_gate_up_mlp, mode),

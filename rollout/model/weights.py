@@ -232,7 +232,7 @@ class _ConcatenatedCopies:
 
 
 class FusedQKV(_ConcatenatedCopies):
-    """Persistent ``[q; k; v]`` weight (and bias) per layer (``RolloutConfig.fuse_qkv``).
+    """Persistent ``[q; k; v]`` weight (and bias) per layer (``RolloutConfig.kernels.fuse_qkv``).
 
     Why: at decode the k and v projections are tiny GEMMs (``2 Hkv D`` outputs) that run at a few percent
     of the GPU's rate; one GEMM over the concatenated weight replaces three launches per layer. The copy is
@@ -262,7 +262,7 @@ class FusedQKV(_ConcatenatedCopies):
 
 
 class FusedGateUp(_ConcatenatedCopies):
-    """Persistent ``[gate; up]`` weight per layer (``RolloutConfig.fuse_gate_up``).
+    """Persistent ``[gate; up]`` weight per layer (``RolloutConfig.kernels.fuse_gate_up``).
 
     Why: at small decode batches the weight GEMMs are bandwidth-bound and each launch leaves the GPU
     partly idle at its start and end; one GEMM over the concatenated weight reads the same bytes with one

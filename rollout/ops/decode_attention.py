@@ -53,7 +53,7 @@ MIN_SPLIT_TILES = 2
 #: Most queries in one tile of the shared-prefix pass (samples x query heads per KV head); beyond it the rows
 #: read their prompt one by one.
 MAX_SHARED_QUERIES = 128
-#: Fewest prompt columns for which the ordinary route shares them (``RolloutConfig.shared_prefix_rows``). On the
+#: Fewest prompt columns for which the ordinary route shares them (``RolloutConfig.kernels.shared_prefix_rows``). On the
 #: H200 (3B shape, 36 layers, ``profile_decode_step.py --parts shared``, docs/BENCHMARKS.md) a 768-column
 #: prompt with 4 samples took 1.511 ms instead of 2.063 at 256 rows and 0.939 instead of 1.337 at 128, but a
 #: 256-column one 1.431 instead of 1.233 at 256 rows: short windows are bound by each program's chain of

@@ -16,7 +16,7 @@ residual are done in the same kernel.
 
 Measured on an H200 (3B shape, 36 layers, ``scripts/profile_decode_step.py --parts skinny``, 2026-12-01): o with
 its residual took 0.206 ms against the compiled piece's 0.270 at 8 rows (0.236 against 0.305 at 32), so the
-routes use it for o (``RolloutConfig.skinny_rows``). The other projections lost to cuBLAS: q|k|v with the norm
+routes use it for o (``RolloutConfig.kernels.skinny_rows``). The other projections lost to cuBLAS: q|k|v with the norm
 0.447 against 0.299, gate|up with the norm and SiLU·mul 1.13-2.3 against 1.07, down with the residual 0.667
 against 0.638 at 8 rows; those forms stay here for the benchmark and the tests.
 

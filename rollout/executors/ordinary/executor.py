@@ -89,7 +89,8 @@ class OrdinaryExecutor:
             shape = (rows, length_bucket(live_len, cache.shape.capacity))
 
             def work():
-                decode_step(parts, cache, bufs, shape, ctx.sampler, eos, has_seen, ctx.with_logprobs, samples)
+                decode_step(parts, cache, bufs, shape, ctx.sampler, eos, has_seen=has_seen,
+                            with_logprobs=ctx.with_logprobs, samples=samples)
 
             if not use_graphs:
                 work()
