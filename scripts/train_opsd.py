@@ -19,8 +19,18 @@ Defaults: student = the embedded tiny Qwen2-shaped model, teacher = a different 
 model with the same vocabulary, synthetic random-token prompts (each rank its own), DeepSpeed ZeRO-0
 in one process (gloo on CPU, NCCL on CUDA). ``--teacher self`` distils the student from itself with
 a synthetic context prepended to the teacher's prompt. Every default lives in one place: the fields of
-:class:`rollout.opsd.job.JobConfig` and :class:`rollout.opsd.OPSDConfig`; flags left out keep them
-(:mod:`rollout.opsd.flags`).
+:class:`rollout.opsd.job.JobConfig`, :class:`rollout.opsd.OPSDConfig` and :class:`rollout.RolloutConfig`;
+flags left out keep them (:mod:`rollout.opsd.flags`).
+
+Rollout settings. The job holds one ``RolloutConfig``, built with the flags before any model is built (a
+bad value fails naming its setting) and handed whole to the step's rollout. ``--route``, ``--gather``,
+``--keep-cache`` and ``--max-cache-gib`` set its common settings; every other comes by its dotted name
+with a Python literal, ``--rollout SETTING=VALUE`` (repeatable; ``--help`` lists the names):
+
+    python scripts/train_opsd.py --rollout kernels.cuda_graphs=False --rollout routing.eos_check_interval=2
+
+``--compile``, ``--cuda-graphs`` and ``--prefill-graph-tokens`` are settings of ``kernels`` now
+(``--rollout kernels.compile=False``). The JSON report records every setting the rollout ran with.
 
 Models. ``--student``/``--teacher`` take an HF repo id (``org/name``), a local directory, or a shape
 name of :data:`rollout.testing.MODEL_SHAPES` (``qwen25-3b``, ``qwen25-7b``, ``tiny-qwen2``, ``tiny-llama``): a random
@@ -40,8 +50,8 @@ whether they stopped at EOS or at the budget. ``--lr`` defaults to 1e-5 for it (
 Launchers. Under ``torchrun`` or the ``deepspeed`` launcher each rank takes ``cuda:LOCAL_RANK``
 and NCCL (gloo on CPU); the launcher's ``--local_rank=N`` argument is accepted and ignored
 (``LOCAL_RANK`` is read from the environment). ``--json-out PATH``: rank 0 writes one JSON with
-every rank's step times, losses, rollout tokens/s and peak memory (``scripts/bench_multigpu.py``
-reads it).
+every rank's step times, losses, rollout tokens/s and peak memory, and the run's settings
+(``scripts/bench_multigpu.py`` reads it; :mod:`rollout.opsd.report`).
 """
 
 from __future__ import annotations
@@ -53,9 +63,11 @@ import time
 from typing import Optional
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from instrumentation import check_environment, opsd_profiler
 from rollout import SamplingConfig
+from rollout.engine import token_ids
 from rollout.opsd import OPSDStep
 from rollout.opsd.console import ProgressBar, banner_line, summary_line
 from rollout.opsd.engines import (deepspeed_config, init_distributed, make_offloaded_teacher, make_student_engine,
@@ -67,7 +79,8 @@ from rollout.opsd.job import SELF_TEACHER, JobConfig, ModelNames
 from rollout.opsd.report import PeakMemory, StepFlops, gather_rank_reports, rank_report, run_report, write_json
 #: The real chat model of :mod:`rollout.real_model` (a name, like the shape names).
 from rollout.real_model import SMOLLM2_NAME as REAL_MODEL
-from rollout.testing import MODEL_SHAPES
+from rollout.real_model import TEACHER_SYSTEM_PROMPT, chat_prompts, decode_responses, load_smollm2, questions_for
+from rollout.testing import MODEL_SHAPES, TinyTokenizer, random_prompts, shaped_model, tiny_model
 
 #: Model names besides HF repo ids and paths: the random models' shapes and the real chat model.
 MODEL_NAMES = ModelNames(vocab_sizes={name: shape["vocab_size"] for name, (_, shape) in MODEL_SHAPES.items()},
@@ -98,10 +111,6 @@ def learning_rate(job: JobConfig) -> float:
 def load_tokenizer(path: str, model_config):
     """``AutoTokenizer`` of ``path``; a directory without tokenizer files falls back to the model
     config's pad/EOS ids (enough for random-token prompts)."""
-    from transformers import AutoTokenizer
-
-    from rollout.testing import TinyTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as exc:
@@ -114,15 +123,9 @@ def load_tokenizer(path: str, model_config):
 def load_model(name: Optional[str], arch: str, seed: int, dtype, device, flag: str = "--student"):
     """``(model, tokenizer)``: the embedded tiny ``arch`` model (None), a random model of a shape name
     built on ``device``, or a pretrained model (a load failure names ``flag``)."""
-    from transformers import AutoModelForCausalLM
-
-    from rollout.testing import MODEL_SHAPES, TinyTokenizer, shaped_model, tiny_model
-
     if name is None:
         return tiny_model(arch, seed=seed, dtype=dtype, device=device), TinyTokenizer(pad_token_id=0, eos_token_id=2)
     if name == REAL_MODEL:
-        from rollout.real_model import load_smollm2
-
         try:
             return load_smollm2(dtype, device)
         except (ImportError, FileNotFoundError) as exc:
@@ -143,9 +146,6 @@ def load_model(name: Optional[str], arch: str, seed: int, dtype, device, flag: s
 # ---- data ---------------------------------------------------------------------------------------
 def make_prompts(job: JobConfig, tokenizer, vocab_size: int, rank: int, device):
     """This rank's synthetic prompts for every step: ``(ids, mask)`` ``[steps * B, prompt_len]``."""
-    from rollout.engine import token_ids
-    from rollout.testing import random_prompts
-
     eos_ids, pad = token_ids(tokenizer)
     special = {pad, *eos_ids, getattr(tokenizer, "bos_token_id", None)} - {None}
     if hasattr(tokenizer, "__len__"):
@@ -175,8 +175,6 @@ def real_step_prompts(job: JobConfig, tokenizer, index: int, rank: int, world: i
     The questions come round-robin from ``QUESTIONS`` (each step and rank its own); the teacher's
     prompts are the same questions under the privileged system prompt.
     """
-    from rollout.real_model import TEACHER_SYSTEM_PROMPT, chat_prompts, questions_for
-
     questions = questions_for(index * world + rank, job.batch_size, offset=job.seed)
     ids, mask = chat_prompts(tokenizer, questions, device=device)
     teacher_ids, teacher_mask = chat_prompts(tokenizer, questions, system=TEACHER_SYSTEM_PROMPT, device=device)
@@ -221,8 +219,6 @@ def prints_samples(job: JobConfig, index: int) -> bool:
 
 def sample_lines(tokenizer, batch, questions, num_samples: int) -> list:
     """The first rows of a rollout, decoded: length, stop reason (EOS or budget), question, text."""
-    from rollout.real_model import decode_responses
-
     if not callable(getattr(tokenizer, "decode", None)):
         return []
     rows = [row for row in PRINTED_ROWS if row < batch.batch_size]
@@ -265,13 +261,8 @@ def build_step(job: JobConfig, opsd_config, device):
         if job.teacher_offload:
             teacher = make_offloaded_teacher(teacher, config, rows)
     engine = make_student_engine(student, config, lora=job.lora, lr=learning_rate(job))
-    from rollout import KernelConfig, RolloutConfig
-
-    rollout_config = RolloutConfig(route=job.route, keep_cache=bool(job.keep_cache), gather=job.gather,
-                                   kernels=KernelConfig(compile=bool(job.compile), cuda_graphs=bool(job.cuda_graphs),
-                                                        prefill_graph_tokens=job.prefill_graph_tokens))
     return OPSDStep(engine, engine if teacher is None else teacher, tokenizer, opsd_config,
-                    teacher_tokenizer=teacher_tokenizer, rollout_config=rollout_config)
+                    teacher_tokenizer=teacher_tokenizer, rollout_config=job.rollout)
 
 
 def train(step, job: JobConfig, rank: int, device, memory: Optional[PeakMemory] = None):

@@ -16,7 +16,7 @@ def banner_line(job, opsd_config, step, *, device, world: int, build_s: float) -
     ``rollout.opsd.job.JobConfig``)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return (f"OPSD: world {world}, device {device.type} ({name}), ZeRO-{step.student.zero_optimization_stage()}, "
-            f"gather {job.gather}, {'LoRA r=' + str(job.lora) if job.lora else 'full weights'}, student "
+            f"gather {job.rollout.gather}, {'LoRA r=' + str(job.lora) if job.lora else 'full weights'}, student "
             f"{job.student or DEFAULT_STUDENT}, teacher {job.teacher or 'tiny llama'}"
             f"{' (ZeRO-3, offloaded)' if job.teacher_offload else ''}, "
             f"{job.batch_size * job.samples_per_prompt} rows/step, beta {opsd_config.beta}, top-k "

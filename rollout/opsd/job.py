@@ -1,5 +1,5 @@
-"""The main job's settings (``scripts/train_opsd.py``): what to train, on what, for how long
-(:class:`JobConfig`; loss settings live in ``OPSDConfig``), and the model names it knows besides HF repo
+"""The main job's settings (``scripts/train_opsd.py``): what to train, on what, for how long, and how its
+rollout runs (:class:`JobConfig`; loss settings live in ``OPSDConfig``), and the model names it knows besides HF repo
 ids and local paths (:class:`ModelNames`).
 """
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from rollout.checks import is_int, require
-from rollout.config import GATHER_MODES, ROUTES
+from rollout.config import RolloutConfig
 
 #: ``--teacher self``: the student distils from itself.
 SELF_TEACHER = "self"
@@ -25,7 +25,7 @@ def _is_count(value, least: int) -> bool:
 
 @dataclass(frozen=True)
 class JobConfig:
-    """What to train, on what, for how long (loss settings live in ``OPSDConfig``)."""
+    """What to train, on what, for how long, and how the rollout runs (loss settings live in ``OPSDConfig``)."""
 
     student: Optional[str] = None
     """HF repo id, local directory or shape name (``MODEL_SHAPES``) of the student; None: the embedded
@@ -55,19 +55,10 @@ class JobConfig:
     student's default (1e-5 for ``smollm2-135m``, 5e-3 for the random models)."""
     seed: int = 0
     """Seed of the models, prompts and sampling (each rank and step derives its own)."""
-    route: str = "ordinary"
-    """Rollout route: ordinary, continuous or auto (``RolloutConfig.route``)."""
-    keep_cache: int = 1
-    """1 keeps the rollout's KV cache between steps, 0 releases it after each rollout."""
-    gather: str = "once"
-    """ZeRO-3 rollout gathering: once or per_forward (``RolloutConfig.gather``)."""
-    compile: int = 1
-    """1: ``torch.compile`` the fast decode step's pieces on CUDA (``RolloutConfig.kernels.compile``)."""
-    cuda_graphs: int = 1
-    """1: replay the fast decode step from CUDA graphs on CUDA (``RolloutConfig.kernels.cuda_graphs``)."""
-    prefill_graph_tokens: int = 2048
-    """Prefill passes of at most this many real tokens replay CUDA graphs (``RolloutConfig.kernels.prefill_graph_tokens``,
-    whose default this is; 0: off)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """How the rollout runs: one ``RolloutConfig``, handed whole to the step's ``Rollout``. Its common settings
+    have flags of their own (``--route``, ``--gather``, ``--keep-cache``, ``--max-cache-gib``), the others come
+    by their dotted names (``--rollout kernels.cuda_graphs=False``; :mod:`rollout.opsd.flags`)."""
     teacher_offload: int = 0
     """1: the teacher runs in an inference-only DeepSpeed ZeRO-3 engine with its parameters offloaded
     to host memory (for teachers larger than the student)."""
@@ -86,13 +77,10 @@ class JobConfig:
         require(self.lr is None or (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0),
                 "lr", f"must be a finite number > 0; got {self.lr!r}")
         require(_is_count(self.print_every, 0), "print_every", f"must be an int >= 0; got {self.print_every!r}")
-        require(self.route in ROUTES, "route", f"must be one of {ROUTES}; got {self.route!r}")
-        for name in ("keep_cache", "compile", "cuda_graphs", "teacher_offload"):
-            value = getattr(self, name)
-            require(value in (0, 1) and not isinstance(value, bool), name, f"must be 0 or 1; got {value!r}")
-        require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
-        require(_is_count(self.prefill_graph_tokens, 0), "prefill_graph_tokens",
-                f"must be an int >= 0 (0: off); got {self.prefill_graph_tokens!r}")
+        require(self.teacher_offload in (0, 1) and not isinstance(self.teacher_offload, bool), "teacher_offload",
+                f"must be 0 or 1; got {self.teacher_offload!r}")
+        require(isinstance(self.rollout, RolloutConfig), "rollout",
+                f"must be a RolloutConfig; got {type(self.rollout).__name__}")
         require(self.deepspeed_config is None or os.path.isfile(self.deepspeed_config), "deepspeed_config",
                 f"no such file {self.deepspeed_config!r}")
         require(not (self.teacher_offload and self.teacher == SELF_TEACHER), "teacher_offload",
