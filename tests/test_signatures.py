@@ -30,7 +30,6 @@ KNOWN_OVER = {
     ("scripts/bench_rollout.py", "positional"),  # suite_seed004: 9
     ("scripts/profile_decode_step.py", "positional"),  # shared_prefix_variants: 9
     ("scripts/profile_decode_step.py", "lines"),  # 606
-    ("scripts/train_opsd.py", "lines"),  # 883
 }
 
 #: ``"path:function"`` allowed more positional parameters, each with why (none today).
