@@ -165,7 +165,8 @@ RENAMED = {
     **{name: f"decode.{name}" for name in ("num_steps", "steps", "host_syncs", "eos_check_interval",
                                            "shared_prefix_steps", "eos_overrun_steps")},
     "sampler_path": "sampler.path", "sampler_fallback_reason": "sampler.fallback_reason",
-    "cache_bytes": "cache.nbytes", "cache_capacity": "cache.capacity",  # the profile's "cache_bytes" is now "pool_bytes"
+    # CallStats.cache_bytes (the profile's "cache_bytes", the pool's storage, is now "pool_bytes")
+    "cache_bytes": "cache.nbytes", "cache_capacity": "cache.capacity",
     **{name: f"cache.{name}" for name in ("num_slots", "capacity", "compactions", "trims", "shifts", "row_moves",
                                           "bytes_moved", "prefill_copy_bytes", "scratch_bytes",
                                           "scratch_allocations")},

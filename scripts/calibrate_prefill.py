@@ -107,7 +107,8 @@ def packed_parts(model):
     """``StepParts`` of the packed prefill as the engine builds them, or None (HF forward)."""
     if fast_decode.unsupported_reason(model) is not None:
         return None
-    return FastStep(model, KernelConfig(fuse_gate_up=False), mirror_weights=False).parts(next(model.parameters()).device,
+    return FastStep(model, KernelConfig(fuse_gate_up=False), mirror_weights=False).parts(
+        next(model.parameters()).device,
                                                                        mirrored=False)
 
 

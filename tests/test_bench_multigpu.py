@@ -95,7 +95,8 @@ def test_train_flags_accept_shape_names_gather_and_offload(train_opsd):
     (["--teacher", "self", "--teacher-offload", "1"], "teacher_offload:", ["self"]),
     (["--teacher-offload", "2"], "teacher_offload:", ["0 or 1"]),
     (["--rollout", "kernels.prefill_graph_tokens=-1"], "kernels.prefill_graph_tokens:", ["0: off"]),
-    (["--prefill-graph-tokens", "8192"], "--prefill-graph-tokens: moved;", ["--rollout kernels.prefill_graph_tokens=8192"]),
+    (["--prefill-graph-tokens", "8192"], "--prefill-graph-tokens: moved;", [
+        "--rollout kernels.prefill_graph_tokens=8192"]),
 ])
 def test_bad_model_and_mode_flags_name_the_field(train_opsd, capsys, argv, flag_field, words):
     with pytest.raises(SystemExit) as exc:

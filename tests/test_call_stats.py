@@ -17,8 +17,9 @@ COLUMN_BYTES = 2 * 2 * 2 * 16 * 4
 NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
 CPU_REASON = "eager fast step: device cpu has no CUDA graphs"
 
-COMMON = {"dp_skipped": True, "route_estimates_ms": {}, "prefill.buckets": 1, "decode.graph_steps": 0, "decode.num_steps": 5,
-          "cache.compactions": 0, "cache.trims": 0, "cache.shifts": 0, "cache.row_moves": 0, "cache.bytes_moved": 0, "sampler.fallback_reason": None,
+COMMON = {"dp_skipped": True, "route_estimates_ms": {}, "prefill.buckets": 1, "decode.graph_steps": 0,
+          "decode.num_steps": 5, "cache.compactions": 0, "cache.trims": 0, "cache.shifts": 0, "cache.row_moves": 0,
+          "cache.bytes_moved": 0, "sampler.fallback_reason": None,
           "prefill.graph_passes": 0,  # no CUDA graphs on the CPU
           "decode.eos_overrun_steps": 0,  # no EOS ids: no EOS check
           "decode.shared_prefix_steps": 0,  # SDPA on the CPU: every row reads its own copy of its prompt
@@ -28,18 +29,20 @@ COMMON = {"dp_skipped": True, "route_estimates_ms": {}, "prefill.buckets": 1, "d
 # ordinary: one pass over the 3 prompts of 6 tokens (each prompt's 2 samples share it), 4 decode steps of 6
 # rows; the cache holds the batch bucket of 6 rows (8) x (6 + 5) columns; no EOS ids -> no EOS check, no
 # compaction.
-ORDINARY = {**COMMON, "route": "ordinary", "route_reason": "route=ordinary", "decode.eos_check_interval": 1, "prefill.forwards": 1,
-            "prefill.attention_groups": 1, "prefill.rows": 3, "prefill.tokens": 18, "decode.forwards": 4, "decode.rows": 24,
-            "decode.steps": 5, "decode.host_syncs": 0, "plans": 0, "cache.prefill_copy_bytes": 0, "cache.scratch_bytes": 0, "cache.scratch_allocations": 0}
+ORDINARY = {**COMMON, "route": "ordinary", "route_reason": "route=ordinary", "decode.eos_check_interval": 1,
+            "prefill.forwards": 1, "prefill.attention_groups": 1, "prefill.rows": 3, "prefill.tokens": 18,
+            "decode.forwards": 4, "decode.rows": 24, "decode.steps": 5, "decode.host_syncs": 0, "plans": 0,
+            "cache.prefill_copy_bytes": 0, "cache.scratch_bytes": 0, "cache.scratch_allocations": 0}
 # continuous, 4 slots: prompts 0 and 1 (4 rows) admitted first, decoded 4 times, retired together at the
 # budget; then prompt 2 (2 rows), decoded 4 times: 2 plans, 2 packed passes of one group each, 3 distinct
 # prompts (shared prefill) of 6 tokens; 10 scheduler iterations (2 admissions + 8 decodes); the copies
 # into the slots: 6 slots x 6 columns; scratch: the first wave's 2 prompts x 6 columns, allocated once.
 CONTINUOUS = {**COMMON, "route": "continuous", "route_reason": "route=continuous", "decode.eos_check_interval": 4,
-              "prefill.forwards": 2,
-              "prefill.attention_groups": 2, "prefill.rows": 3, "prefill.tokens": 18, "decode.forwards": 8, "decode.rows": 24,
-              "decode.steps": 10, "decode.host_syncs": 0, "plans": 2, "cache.prefill_copy_bytes": 6 * 6 * COLUMN_BYTES,
-              "cache.scratch_bytes": 2 * 6 * COLUMN_BYTES, "cache.scratch_allocations": 1}
+              "prefill.forwards": 2, "prefill.attention_groups": 2, "prefill.rows": 3, "prefill.tokens": 18,
+              "decode.forwards": 8, "decode.rows": 24, "decode.steps": 10, "decode.host_syncs": 0, "plans": 2,
+              "cache.prefill_copy_bytes": 6 * 6 * COLUMN_BYTES, "cache.scratch_bytes": 2 * 6 * COLUMN_BYTES,
+              "cache.scratch_allocations": 1}
+HF_REASON = "kernels.fast_decode disabled in RolloutConfig"
 
 CASES = {
     # static buffers, eager on the CPU: every decode step is an eager step of our fused step
@@ -47,7 +50,7 @@ CASES = {
         **ORDINARY, "prefill.path": "packed", "decode.path": "fast_eager", "decode.fallback_reason": CPU_REASON,
         "decode.eager_steps": 4, "cache.num_slots": 8, "cache.capacity": 11, "cache.nbytes": 8 * 11 * COLUMN_BYTES}),
     "ordinary-hf": ({"route": "ordinary", "kernels.fast_decode": False}, None, {
-        **ORDINARY, "prefill.path": "hf", "decode.path": "hf", "decode.fallback_reason": "kernels.fast_decode disabled in RolloutConfig",
+        **ORDINARY, "prefill.path": "hf", "decode.path": "hf", "decode.fallback_reason": HF_REASON,
         "decode.attention": "hf",
         "decode.eager_steps": 0, "cache.num_slots": 6, "cache.capacity": 11, "cache.nbytes": 6 * 11 * COLUMN_BYTES}),
     "ordinary-hf-prefill": ({"route": "ordinary", "kernels.fast_prefill": False}, None, {
@@ -63,7 +66,7 @@ CASES = {
         "decode.fallback_reason": "eager fast step: kernels.cuda_graphs disabled in RolloutConfig",
         "decode.eager_steps": 0, "cache.num_slots": 4, "cache.capacity": 64, "cache.nbytes": 4 * 64 * COLUMN_BYTES}),
     "continuous-hf": ({"route": "continuous", "kernels.fast_decode": False}, 4, {
-        **CONTINUOUS, "prefill.path": "hf", "decode.path": "hf", "decode.fallback_reason": "kernels.fast_decode disabled in RolloutConfig",
+        **CONTINUOUS, "prefill.path": "hf", "decode.path": "hf", "decode.fallback_reason": HF_REASON,
         "decode.attention": "hf",
         "decode.eager_steps": 0, "cache.num_slots": 4, "cache.capacity": 64, "cache.nbytes": 4 * 64 * COLUMN_BYTES}),
 }
@@ -104,7 +107,8 @@ def test_eos_checks_are_counted_as_host_syncs(route, slots, interval, checks, sy
     default; every 2nd: 2); the continuous route reads the flags once per scheduler iteration with k = 1
     (10, as above) and, by default (k = 4), after iterations 4 and 8."""
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=1)
-    ro = Rollout(tiny_model("qwen2", seed=0), tok, RolloutConfig(route=route, routing=RoutingConfig(eos_check_interval=interval)))
+    ro = Rollout(tiny_model("qwen2", seed=0), tok, RolloutConfig(route=route,
+                                                                 routing=RoutingConfig(eos_check_interval=interval)))
     batch = ro.generate(RolloutRequest(*prompts), SamplingConfig(max_new_tokens=5, temperature=0.0,
                                                                  n_samples_per_prompt=2, continuous_batch_size=slots))
     assert not (batch.input_ids[:, 6:] == 1).any()  # precondition: the EOS id is never generated

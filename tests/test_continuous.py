@@ -425,7 +425,8 @@ def test_cuda_graph_continuous_decode_equals_the_eager_paths_fp32():
         got = graphs.generate(RolloutRequest(ids, mask), sampling)
         assert graphs.last_stats.decode.path == "graph", graphs.last_stats.decode.fallback_reason
         assert graphs.last_stats.decode.graph_steps == graphs.last_stats.decode.forwards
-        eager = Rollout(model, tok, RolloutConfig(route="continuous", kernels=KernelConfig(cuda_graphs=False, compile=False)))
+        eager = Rollout(model, tok, RolloutConfig(route="continuous", kernels=KernelConfig(
+            cuda_graphs=False, compile=False)))
         assert torch.equal(got.input_ids, eager.generate(RolloutRequest(ids, mask), sampling).input_ids)
         hf = Rollout(model, tok, RolloutConfig(route="continuous", kernels=KernelConfig(fast_decode=False)))
         assert torch.equal(got.input_ids, hf.generate(RolloutRequest(ids, mask), sampling).input_ids)

@@ -71,5 +71,6 @@ def test_rows_decode_at_most_interval_minus_one_extra_tokens(qwen):
     every, every_stats = _run(qwen, ids, mask, eos, 1, sampling)
     interval = 4
     got, stats = _run(qwen, ids, mask, eos, interval, sampling)
-    assert every_stats.decode.num_steps <= stats.decode.num_steps <= min(MAX_NEW, every_stats.decode.num_steps + interval - 1)
+    assert every_stats.decode.num_steps <= stats.decode.num_steps <= min(
+        MAX_NEW, every_stats.decode.num_steps + interval - 1)
     assert stats.decode.rows >= every_stats.decode.rows  # the extra tokens are decoded, then masked

@@ -108,7 +108,8 @@ def test_step_with_the_kernel_equals_hf_generate(device):
     model = tiny_model("qwen2", seed=5).to(device)
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
     ids, mask = ids.to(device), mask.to(device)
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False)))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(
+        cuda_graphs=False)))
     fns = dataclasses.replace(StepFns(), attention=functools.partial(da.attention, interpret=True))
     original = ro.runner.fast_step.parts
     calls = []
@@ -277,7 +278,8 @@ def _eos_setup(device, seed: int):
     model = tiny_model("qwen2", seed=0).to(device)
     ids, mask = random_prompts(6, 9, min_len=1, seed=seed)
     ids, mask = ids.to(device), mask.to(device)
-    free = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))) \
+    free = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(
+        cuda_graphs=False))) \
         .generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0))
     eos = [token for token, _ in Counter(free.input_ids[:, 9:].flatten().tolist()).most_common(6)][3:6]
     return model, ids, mask, eos
@@ -330,7 +332,8 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
     model, ids, mask, eos = _eos_setup(device, seed=3)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
     short_calls = []
-    short = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), 1, short_calls,
+    short = _with_kernel(
+        Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), 1, short_calls,
                          attention=da.sdpa)
     short.generate(RolloutRequest(ids, mask), sampling)
     assert ids.shape[1] < da.MIN_SHARED_PROMPT and short.last_stats.decode.shared_prefix_steps == 0
@@ -339,7 +342,8 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
     outputs, stats = [], []
     for rows in (1, 0):
         calls, lasts = [], []
-        ro = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), rows, calls,
+        ro = _with_kernel(
+            Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), rows, calls,
                           lasts=lasts)
         outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
         stats.append(ro.last_stats)

@@ -19,7 +19,8 @@ def _parts(model, fns=None):
 
 def _paths(model, ids, mask, sampling, **cfg):
     fast = Rollout(model, TOK, RolloutConfig().with_settings(cfg)).generate(RolloutRequest(ids, mask), sampling)
-    slow = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(fast_decode=False))).generate(RolloutRequest(ids, mask), sampling)
+    slow = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(fast_decode=False))).generate(
+        RolloutRequest(ids, mask), sampling)
     return fast, slow
 
 
@@ -114,8 +115,8 @@ def test_failed_graph_capture_falls_back_to_eager_with_the_reason(route, monkeyp
     ids, mask = random_prompts(5, 9, min_len=1, seed=44)
     sampling = SamplingConfig(max_new_tokens=10, temperature=0.9, top_p=0.9, seed=5, n_samples_per_prompt=2,
                               continuous_batch_size=3 if route == "continuous" else None)
-    want = Rollout(model, TOK, RolloutConfig(route=route, kernels=KernelConfig(cuda_graphs=False))).generate(RolloutRequest(ids, mask),
-                                                                                       sampling)
+    want = Rollout(model, TOK, RolloutConfig(route=route, kernels=KernelConfig(cuda_graphs=False))).generate(
+        RolloutRequest(ids, mask), sampling)
     real_choose = decode.choose_decode
 
     def pretend_cuda(config, model, is_zero3, device):  # graphs chosen as on a GPU
@@ -132,7 +133,7 @@ def test_failed_graph_capture_falls_back_to_eager_with_the_reason(route, monkeyp
     assert f"{route} route: CUDA graph capture failed" in stats.decode.fallback_reason
     assert "stream is capturing" in stats.decode.fallback_reason
     assert stats.decode.eager_steps == stats.decode.forwards and not stats.decode.graph_steps
-    graph_set = ro.runner.executors["ordinary"].graphs if route == "ordinary" else ro.runner.executors["continuous"].graphs
+    graph_set = ro.runner.executors[route].graphs
     assert len(attempts) == len(graph_set._graphs) > 0  # one attempt per graph key, not one per step
     assert graph_set.num_captures == 0
 
@@ -153,7 +154,8 @@ def test_cuda_graph_replay_equals_eager_fp32(compile_step):
         graph = ro.generate(RolloutRequest(ids, mask), sampling)
         eager = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(cuda_graphs=False, compile=False))).generate(
             RolloutRequest(ids, mask), sampling)
-        hf = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(fast_decode=False))).generate(RolloutRequest(ids, mask), sampling)
+        hf = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(fast_decode=False))).generate(
+            RolloutRequest(ids, mask), sampling)
         assert torch.equal(graph.input_ids, eager.input_ids)
         assert torch.equal(graph.input_ids, hf.input_ids)
         captures = ro.runner.executors["ordinary"].graphs.num_captures

@@ -35,8 +35,8 @@ def test_same_tokens_as_two_projections_and_hf(family, route):
     sampling = SamplingConfig(max_new_tokens=7, temperature=0.0, continuous_batch_size=2)
     fused = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(fuse_gate_up=True))).generate(
         RolloutRequest(ids, mask), sampling)
-    plain = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(fuse_gate_up=False))).generate(RolloutRequest(ids, mask),
-                                                                                            sampling)
+    plain = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(fuse_gate_up=False))).generate(
+        RolloutRequest(ids, mask), sampling)
     assert torch.equal(fused.input_ids, plain.input_ids)
     for row in range(ids.shape[0]):
         assert response_of(fused, row) == hf_greedy(model, ids[row], mask[row], 7)
@@ -99,9 +99,11 @@ def test_copies_are_announced_before_allocation_held_and_dropped(family):
     plain = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_gate_up=False)))
     plain.generate(RolloutRequest(ids, mask), sampling)
     assert ro.held_bytes - plain.held_bytes == _gate_up_bytes(model)
-    loose = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", keep_cache=False, kernels=KernelConfig(fuse_gate_up=True)))
+    loose = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", keep_cache=False, kernels=KernelConfig(
+        fuse_gate_up=True)))
     loose.generate(RolloutRequest(ids, mask), sampling)
-    assert loose.held_bytes == 0 and loose.runner.fast_step.new_copy_bytes() == _gate_up_bytes(model) + _qkv_bytes(model)
+    assert loose.held_bytes == 0
+    assert loose.runner.fast_step.new_copy_bytes() == _gate_up_bytes(model) + _qkv_bytes(model)
 
 
 def test_the_budget_counts_copies_not_yet_held(monkeypatch):
@@ -113,15 +115,18 @@ def test_the_budget_counts_copies_not_yet_held(monkeypatch):
     model = tiny_model("qwen2", seed=15)
     ids, mask = random_prompts(2, 6, seed=5, vocab_size=model.config.vocab_size, min_len=2)
     sampling = SamplingConfig(max_new_tokens=3, temperature=0.0)
-    probe = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=False)))
+    probe = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(
+        fuse_qkv=False, fuse_gate_up=False)))
     monkeypatch.setattr(engine, "free_device_bytes", lambda device: 10**12)
     probe.generate(RolloutRequest(ids, mask), sampling)
     need = probe.runner.pool.nbytes + 64 * 1024  # the cache plus a margin for the per-row buffers
     free = need + _gate_up_bytes(model) // 2
     monkeypatch.setattr(engine, "free_device_bytes", lambda device: free)
-    Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=False))).generate(
+    unfused = KernelConfig(fuse_qkv=False, fuse_gate_up=False)
+    Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=unfused)).generate(
         RolloutRequest(ids, mask), sampling)
-    fused = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=True)))
+    fused = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(
+        fuse_qkv=False, fuse_gate_up=True)))
     with pytest.raises(ValueError, match="max_cache_gib"):
         fused.generate(RolloutRequest(ids, mask), sampling)
     assert fused.runner.fast_step.nbytes == 0 and fused.runner.pool.nbytes == 0  # nothing was allocated

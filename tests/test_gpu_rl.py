@@ -20,7 +20,8 @@ def ragged_eos(model, ids, mask, max_new: int = 40, samples: int = 3) -> list[in
     none at all. The free run has the tests' config (compile=False) and batch shape (``samples`` per
     prompt): up to the first compaction a call with these EOS ids computes exactly the same steps, so
     their tokens, and the compaction, follow (fp32 GEMMs of other shapes can round near-ties otherwise)."""
-    free = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=None), RolloutConfig(kernels=KernelConfig(compile=False))).generate(
+    free = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=None), RolloutConfig(kernels=KernelConfig(
+        compile=False))).generate(
         RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=max_new, temperature=0.0,
                                                   n_samples_per_prompt=samples))
     generated = free.input_ids[:, ids.shape[1]:].cpu()
@@ -143,7 +144,9 @@ def test_continuous_eos_check_interval_on_graphs(setup):
                                     continuous_batch_size=24)):
         outs = {}
         for interval in (1, 4):
-            ro = Rollout(model, tok, RolloutConfig(route="continuous", kernels=KernelConfig(compile=False), routing=RoutingConfig(eos_check_interval=interval)))
+            ro = Rollout(model, tok, RolloutConfig(
+                route="continuous", kernels=KernelConfig(compile=False), routing=RoutingConfig(
+                    eos_check_interval=interval)))
             outs[interval] = ro.generate(RolloutRequest(ids, mask), sampling)
             stats = ro.last_stats
             assert stats.decode.path == "graph", stats.decode.fallback_reason

@@ -105,6 +105,7 @@ def test_continuous_without_graphs_is_budgeted_as_it_allocates(model):
     capacity, and the budget counts the same shape: 3 slots of 64 columns fit a 3-slot cap exactly."""
     ids, mask = random_prompts(6, 8, seed=2)
     cap_gib = 3 * 64 * COLUMN / GIB
-    ro = Rollout(model, NO_EOS, RolloutConfig(route="continuous", max_cache_gib=cap_gib, kernels=KernelConfig(cuda_graphs=False)))
+    ro = Rollout(model, NO_EOS, RolloutConfig(route="continuous", max_cache_gib=cap_gib, kernels=KernelConfig(
+        cuda_graphs=False)))
     ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=8, temperature=0.0))
     assert (ro.last_stats.cache.num_slots, ro.last_stats.cache.capacity) == (3, 64)

@@ -98,7 +98,8 @@ def test_shared_prefill_with_planned_buckets(model, fast_prefill):
     costs = CostModel.from_model(model, prefill_fixed_cost_ms=0.0, prefill_group_cost_ms=0.0,
                                  prefill_attention_cost_ms=10.0)
     sampling = SamplingConfig(max_new_tokens=5, temperature=0.0, n_samples_per_prompt=2)
-    auto = Rollout(model, NO_EOS, RolloutConfig(route="auto", routing=RoutingConfig(cost_model=costs), kernels=KernelConfig(fast_prefill=fast_prefill)))
+    auto = Rollout(model, NO_EOS, RolloutConfig(
+        route="auto", routing=RoutingConfig(cost_model=costs), kernels=KernelConfig(fast_prefill=fast_prefill)))
     got = auto.generate(RolloutRequest(ids, mask), sampling)
     assert auto.last_stats.prefill.buckets >= 2 and auto.last_stats.prefill.rows == 6
     for row in range(12):
@@ -147,9 +148,11 @@ def test_late_eos_count_cuts_the_overrun_steps(model, prompts, interval, late):
     overruns = []
     for max_new in range(2, 9):
         sampling = SamplingConfig(max_new_tokens=max_new, temperature=0.0)
-        fast = Rollout(model, tok, RolloutConfig(routing=RoutingConfig(eos_check_interval=interval, late_eos_count=late)))
+        fast = Rollout(model, tok, RolloutConfig(routing=RoutingConfig(
+            eos_check_interval=interval, late_eos_count=late)))
         got = fast.generate(RolloutRequest(*prompts), sampling)
-        want = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(fast_decode=False), routing=RoutingConfig(eos_check_interval=interval))).generate(
+        want = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(fast_decode=False), routing=RoutingConfig(
+            eos_check_interval=interval))).generate(
             RolloutRequest(*prompts), sampling)
         assert fast.last_stats.decode.path == "fast_eager"
         assert torch.equal(got.input_ids, want.input_ids), (interval, max_new)

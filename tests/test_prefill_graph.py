@@ -21,6 +21,9 @@ from rollout.plan.layout import RowSpans
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 from tests.conftest import hf_greedy, response_of
 
+#: The step's kernels with CUDA graphs off (the eager parts the CPU tests read).
+EAGER_GRAPHS = KernelConfig(cuda_graphs=False)
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -111,7 +114,7 @@ def test_shared_buffers_grow_and_drop_the_graphs_that_read_them(emulated_varlen,
     replaces them and drops the graphs captured over the old ones (their inputs with them); smaller passes
     reuse them. Each pass still equals the eager prefill."""
     model = tiny_model("qwen2", seed=3)
-    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))._fast_step.parts(
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=EAGER_GRAPHS)).runner.fast_step.parts(
         torch.device("cpu"), mirrored=False)
     graphs = pg.PrefillGraphs(2048, use_graphs=False)
     dropped = []
@@ -131,7 +134,7 @@ def test_shared_buffers_grow_and_drop_the_graphs_that_read_them(emulated_varlen,
 def test_passes_over_the_limit_run_eagerly(emulated_varlen):
     model = tiny_model("qwen2", seed=3)
     ids, mask = random_prompts(3, 9, min_len=9, seed=4)  # 27 real tokens
-    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))._fast_step.parts(
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=EAGER_GRAPHS)).runner.fast_step.parts(
         torch.device("cpu"), mirrored=False)
     graphs = pg.PrefillGraphs(26, use_graphs=False)
     prefill_logits(parts, *_cache(model, 3, 12, seed=1), ids, mask, graphs=graphs)
@@ -141,7 +144,7 @@ def test_passes_over_the_limit_run_eagerly(emulated_varlen):
 def test_a_failing_pass_warns_once_and_the_eager_prefill_runs(emulated_varlen, monkeypatch):
     model = tiny_model("qwen2", seed=3)
     ids, mask = random_prompts(3, 9, min_len=2, seed=4)
-    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))._fast_step.parts(
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=EAGER_GRAPHS)).runner.fast_step.parts(
         torch.device("cpu"), mirrored=False)
     want = prefill_logits(parts, *_cache(model, 3, 12, seed=1), ids, mask)
     graphs = pg.PrefillGraphs(1024, use_graphs=False)
@@ -165,7 +168,7 @@ def test_a_failed_capture_keeps_this_pass_and_leaves_later_ones_to_the_eager_pre
     a warning says why, and the next passes run the eager prefill."""
     model = tiny_model("qwen2", seed=3)
     ids, mask = random_prompts(3, 9, min_len=2, seed=4)
-    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))._fast_step.parts(
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=EAGER_GRAPHS)).runner.fast_step.parts(
         torch.device("cpu"), mirrored=False)
     want = prefill_logits(parts, *_cache(model, 3, 12, seed=1), ids, mask)
     graphs = pg.PrefillGraphs(1024)
@@ -208,8 +211,9 @@ def test_routes_through_the_padded_pass_equal_hf_generate(emulated_varlen, route
 def test_on_by_default_off_at_zero_and_released_without_keep_cache(emulated_varlen):
     model = tiny_model("qwen2", seed=11)
     ids, mask = random_prompts(2, 6, min_len=2, seed=12)
-    assert Rollout(model, TinyTokenizer(), RolloutConfig())._prefill_graphs.max_tokens == 2048
-    assert Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(prefill_graph_tokens=0)))._prefill_graphs is None
+    assert Rollout(model, TinyTokenizer(), RolloutConfig()).runner.prefill_graphs.max_tokens == 2048
+    off = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(prefill_graph_tokens=0)))
+    assert off.runner.prefill_graphs is None
     ro = Rollout(model, TinyTokenizer(eos_token_id=None),
                  RolloutConfig(keep_cache=False, kernels=KernelConfig(cuda_graphs=False, prefill_graph_tokens=512)))
     ro.runner.prefill_graphs.use_graphs = False
@@ -230,7 +234,7 @@ def test_staging_bytes_the_budget_counts(emulated_varlen):
     dim = cfg.hidden_size // cfg.num_attention_heads
     graphs = pg.PrefillGraphs(300, use_graphs=False)  # rounds up to 512
     assert graphs.new_bytes(model) == 2 * cfg.num_hidden_layers * 512 * cfg.num_key_value_heads * dim * 4
-    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))._fast_step.parts(
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=EAGER_GRAPHS)).runner.fast_step.parts(
         torch.device("cpu"), mirrored=False)
     ids, mask = random_prompts(2, 150, min_len=150, seed=4)  # 300 real tokens: the 512 bucket
     prefill_logits(parts, *_cache(model, 2, 160, seed=1), ids, mask, graphs=graphs)
@@ -241,7 +245,7 @@ def test_cpu_graphs_are_never_used_as_is():
     """A ``PrefillGraphs`` meant for graphs returns None on the CPU (the eager prefill runs)."""
     model = tiny_model("qwen2", seed=3)
     ids, mask = random_prompts(2, 5, min_len=2, seed=4)
-    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))._fast_step.parts(
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=EAGER_GRAPHS)).runner.fast_step.parts(
         torch.device("cpu"), mirrored=False)
     graphs = pg.PrefillGraphs(512)
     packed = prefill._pack(ids, mask, RowSpans((5, 3), (0, 2)))
@@ -279,7 +283,8 @@ def test_routes_replay_captured_prefills_bf16(route, slots):
     ids, mask = random_prompts(5, 10, min_len=2, seed=12, device="cuda")
     sampling = SamplingConfig(max_new_tokens=5, temperature=0.0,
                               **({} if slots is None else {"continuous_batch_size": slots}))
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route=route, kernels=KernelConfig(prefill_graph_tokens=512)))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route=route, kernels=KernelConfig(
+        prefill_graph_tokens=512)))
     for _ in range(2):
         ro.generate(RolloutRequest(ids, mask), sampling)
         stats = ro.last_stats

@@ -99,7 +99,8 @@ def test_step_with_the_kernel_equals_hf_generate(device, family):
     model = tiny_model(family, seed=5).to(device)
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
     ids, mask = ids.to(device), mask.to(device)
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False)))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(
+        cuda_graphs=False)))
     calls = []
 
     def counted(*args, **kwargs):
@@ -128,7 +129,8 @@ def test_config_decides_the_piece(monkeypatch, setting):
         cuda = ro.runner.fast_step.parts(torch.device("cuda"), mirrored=False)
         assert cuda.fns.rotary_write is (rw.rotary_write if setting else None)
         assert ro.runner.fast_step.parts(torch.device("cpu"), mirrored=False).fns.rotary_write is None
-        unfused = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(rotary_kernel=setting, fuse_qkv=False)))
+        unfused = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(
+            rotary_kernel=setting, fuse_qkv=False)))
         assert unfused.runner.fast_step.parts(torch.device("cuda"), mirrored=False).fns.rotary_write is None
     finally:
         step.compiled_step_fns.cache_clear()

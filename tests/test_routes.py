@@ -47,7 +47,9 @@ def test_greedy_tokens_equal_hf_per_request_on_every_route(model, route, slots, 
     ids, mask = _skewed([30, 3, 4, 2, 17, 5, 3], seed=1)
     eos = _eos_for(model, ids, mask)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
-    cfg = RolloutConfig(route=route, routing=RoutingConfig(cost_model=CostModel.from_model(model, **CHEAP_FIXED)), kernels=KernelConfig(fast_prefill=fast_prefill))
+    cfg = RolloutConfig(
+        route=route, routing=RoutingConfig(cost_model=CostModel.from_model(model, **CHEAP_FIXED)),
+        kernels=KernelConfig(fast_prefill=fast_prefill))
     ro = Rollout(model, tok, cfg)
     batch = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0,
                                                                   continuous_batch_size=slots))
@@ -184,7 +186,8 @@ def test_mismatched_calibration_file_is_refused(model, tmp_path):
 def test_continuous_route_decodes_through_the_fast_step_and_reports_it(model):
     ids, mask = _skewed([9, 3, 5], seed=5)
     fast = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="continuous"))
-    slow = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="continuous", kernels=KernelConfig(fast_decode=False)))
+    slow = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="continuous", kernels=KernelConfig(
+        fast_decode=False)))
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, continuous_batch_size=2)
     assert torch.equal(fast.generate(RolloutRequest(ids, mask), sampling).input_ids,
                        slow.generate(RolloutRequest(ids, mask), sampling).input_ids)

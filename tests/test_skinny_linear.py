@@ -137,7 +137,8 @@ def test_step_with_the_kernels_equals_hf_generate(device, family):
     model = tiny_model(family, seed=5).to(device)
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
     ids, mask = ids.to(device), mask.to(device)
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False)))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(
+        cuda_graphs=False)))
     calls = []
     _with_skinny(ro, 8, calls)
     out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6, temperature=0.0))
@@ -153,7 +154,8 @@ def test_step_with_the_kernels_equals_hf_generate(device, family):
 def test_batches_above_the_limit_keep_the_compiled_pieces(device):
     model = tiny_model("qwen2", seed=6).to(device)
     ids, mask = random_prompts(4, 6, min_len=2, seed=2)
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False)))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(
+        cuda_graphs=False)))
     calls = []
     _with_skinny(ro, 3, calls)  # 4 rows > 3
     ro.generate(RolloutRequest(ids.to(device), mask.to(device)), SamplingConfig(max_new_tokens=4, temperature=0.0))

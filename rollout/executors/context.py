@@ -90,7 +90,8 @@ class CallContext:
     """Captured prefill passes (``rollout.executors.prefill_graph.PrefillGraphs``) where
     ``RolloutConfig.kernels.prefill_graph_tokens`` asks for them, else None."""
     late_eos_count: bool = True
-    """Ordinary route, static buffers: a check reads the previous check's count (``RolloutConfig.routing.late_eos_count``)."""
+    """Ordinary route, static buffers: a check reads the previous check's count
+    (``RolloutConfig.routing.late_eos_count``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingConfig):
