@@ -12,6 +12,7 @@ from typing import Iterable, Optional
 from instrumentation import stages
 from instrumentation.noop import NOOP
 from instrumentation.state import get_config
+from instrumentation.table import Column, fixed, percent, render
 from instrumentation.timers import BYTES_PER_MIB, HUB, StageRecord, StageTimers, TimerBackend
 
 _ORDER = {name: i for i, name in enumerate(stages.ALL_STAGES)}
@@ -120,9 +121,7 @@ class StageTable:
 
 
 def format_stage_rows(rows: list[dict], title: Optional[str] = None) -> str:
-    """:meth:`StageTable.rows` as an aligned text table (``traces.table.render``; ``-`` = no value)."""
-    from traces.table import Column, fixed, percent, render
-
+    """:meth:`StageTable.rows` as an aligned text table (``instrumentation.table.render``; ``-`` = no value)."""
     columns = [Column("stage", "stage", left=True), Column("count", "count"),
                Column("total_ms", "total ms", fixed(3)), Column("mean_ms", "mean ms", fixed(3)),
                Column("share_of_step", "share", percent(1)), Column("peak_mib", "peak MiB", fixed(1))]

@@ -297,8 +297,8 @@ MOVED = {
 }
 #: Settings removed in 0.2 after measurement (CHANGELOG.md, docs/BENCHMARKS.md) -> why.
 REMOVED = {
-    "split_k_rows": "split-K GEMMs made the decode step 4.0% faster at 128 rows and 5.9% slower at 512 on the H200, the RL cells "
-                    "within their spread",
+    "split_k_rows": "split-K GEMMs made the decode step 4.0% faster at 128 rows and 5.9% slower at 512 on the H200, "
+                    "the RL cells within their spread",
     "continuous_stop_at_front": "no gain on the capped RL cell over 4 seeds (2.13x its roofline against 2.11x)",
     "continuous_shared_prefix": "slower on the capped RL cell over 4 seeds (2.33x its roofline against 2.11x)",
 }

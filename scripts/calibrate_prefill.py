@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, RoutingConfig, SamplingConfig  # noqa: E402
+from rollout import KernelConfig, Rollout, RolloutConfig, RolloutRequest, RoutingConfig, SamplingConfig  # noqa: E402
 from rollout.cache.aligned import AlignedKVCache  # noqa: E402
 from rollout.cache.pool import ScratchArena  # noqa: E402
 from rollout.executors.decode import FastStep  # noqa: E402
@@ -107,7 +107,8 @@ def packed_parts(model):
     """``StepParts`` of the packed prefill as the engine builds them, or None (HF forward)."""
     if fast_decode.unsupported_reason(model) is not None:
         return None
-    return FastStep(model, use_compile=True, mirror_weights=False).parts(next(model.parameters()).device,
+    return FastStep(model, KernelConfig(fuse_gate_up=False), mirror_weights=False).parts(
+        next(model.parameters()).device,
                                                                        mirrored=False)
 
 
@@ -245,8 +246,8 @@ def sweep_workload(model, name, lengths, cost_model, args, slots=None) -> SweepR
             times[route].append(timed_ms(fn, device, 1, warmup=0))
     ms = {route: statistics.mean(values) for route, values in times.items()}
     stats = engines["auto"].last_stats
-    auto_route = stats["route"] + (f"+{stats['prefill_buckets']} buckets" if stats["prefill_buckets"] > 1 else "")
-    return SweepRow(name + (f" ({slots} slots)" if slots else ""), auto_route, stats["prefill_buckets"],
+    auto_route = stats.route + (f"+{stats.prefill.buckets} buckets" if stats.prefill.buckets > 1 else "")
+    return SweepRow(name + (f" ({slots} slots)" if slots else ""), auto_route, stats.prefill.buckets,
                     ms["ordinary"], ms["continuous"], ms["auto"],
                     # with a slot bound only the continuous route honours it: that is the manual route to beat
                     ms["auto"] / (ms["continuous"] if slots else min(ms["ordinary"], ms["continuous"])),

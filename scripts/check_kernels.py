@@ -16,7 +16,7 @@ registers per thread, local memory (spills) and shared memory, and fails where a
 (``MAX_SHARED_BYTES`` of the architecture, 64K registers per block); spills are shown, not failed.
 
 The cases cover each kernel's variants that the routes launch (dtypes, head sizes, a split or single key
-window, with or without ``last``, a shared prompt with one end or one per row, the skinny linear's fused
+window, with or without ``last``, a shared prompt with or without ``last``, the skinny linear's fused
 forms, the nucleus kernels' arities, temperature scaling and log-probabilities). Prints one line per
 compiled variant; exit 1 when any failed or a kernel of ``ENTRY_KERNELS`` was never compiled.
 
@@ -197,15 +197,13 @@ def attention_cases() -> list[tuple[str, Callable]]:
 
     from rollout.ops import decode_attention as da
 
-    def call(dtype, heads, kv_heads, dim, rows=8, length=1024, splits=None, last=False, samples=0,
-             row_end=False):
+    def call(dtype, heads, kv_heads, dim, *, rows=8, length=1024, splits=None, last=False, samples=0):
         q = torch.zeros(rows, heads, 1, dim, dtype=dtype)
         k = torch.zeros(rows, kv_heads, length, dim, dtype=dtype)
         keep = torch.ones(rows, 1, 1, length, dtype=torch.bool)
         shared = None
         if samples:
-            end = torch.full((rows,), length // 2, dtype=torch.long) if row_end else torch.tensor(length // 2)
-            shared = da.SharedPrefix(torch.arange(rows, dtype=torch.long), samples, end)
+            shared = da.SharedPrefix(torch.arange(rows, dtype=torch.long), samples, torch.tensor(length // 2))
         da.attention(q, k, k.clone(), keep, dim ** -0.5, heads != kv_heads, splits=splits, interpret=True,
                      last=torch.tensor(length - 1) if last else None, shared=shared)
 
@@ -217,9 +215,8 @@ def attention_cases() -> list[tuple[str, Callable]]:
         ("attention 7B bf16 (group 7), split", lambda: call(bf16, 28, 4, 128, splits=4)),
         ("attention fp32 head 64", lambda: call(fp32, 4, 2, 64, splits=2)),
         ("attention fp16 head 80 (padded)", lambda: call(torch.float16, 4, 4, 80, splits=2)),
-        ("attention shared prompt, one end", lambda: call(bf16, 16, 2, 128, splits=2, samples=4)),
-        ("attention shared prompt, an end per row, last", lambda: call(bf16, 16, 2, 128, splits=2, samples=4,
-                                                                       row_end=True, last=True)),
+        ("attention shared prompt", lambda: call(bf16, 16, 2, 128, splits=2, samples=4)),
+        ("attention shared prompt, last", lambda: call(bf16, 16, 2, 128, splits=2, samples=4, last=True)),
     ]
 
 
@@ -228,7 +225,7 @@ def linear_cases() -> list[tuple[str, Callable]]:
 
     from rollout.ops import skinny_linear as sl
 
-    def call(dtype=torch.bfloat16, rows=8, n=256, k=512, bias=False, norm=False, residual=False, glu=False,
+    def call(dtype=torch.bfloat16, *, rows=8, n=256, k=512, bias=False, norm=False, residual=False, glu=False,
              block_m=None):
         x = torch.zeros(rows, k, dtype=dtype)
         weight = torch.zeros(2 * n if glu else n, k, dtype=dtype)
@@ -255,8 +252,8 @@ def rotary_cases() -> list[tuple[str, Callable]]:
         qkv = torch.zeros(batch, (heads + 2 * kv_heads) * dim, dtype=dtype)
         cos = torch.ones(batch, 1, dim, dtype=dtype)
         cache = torch.zeros(batch, kv_heads, length, dim, dtype=dtype)
-        rw.rotary_write(qkv, cos, cos.clone(), cache, cache.clone(), torch.zeros(batch, dtype=torch.long), heads,
-                        kv_heads, dim, interpret=True)
+        rw.rotary_write(qkv, cos, cos.clone(), cache, cache.clone(), torch.zeros(batch, dtype=torch.long),
+                        heads=heads, kv_heads=kv_heads, head_dim=dim, interpret=True)
 
     return [("rotary + cache write bf16", lambda: call(torch.bfloat16, 16, 2, 128)),
             ("rotary + cache write fp32", lambda: call(torch.float32, 4, 2, 64))]

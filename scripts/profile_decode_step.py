@@ -23,9 +23,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout.config import BLAS_LIBRARIES, RolloutConfig, SamplingConfig  # noqa: E402
-from rollout.model.step import (SPLIT_K, FusedGateUp, FusedQKV, StepFns, StepParts, compiled_step_fns,  # noqa: E402
+from rollout.model.step import (FusedGateUp, FusedQKV, StepFns, StepParts, compiled_step_fns,  # noqa: E402
                                 decode_logits, attention_inputs_qkv_write, compile_piece, grouped_decode_attention,
-                                spec_and_weights, split_k_linear)
+                                spec_and_weights)
 from rollout.executors import blas  # noqa: E402
 from rollout.executors.graphs import capture_graph  # noqa: E402
 from rollout.ops import decode_attention, rotary_write, skinny_linear  # noqa: E402
@@ -206,8 +206,6 @@ class StepVariant:
     skinny: bool = False
     """Each layer's o projection and residual add as one Triton kernel at batches up to the default
     ``RolloutConfig.kernels.skinny_rows`` (with the rotary kernel)."""
-    split_k: bool = False
-    """o, down and q|k|v as split-K GEMMs at every batch (``RolloutConfig.split_k_rows=1``; with fused gate|up)."""
 
     @property
     def name(self) -> str:
@@ -218,8 +216,7 @@ class StepVariant:
                 + (", triton attention" if self.triton_attention else "")
                 + (", fused gate|up" if self.gate_up else "")
                 + (", rotary+write kernel" if self.rotary_kernel else "")
-                + (", skinny o projection" if self.skinny else "")
-                + (f", o, down, q|k|v split-K x{SPLIT_K}" if self.split_k else ""))
+                + (", skinny o projection" if self.skinny else ""))
 
 
 #: The step the routes run by default (``RolloutConfig``: compiled, fused q|k|v and gate|up, the Triton attention,
@@ -247,9 +244,7 @@ def decode_step_fn(model, rows: int, live: int, variant: StepVariant):
     if variant.rotary_kernel or variant.skinny:
         fns = dataclasses.replace(fns, rotary_write=rotary_write.rotary_write)
     if variant.skinny:
-        fns = dataclasses.replace(fns, skinny_linear=skinny_linear.skinny_linear, skinny_rows=RolloutConfig().skinny_rows)
-    if variant.split_k:
-        fns = dataclasses.replace(fns, split_k_rows=1)
+        fns = dataclasses.replace(fns, skinny_linear=skinny_linear.skinny_linear, skinny_rows=RolloutConfig().kernels.skinny_rows)
     parts = StepParts(spec, weights, fns)
     shape = (spec.num_layers, rows, spec.num_kv_heads, live + 8, spec.head_dim)
     keys = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -331,8 +326,7 @@ def blas_ab(model, rows: int, live: int, backends: list[str]) -> list[dict]:
 #: The A/B flags (``--gate-up``, ...): each times only the routes' default step against the same with one
 #: ``StepVariant`` field flipped, twice each, alternating, the variant with the field off first.
 ROUTE_AB = {"gate_up": "gate|up as one GEMM", "rotary_kernel": "the rotary+write kernel",
-            "skinny": "the skinny o projection",
-            "split_k": "o, down, q|k|v as split-K GEMMs (use at wide batches: --rows 128 256)"}
+            "skinny": "the skinny o projection"}
 
 
 def step_variant_list(args) -> list[StepVariant]:
@@ -381,11 +375,6 @@ def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, l
         "gate|up concatenated": ("gate_up", each(lambda wt: F.linear(x, wt), gate_up)),
         "down": ("down", each(lambda wt: F.linear(h, wt), w["down"])),
     }
-    if rows >= 128:  # wide batches: the small-N projections as split-K batched GEMMs (an experiment)
-        for kind, inp, weights in (("qkv", x, qkv), ("o", x, w["o"]), ("down", h, w["down"])):
-            for splits in (2, 4, 8):
-                cases[f"{kind} split-K {splits} (bmm + sum)"] = (
-                    kind, each(lambda wt, inp=inp, splits=splits: split_k_linear(inp, wt, splits), weights))
     out = {}
     for name, (kind, fn) in cases.items():
         ms = graph_ms(fn, 20)

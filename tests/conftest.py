@@ -57,10 +57,10 @@ def with_step_pieces(ro, **pieces) -> None:
     counting wrapper) in place of what its config chose."""
     import dataclasses
 
-    build = ro._fast_step.parts
+    build = ro.runner.fast_step.parts
 
     def parts(device, mirrored):
         got = build(device, mirrored)
         return dataclasses.replace(got, fns=dataclasses.replace(got.fns, **pieces))
 
-    ro._fast_step.parts = parts
+    ro.runner.fast_step.parts = parts

@@ -58,7 +58,7 @@ def test_bad_input_is_refused_before_any_work(model, name):
         ro.generate(RolloutRequest(**{"prompt_ids": IDS, "prompt_attention_mask": MASK, **request}),
                     SamplingConfig(**{**OK_SAMPLING, **sampling}))
     if "ro" in locals():
-        assert ro._pool.nbytes == 0 and ro.held_bytes == 0  # nothing was allocated
+        assert ro.runner.pool.nbytes == 0 and ro.held_bytes == 0  # nothing was allocated
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 

@@ -79,12 +79,12 @@ def test_the_7b_shape_has_qwen25_7b_geometry():
 def test_train_flags_accept_shape_names_gather_and_offload(train_opsd):
     job, _ = train_opsd.parse_args(["--student", "qwen25-3b", "--teacher", "qwen25-3b", "--gather", "per_forward",
                                     "--teacher-offload", "1", "--json-out", "r.json"])
-    assert (job.student, job.teacher, job.gather, job.teacher_offload, job.json_out) == \
+    assert (job.student, job.teacher, job.rollout.gather, job.teacher_offload, job.json_out) == \
         ("qwen25-3b", "qwen25-3b", "per_forward", 1, "r.json")
     job, _ = train_opsd.parse_args(["--student", "tiny-qwen2", "--teacher", "Qwen/Qwen2.5-7B-Instruct"])
     assert job.teacher == "Qwen/Qwen2.5-7B-Instruct"  # an HF repo id passes; it is loaded later
-    job, _ = train_opsd.parse_args(["--prefill-graph-tokens", "8192"])
-    assert job.prefill_graph_tokens == 8192
+    job, _ = train_opsd.parse_args(["--rollout", "kernels.prefill_graph_tokens=8192"])
+    assert job.rollout.kernels.prefill_graph_tokens == 8192
 
 
 @pytest.mark.parametrize("argv, flag_field, words", [
@@ -94,7 +94,9 @@ def test_train_flags_accept_shape_names_gather_and_offload(train_opsd):
     (["--gather", "sometimes"], "gather:", ["per_forward"]),
     (["--teacher", "self", "--teacher-offload", "1"], "teacher_offload:", ["self"]),
     (["--teacher-offload", "2"], "teacher_offload:", ["0 or 1"]),
-    (["--prefill-graph-tokens", "-1"], "prefill_graph_tokens:", ["0: off"]),
+    (["--rollout", "kernels.prefill_graph_tokens=-1"], "kernels.prefill_graph_tokens:", ["0: off"]),
+    (["--prefill-graph-tokens", "8192"], "--prefill-graph-tokens: moved;", [
+        "--rollout kernels.prefill_graph_tokens=8192"]),
 ])
 def test_bad_model_and_mode_flags_name_the_field(train_opsd, capsys, argv, flag_field, words):
     with pytest.raises(SystemExit) as exc:

@@ -52,7 +52,7 @@ def test_every_kernel_the_ops_launch_compiles_for_sm90(tmp_path):
     assert all(0 < v["registers"] <= 255 and v["local_bytes"] >= 0 and v["shared_bytes"] >= 0 for v in variants)
     # each kernel's variants that the routes launch, with the constexprs a CUDA launch passes
     shared = [v["constexprs"] for v in variants if v["kernel"].endswith(".decode_attention_shared")]
-    assert any("ROW_END=True" in c for c in shared) and any("ROW_END=False" in c for c in shared)
+    assert any("LAST=True" in c for c in shared) and any("LAST=False" in c for c in shared)
     assert all("DOT_FP32=False" in v["constexprs"] for v in variants if "DOT_FP32" in v["constexprs"])
     assert {c.split("ARITY=")[1].split(",")[0] for c in (v["constexprs"] for v in variants
                                                           if v["kernel"].endswith(".search_pass"))} == {"16", "8", "4"}

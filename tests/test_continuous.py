@@ -73,7 +73,8 @@ def run_cb(model, ids, mask, sampling, eos=None, **kwargs):
     made beforehand (no host->device copy inside a checked region)."""
     eos_ids = eos if isinstance(eos, EosIds) else EosIds.on(tuple(eos or ()), ids.device)
     ctx = CallContext(model, sampling, eos_ids, kwargs.pop("cost_model", CostModel.from_model(model)),
-                      kwargs.pop("max_prefill_tokens", DEFAULT_MAX_TOKENS), stage=kwargs.pop("stage", no_stage),
+                      max_prefill_tokens=kwargs.pop("max_prefill_tokens", DEFAULT_MAX_TOKENS),
+                      stage=kwargs.pop("stage", no_stage),
                       fast=kwargs.pop("fast", None), fast_prefill=kwargs.pop("fast_prefill", None))
     layout = kwargs.pop("layout", None)
     return generate_continuous(ctx, ids, mask, layout, SlotSpec(**kwargs))
@@ -129,14 +130,14 @@ def test_move_rows_and_realign_keep_each_rows_window_and_validity():
     assert _row_cols(cache, 0, 2, 8) == before[3]
     assert cache.valid[0].tolist() == cache.valid[3].tolist()
     cache.realign(num_rows=3, max_extent=6, new_front=6)  # trim: [2, 8) -> [0, 6)
-    assert cache.front == 6 and cache.stats.num_trims == 1
+    assert cache.front == 6 and cache.stats.trims == 1
     assert [_row_cols(cache, r, 0, 6) for r in range(3)] == [before[3], before[1], before[2]]
     assert cache.valid[:3].sum(dim=1).tolist() == [6, 5, 2] and not cache.valid[:3, 6:].any()
     cache.realign(num_rows=3, max_extent=6, new_front=9)  # shift right by 3
-    assert cache.stats.num_shifts == 1 and [_row_cols(cache, r, 3, 9) for r in range(3)] == \
+    assert cache.stats.shifts == 1 and [_row_cols(cache, r, 3, 9) for r in range(3)] == \
         [before[3], before[1], before[2]]
     assert cache.valid[1].tolist() == [False] * 4 + [True] * 5 + [False]
-    assert cache.stats.move_bytes == (1 * 6 + 3 * 6 + 3 * 6) * cache.column_bytes
+    assert cache.stats.bytes_moved == (1 * 6 + 3 * 6 + 3 * 6) * cache.column_bytes
 
 
 def test_write_prompts_right_aligns_each_scratch_row_into_its_slots():
@@ -181,7 +182,7 @@ def test_greedy_tokens_equal_hf_generate_per_request(request, case):
     ended = [r for r in range(len(lengths)) if any(t in eos for t in result.generated[r].tolist())]
     assert 0 < len(ended) < len(lengths), "the case needs EOS mid-stream and rows that run to the budget"
     counters = result.stats
-    assert (counters["trims"] >= trims, counters["shifts"] >= shifts, counters["row_moves"] >= moves) == \
+    assert (counters.cache.trims >= trims, counters.cache.shifts >= shifts, counters.cache.row_moves >= moves) == \
         (True, True, True), counters
     assert result.num_steps == max_new == result.generated.shape[1]
 
@@ -194,8 +195,8 @@ def test_shared_prefill_gives_every_sample_the_hf_tokens(qwen):
     assert result.generated.shape == (3 * n, 6)
     for row in range(3 * n):
         assert result.generated[row].tolist() == hf_greedy(qwen, ids[row // n], mask[row // n], 6), f"row {row}"
-    assert result.stats["prefill_rows"] == 3  # each distinct prompt prefilled once
-    assert result.stats["decode_rows"] == 3 * n * 5
+    assert result.stats.prefill.rows == 3  # each distinct prompt prefilled once
+    assert result.stats.decode.rows == 3 * n * 5
 
 
 def test_repetition_penalty_equals_hf_and_the_ordinary_route(qwen):
@@ -285,9 +286,9 @@ def test_stages_wrap_every_plan_prefill_decode_and_cache_operation(qwen):
     result = run_cb(qwen, ids, mask, SamplingConfig(max_new_tokens=8, temperature=0.0), eos, num_slots=2,
                     capacity=19, stage=Record)
     counts, counters = Counter(names), result.stats
-    assert counts[stages.PREFILL] == counters["prefill_forwards"] == counts[stages.CACHE_ACQUIRE] - 1
-    assert counts[stages.DECODE] == counters["decode_forwards"] and counts[stages.PLAN] == counters["plans"]
-    assert counts[stages.CACHE_TRIM] >= counters["trims"] + counters["shifts"] > 0
+    assert counts[stages.PREFILL] == counters.prefill.forwards == counts[stages.CACHE_ACQUIRE] - 1
+    assert counts[stages.DECODE] == counters.decode.forwards and counts[stages.PLAN] == counters.plans
+    assert counts[stages.CACHE_TRIM] >= counters.cache.trims + counters.cache.shifts > 0
     assert counts[stages.CACHE_RELEASE] == 1 and names[0] == stages.CACHE_ACQUIRE
 
 
@@ -311,10 +312,10 @@ def test_at_most_one_host_sync_per_step(qwen, monkeypatch, with_eos):
     result = run_cb(qwen, ids, mask, sampling, eos, num_slots=3, capacity=19)
     monkeypatch.undo()
     counters = result.stats
-    assert sum(calls.values()) == counters["host_syncs"], calls
+    assert sum(calls.values()) == counters.decode.host_syncs, calls
     # one for the prompt layout, then one per step (the EOS flags) - none at all without EOS ids
-    assert counters["host_syncs"] == 1 + (counters["steps"] if with_eos else 0)
-    assert counters["steps"] > counters["decode_forwards"] / 3  # refills: several steps per admitted wave
+    assert counters.decode.host_syncs == 1 + (counters.decode.steps if with_eos else 0)
+    assert counters.decode.steps > counters.decode.forwards / 3  # refills: several steps per admitted wave
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -337,7 +338,7 @@ def test_cuda_sync_debug_mode_sees_one_sync_per_step():
     # the sync warnings alone: the first set_sync_debug_mode of a process also warns (once) that the
     # mode is a prototype, which made this count one too many when this test ran first
     syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
-    assert len(syncs) == result.stats["host_syncs"] == result.stats["steps"]
+    assert len(syncs) == result.stats.decode.host_syncs == result.stats.decode.steps
 
 
 @pytest.mark.parametrize("max_new", [1, 5])
@@ -354,8 +355,8 @@ def test_engine_owned_cache_and_arena_are_reused_across_calls(qwen, max_new):
     for row in range(4):
         assert results[1].generated[row].tolist() == hf_greedy(qwen, ids[row], mask[row], max_new), f"row {row}"
     assert torch.equal(results[0].generated, results[1].generated)
-    assert results[1].stats["scratch_allocations"] == results[0].stats["scratch_allocations"]  # reused
-    assert results[1].stats["decode_forwards"] == (0 if max_new == 1 else 2 * (max_new - 1))
+    assert results[1].stats.cache.scratch_allocations == results[0].stats.cache.scratch_allocations  # reused
+    assert results[1].stats.decode.forwards == (0 if max_new == 1 else 2 * (max_new - 1))
 
 
 def test_cache_shape_matches_the_model(qwen):
@@ -384,9 +385,9 @@ def test_static_buffer_decode_equals_the_per_call_path(qwen, sampling):
     assert torch.equal(got.input_ids, expected.input_ids)
     assert torch.equal(got.attention_mask, expected.attention_mask)
     stats = static.last_stats
-    assert stats["eager_decode_steps"] == stats["decode_forwards"] > 0  # the static path ran (no graphs on CPU)
-    assert stats["num_slots"] == batch_bucket(sampling.continuous_batch_size)  # padding slots of the buckets
-    assert per_call.last_stats["eager_decode_steps"] == 0  # per-call tensors, not the static buffers
+    assert stats.decode.eager_steps == stats.decode.forwards > 0  # the static path ran (no graphs on CPU)
+    assert stats.cache.num_slots == batch_bucket(sampling.continuous_batch_size)  # padding slots of the buckets
+    assert per_call.last_stats.decode.eager_steps == 0  # per-call tensors, not the static buffers
     if sampling.is_greedy:
         for row in range(7):
             assert response_of(got, row) == cut(
@@ -399,15 +400,15 @@ def test_static_buffers_are_reused_across_calls_and_released_without_keep_cache(
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, continuous_batch_size=2)
     ro = Rollout(qwen, NO_EOS, RolloutConfig(route="continuous"))
     first = ro.generate(RolloutRequest(ids, mask), sampling)
-    bufs = ro._continuous.buffers
+    bufs = ro.runner.executors["continuous"].buffers
     ids2, mask2 = make_prompts([4, 6, 2], seed=14)
     ro.generate(RolloutRequest(ids2, mask2), sampling)
-    assert ro._continuous.buffers is bufs  # same shapes: the same static tensors (and graphs on GPU)
+    assert ro.runner.executors["continuous"].buffers is bufs  # same shapes: the same static tensors (and graphs on GPU)
     again = ro.generate(RolloutRequest(ids, mask), sampling)
     assert torch.equal(again.input_ids, first.input_ids)  # nothing of the previous call leaks in
     loose = Rollout(qwen, NO_EOS, RolloutConfig(route="continuous", keep_cache=False))
     assert torch.equal(loose.generate(RolloutRequest(ids, mask), sampling).input_ids, first.input_ids)
-    assert loose._continuous.buffers is None and loose.held_bytes == 0
+    assert loose.runner.executors["continuous"].buffers is None and loose.held_bytes == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -422,15 +423,16 @@ def test_cuda_graph_continuous_decode_equals_the_eager_paths_fp32():
                                     n_samples_per_prompt=2, continuous_batch_size=6)):
         graphs = Rollout(model, tok, RolloutConfig(route="continuous", kernels=KernelConfig(compile=False)))
         got = graphs.generate(RolloutRequest(ids, mask), sampling)
-        assert graphs.last_stats["decode_path"] == "graph", graphs.last_stats.get("decode_fallback_reason")
-        assert graphs.last_stats["graph_decode_steps"] == graphs.last_stats["decode_forwards"]
-        eager = Rollout(model, tok, RolloutConfig(route="continuous", kernels=KernelConfig(cuda_graphs=False, compile=False)))
+        assert graphs.last_stats.decode.path == "graph", graphs.last_stats.decode.fallback_reason
+        assert graphs.last_stats.decode.graph_steps == graphs.last_stats.decode.forwards
+        eager = Rollout(model, tok, RolloutConfig(route="continuous", kernels=KernelConfig(
+            cuda_graphs=False, compile=False)))
         assert torch.equal(got.input_ids, eager.generate(RolloutRequest(ids, mask), sampling).input_ids)
         hf = Rollout(model, tok, RolloutConfig(route="continuous", kernels=KernelConfig(fast_decode=False)))
         assert torch.equal(got.input_ids, hf.generate(RolloutRequest(ids, mask), sampling).input_ids)
-        captures = graphs._continuous.graphs.num_captures
+        captures = graphs.runner.executors["continuous"].graphs.num_captures
         assert torch.equal(graphs.generate(RolloutRequest(ids, mask), sampling).input_ids, got.input_ids)
-        assert graphs._continuous.graphs.num_captures == captures  # graphs are reused across calls
+        assert graphs.runner.executors["continuous"].graphs.num_captures == captures  # graphs are reused across calls
 
 
 def test_packed_prefill_admits_every_bucket_in_one_pass(qwen):
@@ -444,8 +446,8 @@ def test_packed_prefill_admits_every_bucket_in_one_pass(qwen):
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, repetition_penalty=1.3)
     result = run_cb(qwen, ids, mask, sampling, num_slots=4, fast=parts, fast_prefill=parts, cost_model=costs)
     counters = result.stats
-    assert counters["prefill_forwards"] == counters["plans"] >= 2  # one pass per admission wave
-    assert counters["prefill_tokens"] == sum([9, 2, 12, 3, 1, 7])  # every bucket exactly one length
+    assert counters.prefill.forwards == counters.plans >= 2  # one pass per admission wave
+    assert counters.prefill.tokens == sum([9, 2, 12, 3, 1, 7])  # every bucket exactly one length
     for row in range(6):
         assert result.generated[row].tolist() == hf_greedy(qwen, ids[row], mask[row], 6, repetition_penalty=1.3)
 

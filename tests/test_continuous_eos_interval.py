@@ -40,8 +40,8 @@ def test_greedy_responses_equal_every_step_checks_and_hf(qwen, interval):
     assert torch.equal(got.finish_reasons, every.finish_reasons)
     assert (got.finish_reasons == FINISH_EOS).any() and (got.finish_reasons == FINISH_BUDGET).any()
     # host syncs: one per check, every `interval` steps, against one per step
-    assert every_stats.host_syncs == every_stats.steps
-    assert stats.host_syncs == stats.steps // interval < every_stats.host_syncs
+    assert every_stats.decode.host_syncs == every_stats.decode.steps
+    assert stats.decode.host_syncs == stats.decode.steps // interval < every_stats.decode.host_syncs
 
 
 @pytest.mark.parametrize("interval", [2, 4])
@@ -71,5 +71,6 @@ def test_rows_decode_at_most_interval_minus_one_extra_tokens(qwen):
     every, every_stats = _run(qwen, ids, mask, eos, 1, sampling)
     interval = 4
     got, stats = _run(qwen, ids, mask, eos, interval, sampling)
-    assert every_stats.num_steps <= stats.num_steps <= min(MAX_NEW, every_stats.num_steps + interval - 1)
-    assert stats.decode_rows >= every_stats.decode_rows  # the extra tokens are decoded, then masked
+    assert every_stats.decode.num_steps <= stats.decode.num_steps <= min(
+        MAX_NEW, every_stats.decode.num_steps + interval - 1)
+    assert stats.decode.rows >= every_stats.decode.rows  # the extra tokens are decoded, then masked

@@ -108,19 +108,20 @@ def test_step_with_the_kernel_equals_hf_generate(device):
     model = tiny_model("qwen2", seed=5).to(device)
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
     ids, mask = ids.to(device), mask.to(device)
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False)))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(
+        cuda_graphs=False)))
     fns = dataclasses.replace(StepFns(), attention=functools.partial(da.attention, interpret=True))
-    original = ro._fast_step.parts
+    original = ro.runner.fast_step.parts
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(1)
         return fns.attention(*args, **kwargs)
 
-    ro._fast_step.parts = lambda dev, mirrored: dataclasses.replace(
+    ro.runner.fast_step.parts = lambda dev, mirrored: dataclasses.replace(
         original(dev, mirrored), fns=dataclasses.replace(fns, attention=counted))
     out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6, temperature=0.0))
-    assert ro.last_stats.decode_path == "fast_eager"
+    assert ro.last_stats.decode.path == "fast_eager"
     assert calls, "the step did not call the attention piece"
     for row in range(3):
         assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 6)
@@ -247,36 +248,13 @@ def test_shared_prefix_reads_one_copy_and_nothing_after_last(device):
     assert torch.isnan(unshared[1]).all() and not torch.isnan(unshared[0]).any()
 
 
-@pytest.mark.parametrize("splits", [None, 1, 3])
-def test_shared_prefix_with_an_end_per_row(device, splits):
-    """The continuous route's form: each row's prompt ends at its own column (rows admitted at different fronts;
-    a run's rows agree), one of them at the window's end, one at 0 (nothing shared), one past the window (clamped).
-    SDPA's result, and NaN in every copy of a prompt but its run's first row stays out (fp32)."""
-    ids, samples, last = [0, 1, 2, 4, 5, 9, 10, 11, 12, 16], 4, 140
-    ends = {0: 70, 1: 33, 2: 141, 3: 0, 4: 400}  # per prompt (id // samples); 400: clamped to the window
-    q, k, v, keep, _, last_col = _shared_inputs(ids, samples, 0, last, device="cpu", seed=5)
-    row_end = [min(ends[i // samples], k.shape[2]) for i in ids]
-    first = {}
-    for row, sample in enumerate(ids):  # each run's copies of its own prompt, up to its own end
-        lead, end = first.setdefault(sample // samples, row), row_end[row]
-        k[row, :, :end], v[row, :, :end] = k[lead, :, :end], v[lead, :, :end]
-        keep[row, ..., :end] = keep[lead, ..., :end]
-    keep[..., last] = True
-    q, k, v, keep = q.to(device), k.to(device), v.to(device), keep.to(device)
-    shared = da.SharedPrefix(torch.tensor(ids, dtype=torch.long, device=device), samples,
-                             torch.tensor([ends[i // samples] for i in ids], dtype=torch.long, device=device))
-    expected = _sdpa(q, k, v, keep, 4, 2)
-    got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, last=last_col.to(device),
-                       shared=shared)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    poisoned_k, poisoned_v = k.clone(), v.clone()
-    leaders = set(first.values())
-    for row in range(len(ids)):
-        if row not in leaders:
-            poisoned_k[row, :, :row_end[row]], poisoned_v[row, :, :row_end[row]] = float("nan"), float("nan")
-    got = da.attention(q, poisoned_k, poisoned_v, keep, 0.25, True, splits=splits, interpret=True,
-                       last=last_col.to(device), shared=shared)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+def test_shared_prefix_takes_one_prompt_end_for_every_row():
+    """``SharedPrefix.end`` is one column for every row (a scalar tensor); an end per row is refused, not read as
+    its first element."""
+    ids = torch.arange(4)
+    assert int(da.SharedPrefix(ids, 2, torch.tensor(5)).end) == 5
+    with pytest.raises(ValueError, match="scalar"):
+        da.SharedPrefix(ids, 2, torch.tensor([5, 5, 3, 3]))
 
 
 def test_shared_prefix_bf16_and_the_tile_limit(device):
@@ -300,7 +278,8 @@ def _eos_setup(device, seed: int):
     model = tiny_model("qwen2", seed=0).to(device)
     ids, mask = random_prompts(6, 9, min_len=1, seed=seed)
     ids, mask = ids.to(device), mask.to(device)
-    free = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))) \
+    free = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(
+        cuda_graphs=False))) \
         .generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0))
     eos = [token for token, _ in Counter(free.input_ids[:, 9:].flatten().tolist()).most_common(6)][3:6]
     return model, ids, mask, eos
@@ -325,7 +304,7 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
     """``ro``'s step with ``shared_prefix_rows`` and the kernel as its attention (interpreted on the CPU;
     ``attention``: another piece, e.g. SDPA); ``calls`` records whether each call was handed a ``SharedPrefix``
     (and ``lasts`` whether it was handed the last column)."""
-    original = ro._fast_step.parts
+    original = ro.runner.fast_step.parts
     attend = attention or functools.partial(da.attention, interpret=True)
 
     def kernel(*args, **kwargs):
@@ -334,7 +313,7 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
             lasts.append(kwargs.get("last") is not None)
         return attend(*args, **kwargs)
 
-    ro._fast_step.parts = lambda dev, mirrored: dataclasses.replace(
+    ro.runner.fast_step.parts = lambda dev, mirrored: dataclasses.replace(
         original(dev, mirrored), fns=dataclasses.replace(original(dev, mirrored).fns, attention=kernel,
                                                          shared_prefix_rows=shared_prefix_rows))
     return ro
@@ -353,29 +332,31 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
     model, ids, mask, eos = _eos_setup(device, seed=3)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
     short_calls = []
-    short = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), 1, short_calls,
+    short = _with_kernel(
+        Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), 1, short_calls,
                          attention=da.sdpa)
     short.generate(RolloutRequest(ids, mask), sampling)
-    assert ids.shape[1] < da.MIN_SHARED_PROMPT and short.last_stats.shared_prefix_steps == 0
+    assert ids.shape[1] < da.MIN_SHARED_PROMPT and short.last_stats.decode.shared_prefix_steps == 0
     assert short_calls and not any(short_calls)
     monkeypatch.setattr("rollout.executors.ordinary.executor.MIN_SHARED_PROMPT", 1)
     outputs, stats = [], []
     for rows in (1, 0):
         calls, lasts = [], []
-        ro = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), rows, calls,
+        ro = _with_kernel(
+            Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), rows, calls,
                           lasts=lasts)
         outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
         stats.append(ro.last_stats)
         assert calls and all(calls) == bool(rows) and any(calls) == bool(rows)
         assert all(lasts)  # every step stops at the current column
-    assert stats[0].shared_prefix_steps == stats[0].decode_forwards > 0
-    assert stats[0].compactions >= 1 or not sampling.is_greedy  # greedy rows end early (sampled ones rarely)
-    assert stats[1].shared_prefix_steps == 0
+    assert stats[0].decode.shared_prefix_steps == stats[0].decode.forwards > 0
+    assert stats[0].cache.compactions >= 1 or not sampling.is_greedy  # greedy rows end early (sampled ones rarely)
+    assert stats[1].decode.shared_prefix_steps == 0
     _same_tokens_and_hf_greedy(outputs, sampling, model, ids, mask, eos)
 
 
 def test_which_steps_share_the_prompt():
-    """The ordinary route shares a prompt's columns in batch buckets of at least ``shared_prefix_rows`` rows, with several
+    """A step shares a prompt's columns in batch buckets of at least ``shared_prefix_rows`` rows, with several
     samples per prompt, and only while their queries fit one tile."""
     from types import SimpleNamespace
 

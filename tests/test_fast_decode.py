@@ -19,7 +19,8 @@ def _parts(model, fns=None):
 
 def _paths(model, ids, mask, sampling, **cfg):
     fast = Rollout(model, TOK, RolloutConfig().with_settings(cfg)).generate(RolloutRequest(ids, mask), sampling)
-    slow = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(fast_decode=False))).generate(RolloutRequest(ids, mask), sampling)
+    slow = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(fast_decode=False))).generate(
+        RolloutRequest(ids, mask), sampling)
     return fast, slow
 
 
@@ -114,14 +115,14 @@ def test_failed_graph_capture_falls_back_to_eager_with_the_reason(route, monkeyp
     ids, mask = random_prompts(5, 9, min_len=1, seed=44)
     sampling = SamplingConfig(max_new_tokens=10, temperature=0.9, top_p=0.9, seed=5, n_samples_per_prompt=2,
                               continuous_batch_size=3 if route == "continuous" else None)
-    want = Rollout(model, TOK, RolloutConfig(route=route, kernels=KernelConfig(cuda_graphs=False))).generate(RolloutRequest(ids, mask),
-                                                                                       sampling)
+    want = Rollout(model, TOK, RolloutConfig(route=route, kernels=KernelConfig(cuda_graphs=False))).generate(
+        RolloutRequest(ids, mask), sampling)
     real_choose = decode.choose_decode
 
     def pretend_cuda(config, model, is_zero3, device):  # graphs chosen as on a GPU
         choice = real_choose(config, model, is_zero3, device)
         return decode.DecodeChoice("graph", None, choice.prefill_path)
-    from rollout import engine
+    from rollout.executors import runner as engine
     monkeypatch.setattr(engine, "choose_decode", pretend_cuda)
     monkeypatch.setattr(graphs, "capture_graph", failing_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", route))
@@ -129,10 +130,10 @@ def test_failed_graph_capture_falls_back_to_eager_with_the_reason(route, monkeyp
     got = ro.generate(RolloutRequest(ids, mask), sampling)
     assert torch.equal(got.input_ids, want.input_ids)
     stats = ro.last_stats
-    assert f"{route} route: CUDA graph capture failed" in stats["decode_fallback_reason"]
-    assert "stream is capturing" in stats["decode_fallback_reason"]
-    assert stats["eager_decode_steps"] == stats["decode_forwards"] and not stats.get("graph_decode_steps")
-    graph_set = ro._ordinary.graphs if route == "ordinary" else ro._continuous.graphs
+    assert f"{route} route: CUDA graph capture failed" in stats.decode.fallback_reason
+    assert "stream is capturing" in stats.decode.fallback_reason
+    assert stats.decode.eager_steps == stats.decode.forwards and not stats.decode.graph_steps
+    graph_set = ro.runner.executors[route].graphs
     assert len(attempts) == len(graph_set._graphs) > 0  # one attempt per graph key, not one per step
     assert graph_set.num_captures == 0
 
@@ -153,12 +154,13 @@ def test_cuda_graph_replay_equals_eager_fp32(compile_step):
         graph = ro.generate(RolloutRequest(ids, mask), sampling)
         eager = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(cuda_graphs=False, compile=False))).generate(
             RolloutRequest(ids, mask), sampling)
-        hf = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(fast_decode=False))).generate(RolloutRequest(ids, mask), sampling)
+        hf = Rollout(model, TOK, RolloutConfig(kernels=KernelConfig(fast_decode=False))).generate(
+            RolloutRequest(ids, mask), sampling)
         assert torch.equal(graph.input_ids, eager.input_ids)
         assert torch.equal(graph.input_ids, hf.input_ids)
-        captures = ro._ordinary.graphs.num_captures
+        captures = ro.runner.executors["ordinary"].graphs.num_captures
         ro.generate(RolloutRequest(ids, mask), sampling)
-        assert ro._ordinary.graphs.num_captures == captures  # graphs are reused across calls
+        assert ro.runner.executors["ordinary"].graphs.num_captures == captures  # graphs are reused across calls
 
 
 @cuda
@@ -174,7 +176,7 @@ def test_graph_decode_calls_leave_no_memory_behind():
     after = []
     for _ in range(4):
         ro.generate(RolloutRequest(ids, mask), sampling)
-        assert ro.last_stats["graph_decode_steps"] > 0
+        assert ro.last_stats.decode.graph_steps > 0
         torch.cuda.synchronize()
         gc.collect()
         after.append(torch.cuda.memory_allocated())
@@ -193,7 +195,7 @@ def test_graph_decode_makes_no_host_sync_per_step():
     from rollout.plan.planner import CostModel
     ctx = CallContext(model, sampling, EosIds.on((), "cuda"), CostModel.from_model(model))
     choice = choose_decode(ro.config, model, False, torch.device("cuda"))
-    static = ro._ordinary.static_decode(ctx, choice, ro._pool._cache, 4)
+    static = ro.runner.executors["ordinary"].static_decode(ctx, choice, ro.runner.pool._cache, 4)
     bufs, step = static.buffers, static.step
     bufs.step.fill_(1)  # rewind to the first decode step (fill_ with a Python number: no sync)
     bufs.col.fill_(8)
@@ -261,14 +263,14 @@ def test_step_with_grouped_attention_equals_hf_generate():
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
     ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary"))
     grouped = dataclasses.replace(StepFns(), attention=grouped_decode_attention)
-    original = ro._fast_step.parts
+    original = ro.runner.fast_step.parts
 
     def parts(device, mirrored):
         return dataclasses.replace(original(device, mirrored), fns=grouped)
 
-    ro._fast_step.parts = parts
+    ro.runner.fast_step.parts = parts
     out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6, temperature=0.0))
-    assert ro.last_stats.decode_path == "fast_eager"
+    assert ro.last_stats.decode.path == "fast_eager"
     for row in range(3):
         assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 6)
 
@@ -327,7 +329,7 @@ def test_the_zero3_mirror_copies_only_what_the_fused_copies_do_not_hold():
     from rollout.executors.decode import FastStep
 
     model = tiny_model("qwen2", seed=9, tie_word_embeddings=True)
-    step = FastStep(model, use_compile=False, mirror_weights=True, fuse_qkv=True, fuse_gate_up=True)
+    step = FastStep(model, KernelConfig(compile=False, fuse_qkv=True, fuse_gate_up=True), mirror_weights=True)
     cpu = torch.device("cpu")
     with step.one_call():
         first = step.parts(cpu, mirrored=True)
@@ -351,17 +353,3 @@ def test_the_zero3_mirror_copies_only_what_the_fused_copies_do_not_hold():
     torch.testing.assert_close(w.up, layer.mlp.up_proj.weight, rtol=0, atol=0)
     torch.testing.assert_close(w.v_bias, layer.self_attn.v_proj.bias, rtol=0, atol=0)
     assert w.k.untyped_storage().data_ptr() == w.qkv.untyped_storage().data_ptr()
-
-
-@pytest.mark.parametrize("splits", [2, 4, 8])
-def test_split_k_linear_is_the_linear(splits):
-    """``split_k_linear`` (``RolloutConfig.split_k_rows``: wide batches' o and down GEMMs as ``splits`` partial
-    products summed) computes ``F.linear``; a K that does not divide takes the plain GEMM."""
-    from rollout.model.step import split_k_linear
-
-    gen = torch.Generator().manual_seed(splits)
-    x, w = torch.randn(24, 128, generator=gen), torch.randn(40, 128, generator=gen)
-    torch.testing.assert_close(split_k_linear(x, w, splits), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
-    odd = torch.randn(24, 130, generator=gen)
-    torch.testing.assert_close(split_k_linear(odd, torch.randn(40, 130, generator=gen), splits).shape,
-                               torch.Size([24, 40]))

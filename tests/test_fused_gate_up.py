@@ -35,8 +35,8 @@ def test_same_tokens_as_two_projections_and_hf(family, route):
     sampling = SamplingConfig(max_new_tokens=7, temperature=0.0, continuous_batch_size=2)
     fused = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(fuse_gate_up=True))).generate(
         RolloutRequest(ids, mask), sampling)
-    plain = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(fuse_gate_up=False))).generate(RolloutRequest(ids, mask),
-                                                                                            sampling)
+    plain = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(fuse_gate_up=False))).generate(
+        RolloutRequest(ids, mask), sampling)
     assert torch.equal(fused.input_ids, plain.input_ids)
     for row in range(ids.shape[0]):
         assert response_of(fused, row) == hf_greedy(model, ids[row], mask[row], 7)
@@ -49,9 +49,9 @@ def test_the_fused_piece_runs_in_decode_and_prefill(monkeypatch):
     fused_piece, plain_piece = step.attention_output_and_gate_up_mlp, step.attention_output_and_mlp
 
     def count(name, fn):
-        def wrapped(*args):
+        def wrapped(*args, **kwargs):
             calls[name] += 1
-            return fn(*args)
+            return fn(*args, **kwargs)
         return wrapped
 
     model = tiny_model("qwen2", seed=12)
@@ -63,7 +63,7 @@ def test_the_fused_piece_runs_in_decode_and_prefill(monkeypatch):
         with_step_pieces(ro, attention_output_and_gate_up_mlp=count("fused", fused_piece),
                          attention_output_and_mlp=count("plain", plain_piece))
         ro.generate(RolloutRequest(ids, mask), sampling)
-        assert ro.last_stats.prefill_path != "hf"
+        assert ro.last_stats.prefill.path != "hf"
         layers = model.config.num_hidden_layers
         used, unused = ("fused", "plain") if fuse else ("plain", "fused")
         assert calls[unused] == 0
@@ -92,39 +92,44 @@ def test_copies_are_announced_before_allocation_held_and_dropped(family):
     ids, mask = random_prompts(2, 6, seed=5, vocab_size=model.config.vocab_size, min_len=2)
     sampling = SamplingConfig(max_new_tokens=3, temperature=0.0)
     ro = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_gate_up=True)))
-    assert ro._fast_step.new_copy_bytes() == _gate_up_bytes(model) + _qkv_bytes(model)
+    assert ro.runner.fast_step.new_copy_bytes() == _gate_up_bytes(model) + _qkv_bytes(model)
     ro.generate(RolloutRequest(ids, mask), sampling)
-    assert ro._fast_step.nbytes == _gate_up_bytes(model) + _qkv_bytes(model)
-    assert ro._fast_step.new_copy_bytes() == 0  # held: the next call allocates nothing new
+    assert ro.runner.fast_step.nbytes == _gate_up_bytes(model) + _qkv_bytes(model)
+    assert ro.runner.fast_step.new_copy_bytes() == 0  # held: the next call allocates nothing new
     plain = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_gate_up=False)))
     plain.generate(RolloutRequest(ids, mask), sampling)
     assert ro.held_bytes - plain.held_bytes == _gate_up_bytes(model)
-    loose = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", keep_cache=False, kernels=KernelConfig(fuse_gate_up=True)))
+    loose = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", keep_cache=False, kernels=KernelConfig(
+        fuse_gate_up=True)))
     loose.generate(RolloutRequest(ids, mask), sampling)
-    assert loose.held_bytes == 0 and loose._fast_step.new_copy_bytes() == _gate_up_bytes(model) + _qkv_bytes(model)
+    assert loose.held_bytes == 0
+    assert loose.runner.fast_step.new_copy_bytes() == _gate_up_bytes(model) + _qkv_bytes(model)
 
 
 def test_the_budget_counts_copies_not_yet_held(monkeypatch):
     """A device with room for the call's cache and buffers but not also for the weight copies a first call
     allocates: refused with the figures before anything runs; with the copies already held, the same free
     memory is enough."""
-    import rollout.engine as engine
+    import rollout.executors.runner as engine
 
     model = tiny_model("qwen2", seed=15)
     ids, mask = random_prompts(2, 6, seed=5, vocab_size=model.config.vocab_size, min_len=2)
     sampling = SamplingConfig(max_new_tokens=3, temperature=0.0)
-    probe = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=False)))
+    probe = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(
+        fuse_qkv=False, fuse_gate_up=False)))
     monkeypatch.setattr(engine, "free_device_bytes", lambda device: 10**12)
     probe.generate(RolloutRequest(ids, mask), sampling)
-    need = probe._pool.nbytes + 64 * 1024  # the cache plus a margin for the per-row buffers
+    need = probe.runner.pool.nbytes + 64 * 1024  # the cache plus a margin for the per-row buffers
     free = need + _gate_up_bytes(model) // 2
     monkeypatch.setattr(engine, "free_device_bytes", lambda device: free)
-    Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=False))).generate(
+    unfused = KernelConfig(fuse_qkv=False, fuse_gate_up=False)
+    Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=unfused)).generate(
         RolloutRequest(ids, mask), sampling)
-    fused = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=True)))
+    fused = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(
+        fuse_qkv=False, fuse_gate_up=True)))
     with pytest.raises(ValueError, match="max_cache_gib"):
         fused.generate(RolloutRequest(ids, mask), sampling)
-    assert fused._fast_step.nbytes == 0 and fused._pool.nbytes == 0  # nothing was allocated
+    assert fused.runner.fast_step.nbytes == 0 and fused.runner.pool.nbytes == 0  # nothing was allocated
     monkeypatch.setattr(engine, "free_device_bytes", lambda device: 10**12)
     fused.generate(RolloutRequest(ids, mask), sampling)
     monkeypatch.setattr(engine, "free_device_bytes", lambda device: free)

@@ -196,8 +196,8 @@ def test_chunk_tokens_of_a_call_override_the_default(interpreted, monkeypatch):
     spans = []
     chunked = interpreted._sample_chunked
     monkeypatch.setattr(interpreted, "_sample_chunked",
-                        lambda logits, span, chunks, *rest: spans.append((span, chunks)) or chunked(logits, span,
-                                                                                                   chunks, *rest))
+                        lambda logits, span, chunks, *rest, **kw: spans.append((span, chunks))
+                        or chunked(logits, span, chunks, *rest, **kw))
     monkeypatch.setattr(interpreted, "SPLIT_BLOCK", 128)
     logits = _logits(2, 1000, 3.0, 8, torch.bfloat16, False)
     args = (torch.tensor(1), torch.arange(2), torch.tensor(2))
@@ -210,7 +210,7 @@ def test_chunk_tokens_of_a_call_override_the_default(interpreted, monkeypatch):
 def test_the_rollout_config_reaches_the_kernel(monkeypatch):
     """``RolloutConfig.sampler.chunk_tokens`` -> ``sampler_fn`` -> ``Sampler`` -> ``sample_top_p``."""
     from rollout import Rollout, RolloutConfig, RolloutRequest
-    from rollout import engine
+    from rollout.executors import runner as engine
     from rollout.testing import TinyTokenizer, tiny_model
 
     made = []

@@ -30,8 +30,8 @@ def test_same_tokens_as_three_projections_and_hf(family, route):
     ids, mask = random_prompts(4, 9, seed=3, vocab_size=model.config.vocab_size, min_len=2)
     sampling = SamplingConfig(max_new_tokens=7, temperature=0.0, continuous_batch_size=2)
     fused = Rollout(model, NO_EOS, RolloutConfig(route=route)).generate(RolloutRequest(ids, mask), sampling)
-    plain = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(fuse_qkv=False))).generate(RolloutRequest(ids, mask),
-                                                                                        sampling)
+    plain = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(fuse_qkv=False))).generate(
+        RolloutRequest(ids, mask), sampling)
     assert torch.equal(fused.input_ids, plain.input_ids)
     for row in range(ids.shape[0]):
         assert response_of(fused, row) == hf_greedy(model, ids[row], mask[row], 7)
@@ -50,7 +50,8 @@ def test_weights_changed_between_calls_are_followed():
             layer.self_attn.k_proj.weight.mul_(-3.0)
             layer.self_attn.v_proj.bias.add_(0.5)
     after = ro.generate(RolloutRequest(ids, mask), sampling)
-    fresh = Rollout(model, NO_EOS, RolloutConfig(kernels=KernelConfig(fuse_qkv=False))).generate(RolloutRequest(ids, mask), sampling)
+    fresh = Rollout(model, NO_EOS, RolloutConfig(kernels=KernelConfig(fuse_qkv=False))).generate(
+        RolloutRequest(ids, mask), sampling)
     assert torch.equal(after.input_ids, fresh.input_ids)
     assert not torch.equal(after.input_ids, before.input_ids)
     for row in range(ids.shape[0]):
@@ -63,8 +64,9 @@ def test_held_bytes_count_the_copy_and_keep_cache_false_drops_it():
     sampling = SamplingConfig(max_new_tokens=3, temperature=0.0)
     kept = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_gate_up=False)))
     kept.generate(RolloutRequest(ids, mask), sampling)
-    assert kept._fast_step.nbytes == _qkv_bytes(model)
-    unfused = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_qkv=False, fuse_gate_up=False)))
+    assert kept.runner.fast_step.nbytes == _qkv_bytes(model)
+    unfused = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(
+        fuse_qkv=False, fuse_gate_up=False)))
     unfused.generate(RolloutRequest(ids, mask), sampling)
     assert kept.held_bytes - unfused.held_bytes == _qkv_bytes(model)
     loose = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", keep_cache=False))
@@ -106,15 +108,16 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     step.compiled_step_fns.cache_clear()
     try:
         model = tiny_model("qwen2", seed=0)
-        ro = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(compile_mode="max-autotune-no-cudagraphs")))
-        parts = ro._fast_step.parts(torch.device("cuda"), mirrored=False)  # no CUDA needed to build them
+        ro = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(
+            compile_mode="max-autotune-no-cudagraphs")))
+        parts = ro.runner.fast_step.parts(torch.device("cuda"), mirrored=False)  # no CUDA needed to build them
         assert {mode for _, mode in seen} == {"max-autotune-no-cudagraphs"}
         assert parts.fns.attention_output_and_mlp is step.attention_output_and_mlp  # the recorder's output
         seen.clear()
-        FastStep(model, use_compile=True, mirror_weights=False).parts(torch.device("cuda"), mirrored=False)
+        FastStep(model, KernelConfig(), mirror_weights=False).parts(torch.device("cuda"), mirrored=False)
         assert seen and {mode for _, mode in seen} == {None}  # the default: torch's default mode
         seen.clear()
-        FastStep(model, use_compile=True, mirror_weights=False).parts(torch.device("cpu"), mirrored=False)
+        FastStep(model, KernelConfig(), mirror_weights=False).parts(torch.device("cpu"), mirrored=False)
         assert seen == []  # never compiled on the CPU
     finally:
         step.compiled_step_fns.cache_clear()
@@ -134,10 +137,10 @@ def test_step_pieces_follow_the_config(monkeypatch, attention, kv_write):
     try:
         ro = Rollout(tiny_model("qwen2", seed=0), TinyTokenizer(),
                      RolloutConfig(kernels=KernelConfig(decode_attention=attention, fused_kv_write=kv_write)))
-        cuda = ro._fast_step.parts(torch.device("cuda"), mirrored=False)  # no CUDA needed to build them
+        cuda = ro.runner.fast_step.parts(torch.device("cuda"), mirrored=False)  # no CUDA needed to build them
         assert cuda.fns.attention is (decode_attention.attention if attention == "triton" else step.decode_attention)
         assert cuda.fns.attention_inputs_qkv_write is (step.attention_inputs_qkv_write if kv_write else None)
-        cpu = ro._fast_step.parts(torch.device("cpu"), mirrored=False)
+        cpu = ro.runner.fast_step.parts(torch.device("cpu"), mirrored=False)
         assert cpu.fns.attention is step.decode_attention and cpu.fns.attention_inputs_qkv_write is None
     finally:
         step.compiled_step_fns.cache_clear()
@@ -150,7 +153,7 @@ def test_one_refresh_per_call():
     is the refresh)."""
     model = tiny_model("qwen2", seed=9)
     ro = Rollout(model, NO_EOS, RolloutConfig())
-    step, cpu = ro._fast_step, torch.device("cpu")
+    step, cpu = ro.runner.fast_step, torch.device("cpu")
     with step.one_call():
         first = step.parts(cpu, mirrored=False).weights.layers[0].qkv.clone()
         with torch.no_grad():

@@ -20,7 +20,8 @@ def ragged_eos(model, ids, mask, max_new: int = 40, samples: int = 3) -> list[in
     none at all. The free run has the tests' config (compile=False) and batch shape (``samples`` per
     prompt): up to the first compaction a call with these EOS ids computes exactly the same steps, so
     their tokens, and the compaction, follow (fp32 GEMMs of other shapes can round near-ties otherwise)."""
-    free = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=None), RolloutConfig(kernels=KernelConfig(compile=False))).generate(
+    free = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=None), RolloutConfig(kernels=KernelConfig(
+        compile=False))).generate(
         RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=max_new, temperature=0.0,
                                                   n_samples_per_prompt=samples))
     generated = free.input_ids[:, ids.shape[1]:].cpu()
@@ -67,10 +68,10 @@ def test_one_graph_launch_per_decode_step(setup, monkeypatch, route, slots):
     replays = _count_replays(monkeypatch)
     ro.generate(RolloutRequest(ids, mask), sampling)
     stats = ro.last_stats
-    assert stats.decode_path == "graph", stats.decode_fallback_reason
-    assert len(replays) == stats.decode_forwards == stats.graph_decode_steps > 0
+    assert stats.decode.path == "graph", stats.decode.fallback_reason
+    assert len(replays) == stats.decode.forwards == stats.decode.graph_steps > 0
     if route == "ordinary":
-        assert stats.compactions >= 1  # the batch shrank, and still one launch per step
+        assert stats.cache.compactions >= 1  # the batch shrank, and still one launch per step
 
 
 @cuda
@@ -110,9 +111,9 @@ def test_decode_host_syncs_are_the_eos_checks(setup, monkeypatch):
 
     base, base_waits, _ = syncs(1)
     total, total_waits, stats = syncs(40)
-    assert stats.compactions >= 1 and stats.host_syncs > 0
+    assert stats.cache.compactions >= 1 and stats.decode.host_syncs > 0
     assert total == base  # no stream sync for the decode steps
-    assert total_waits - base_waits == stats.host_syncs
+    assert total_waits - base_waits == stats.decode.host_syncs
 
 
 @cuda
@@ -124,8 +125,8 @@ def test_graph_decode_with_compaction_equals_eager_and_hf_fp32(setup, n):
                                     repetition_penalty=1.2, n_samples_per_prompt=n)):
         graph = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(compile=False)))
         got = graph.generate(RolloutRequest(ids, mask), sampling)
-        assert graph.last_stats.decode_path == "graph", graph.last_stats.decode_fallback_reason
-        assert graph.last_stats.decode_attention == "triton"  # the default: our kernel inside the graphs
+        assert graph.last_stats.decode.path == "graph", graph.last_stats.decode.fallback_reason
+        assert graph.last_stats.decode.attention == "triton"  # the default: our kernel inside the graphs
         eager = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(cuda_graphs=False, compile=False)))
         hf = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(fast_decode=False)))
         assert torch.equal(got.input_ids, eager.generate(RolloutRequest(ids, mask), sampling).input_ids)
@@ -143,11 +144,13 @@ def test_continuous_eos_check_interval_on_graphs(setup):
                                     continuous_batch_size=24)):
         outs = {}
         for interval in (1, 4):
-            ro = Rollout(model, tok, RolloutConfig(route="continuous", kernels=KernelConfig(compile=False), routing=RoutingConfig(eos_check_interval=interval)))
+            ro = Rollout(model, tok, RolloutConfig(
+                route="continuous", kernels=KernelConfig(compile=False), routing=RoutingConfig(
+                    eos_check_interval=interval)))
             outs[interval] = ro.generate(RolloutRequest(ids, mask), sampling)
             stats = ro.last_stats
-            assert stats.decode_path == "graph", stats.decode_fallback_reason
-            assert stats.host_syncs == stats.steps // interval
+            assert stats.decode.path == "graph", stats.decode.fallback_reason
+            assert stats.decode.host_syncs == stats.decode.steps // interval
         width = min(outs[1].input_ids.shape[1], outs[4].input_ids.shape[1])
         for row in range(outs[1].input_ids.shape[0]):
             a, b = outs[1], outs[4]
@@ -170,7 +173,7 @@ def _same_tokens_for_each(setup, route, slots, field, values, check=None, **fixe
             settings = {f"kernels.{name}": fixed_value for name, fixed_value in fixed.items()}
             ro = Rollout(model, tok, RolloutConfig(route=route).with_settings({**settings, f"kernels.{field}": value}))
             outs.append(ro.generate(RolloutRequest(ids, mask), sampling).input_ids)
-            assert ro.last_stats.decode_path == "graph", ro.last_stats.decode_fallback_reason
+            assert ro.last_stats.decode.path == "graph", ro.last_stats.decode.fallback_reason
             if check is not None:
                 check(ro, value)
         assert all(torch.equal(out, outs[0]) for out in outs[1:])
@@ -185,7 +188,7 @@ def test_triton_and_sdpa_attention_give_the_same_tokens_fp32(setup, route, slots
     """Both decode attentions, captured in graphs, give the same greedy and seeded-sampled tokens in fp32 on
     both routes (compaction and refills included); each call reports the attention it ran."""
     def reports(ro, attention):
-        assert ro.last_stats.decode_attention == attention
+        assert ro.last_stats.decode.attention == attention
     _same_tokens_for_each(setup, route, slots, "decode_attention", ("triton", "sdpa"), reports, compile=False)
 
 

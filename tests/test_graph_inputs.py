@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rollout.engine as engine_module
+import rollout.executors.runner as runner_module
 import rollout.executors.ordinary.executor as executor_module
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
 from rollout.executors.decode import DecodeChoice
@@ -25,15 +25,15 @@ from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 def graph_path_on_cpu(monkeypatch):
     """The graph decode path on the CPU: ``replay`` runs the step (no capture) and reports a graph step;
     every ``decode_step`` call's EOS tensor is recorded."""
-    monkeypatch.setattr(engine_module, "choose_decode",
+    monkeypatch.setattr(runner_module, "choose_decode",
                         lambda config, model, is_zero3, device: DecodeChoice("graph", None, "packed"))
     monkeypatch.setattr(GraphSet, "replay", lambda self, key, work, mutable: (work(), GRAPH)[1])
     seen = []
     real = executor_module.decode_step
 
-    def recording(parts, cache, bufs, shape, sampler, eos_ids, *args):
+    def recording(parts, cache, bufs, shape, sampler, eos_ids, **kwargs):
         seen.append(eos_ids)
-        return real(parts, cache, bufs, shape, sampler, eos_ids, *args)
+        return real(parts, cache, bufs, shape, sampler, eos_ids, **kwargs)
 
     monkeypatch.setattr(executor_module, "decode_step", recording)
     return seen
@@ -45,11 +45,11 @@ def test_every_call_reads_the_eos_tensor_its_graphs_were_captured_with(graph_pat
     ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=[5, 7]), RolloutConfig(route="ordinary"))
     sampling = SamplingConfig(max_new_tokens=5, temperature=0.0)
     first = ro.generate(RolloutRequest(ids, mask), sampling)
-    assert ro.last_stats.decode_path == "graph"
+    assert ro.last_stats.decode.path == "graph"
     calls_first = len(graph_path_on_cpu)
     second = ro.generate(RolloutRequest(ids, mask), sampling)
     assert torch.equal(first.input_ids, second.input_ids)
-    kept = ro._ordinary.eos_tensors[(5, 7)]
+    kept = ro.runner.executors["ordinary"].eos_tensors[(5, 7)]
     assert calls_first > 0 and len(graph_path_on_cpu) > calls_first
     assert all(t is kept for t in graph_path_on_cpu)  # the same object, hence the same address, every call
     assert kept.tolist() == [5, 7]
@@ -63,7 +63,7 @@ def test_another_eos_set_gets_its_own_tensor_and_release_drops_them(graph_path_o
     a.generate(RolloutRequest(ids, mask), sampling)
     a.eos_token_ids = (9,)  # as a tokenizer with another EOS set would give
     a.generate(RolloutRequest(ids, mask), sampling)
-    assert set(a._ordinary.eos_tensors) == {(5,), (9,)}
-    assert a._ordinary.eos_tensors[(9,)].tolist() == [9]
+    assert set(a.runner.executors["ordinary"].eos_tensors) == {(5,), (9,)}
+    assert a.runner.executors["ordinary"].eos_tensors[(9,)].tolist() == [9]
     a.shutdown()
-    assert a._ordinary.eos_tensors == {}
+    assert a.runner.executors["ordinary"].eos_tensors == {}

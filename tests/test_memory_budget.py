@@ -78,7 +78,7 @@ def test_auto_under_a_cap_runs_continuous_batching_with_the_slots_that_fit(model
     ro = Rollout(model, NO_EOS, RolloutConfig(route="auto", max_cache_gib=cap_gib))
     got = ro.generate(RolloutRequest(ids, mask), sampling)
     stats = ro.last_stats
-    assert stats.route == "continuous" and stats.cache_bytes <= cap_gib * GIB and stats.capacity == 64
+    assert stats.route == "continuous" and stats.cache.nbytes <= cap_gib * GIB and stats.cache.capacity == 64
     for row in range(0, 16, 3):
         assert response_of(got, row) == hf_greedy(model, ids[row // 2], mask[row // 2], 8), f"row {row}"
 
@@ -105,6 +105,7 @@ def test_continuous_without_graphs_is_budgeted_as_it_allocates(model):
     capacity, and the budget counts the same shape: 3 slots of 64 columns fit a 3-slot cap exactly."""
     ids, mask = random_prompts(6, 8, seed=2)
     cap_gib = 3 * 64 * COLUMN / GIB
-    ro = Rollout(model, NO_EOS, RolloutConfig(route="continuous", max_cache_gib=cap_gib, kernels=KernelConfig(cuda_graphs=False)))
+    ro = Rollout(model, NO_EOS, RolloutConfig(route="continuous", max_cache_gib=cap_gib, kernels=KernelConfig(
+        cuda_graphs=False)))
     ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=8, temperature=0.0))
-    assert (ro.last_stats.num_slots, ro.last_stats.capacity) == (3, 64)
+    assert (ro.last_stats.cache.num_slots, ro.last_stats.cache.capacity) == (3, 64)

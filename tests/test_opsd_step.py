@@ -9,6 +9,7 @@ models (no ``logits_to_keep``, no cache, one chunk), with position ids counted i
 import copy
 import dataclasses
 import gzip
+import importlib.util
 import json
 import math
 import os
@@ -302,20 +303,92 @@ def step_lines(stdout):
 
 
 def test_script_runs_zero3_lora_self_distillation_without_profiling(tmp_path):
+    report = tmp_path / "run.json"
     out = run_script("--steps", "2", "--zero-stage", "3", "--lora", "4", "--teacher", "self", "--teacher-top-k", "8",
                      "--logit-cache", "host", "--batch-size", "1", "--max-new-tokens", "6",
-                     env={"OPSD_PROFILE": "0", "OPSD_PROFILE_DIR": str(tmp_path / "traces")})
+                     "--rollout", "kernels.cuda_graphs=False", "--rollout", "routing.eos_check_interval=2",
+                     "--json-out", str(report), env={"OPSD_PROFILE": "0", "OPSD_PROFILE_DIR": str(tmp_path / "traces")})
     lines = step_lines(out)
     assert [line.split()[:3] for line in lines] == [["[1/2]", "step", "0"], ["[2/2]", "step", "1"]]
     assert all(math.isfinite(float(line.split()[4])) for line in lines)
     assert "ZeRO-3" in out and "LoRA r=4" in out and "teacher self" in out and "done: 2 steps" in out
     assert "per-stage" not in out and not (tmp_path / "traces").exists()
+    doc = json.loads(report.read_text())  # the settings the step's rollout ran with, every one by its dotted name
+    assert doc["rollout"]["kernels.cuda_graphs"] is False and doc["rollout"]["routing.eos_check_interval"] == 2
+    assert doc["rollout"]["kernels.compile"] is True and doc["zero_stage"] == 3 and doc["job"]["lora"] == 4
 
 
 def test_script_rejects_a_bad_flag_naming_the_field():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--logit-cache", "gpu"], capture_output=True, text=True,
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert proc.returncode == 2 and "logit_cache_location" in proc.stderr
+
+
+# ---- the main job's flags, in-process ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def train_opsd():
+    """``scripts/train_opsd.py`` as a module: its ``main`` and ``build_step`` in this process."""
+    spec = importlib.util.spec_from_file_location("_train_opsd_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rollout_flags_reach_the_rollout_config_the_step_uses(train_opsd, monkeypatch):
+    job, opsd_config = train_opsd.parse_args(["--rollout", "kernels.cuda_graphs=False", "--route", "auto",
+                                              "--keep-cache", "0", "--rollout", "routing.eos_check_interval=2"])
+    # a plain student module with an SGD optimizer instead of a DeepSpeed engine (no process group here)
+    monkeypatch.setattr(train_opsd, "make_student_engine", lambda model, config, **kwargs: model)
+    monkeypatch.setattr(train_opsd, "OPSDStep", lambda student, *args, **kwargs: OPSDStep(
+        student, *args, optimizer=torch.optim.SGD(student.parameters(), lr=0.1), **kwargs))
+    step = train_opsd.build_step(job, opsd_config, torch.device("cpu"))
+    config = step.rollout.config
+    assert config is job.rollout
+    assert config.kernels.cuda_graphs is False and config.routing.eos_check_interval == 2
+    assert (config.route, config.keep_cache, config.kernels.compile) == ("auto", False, True)  # the rest: defaults
+
+
+def no_model(*args, **kwargs):
+    raise AssertionError("a model was built (or the process group started) before the flags were checked")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--rollout", "kernels.cuda_graph=False"], ["argument --rollout", "'kernels.cuda_graph'",
+                                                 "did you mean kernels.cuda_graphs?"]),
+    (["--rollout", "kernels.nonsense=1"], ["the settings:", "routing.eos_check_interval", "sampler.fused"]),
+    (["--rollout", "compile=False"], ["did you mean kernels.compile?"]),  # an old flat name: its new place
+    (["--rollout", "route=auto"], ["route: has a flag of its own, --route"]),
+    (["--rollout", "kernels.cuda_graphs"], ["expected SETTING=VALUE"]),
+    (["--rollout", "kernels.cuda_graphs=maybe"], ["kernels.cuda_graphs: 'maybe' is not a Python literal"]),
+    (["--rollout", "kernels.cuda_graphs=1"], ["kernels.cuda_graphs: must be a bool; got 1"]),
+    (["--rollout", "kernels.prefill_graph_tokens=-1"], ["kernels.prefill_graph_tokens:", "0: off"]),
+    (["--rollout", "kernels.decode_attention='flash'"], ["kernels.decode_attention:", "'triton'"]),
+    (["--keep-cache", "2"], ["keep_cache: must be 0 or 1; got 2"]),
+    (["--max-cache-gib", "0"], ["max_cache_gib:", "> 0"]),
+])
+def test_a_bad_rollout_setting_fails_before_any_model_is_built(train_opsd, monkeypatch, capsys, argv, words):
+    monkeypatch.setattr(train_opsd, "load_model", no_model)
+    monkeypatch.setattr(train_opsd, "init_distributed", no_model)
+    with pytest.raises(SystemExit) as exc:
+        train_opsd.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert all(word in err for word in words), err
+
+
+@pytest.mark.parametrize("argv, spelling", [
+    (["--compile", "0"], "--compile: moved; use --rollout kernels.compile=False"),
+    (["--cuda-graphs=1"], "--cuda-graphs: moved; use --rollout kernels.cuda_graphs=True"),
+    (["--prefill-graph-tokens", "8192"],
+     "--prefill-graph-tokens: moved; use --rollout kernels.prefill_graph_tokens=8192"),
+    (["--steps", "2", "--compile"], "--compile: moved; use --rollout kernels.compile=VALUE"),
+])
+def test_an_old_kernel_flag_names_its_new_spelling(train_opsd, monkeypatch, capsys, argv, spelling):
+    monkeypatch.setattr(train_opsd, "load_model", no_model)
+    monkeypatch.setattr(train_opsd, "init_distributed", no_model)
+    with pytest.raises(SystemExit) as exc:
+        train_opsd.main(argv)
+    assert exc.value.code == 2 and spelling in capsys.readouterr().err
 
 
 def save_tiny(path: Path, arch: str, seed: int, with_tokenizer: bool) -> str:

@@ -57,8 +57,8 @@ def test_compaction_keeps_every_token(model, prompts, frequent_eos, sampling):
     assert len(set(_lengths(got, 9))) > 3  # the rows really end at different steps
     stats = fast.last_stats
     if sampling.is_greedy:  # greedy rows end early enough to shrink the 64-row bucket
-        assert stats.compactions >= 1 and stats.row_moves > 0 and stats.bytes_moved > 0
-        assert stats.decode_rows < hf.last_stats.decode_rows  # finished rows stopped costing
+        assert stats.cache.compactions >= 1 and stats.cache.row_moves > 0 and stats.cache.bytes_moved > 0
+        assert stats.decode.rows < hf.last_stats.decode.rows  # finished rows stopped costing
         for row in range(0, 60, 7):
             expected = hf_greedy(model, prompts[0][row // 3], prompts[1][row // 3], 30, eos=frequent_eos)
             assert response_of(got, row) == expected[:len(response_of(got, row))], f"row {row}"
@@ -71,8 +71,8 @@ def test_compaction_checks_once_per_eos_check_interval(model, prompts, frequent_
     sparse = Rollout(model, tok, RolloutConfig(routing=RoutingConfig(eos_check_interval=4)))
     assert torch.equal(every.generate(RolloutRequest(*prompts), sampling).input_ids,
                        sparse.generate(RolloutRequest(*prompts), sampling).input_ids)
-    assert sparse.last_stats.host_syncs < every.last_stats.host_syncs
-    assert sparse.last_stats.host_syncs <= -(-every.last_stats.num_steps // 4)
+    assert sparse.last_stats.decode.host_syncs < every.last_stats.decode.host_syncs
+    assert sparse.last_stats.decode.host_syncs <= -(-every.last_stats.decode.num_steps // 4)
 
 
 def test_samples_share_one_prefill_per_prompt(model, prompts):
@@ -82,7 +82,7 @@ def test_samples_share_one_prefill_per_prompt(model, prompts):
     many = Rollout(model, NO_EOS)
     got = many.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6, temperature=0.0,
                                                                   n_samples_per_prompt=4))
-    assert many.last_stats.prefill_rows == 20 and got.batch_size == 80
+    assert many.last_stats.prefill.rows == 20 and got.batch_size == 80
     one = Rollout(model, NO_EOS).generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6,
                                                                                     temperature=0.0))
     assert torch.equal(got.input_ids, one.input_ids.repeat_interleave(4, dim=0))
@@ -98,9 +98,10 @@ def test_shared_prefill_with_planned_buckets(model, fast_prefill):
     costs = CostModel.from_model(model, prefill_fixed_cost_ms=0.0, prefill_group_cost_ms=0.0,
                                  prefill_attention_cost_ms=10.0)
     sampling = SamplingConfig(max_new_tokens=5, temperature=0.0, n_samples_per_prompt=2)
-    auto = Rollout(model, NO_EOS, RolloutConfig(route="auto", routing=RoutingConfig(cost_model=costs), kernels=KernelConfig(fast_prefill=fast_prefill)))
+    auto = Rollout(model, NO_EOS, RolloutConfig(
+        route="auto", routing=RoutingConfig(cost_model=costs), kernels=KernelConfig(fast_prefill=fast_prefill)))
     got = auto.generate(RolloutRequest(ids, mask), sampling)
-    assert auto.last_stats.prefill_buckets >= 2 and auto.last_stats.prefill_rows == 6
+    assert auto.last_stats.prefill.buckets >= 2 and auto.last_stats.prefill.rows == 6
     for row in range(12):
         assert response_of(got, row) == hf_greedy(model, ids[row // 2], mask[row // 2], 5), f"row {row}"
 
@@ -147,16 +148,18 @@ def test_late_eos_count_cuts_the_overrun_steps(model, prompts, interval, late):
     overruns = []
     for max_new in range(2, 9):
         sampling = SamplingConfig(max_new_tokens=max_new, temperature=0.0)
-        fast = Rollout(model, tok, RolloutConfig(routing=RoutingConfig(eos_check_interval=interval, late_eos_count=late)))
+        fast = Rollout(model, tok, RolloutConfig(routing=RoutingConfig(
+            eos_check_interval=interval, late_eos_count=late)))
         got = fast.generate(RolloutRequest(*prompts), sampling)
-        want = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(fast_decode=False), routing=RoutingConfig(eos_check_interval=interval))).generate(
+        want = Rollout(model, tok, RolloutConfig(kernels=KernelConfig(fast_decode=False), routing=RoutingConfig(
+            eos_check_interval=interval))).generate(
             RolloutRequest(*prompts), sampling)
-        assert fast.last_stats.decode_path == "fast_eager"
+        assert fast.last_stats.decode.path == "fast_eager"
         assert torch.equal(got.input_ids, want.input_ids), (interval, max_new)
         assert torch.equal(got.attention_mask, want.attention_mask), (interval, max_new)
         stats = fast.last_stats
-        assert stats.decode_forwards == stats.num_steps - 1 + stats.eos_overrun_steps
-        overruns.append(stats.eos_overrun_steps)
+        assert stats.decode.forwards == stats.decode.num_steps - 1 + stats.decode.eos_overrun_steps
+        overruns.append(stats.decode.eos_overrun_steps)
     assert max(overruns) >= 1 if late else max(overruns) == 0  # late: some call ran past the end and cut it
     assert _lengths(got, 9) and max(_lengths(got, 9)) <= 4  # precondition: every row ended within 4 tokens
 

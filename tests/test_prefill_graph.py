@@ -21,6 +21,9 @@ from rollout.plan.layout import RowSpans
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 from tests.conftest import hf_greedy, response_of
 
+#: The step's kernels with CUDA graphs off (the eager parts the CPU tests read).
+EAGER_GRAPHS = KernelConfig(cuda_graphs=False)
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -86,7 +89,7 @@ def test_padded_pass_writes_the_cache_and_logits_of_the_eager_prefill(family, mo
     model = tiny_model(family, seed=3)
     ids, mask = random_prompts(5, 13, min_len=1, seed=4)
     ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))
-    parts = ro._fast_step.parts(torch.device("cpu"), mirrored=False)
+    parts = ro.runner.fast_step.parts(torch.device("cpu"), mirrored=False)
     keys, values = _cache(model, 5, 20, seed=1)
     want_keys, want_values = keys.clone(), values.clone()
     want = prefill_logits(parts, want_keys, want_values, ids, mask)  # the CPU's eager prefill (SDPA per group)
@@ -111,7 +114,7 @@ def test_shared_buffers_grow_and_drop_the_graphs_that_read_them(emulated_varlen,
     replaces them and drops the graphs captured over the old ones (their inputs with them); smaller passes
     reuse them. Each pass still equals the eager prefill."""
     model = tiny_model("qwen2", seed=3)
-    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))._fast_step.parts(
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=EAGER_GRAPHS)).runner.fast_step.parts(
         torch.device("cpu"), mirrored=False)
     graphs = pg.PrefillGraphs(2048, use_graphs=False)
     dropped = []
@@ -131,7 +134,7 @@ def test_shared_buffers_grow_and_drop_the_graphs_that_read_them(emulated_varlen,
 def test_passes_over_the_limit_run_eagerly(emulated_varlen):
     model = tiny_model("qwen2", seed=3)
     ids, mask = random_prompts(3, 9, min_len=9, seed=4)  # 27 real tokens
-    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))._fast_step.parts(
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=EAGER_GRAPHS)).runner.fast_step.parts(
         torch.device("cpu"), mirrored=False)
     graphs = pg.PrefillGraphs(26, use_graphs=False)
     prefill_logits(parts, *_cache(model, 3, 12, seed=1), ids, mask, graphs=graphs)
@@ -141,7 +144,7 @@ def test_passes_over_the_limit_run_eagerly(emulated_varlen):
 def test_a_failing_pass_warns_once_and_the_eager_prefill_runs(emulated_varlen, monkeypatch):
     model = tiny_model("qwen2", seed=3)
     ids, mask = random_prompts(3, 9, min_len=2, seed=4)
-    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))._fast_step.parts(
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=EAGER_GRAPHS)).runner.fast_step.parts(
         torch.device("cpu"), mirrored=False)
     want = prefill_logits(parts, *_cache(model, 3, 12, seed=1), ids, mask)
     graphs = pg.PrefillGraphs(1024, use_graphs=False)
@@ -165,7 +168,7 @@ def test_a_failed_capture_keeps_this_pass_and_leaves_later_ones_to_the_eager_pre
     a warning says why, and the next passes run the eager prefill."""
     model = tiny_model("qwen2", seed=3)
     ids, mask = random_prompts(3, 9, min_len=2, seed=4)
-    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))._fast_step.parts(
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=EAGER_GRAPHS)).runner.fast_step.parts(
         torch.device("cpu"), mirrored=False)
     want = prefill_logits(parts, *_cache(model, 3, 12, seed=1), ids, mask)
     graphs = pg.PrefillGraphs(1024)
@@ -194,13 +197,13 @@ def test_routes_through_the_padded_pass_equal_hf_generate(emulated_varlen, route
     ids, mask = random_prompts(5, 10, min_len=2, seed=12)
     ro = Rollout(model, TinyTokenizer(eos_token_id=None),
                  RolloutConfig(route=route, kernels=KernelConfig(cuda_graphs=False, prefill_graph_tokens=512)))
-    ro._prefill_graphs.use_graphs = False  # the CPU runs the padded pass eagerly
+    ro.runner.prefill_graphs.use_graphs = False  # the CPU runs the padded pass eagerly
     sampling = SamplingConfig(max_new_tokens=5, temperature=0.0,
                               **({} if slots is None else {"continuous_batch_size": slots}))
     out = ro.generate(RolloutRequest(ids, mask), sampling)
     stats = ro.last_stats
-    assert stats.prefill_path == "varlen" and stats.route == route
-    assert stats.prefill_graph_passes == stats.prefill_forwards >= (1 if slots is None else 2)
+    assert stats.prefill.path == "varlen" and stats.route == route
+    assert stats.prefill.graph_passes == stats.prefill.forwards >= (1 if slots is None else 2)
     for row in range(5):
         assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 5)
 
@@ -208,18 +211,19 @@ def test_routes_through_the_padded_pass_equal_hf_generate(emulated_varlen, route
 def test_on_by_default_off_at_zero_and_released_without_keep_cache(emulated_varlen):
     model = tiny_model("qwen2", seed=11)
     ids, mask = random_prompts(2, 6, min_len=2, seed=12)
-    assert Rollout(model, TinyTokenizer(), RolloutConfig())._prefill_graphs.max_tokens == 2048
-    assert Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(prefill_graph_tokens=0)))._prefill_graphs is None
+    assert Rollout(model, TinyTokenizer(), RolloutConfig()).runner.prefill_graphs.max_tokens == 2048
+    off = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(prefill_graph_tokens=0)))
+    assert off.runner.prefill_graphs is None
     ro = Rollout(model, TinyTokenizer(eos_token_id=None),
                  RolloutConfig(keep_cache=False, kernels=KernelConfig(cuda_graphs=False, prefill_graph_tokens=512)))
-    ro._prefill_graphs.use_graphs = False
+    ro.runner.prefill_graphs.use_graphs = False
     ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=2, temperature=0.0))
-    assert ro.last_stats.prefill_graph_passes == 1 and ro._prefill_graphs.nbytes == 0
+    assert ro.last_stats.prefill.graph_passes == 1 and ro.runner.prefill_graphs.nbytes == 0
     kept = Rollout(model, TinyTokenizer(eos_token_id=None),
                    RolloutConfig(kernels=KernelConfig(cuda_graphs=False, prefill_graph_tokens=512)))
-    kept._prefill_graphs.use_graphs = False
+    kept.runner.prefill_graphs.use_graphs = False
     kept.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=2, temperature=0.0))
-    assert kept._prefill_graphs.nbytes > 0 and kept.held_bytes >= kept._prefill_graphs.nbytes
+    assert kept.runner.prefill_graphs.nbytes > 0 and kept.held_bytes >= kept.runner.prefill_graphs.nbytes
 
 
 def test_staging_bytes_the_budget_counts(emulated_varlen):
@@ -230,7 +234,7 @@ def test_staging_bytes_the_budget_counts(emulated_varlen):
     dim = cfg.hidden_size // cfg.num_attention_heads
     graphs = pg.PrefillGraphs(300, use_graphs=False)  # rounds up to 512
     assert graphs.new_bytes(model) == 2 * cfg.num_hidden_layers * 512 * cfg.num_key_value_heads * dim * 4
-    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))._fast_step.parts(
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=EAGER_GRAPHS)).runner.fast_step.parts(
         torch.device("cpu"), mirrored=False)
     ids, mask = random_prompts(2, 150, min_len=150, seed=4)  # 300 real tokens: the 512 bucket
     prefill_logits(parts, *_cache(model, 2, 160, seed=1), ids, mask, graphs=graphs)
@@ -241,7 +245,7 @@ def test_cpu_graphs_are_never_used_as_is():
     """A ``PrefillGraphs`` meant for graphs returns None on the CPU (the eager prefill runs)."""
     model = tiny_model("qwen2", seed=3)
     ids, mask = random_prompts(2, 5, min_len=2, seed=4)
-    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(cuda_graphs=False)))._fast_step.parts(
+    parts = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=EAGER_GRAPHS)).runner.fast_step.parts(
         torch.device("cpu"), mirrored=False)
     graphs = pg.PrefillGraphs(512)
     packed = prefill._pack(ids, mask, RowSpans((5, 3), (0, 2)))
@@ -255,7 +259,7 @@ def test_captured_pass_replays_and_stays_close_to_the_eager_one_bf16():
     if prefill.varlen_attention(torch.device("cuda"), torch.bfloat16) is None:
         pytest.skip("no variable-length attention in this torch")
     ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig())
-    parts = ro._fast_step.parts(torch.device("cuda"), mirrored=True)
+    parts = ro.runner.fast_step.parts(torch.device("cuda"), mirrored=True)
     graphs = pg.PrefillGraphs(4096)
     for seed in (4, 5, 6):  # three passes of one bucket: one capture
         ids, mask = random_prompts(6, 40, min_len=3, seed=seed, device="cuda")
@@ -279,9 +283,10 @@ def test_routes_replay_captured_prefills_bf16(route, slots):
     ids, mask = random_prompts(5, 10, min_len=2, seed=12, device="cuda")
     sampling = SamplingConfig(max_new_tokens=5, temperature=0.0,
                               **({} if slots is None else {"continuous_batch_size": slots}))
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route=route, kernels=KernelConfig(prefill_graph_tokens=512)))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route=route, kernels=KernelConfig(
+        prefill_graph_tokens=512)))
     for _ in range(2):
         ro.generate(RolloutRequest(ids, mask), sampling)
         stats = ro.last_stats
-        assert stats.prefill_graph_passes == stats.prefill_forwards >= 1 and stats.decode_path == "graph"
-    assert ro._prefill_graphs.failure is None and ro._prefill_graphs.graphs.fallback_reason is None
+        assert stats.prefill.graph_passes == stats.prefill.forwards >= 1 and stats.decode.path == "graph"
+    assert ro.runner.prefill_graphs.failure is None and ro.runner.prefill_graphs.graphs.fallback_reason is None

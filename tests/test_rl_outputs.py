@@ -49,7 +49,8 @@ def test_logprobs_equal_a_direct_computation_on_every_route(model, prompts, samp
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=None)
     first = None
     for route, config in ROUTES:
-        batch = Rollout(model, tok, RolloutConfig(route=route).with_settings(config)).generate(RolloutRequest(*prompts), sampling)
+        batch = Rollout(model, tok, RolloutConfig(route=route).with_settings(config)).generate(
+            RolloutRequest(*prompts), sampling)
         assert batch.logprobs.shape == (batch.batch_size, batch.seq_len - 8) and batch.logprobs.dtype == torch.float32
         first = first or batch
         assert torch.equal(batch.input_ids, first.input_ids)
@@ -67,7 +68,8 @@ def test_finish_reasons_say_eos_or_budget(model, prompts):
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
     sampling = SamplingConfig(max_new_tokens=12, temperature=0.0, return_finish_reasons=True)
     for route, config in ROUTES:
-        batch = Rollout(model, tok, RolloutConfig(route=route).with_settings(config)).generate(RolloutRequest(*prompts), sampling)
+        batch = Rollout(model, tok, RolloutConfig(route=route).with_settings(config)).generate(
+            RolloutRequest(*prompts), sampling)
         lengths = batch.attention_mask[:, 8:].sum(1)
         ended = (batch.input_ids[:, 8:] == eos).any(1)
         expected = torch.where(ended, FINISH_EOS, FINISH_BUDGET).to(torch.int8)

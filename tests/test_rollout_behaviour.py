@@ -101,15 +101,15 @@ def test_cache_is_reused_when_kept_and_released_otherwise(qwen):
         a = ro.generate(RolloutRequest(ids, mask), cfg)
         b = ro.generate(RolloutRequest(ids[:2], mask[:2]), cfg)  # smaller: fits in the kept cache
         outs.append((a, b))
-    assert kept._pool.num_allocations == 1 and kept._pool.nbytes > 0
-    assert dropped._pool.num_allocations == 2 and dropped._pool.nbytes == 0
+    assert kept.runner.pool.num_allocations == 1 and kept.runner.pool.nbytes > 0
+    assert dropped.runner.pool.num_allocations == 2 and dropped.runner.pool.nbytes == 0
     # nothing outlives a call without keep_cache: no cache, no decode buffers
-    assert dropped.held_bytes == 0 and kept.held_bytes >= kept._pool.nbytes
+    assert dropped.held_bytes == 0 and kept.held_bytes >= kept.runner.pool.nbytes
     assert torch.equal(outs[0][0].input_ids, outs[1][0].input_ids)
     assert torch.equal(outs[0][1].input_ids, outs[1][1].input_ids)
     assert torch.equal(outs[0][1].input_ids, outs[0][0].input_ids[:2])
     kept.shutdown()
-    assert kept._pool.nbytes == 0
+    assert kept.runner.pool.nbytes == 0
 
 
 def _live_storage_ptrs() -> set[int]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, KernelConfig
-from rollout.model.step import _rotate, rotary
+from rollout import KernelConfig, Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout.model.pieces import _rotate, rotary
 from rollout.ops import rotary_write as rw
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 from tests.test_decode_attention import device  # noqa: F401 - the fixture
@@ -42,7 +42,8 @@ def _eager(qkv, cos, sin, heads, kv_heads, dim):
 def test_kernel_equals_the_step_arithmetic(device, heads, kv_heads, dim, dtype):
     qkv, cos, sin, key_layer, value_layer, cols = _inputs(3, heads, kv_heads, dim, dtype, device, seed=heads + dim)
     keys_before, values_before = key_layer.clone(), value_layer.clone()
-    q = rw.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, heads, kv_heads, dim, interpret=True)
+    q = rw.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, heads=heads, kv_heads=kv_heads, head_dim=dim,
+                        interpret=True)
     eq, ek, ev = _eager(qkv, cos, sin, heads, kv_heads, dim)
     tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     if dtype == torch.float32:
@@ -57,7 +58,7 @@ def test_kernel_equals_the_step_arithmetic(device, heads, kv_heads, dim, dtype):
     assert torch.equal(value_layer[:, :, others], values_before[:, :, others])
     # the PyTorch path (the fallback) computes the same
     key2, value2 = keys_before.clone(), values_before.clone()
-    q2 = rw.rotary_write_reference(qkv, cos, sin, key2, value2, cols, heads, kv_heads, dim)
+    q2 = rw.rotary_write_reference(qkv, cos, sin, key2, value2, cols, heads=heads, kv_heads=kv_heads, head_dim=dim)
     torch.testing.assert_close(q2.float(), q.float(), **tol)
     torch.testing.assert_close(key2.float(), key_layer.float(), **tol)
     assert torch.equal(value2, value_layer)
@@ -66,7 +67,7 @@ def test_kernel_equals_the_step_arithmetic(device, heads, kv_heads, dim, dtype):
 def test_unsupported_inputs_take_the_pytorch_path(device):
     qkv, cos, sin, key_layer, value_layer, cols = _inputs(2, 4, 2, 24, torch.float32, device)
     assert "power of two" in rw.unsupported_reason(qkv, key_layer, value_layer, 24, interpret=True)
-    q = rw.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, 4, 2, 24, interpret=True)
+    q = rw.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, heads=4, kv_heads=2, head_dim=24, interpret=True)
     eq, ek, _ = _eager(qkv, cos, sin, 4, 2, 24)
     torch.testing.assert_close(q, eq, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(key_layer[:, :, 5:6], ek, rtol=1e-6, atol=1e-6)
@@ -83,7 +84,8 @@ def test_a_failing_kernel_warns_once_and_falls_back(device, monkeypatch):
     monkeypatch.setattr(rw, "_launch", broken)
     monkeypatch.setattr(rw, "_FAILED", {})
     with pytest.warns(RuntimeWarning, match="no kernel for you"):
-        q = rw.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, 4, 2, 16, interpret=True)
+        q = rw.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, heads=4, kv_heads=2, head_dim=16,
+                            interpret=True)
     torch.testing.assert_close(q, _eager(qkv, cos, sin, 4, 2, 16)[0], rtol=1e-6, atol=1e-6)
     assert rw.failure(qkv.device) is not None
     assert "no kernel for you" in rw.unsupported_reason(qkv, key_layer, value_layer, 16, interpret=True)
@@ -97,7 +99,8 @@ def test_step_with_the_kernel_equals_hf_generate(device, family):
     model = tiny_model(family, seed=5).to(device)
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
     ids, mask = ids.to(device), mask.to(device)
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False)))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(
+        cuda_graphs=False)))
     calls = []
 
     def counted(*args, **kwargs):
@@ -106,7 +109,7 @@ def test_step_with_the_kernel_equals_hf_generate(device, family):
 
     with_step_pieces(ro, rotary_write=counted)
     out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6, temperature=0.0))
-    assert ro.last_stats.decode_path == "fast_eager"
+    assert ro.last_stats.decode.path == "fast_eager"
     assert len(calls) == 5 * model.config.num_hidden_layers  # 5 decode steps after the prefill's token
     for row in range(3):
         assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], 6)
@@ -123,10 +126,11 @@ def test_config_decides_the_piece(monkeypatch, setting):
     try:
         model = tiny_model("qwen2", seed=0)
         ro = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(rotary_kernel=setting)))
-        cuda = ro._fast_step.parts(torch.device("cuda"), mirrored=False)
+        cuda = ro.runner.fast_step.parts(torch.device("cuda"), mirrored=False)
         assert cuda.fns.rotary_write is (rw.rotary_write if setting else None)
-        assert ro._fast_step.parts(torch.device("cpu"), mirrored=False).fns.rotary_write is None
-        unfused = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(rotary_kernel=setting, fuse_qkv=False)))
-        assert unfused._fast_step.parts(torch.device("cuda"), mirrored=False).fns.rotary_write is None
+        assert ro.runner.fast_step.parts(torch.device("cpu"), mirrored=False).fns.rotary_write is None
+        unfused = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(
+            rotary_kernel=setting, fuse_qkv=False)))
+        assert unfused.runner.fast_step.parts(torch.device("cuda"), mirrored=False).fns.rotary_write is None
     finally:
         step.compiled_step_fns.cache_clear()

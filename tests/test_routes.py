@@ -47,7 +47,9 @@ def test_greedy_tokens_equal_hf_per_request_on_every_route(model, route, slots, 
     ids, mask = _skewed([30, 3, 4, 2, 17, 5, 3], seed=1)
     eos = _eos_for(model, ids, mask)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
-    cfg = RolloutConfig(route=route, routing=RoutingConfig(cost_model=CostModel.from_model(model, **CHEAP_FIXED)), kernels=KernelConfig(fast_prefill=fast_prefill))
+    cfg = RolloutConfig(
+        route=route, routing=RoutingConfig(cost_model=CostModel.from_model(model, **CHEAP_FIXED)),
+        kernels=KernelConfig(fast_prefill=fast_prefill))
     ro = Rollout(model, tok, cfg)
     batch = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=10, temperature=0.0,
                                                                   continuous_batch_size=slots))
@@ -57,21 +59,21 @@ def test_greedy_tokens_equal_hf_per_request_on_every_route(model, route, slots, 
         assert response_of(batch, row) == expected[:cut], f"row {row}"
     stats = ro.last_stats
     if route == "auto" and slots is None:
-        assert stats["route"] == "ordinary" and stats["prefill_buckets"] >= 2
+        assert stats.route == "ordinary" and stats.prefill.buckets >= 2
         if fast_prefill:  # one packed pass over the weights; attention per bucket
-            assert stats["prefill_forwards"] == 1 and stats["prefill_attention_groups"] == stats["prefill_buckets"]
+            assert stats.prefill.forwards == 1 and stats.prefill.attention_groups == stats.prefill.buckets
         else:
-            assert stats["prefill_forwards"] == stats["prefill_buckets"]
+            assert stats.prefill.forwards == stats.prefill.buckets
     if slots is not None:
-        assert stats["route"] == "continuous"
+        assert stats.route == "continuous"
 
 
 def test_auto_keeps_one_prefill_for_uniform_lengths(model):
     ids, mask = _skewed([6] * 5, seed=2)
     ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="auto"))
     ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=3, temperature=0.0))
-    assert ro.last_stats["route"] == "ordinary" and ro.last_stats["prefill_buckets"] == 1
-    assert ro.last_stats["dp_skipped"] is True
+    assert ro.last_stats.route == "ordinary" and ro.last_stats.prefill.buckets == 1
+    assert ro.last_stats.dp_skipped is True
 
 
 @pytest.mark.parametrize("sampling", [
@@ -184,11 +186,12 @@ def test_mismatched_calibration_file_is_refused(model, tmp_path):
 def test_continuous_route_decodes_through_the_fast_step_and_reports_it(model):
     ids, mask = _skewed([9, 3, 5], seed=5)
     fast = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="continuous"))
-    slow = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="continuous", kernels=KernelConfig(fast_decode=False)))
+    slow = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="continuous", kernels=KernelConfig(
+        fast_decode=False)))
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, continuous_batch_size=2)
     assert torch.equal(fast.generate(RolloutRequest(ids, mask), sampling).input_ids,
                        slow.generate(RolloutRequest(ids, mask), sampling).input_ids)
-    assert fast.last_stats["decode_path"] == "fast_eager" and slow.last_stats["decode_path"] == "hf"
+    assert fast.last_stats.decode.path == "fast_eager" and slow.last_stats.decode.path == "hf"
 
 
 def test_auto_keeps_the_ordinary_batch_for_eos_over_long_budgets():

@@ -137,13 +137,14 @@ def test_step_with_the_kernels_equals_hf_generate(device, family):
     model = tiny_model(family, seed=5).to(device)
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
     ids, mask = ids.to(device), mask.to(device)
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False)))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(
+        cuda_graphs=False)))
     calls = []
     _with_skinny(ro, 8, calls)
     out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=6, temperature=0.0))
-    assert ro.last_stats.decode_path == "fast_eager"
+    assert ro.last_stats.decode.path == "fast_eager"
     assert len(calls) == 5 * model.config.num_hidden_layers  # 5 decode steps
-    o_weights = {w.o.data_ptr() for w in ro._fast_step.parts(torch.device(device), mirrored=False).weights.layers}
+    o_weights = {w.o.data_ptr() for w in ro.runner.fast_step.parts(torch.device(device), mirrored=False).weights.layers}
     assert {rows for rows, _, _ in calls} == {4}  # the batch bucket of 3 rows
     assert {weight for _, weight, _ in calls} == o_weights and all(residual for _, _, residual in calls)
     for row in range(3):
@@ -153,7 +154,8 @@ def test_step_with_the_kernels_equals_hf_generate(device, family):
 def test_batches_above_the_limit_keep_the_compiled_pieces(device):
     model = tiny_model("qwen2", seed=6).to(device)
     ids, mask = random_prompts(4, 6, min_len=2, seed=2)
-    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False)))
+    ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(
+        cuda_graphs=False)))
     calls = []
     _with_skinny(ro, 3, calls)  # 4 rows > 3
     ro.generate(RolloutRequest(ids.to(device), mask.to(device)), SamplingConfig(max_new_tokens=4, temperature=0.0))
@@ -173,11 +175,11 @@ def test_config_decides_the_piece(monkeypatch, rows, rotary, gate_up, expected):
     try:
         ro = Rollout(tiny_model("qwen2", seed=0), TinyTokenizer(),
                      RolloutConfig(kernels=KernelConfig(skinny_rows=rows, rotary_kernel=rotary, fuse_gate_up=gate_up)))
-        fns = ro._fast_step.parts(torch.device("cuda"), mirrored=False).fns
+        fns = ro.runner.fast_step.parts(torch.device("cuda"), mirrored=False).fns
         if expected is None:
             assert fns.skinny_linear is None
         else:
             assert fns.skinny_linear is sl.skinny_linear and fns.skinny_rows == expected
-        assert ro._fast_step.parts(torch.device("cpu"), mirrored=False).fns.skinny_linear is None
+        assert ro.runner.fast_step.parts(torch.device("cpu"), mirrored=False).fns.skinny_linear is None
     finally:
         step.compiled_step_fns.cache_clear()

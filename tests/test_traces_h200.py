@@ -1,7 +1,7 @@
 """The report on a real GPU trace: one 3B OPSD step on an H200 with CUDA-graph decode.
 
 ``tests/data/traces/h200_opsd_3b_graphs.pt.trace.json.gz`` is a torch.profiler trace of
-``scripts/train_opsd.py --student qwen25-3b --teacher qwen25-3b --cuda-graphs 1`` cut to one step by
+``scripts/train_opsd.py --student qwen25-3b --teacher qwen25-3b --rollout kernels.cuda_graphs=True`` cut to one step by
 ``scripts/trim_trace.py``. The tests skip while it is absent. Every figure is recomputed here from
 the raw events with plain Python (``json`` + sorted lists), independently of ``traces/``, and, for
 the GPU busy time, with Holistic Trace Analysis.

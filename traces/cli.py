@@ -22,8 +22,8 @@ from traces.diff import diff_columns, diff_rows, diff_values, format_diff
 from traces.format import csv_rows, format_headline, format_kernels, format_overview, format_table
 from traces.load import LoadedSet, load, read_trace
 from traces.report import Report, build_report
-from traces.rows import row_from_dict
-from traces.table import Column, render
+from traces.records import row_from_dict
+from instrumentation.table import Column, render
 
 FORMATS = ("table", "markdown", "json", "csv")
 #: A --diff baseline smaller than this is first tried as a saved JSON report.

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 
-from traces.rows import StageRow, row_from_dict  # noqa: F401  (row_from_dict: part of this API)
-from traces.table import Column, fixed, percent, render
+from traces.records import StageRow, row_from_dict  # noqa: F401  (row_from_dict: part of this API)
+from instrumentation.table import Column, fixed, percent, render
 
 STEP_NAME = "opsd/step"
 

@@ -22,7 +22,7 @@ import numpy as np
 from traces.compute import StageInstance
 from traces.gpu import COMM, COMPUTE, PidOps
 from traces.intervals import intersection_length, merge, union_length
-from traces.rows import KernelRow, SlowestCall
+from traces.records import KernelRow, SlowestCall
 
 #: A stage is ``gpu`` / ``sync`` bound when that part reaches this fraction of its window.
 BOUND_FRACTION = 0.5

@@ -7,8 +7,8 @@ their depth in the stage tree (two spaces per level in text, ``&emsp;`` in Markd
 from __future__ import annotations
 
 from traces.headline import Headline
-from traces.rows import StageRow
-from traces.table import FORMATS, Column, fixed, percent, render
+from traces.records import StageRow
+from instrumentation.table import FORMATS, Column, fixed, percent, render
 
 _STATS = ("total", "mean", "p50", "p90", "max")
 _MS, _MIB, _PCT = fixed(3), fixed(1), percent(1)

@@ -14,7 +14,7 @@ colours of matplotlib's ``tab20``.
 from __future__ import annotations
 
 from traces.report import Report
-from traces.rows import StageRow
+from traces.records import StageRow
 from traces.tensorboard import OutputError
 
 _BAR = 0.36

@@ -20,7 +20,7 @@ from traces.gpu import GpuOps
 from traces.headline import Headline, headline
 from traces.host import SyncWaits
 from traces.load import LoadedSet
-from traces.rows import GpuFigures, StageRow, Stats, StepSpread
+from traces.records import GpuFigures, StageRow, Stats, StepSpread
 
 SCHEMA_VERSION = 2
 STEP_NAME = S.range_name(S.STEP)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from traces.report import Report
-from traces.rows import StageRow
+from traces.records import StageRow
 
 #: Scalars per row and tag suffix.
 TAGS = ("cpu_ms", "gpu_ms", "self_ms", "peak_allocated_mib")

@@ -28,28 +28,11 @@ Operations (each counts the bytes it writes into the cache):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from rollout.cache.static import CacheShape, OwnedKVLayer, StaticKVCache
+from rollout.cache.stats import CacheStats
 from rollout.model.compat import Cache
-
-
-@dataclass
-class CacheStats:
-    """What the cache did during one generation."""
-
-    num_trims: int = 0
-    """Left realigns: the dead prefix dropped because the front reached the capacity."""
-    num_shifts: int = 0
-    """Right realigns: room made left of the front for a longer admitted prompt."""
-    num_row_moves: int = 0
-    """Rows copied by compaction."""
-    move_bytes: int = 0
-    """Bytes written by compaction and realigns (keys + values, all layers)."""
-    prefill_copy_bytes: int = 0
-    """Bytes written by ``write_prompts`` (scratch -> slots)."""
 
 
 class AlignedKVCache(Cache):
@@ -171,8 +154,8 @@ class AlignedKVCache(Cache):
             window = buf[:, :, :, start:self.front]
             window.index_copy_(1, dst, window.index_select(1, src))
         self.valid.index_copy_(0, dst, self.valid.index_select(0, src))
-        self.stats.num_row_moves += src.shape[0]
-        self.stats.move_bytes += src.shape[0] * max_extent * self.column_bytes
+        self.stats.row_moves += src.shape[0]
+        self.stats.bytes_moved += src.shape[0] * max_extent * self.column_bytes
 
     def realign(self, num_rows: int, max_extent: int, new_front: int) -> None:
         """Move the live block ``[front - max_extent, front)`` of rows ``[0, num_rows)`` so it ends at ``new_front``."""
@@ -191,11 +174,11 @@ class AlignedKVCache(Cache):
             rows = torch.zeros((num_rows, self.capacity), dtype=torch.bool, device=self.valid.device)
             rows[:, new:new_front] = self.valid[:num_rows, old:self.front]
             self.valid[:num_rows] = rows
-            self.stats.move_bytes += num_rows * max_extent * self.column_bytes
+            self.stats.bytes_moved += num_rows * max_extent * self.column_bytes
         if shift < 0:
-            self.stats.num_trims += 1
+            self.stats.trims += 1
         else:
-            self.stats.num_shifts += 1
+            self.stats.shifts += 1
         self.front = new_front
 
     def _check_front(self, front: int) -> None:

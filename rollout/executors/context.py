@@ -1,9 +1,13 @@
-"""What one ``generate`` call hands a route executor (frozen, typed), and what it gets back."""
+"""What one ``generate`` call hands a route executor (frozen, typed), and what it gets back.
+
+Every route is an :class:`Executor`: ``run(call) -> Generation`` with the same :class:`RouteCall`, from which
+it prepares its own inputs and fills its own ``CallStats`` (:func:`settle_stats` records the decisions made
+before the route ran)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import KW_ONLY, dataclass
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -12,7 +16,10 @@ from rollout.config import SamplingConfig
 from rollout.model.step import StepParts
 from rollout.ops.postprocess import eos_tensor
 from rollout.ops.sampling import Sampler, sampler_fn
+from rollout.plan.layout import PromptLayout
+from rollout.plan.memory import SlotPlan
 from rollout.plan.planner import DEFAULT_MAX_TOKENS, CostModel
+from rollout.plan.routes import RouteChoice
 
 #: ``stage(name)`` -> a context manager wrapping one stage call (``instrumentation.stage`` in the engine).
 StageFn = Callable[[str], object]
@@ -66,6 +73,7 @@ class CallContext:
     eos: EosIds
     cost_model: CostModel
     """What prefill buckets are planned on (``rollout.model.costs.cost_model_for``)."""
+    _: KW_ONLY
     max_prefill_tokens: Optional[int] = DEFAULT_MAX_TOKENS
     """Padded tokens per planned prefill forward (``RolloutConfig.routing.max_prefill_tokens``)."""
     eos_check_interval: int = 1
@@ -82,7 +90,8 @@ class CallContext:
     """Captured prefill passes (``rollout.executors.prefill_graph.PrefillGraphs``) where
     ``RolloutConfig.kernels.prefill_graph_tokens`` asks for them, else None."""
     late_eos_count: bool = True
-    """Ordinary route, static buffers: a check reads the previous check's count (``RolloutConfig.routing.late_eos_count``)."""
+    """Ordinary route, static buffers: a check reads the previous check's count
+    (``RolloutConfig.routing.late_eos_count``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingConfig):
@@ -105,3 +114,67 @@ class CallContext:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The call's prompts on the model's device, once per prompt and once per row."""
+
+    ids: torch.Tensor
+    """``[B, T_p]`` left-padded prompt ids."""
+    mask: torch.Tensor
+    """``[B, T_p]`` their attention mask."""
+    expanded_ids: torch.Tensor
+    """``[B*n, T_p]``: each prompt's ``n`` adjacent copies (request order)."""
+    expanded_mask: torch.Tensor
+    """``[B*n, T_p]``."""
+    layout: PromptLayout
+    """Each prompt's real tokens and span (``rollout.ops.inputs.checked_layout``)."""
+
+
+@dataclass(frozen=True)
+class RouteCall:
+    """Everything a route executor needs for one call: the same record for every route."""
+
+    ctx: CallContext
+    """The model, sampling, EOS ids, the step's parts and the call's stage and busy functions."""
+    decode: "object"
+    """How the call decodes and prefills (``rollout.executors.decode.DecodeChoice``)."""
+    plan: RouteChoice
+    """The route and, on the ordinary route, its prefill buckets (``rollout.plan.routes.choose_route``)."""
+    prompts: Prompts
+    fit: Optional[SlotPlan] = None
+    """The KV budget's slots and capacity (None: the call runs as planned, ``rollout.plan.memory``)."""
+    blas_library: str = ""
+    """The BLAS backend the call's matrix products run on (``CallStats.blas_library``)."""
+    graph_passes_before: int = 0
+    """``ctx.prefill_graphs.replays`` when the call started (the call's captured prefill passes are counted
+    from it)."""
+
+
+class Executor(Protocol):
+    """A route: it owns its buffers and graphs between calls and runs one call at a time."""
+
+    def run(self, call: RouteCall) -> Generation:
+        """The call's raw tokens in request order, with its ``CallStats`` filled."""
+
+    def release(self) -> None:
+        """Drop what it holds between calls (buffers, graphs, scratch)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes it holds between calls."""
+
+
+def settle_stats(call: RouteCall, stats) -> None:
+    """The decisions made before the route ran, and the call-wide pieces' counts, into its ``CallStats``."""
+    plan, ctx = call.plan, call.ctx
+    stats.route, stats.route_reason, stats.dp_skipped = plan.route, plan.reason, plan.dp_skipped
+    stats.route_estimates_ms, stats.blas_library = plan.estimates_ms, call.blas_library
+    stats.plans += 0 if plan.dp_skipped else 1  # Auto's bucket DP ran for this call
+    stats.prefill.path = call.decode.prefill_path
+    stats.prefill.buckets = len(plan.buckets) if plan.buckets else 1
+    if ctx.prefill_graphs is not None:
+        stats.prefill.graph_passes = ctx.prefill_graphs.replays - call.graph_passes_before
+    stats.decode.eos_check_interval = ctx.eos_check_interval
+    stats.sampler.fallback_reason, stats.sampler.path = ctx.sampler.fallback_reason, ctx.sampler.last_path

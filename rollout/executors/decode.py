@@ -23,8 +23,8 @@ import torch
 from rollout.config import KernelConfig, RolloutConfig
 from rollout.model import prefill
 from rollout.ops import decode_attention, rotary_write, skinny_linear
-from rollout.model.step import FusedGateUp, FusedQKV, StepFns, StepParts, WeightMirror, compiled_step_fns, spec_and_weights, \
-    unsupported_reason
+from rollout.model.step import (FusedGateUp, FusedQKV, StepFns, StepParts, WeightMirror, compiled_step_fns,
+                                spec_and_weights, unsupported_reason)
 
 DECODE_PATHS = ("graph", "fast_eager", "hf")
 
@@ -96,7 +96,8 @@ class FastStep:
             self.last_weight_signature = weights.signature()
         kernels = self.kernels
         if kernels.compile and device.type == "cuda":
-            fns = compiled_step_fns(kernels.compile_mode, kv_write=kernels.fused_kv_write and self.fused_qkv is not None)
+            kv_write = kernels.fused_kv_write and self.fused_qkv is not None
+            fns = compiled_step_fns(kernels.compile_mode, kv_write=kv_write)
         else:
             fns = StepFns()
         if attention_path(kernels.decode_attention, device) == "triton":
@@ -160,8 +161,8 @@ def choose_decode(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool,
     prefill_path = prefill.attention_path(device, next(model.parameters()).dtype) if kernels.fast_prefill else "hf"
     attention = attention_path(kernels.decode_attention, device)
     if not kernels.cuda_graphs:
-        return DecodeChoice("fast_eager", "eager fast step: kernels.cuda_graphs disabled in RolloutConfig", prefill_path,
-                            attention, cuda_graphs=False)
+        return DecodeChoice("fast_eager", "eager fast step: kernels.cuda_graphs disabled in RolloutConfig",
+                            prefill_path, attention, cuda_graphs=False)
     if device.type != "cuda":
         return DecodeChoice("fast_eager", f"eager fast step: device {device.type} has no CUDA graphs", prefill_path,
                             attention)
@@ -178,8 +179,8 @@ def _hf_reason(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool) ->
 
 
 def shares_prefix(parts: StepParts, bucket: int, samples: int) -> bool:
-    """Whether a decode step of ``bucket`` rows (either route) reads each prompt's columns once for its ``samples``
-    rows (``RolloutConfig.kernels.shared_prefix_rows``, set only where the Triton attention runs; the kernel's tile limit:
-    :func:`decode_attention.one_tile`)."""
+    """Whether an ordinary-route decode step of ``bucket`` rows reads each prompt's columns once for its ``samples``
+    rows (``RolloutConfig.kernels.shared_prefix_rows``, set only where the Triton attention runs; the kernel's tile
+    limit: :func:`decode_attention.one_tile`)."""
     rows = parts.fns.shared_prefix_rows
     return 0 < rows <= bucket and decode_attention.one_tile(samples, parts.spec.num_heads, parts.spec.num_kv_heads)

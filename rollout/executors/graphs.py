@@ -84,3 +84,11 @@ def capture_graph(step: Callable[[], None], mutable: list[torch.Tensor], pool) -
     with torch.cuda.graph(graph, pool=pool):
         step()
     return graph
+
+
+def sampling_key(sampling) -> tuple:
+    """The sampling settings a captured step depends on (the seed lives in a buffer)."""
+    if sampling.is_greedy:
+        return ("greedy", sampling.repetition_penalty, sampling.return_logprobs)
+    return (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty,
+            sampling.return_logprobs)

@@ -1,4 +1,5 @@
-"""The packed prefill replayed from CUDA graphs, one graph per shape bucket (``RolloutConfig.kernels.prefill_graph_tokens``).
+"""The packed prefill replayed from CUDA graphs, one graph per shape bucket
+(``RolloutConfig.kernels.prefill_graph_tokens``).
 
 Why: a prefill pass of the 3B shape costs ~22-28 ms of host time on an H200 (36 layers of compiled pieces,
 variable-length attention and cache writes, each a few hundred microseconds of Python and launches), while

@@ -62,7 +62,7 @@ def load_cost_model(path, model, device, dtype, ignore: Sequence[str] = ()) -> C
 
 
 def cost_model_for(setting, model) -> CostModel:
-    """``RolloutConfig.cost_model`` resolved: a ``CostModel`` as given, a calibration file checked against
+    """``RolloutConfig.routing.cost_model`` resolved: a ``CostModel`` as given, a calibration file checked against
     ``model``, or the seed PR's default coefficients with this model's geometry (None)."""
     if isinstance(setting, CostModel):
         return setting

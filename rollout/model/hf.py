@@ -1,6 +1,6 @@
 """Prefill and decode forwards through the model's own (HF) layers over a cache we own.
 
-These serve every model the fused step does not (``rollout.model.step.unsupported_reason``), unfused
+These serve every model the fused step does not (``rollout.model.weights.unsupported_reason``), unfused
 LoRA and ZeRO-3 per-forward gathering. The cache is any of ours (``rollout.cache``): it is told which
 columns the forward writes and which it reads, and hands each layer views of its own buffers.
 """

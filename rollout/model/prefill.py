@@ -45,7 +45,7 @@ def prefill_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch
     reaching every real token of its rows; None is one group over all rows and columns.
     ``rows``: each row's real-token count and first real column as host ints (the caller's prompt
     layout); without it they are read from ``prompt_mask`` in one host sync. ``graphs``: a
-    :class:`rollout.executors.prefill_graph.PrefillGraphs` (``RolloutConfig.prefill_graph_tokens``) that runs the pass
+    :class:`rollout.executors.prefill_graph.PrefillGraphs` (``RolloutConfig.kernels.prefill_graph_tokens``) that runs the pass
     from a CUDA graph where it can (it returns None where it cannot, and the pass runs here).
     """
     num_rows, prompt_len = prompt_ids.shape

@@ -53,7 +53,7 @@ MIN_SPLIT_TILES = 2
 #: Most queries in one tile of the shared-prefix pass (samples x query heads per KV head); beyond it the rows
 #: read their prompt one by one.
 MAX_SHARED_QUERIES = 128
-#: Fewest prompt columns for which the ordinary route shares them (``RolloutConfig.shared_prefix_rows``). On the
+#: Fewest prompt columns for which the ordinary route shares them (``RolloutConfig.kernels.shared_prefix_rows``). On the
 #: H200 (3B shape, 36 layers, ``profile_decode_step.py --parts shared``, docs/BENCHMARKS.md) a 768-column
 #: prompt with 4 samples took 1.511 ms instead of 2.063 at 256 rows and 0.939 instead of 1.337 at 128, but a
 #: 256-column one 1.431 instead of 1.233 at 256 rows: short windows are bound by each program's chain of
@@ -74,16 +74,20 @@ class SharedPrefix:
     samples: int
     """Rows per prompt (``n_samples_per_prompt``)."""
     end: torch.Tensor
-    """int64, the column where the prompts end (the first decode column; exclusive), as a column of the window:
-    a scalar for every row (the ordinary route), or ``[B]``, each row's own (the continuous route, whose rows were
-    admitted at different fronts; rows of one prompt agree; clamped to the window)."""
+    """A scalar int64 tensor: the column where the prompts end (the first decode column; exclusive), as a column of
+    the window, the same for every row."""
+
+    def __post_init__(self):
+        if self.end.dim() != 0:
+            raise ValueError(f"SharedPrefix.end must be a scalar tensor (one prompt end for every row), got shape "
+                             f"{tuple(self.end.shape)}")
 
 
 _FAILED: dict = {}
 """(device, dtype, head dim, group) -> why the kernel failed there: SDPA runs for those inputs from then on."""
 
 
-def sdpa(q, k, v, keep, scale: float, gqa: bool, last: Optional[torch.Tensor] = None,
+def sdpa(q, k, v, keep, scale: float, gqa: bool, *, last: Optional[torch.Tensor] = None,
          shared: Optional[SharedPrefix] = None):
     """One query per row: ``q [B, Hq, 1, D]`` against ``k/v [B, Hkv, L, D]``; ``keep [B, 1, 1, L]`` is a
     boolean mask (True: attend) or an additive one. PyTorch's SDPA (cuDNN on an H200); what :func:`attention`
@@ -157,7 +161,7 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, gqa: bool,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, gqa: bool, *,
               splits: Optional[int] = None, interpret: bool = False, block: int = BLOCK_L, warps: int = WARPS,
               stages: int = STAGES, last: Optional[torch.Tensor] = None,
               shared: Optional[SharedPrefix] = None) -> torch.Tensor:
@@ -171,7 +175,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
         return sdpa(q, k, v, keep, scale, gqa)
     key = _key(q, k)
     return launch_or_fall_back(_FAILED, key, "decode attention kernel", f"SDPA runs instead for {key}",
-                               lambda: _launch(q, k, v, keep, scale, splits, block, warps, stages, last, shared),
+                               lambda: _launch(q, k, v, keep, scale, splits=splits, block=block, warps=warps,
+                                               stages=stages, last=last, shared=shared),
                                lambda: sdpa(q, k, v, keep, scale, gqa))
 
 
@@ -185,7 +190,7 @@ def shares_prefix(shared: Optional[SharedPrefix], heads: int, kv_heads: int) -> 
     return shared is not None and one_tile(shared.samples, heads, kv_heads)
 
 
-def _launch(q, k, v, keep, scale, splits, block, warps, stages, last=None, shared=None) -> torch.Tensor:
+def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, shared=None) -> torch.Tensor:
     from rollout.ops import decode_attention_kernel as kernels
 
     rows, heads, _, dim = q.shape
@@ -215,8 +220,7 @@ def _launch(q, k, v, keep, scale, splits, block, warps, stages, last=None, share
     if prefix:
         kernels.decode_attention_shared[(rows, kv_heads, slots)](
             q, k, v, keep, shared.ids, shared.end, last_ptr, part, stat, *strides, rows, length, prefix_splits, splits,
-            float(scale), shared.end.stride(0) if shared.end.dim() else 0, SAMPLES=shared.samples,
-            M_PAD=pow2_at_least(shared.samples * group, 16), ROW_END=shared.end.dim() > 0, **common)
+            float(scale), SAMPLES=shared.samples, M_PAD=pow2_at_least(shared.samples * group, 16), **common)
     else:
         kernels.decode_attention_split[(rows, kv_heads, splits)](
             q, k, v, keep, out, part, stat, last_ptr, *strides, out.stride(0), out.stride(1), length, splits,

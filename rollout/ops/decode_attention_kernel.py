@@ -130,14 +130,13 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
 @triton.jit
 def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, last_ptr, part_ptr, stat_ptr,
                             q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, keep_sb, keep_sl,
-                            rows, length, prefix_splits, splits, scale, end_sb,
+                            rows, length, prefix_splits, splits, scale,
                             SAMPLES: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, M_PAD: tl.constexpr,
                             DIM: tl.constexpr, DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr,
                             SCAN: tl.constexpr, LAST: tl.constexpr, PRECISION: tl.constexpr,
-                            DOT_FP32: tl.constexpr, ROW_END: tl.constexpr):
+                            DOT_FP32: tl.constexpr):
     # Rows whose sample ids (ids_ptr) share id // SAMPLES hold copies of the same prompt's keys, values and mask
-    # in columns [0, end): end = *end_ptr for every row, or (ROW_END) end_ptr[b * end_sb], each row's own (equal
-    # within a run of rows holding one prompt), clamped to the window. One launch, two kinds of program over
+    # in columns [0, end), end = *end_ptr for every row. One launch, two kinds of program over
     # (row b, KV head kv, share s):
     # - s < prefix_splits, the prompt: if b is the first row of a run of such rows (its leader), its tile holds
     #   the queries of every row of the run (at most SAMPLES) times the GROUP query heads of kv, and it reads
@@ -152,10 +151,7 @@ def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, las
     slots = prefix_splits + splits
     d = tl.arange(0, DIM_PAD)
     d_ok = d < DIM
-    if ROW_END:
-        end = tl.minimum(tl.maximum(tl.load(end_ptr + b * end_sb).to(tl.int32), 0), length)
-    else:
-        end = tl.load(end_ptr).to(tl.int32)
+    end = tl.load(end_ptr).to(tl.int32)
     keep_row = keep_ptr + b * keep_sb
     k_base = k_ptr + b * k_sb + kv * k_sh
     v_base = v_ptr + b * v_sb + kv * v_sh

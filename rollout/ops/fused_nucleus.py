@@ -125,8 +125,8 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, seed: t
     span = CHUNK_TOKENS if chunk_tokens is None else int(chunk_tokens)
     chunks = chunk_count(vocab, span)
     if num_rows and chunks > 1:
-        _sample_chunked(logits, span, chunks, float(temperature), _tau(top_p), seed.reshape(1), rows, step, tokens,
-                        logprobs, with_logprobs)
+        _sample_chunked(logits, span, chunks, float(temperature), _tau(top_p), seed=seed.reshape(1), rows=rows,
+                        step=step, tokens=tokens, logprobs=logprobs, with_logprobs=with_logprobs)
     elif num_rows:
         kernel[(num_rows,)](
             logits, logits.stride(0), vocab, seed.reshape(1), rows, step, 1 if step.numel() > 1 else 0,
@@ -160,7 +160,7 @@ def search_passes(shift: int, arity: int) -> int:
     return -(-bits // per_pass)
 
 
-def _sample_chunked(logits, span, chunks, temperature, tau, seed, rows, step, tokens, logprobs, with_logprobs):
+def _sample_chunked(logits, span, chunks, temperature, tau, *, seed, rows, step, tokens, logprobs, with_logprobs):
     k = _split_kernels()
     num_rows, vocab = logits.shape
     shift, arity = key_shift(logits.dtype), split_arity(num_rows, chunks, logits.device)

@@ -1,11 +1,11 @@
 """The rotary of a decode step's q and k and the cache writes of k and v, as one Triton kernel per layer.
 
-``rotary_write(qkv, cos, sin, key_layer, value_layer, cols, heads, kv_heads, head_dim)`` takes the fused
+``rotary_write(qkv, cos, sin, key_layer, value_layer, cols, *, heads, kv_heads, head_dim)`` takes the fused
 q|k|v projection ``[B, (Hq + 2 Hkv) D]`` of one decode step (bias included), ``cos``/``sin`` ``[B, 1, 1, D]``
-(:func:`rollout.model.step.rotary`), one layer's cache ``key_layer``/``value_layer [B, Hkv, capacity, D]`` (any
+(:func:`rollout.model.pieces.rotary`), one layer's cache ``key_layer``/``value_layer [B, Hkv, capacity, D]`` (any
 strides with a contiguous last dimension) and the column ``cols [1]`` (a device tensor, so captured graphs
 replay it at every step); it writes k (rotated) and v into that column and returns the rotated q
-``[B, Hq, 1, D]``, as :func:`rollout.model.step.attention_inputs_qkv_write` does after its projection.
+``[B, Hq, 1, D]``, as :func:`rollout.model.pieces.attention_inputs_qkv_write` does after its projection.
 
 Why: under ``torch.compile`` those writes take three elementwise kernels a layer (q's rotary, k's rotary and
 write, v's write); here they take one. The rotary is computed in fp32 and rounded once, as inductor's kernels
@@ -45,7 +45,8 @@ def failure(device: torch.device) -> Optional[str]:
     return _FAILED.get(str(device))
 
 
-def rotary_write_reference(qkv, cos, sin, key_layer, value_layer, cols, heads: int, kv_heads: int, head_dim: int):
+def rotary_write_reference(qkv, cos, sin, key_layer, value_layer, cols, *, heads: int, kv_heads: int,
+                           head_dim: int):
     """The same result in PyTorch (fp32 rotary, rounded once): the fallback and the tests' reference."""
     batch = qkv.shape[0]
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
@@ -61,18 +62,19 @@ def rotary_write_reference(qkv, cos, sin, key_layer, value_layer, cols, heads: i
     return rotate(q, heads).unsqueeze(2)
 
 
-def rotary_write(qkv, cos, sin, key_layer, value_layer, cols, heads: int, kv_heads: int, head_dim: int,
+def rotary_write(qkv, cos, sin, key_layer, value_layer, cols, *, heads: int, kv_heads: int, head_dim: int,
                  interpret: bool = False) -> torch.Tensor:
     """Rotated q ``[B, Hq, 1, D]``; k (rotated) and v written into the cache column ``cols`` (module docstring)."""
+    shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     if unsupported_reason(qkv, key_layer, value_layer, head_dim, interpret) is not None:
-        return rotary_write_reference(qkv, cos, sin, key_layer, value_layer, cols, heads, kv_heads, head_dim)
+        return rotary_write_reference(qkv, cos, sin, key_layer, value_layer, cols, **shape)
     return launch_or_fall_back(
         _FAILED, str(qkv.device), "rotary/cache-write kernel", f"the PyTorch path runs instead on {qkv.device}",
-        lambda: _launch(qkv, cos, sin, key_layer, value_layer, cols, heads, kv_heads, head_dim),
-        lambda: rotary_write_reference(qkv, cos, sin, key_layer, value_layer, cols, heads, kv_heads, head_dim))
+        lambda: _launch(qkv, cos, sin, key_layer, value_layer, cols, **shape),
+        lambda: rotary_write_reference(qkv, cos, sin, key_layer, value_layer, cols, **shape))
 
 
-def _launch(qkv, cos, sin, key_layer, value_layer, cols, heads, kv_heads, head_dim) -> torch.Tensor:
+def _launch(qkv, cos, sin, key_layer, value_layer, cols, *, heads, kv_heads, head_dim) -> torch.Tensor:
     from rollout.ops import rotary_write_kernel as kernels
 
     batch = qkv.shape[0]

@@ -189,7 +189,7 @@ class Sampler:
     def __init__(self, key: SamplerKey, compiled: bool, fused: bool = True, chunk_tokens: Optional[int] = None):
         self.key = key
         self.chunk_tokens = chunk_tokens
-        """The fused kernels' tokens per program (``RolloutConfig.sampler_chunk_tokens``; None: their default)."""
+        """The fused kernels' tokens per program (``RolloutConfig.sampler.chunk_tokens``; None: their default)."""
         self.fallback_reason: Optional[str] = None
         """Why the compiled functions (or the fused kernel) were dropped (None: never built or still in use)."""
         self._fused = bool(compiled and fused and not key.is_greedy and key.top_p < 1.0 and key.top_k <= 0)

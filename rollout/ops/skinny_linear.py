@@ -16,7 +16,7 @@ residual are done in the same kernel.
 
 Measured on an H200 (3B shape, 36 layers, ``scripts/profile_decode_step.py --parts skinny``, 2026-12-01): o with
 its residual took 0.206 ms against the compiled piece's 0.270 at 8 rows (0.236 against 0.305 at 32), so the
-routes use it for o (``RolloutConfig.skinny_rows``). The other projections lost to cuBLAS: q|k|v with the norm
+routes use it for o (``RolloutConfig.kernels.skinny_rows``). The other projections lost to cuBLAS: q|k|v with the norm
 0.447 against 0.299, gate|up with the norm and SiLU·mul 1.13-2.3 against 1.07, down with the residual 0.667
 against 0.638 at 8 rows; those forms stay here for the benchmark and the tests.
 
@@ -91,7 +91,7 @@ def skinny_linear_reference(x, weight, bias=None, norm=None, eps: float = 0.0, r
     return y if residual is None else residual + y
 
 
-def skinny_linear(x, weight, bias=None, norm=None, eps: float = 0.0, residual=None, glu: bool = False,
+def skinny_linear(x, weight, bias=None, norm=None, eps: float = 0.0, residual=None, glu: bool = False, *,
                   interpret: bool = False, block_n: int = BLOCK_N, block_k: int = BLOCK_K, warps: int = WARPS,
                   stages: int = STAGES, block_m: Optional[int] = None) -> torch.Tensor:
     """``[M, N]`` (module docstring); ``interpret``: allow CPU tensors (tests, under ``TRITON_INTERPRET=1``);
@@ -109,11 +109,12 @@ def skinny_linear(x, weight, bias=None, norm=None, eps: float = 0.0, residual=No
         return skinny_linear_reference(x, weight, bias, norm, eps, residual, glu)
     return launch_or_fall_back(
         _FAILED, str(x.device), "skinny linear kernel", f"the PyTorch path runs instead on {x.device}",
-        lambda: _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, stages, block_m),
+        lambda: _launch(x, weight, bias, norm, eps, residual, glu, block_n=block_n, block_k=block_k, warps=warps,
+                        stages=stages, block_m=block_m),
         lambda: skinny_linear_reference(x, weight, bias, norm, eps, residual, glu))
 
 
-def _launch(x, weight, bias, norm, eps, residual, glu, block_n, block_k, warps, stages, block_m) -> torch.Tensor:
+def _launch(x, weight, bias, norm, eps, residual, glu, *, block_n, block_k, warps, stages, block_m) -> torch.Tensor:
     from rollout.ops import skinny_linear_kernel as kernels
 
     rows, k = x.shape

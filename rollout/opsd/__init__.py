@@ -5,6 +5,10 @@ per-phase times and peaks), ``micro_batches`` (which rows go together), ``sizing
 ``inputs`` (token columns and the loss mask), ``student`` (engine / module + optimizer, gradient
 accumulation), ``teacher`` (privileged prompts, token alignment, the stream of cached logits),
 ``ranks`` (what data-parallel ranks agree on), ``logit_cache``, ``losses`` (``generalized_jsd_loss``).
+
+The main job (``scripts/train_opsd.py``): ``job`` (``JobConfig``: its settings, one ``RolloutConfig``
+among them), ``flags`` (its command line), ``engines`` (process group, DeepSpeed engines), ``report``
+(MFU, peak memory, the JSON report), ``console`` (banner, progress bar, closing line).
 """
 
 from rollout.opsd.breakdown import PhaseTimes, StepBreakdown

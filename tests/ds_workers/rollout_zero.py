@@ -50,7 +50,7 @@ def main() -> None:
     batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.0,
                                                                            continuous_batch_size=SLOTS))
     stats = rollout.last_stats
-    decoder = rollout._fast_step
+    decoder = rollout.runner.fast_step
     signature = decoder.last_weight_signature
     again = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=MAX_NEW, temperature=0.0,
                                                                        continuous_batch_size=SLOTS))
@@ -62,11 +62,11 @@ def main() -> None:
     partitioned = None
     if STAGE == 3:  # outside the rollout the parameters are partitioned again
         partitioned = all(p.numel() == 0 for p in engine.module.parameters())
-    emit({"rank": rank(), "expected": expected, "got": got, "num_forwards": stats["prefill_forwards"] + stats["decode_forwards"],
-          "decode_fallback_reason": stats.get("decode_fallback_reason"),
-          "fast_decode": stats.get("eager_decode_steps", 0) + stats.get("graph_decode_steps", 0) > 0,
+    emit({"rank": rank(), "expected": expected, "got": got, "num_forwards": stats.prefill.forwards + stats.decode.forwards,
+          "decode_fallback_reason": stats.decode.fallback_reason,
+          "fast_decode": stats.decode.eager_steps, 0) + stats.decode.graph_steps, 0) > 0,
           "stable_weight_addresses": stable, "repeat_equal": torch.equal(again.input_ids, batch.input_ids),
-          "is_zero3": rollout.is_zero3, "route": stats.get("route"), "partitioned_after": partitioned,
+          "is_zero3": rollout.is_zero3, "route": stats.route, "partitioned_after": partitioned,
           "training_after": engine.module.training})
 
 

@@ -4,23 +4,18 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from instrumentation import stages
 from rollout.cache.aligned import AlignedKVCache
 from rollout.cache.pool import CachePool, ScratchArena
 from rollout.cache.static import cache_shape
-from rollout.executors.context import CallContext, Generation
+from rollout.executors.context import CallContext, Generation, RouteCall, settle_stats
 from rollout.executors.continuous.buffers import CBBuffers, cb_decode_step
 from rollout.executors.continuous.loop import SlotSpec, generate_continuous
 from rollout.executors.continuous.state import GraphDecode
 from rollout.executors.decode import DecodeChoice, FastStep
-from rollout.executors.graphs import EAGER, GraphSet
-from rollout.executors.ordinary.executor import sampling_key
+from rollout.executors.graphs import EAGER, GraphSet, sampling_key
 from rollout.plan.buckets import batch_bucket, length_round, read_window
-from rollout.plan.layout import PromptLayout, continuous_cache_shape, resolve_num_slots
-from rollout.plan.memory import SlotPlan
-from rollout.stats import CallStats
+from rollout.plan.layout import continuous_cache_shape, resolve_num_slots
 
 
 class ContinuousExecutor:
@@ -33,11 +28,11 @@ class ContinuousExecutor:
         self.graphs = GraphSet("continuous")
         self.arena: Optional[ScratchArena] = None
 
-    def run(self, ctx: CallContext, choice: DecodeChoice, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-            layout: PromptLayout, fit: Optional[SlotPlan] = None) -> Generation:
-        """``(generated [B*n, S], stats)`` for the unexpanded prompts ``[B, T_p]``; ``fit`` (the KV budget's
-        slots and capacity) overrides ``sampling.continuous_batch_size`` and the default capacity."""
-        sampling = ctx.sampling
+    def run(self, call: RouteCall) -> Generation:
+        """The call's rows ``[B*n, S]`` in request order from the unexpanded prompts ``[B, T_p]``; the KV budget's
+        slots and capacity (``call.fit``) override ``sampling.continuous_batch_size`` and the default capacity."""
+        ctx, choice, fit = call.ctx, call.decode, call.fit
+        sampling, layout = ctx.sampling, call.prompts.layout
         num_rows = layout.num_prompts * sampling.n_samples_per_prompt
         slots = resolve_num_slots(fit.slots if fit else sampling.continuous_batch_size, num_rows,
                                   sampling.n_samples_per_prompt)
@@ -49,15 +44,15 @@ class ContinuousExecutor:
             if self.arena is None or not self.pool.keep:
                 self.arena = ScratchArena.like(cache.shape)
         try:
-            result = generate_continuous(ctx, prompt_ids, prompt_mask, layout,
+            result = generate_continuous(ctx, call.prompts.ids, call.prompts.mask, layout,
                                          SlotSpec(num_slots=slots, cache=cache, arena=self.arena), graph)
         finally:
             with ctx.stage(stages.CACHE_RELEASE):
                 self.pool.release()
                 if not self.pool.keep:
                     self.release()
-        result.stats.settle_decode_path(choice.path, choice.reason, self.graphs.fallback_reason,
-                                               choice.attention)
+        result.stats.decode.settle_path(choice.path, choice.reason, self.graphs.fallback_reason, choice.attention)
+        settle_stats(call, result.stats)
         return Generation(result.generated, result.logprobs, result.stats)
 
     def _cache(self, ctx: CallContext, choice: DecodeChoice, slots: int, capacity: int, num_rows: int,

@@ -122,7 +122,7 @@ def generate_continuous(ctx: CallContext, prompt_ids: torch.Tensor, prompt_mask:
                          f"x {min_capacity(layout.spans, sampling.max_new_tokens)} columns")
     arena = slots.arena or ScratchArena.like(cache.shape)
     run = new_run_state(ctx, cache, arena, prompt_ids, prompt_mask, layout, graph)
-    run.stats.host_syncs += host_syncs
+    run.stats.decode.host_syncs += host_syncs
     try:
         _loop(run, num_slots)
     finally:
@@ -130,7 +130,7 @@ def generate_continuous(ctx: CallContext, prompt_ids: torch.Tensor, prompt_mask:
             record_cache(run.stats, cache, arena)
             if slots.arena is None:
                 arena.release()
-    run.stats.num_steps = run.width
+    run.stats.decode.num_steps = run.width
     logprobs = None if run.logprobs is None else run.logprobs[:num_rows, :run.width]
     return ContinuousResult(run.generated[:num_rows, :run.width], logprobs, run.width, run.stats)
 
@@ -172,8 +172,8 @@ def _loop(run: RunState, num_slots: int) -> None:
         if update.admitted:
             admit(run, update.admitted, survivors)
         mark_done(run, update.num_survivors, update.num_live)
-        run.stats.steps += 1
-        flags = finished_flags(run, update.num_live, check=run.stats.steps % interval == 0)
+        run.stats.decode.steps += 1
+        flags = finished_flags(run, update.num_live, check=run.stats.decode.steps % interval == 0)
 
 
 def _compact(run: RunState, moves, survivors) -> None:
@@ -204,7 +204,7 @@ def _decode(run: RunState, rows) -> None:
         else:
             mode = _eager_step(run, num_rows, keep, row_data(run, sample_ids, steps, positions))
         cache.end_decode()
-    run.stats.count_decode(mode, num_rows)
+    run.stats.decode.count(mode, num_rows)
 
 
 def _graph_step(run: RunState, num_rows: int, sample_ids, steps, positions) -> str:

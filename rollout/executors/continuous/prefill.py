@@ -66,10 +66,10 @@ def _prefill_pass(run: RunState, buckets, lengths: list[int]) -> None:
         if run.num_samples > 1:
             logits = logits.index_select(0, src)
         emit(run, dst, logits, packed)
-    run.stats.prefill_forwards += 1
-    run.stats.prefill_attention_groups += len(buckets)
-    run.stats.prefill_rows += len(admissions)
-    run.stats.prefill_tokens += sum(len(b) * n for b, n in zip(buckets, lengths))
+    run.stats.prefill.forwards += 1
+    run.stats.prefill.attention_groups += len(buckets)
+    run.stats.prefill.rows += len(admissions)
+    run.stats.prefill.tokens += sum(len(b) * n for b, n in zip(buckets, lengths))
 
 
 def _pass_rows(run: RunState, admissions) -> torch.Tensor:

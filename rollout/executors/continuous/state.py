@@ -110,12 +110,11 @@ def extent(run: RunState, row, fed_this_step: int = 0) -> int:
 
 
 def record_cache(stats: CallStats, cache: AlignedKVCache, arena: ScratchArena) -> None:
-    """What the aligned cache and the scratch arena did, into the call's stats."""
-    moved = cache.stats
-    stats.trims, stats.shifts, stats.row_moves = moved.num_trims, moved.num_shifts, moved.num_row_moves
-    stats.bytes_moved, stats.prefill_copy_bytes = moved.move_bytes, moved.prefill_copy_bytes
-    stats.capacity, stats.num_slots, stats.cache_bytes = cache.capacity, cache.num_slots, cache.nbytes
-    stats.scratch_bytes, stats.scratch_allocations = arena.nbytes, arena.num_allocations
+    """The aligned cache's own counters become the call's (one record, no copies), with its size and the scratch
+    arena's."""
+    stats.cache = cache.stats
+    stats.cache.capacity, stats.cache.num_slots, stats.cache.nbytes = cache.capacity, cache.num_slots, cache.nbytes
+    stats.cache.scratch_bytes, stats.cache.scratch_allocations = arena.nbytes, arena.num_allocations
 
 
 def row_data(run: RunState, sample_ids, steps, *extra) -> torch.Tensor:
@@ -164,7 +163,7 @@ def finished_flags(run: RunState, num_live: int, check: bool = True):
     a later check; the tokens a row decodes after its EOS are masked in the output)."""
     if run.ctx.eos.tensor is None or not check:
         return (False,) * num_live
-    run.stats.host_syncs += 1
+    run.stats.decode.host_syncs += 1
     if run.done is not None:
         return run.done[:num_live].tolist()
     return torch.isin(run.last_tokens[:num_live], run.ctx.eos.tensor).tolist()

@@ -94,7 +94,8 @@ class DecodeBuffers:
 
 
 def decode_step(parts: StepParts, cache, bufs: DecodeBuffers, shape: tuple[int, int], sampler: Sampler,
-                eos_ids: Optional[torch.Tensor], has_seen: bool, with_logprobs: bool = False, samples: int = 1) -> None:
+                eos_ids: Optional[torch.Tensor], *, has_seen: bool, with_logprobs: bool = False,
+                samples: int = 1) -> None:
     """The captured work of one step over ``shape = (batch bucket, length bucket)``: logits, token choice,
     and every buffer update (no host sync). The attention reads no column past the current one (masked for
     every row) and, where :func:`shares_prefix`, each prompt's columns once for its ``samples`` rows."""

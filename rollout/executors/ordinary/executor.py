@@ -4,28 +4,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from instrumentation import stages
 from rollout.cache.pool import CachePool, ScratchArena
 from rollout.cache.static import cache_shape
-from rollout.executors.context import CallContext, Generation
+from rollout.executors.context import CallContext, Generation, RouteCall, settle_stats
 from rollout.executors.decode import DecodeChoice, FastStep, shares_prefix
-from rollout.executors.graphs import EAGER, GraphSet
+from rollout.executors.graphs import EAGER, GraphSet, sampling_key
 from rollout.executors.ordinary.buffers import DecodeBuffers, decode_step
 from rollout.executors.ordinary.loop import PromptBatch, StaticDecode, generate_ordinary
 from rollout.executors.ordinary.order import RowOrder
 from rollout.ops.decode_attention import MIN_SHARED_PROMPT
 from rollout.plan.buckets import batch_bucket, length_bucket, length_round
-from rollout.stats import CallStats
-
-
-def sampling_key(sampling) -> tuple:
-    """The sampling settings a captured step depends on (the seed lives in a buffer)."""
-    if sampling.is_greedy:
-        return ("greedy", sampling.repetition_penalty, sampling.return_logprobs)
-    return (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty,
-            sampling.return_logprobs)
 
 
 class OrdinaryExecutor:
@@ -43,8 +32,12 @@ class OrdinaryExecutor:
         the tensor at its captured address, so a later call must not bring a new one (the first call's
         would be freed and its memory reused; rows then never finish in graph replays)."""
 
-    def run(self, ctx: CallContext, choice: DecodeChoice, batch: PromptBatch, order: RowOrder) -> Generation:
-        """The batch's ``N = B * n`` rows, in request order."""
+    def run(self, call: RouteCall) -> Generation:
+        """The call's ``N = B * n`` rows, in request order: prompts ordered and grouped by the plan's buckets."""
+        ctx, choice, prompts = call.ctx, call.decode, call.prompts
+        order = RowOrder.plan(prompts.layout, ctx.sampling.n_samples_per_prompt, call.plan.buckets,
+                              call.plan.bucket_lengths)
+        batch = PromptBatch(prompts.ids, prompts.mask, prompts.expanded_ids, prompts.expanded_mask)
         num_rows = batch.ids.shape[0]
         rows = batch_bucket(num_rows) if choice.is_fast else num_rows
         capacity = batch.ids.shape[1] + ctx.sampling.max_new_tokens
@@ -64,10 +57,10 @@ class OrdinaryExecutor:
                 if not self.pool.keep:
                     self.release()
         stats = state.stats
-        stats.settle_decode_path(choice.path, choice.reason, self.graphs.fallback_reason,
-                                        choice.attention)
-        stats.num_steps = stats.steps = state.num_steps
-        stats.num_slots, stats.capacity, stats.cache_bytes = rows, capacity, cache.nbytes
+        stats.decode.settle_path(choice.path, choice.reason, self.graphs.fallback_reason, choice.attention)
+        stats.decode.num_steps = stats.decode.steps = state.num_steps
+        stats.cache.num_slots, stats.cache.capacity, stats.cache.nbytes = rows, capacity, cache.nbytes
+        settle_stats(call, stats)
         logprobs = None if state.logprobs is None else state.logprobs[:, :state.num_steps]
         return Generation(state.generated[:, :state.num_steps], logprobs, stats)
 
@@ -96,7 +89,8 @@ class OrdinaryExecutor:
             shape = (rows, length_bucket(live_len, cache.shape.capacity))
 
             def work():
-                decode_step(parts, cache, bufs, shape, ctx.sampler, eos, has_seen, ctx.with_logprobs, samples)
+                decode_step(parts, cache, bufs, shape, ctx.sampler, eos, has_seen=has_seen,
+                            with_logprobs=ctx.with_logprobs, samples=samples)
 
             if not use_graphs:
                 work()

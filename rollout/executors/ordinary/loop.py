@@ -120,8 +120,8 @@ def prefill(ctx: CallContext, cache: StaticKVCache, prompt_ids, prompt_mask, sta
     target = cache if n == 1 else scratch.get(num_prompts, prompt_len)
     groups = order.group_spans(prompt_len)
     logits = _prefill_into(ctx, target, prompt_ids, prompt_mask, state, order, groups)  # [B, V]
-    state.stats.prefill_rows += num_prompts
-    state.stats.prefill_tokens += sum((stop - first) * length for first, stop, length in groups)
+    state.stats.prefill.rows += num_prompts
+    state.stats.prefill.tokens += sum((stop - first) * length for first, stop, length in groups)
     if n > 1:
         source = torch.arange(num_prompts * n, device=prompt_ids.device) // n  # row r <- prompt r // n
         for dst, src in ((cache.key_storage, target.key_storage), (cache.value_storage, target.value_storage)):
@@ -137,8 +137,8 @@ def _prefill_into(ctx: CallContext, target: StaticKVCache, prompt_ids, prompt_ma
     group."""
     num_prompts, prompt_len = prompt_ids.shape
     if ctx.fast_prefill is not None:
-        state.stats.prefill_forwards += 1
-        state.stats.prefill_attention_groups += len(groups)
+        state.stats.prefill.forwards += 1
+        state.stats.prefill.attention_groups += len(groups)
         return prefill_logits(ctx.fast_prefill, target.key_storage[:, :num_prompts],
                               target.value_storage[:, :num_prompts], prompt_ids, prompt_mask,
                               groups if order.groups else None, order.prompt_rows, ctx.prefill_graphs)
@@ -147,8 +147,8 @@ def _prefill_into(ctx: CallContext, target: StaticKVCache, prompt_ids, prompt_ma
         cols = slice(prompt_len - length, prompt_len)
         logits.append(hf.prefill_forward(ctx.model, target.rows(first, stop), prompt_ids[first:stop, cols],
                                          prompt_mask[first:stop, cols], prompt_len, state.mask_dtype))
-        state.stats.prefill_forwards += 1
-        state.stats.prefill_attention_groups += 1
+        state.stats.prefill.forwards += 1
+        state.stats.prefill.attention_groups += 1
     return logits[0] if len(logits) == 1 else torch.cat(logits)
 
 
@@ -160,7 +160,7 @@ def decode_one_token(ctx: CallContext, cache: StaticKVCache, tokens: torch.Tenso
     positions = state.next_pos + (state.num_steps - 1)  # [N]
     logits = hf.decode_forward(ctx.model, cache, tokens, positions, masks.decode_mask(state.valid, col + 1),
                                state.mask_dtype)
-    state.stats.count_decode("hf", tokens.shape[0])
+    state.stats.decode.count("hf", tokens.shape[0])
     return _emit(ctx, state, logits)
 
 
@@ -196,7 +196,7 @@ def generate_ordinary(ctx: CallContext, cache: StaticKVCache, batch: PromptBatch
 def _hf_decode_loop(ctx: CallContext, cache, tokens, state: DecodeState, prompt_len: int) -> None:
     while state.num_steps < ctx.sampling.max_new_tokens:
         if ctx.eos.tensor is not None and state.num_steps % ctx.eos_check_interval == 0:
-            state.stats.host_syncs += 1
+            state.stats.decode.host_syncs += 1
             if not ctx.busy(not bool(state.finished.all())):
                 break
         with ctx.stage(stages.DECODE):
@@ -224,7 +224,7 @@ def _static_decode_loop(ctx: CallContext, cache, state: DecodeState, static: Sta
             counts.post(finished[:bucket].sum(), (state.num_steps, bucket))  # finished rows, padding included
             if len(counts) > 1 or not ctx.late_eos_count:
                 done, (at_step, at_bucket) = counts.take()
-                state.stats.host_syncs += 1
+                state.stats.decode.host_syncs += 1
                 num_live = at_bucket - done
                 if not ctx.busy(num_live > 0):
                     _cut_overrun(state, at_step)
@@ -233,21 +233,21 @@ def _static_decode_loop(ctx: CallContext, cache, state: DecodeState, static: Sta
                     columns = prompt_len + state.num_steps
                     with ctx.stage(stages.CACHE_TRIM):
                         bucket = static.buffers.compact(cache, bucket, batch_bucket(num_live), columns)
-                    state.stats.compactions += 1
-                    state.stats.row_moves += bucket
-                    state.stats.bytes_moved += bucket * columns * cache.column_bytes
+                    state.stats.cache.compactions += 1
+                    state.stats.cache.row_moves += bucket
+                    state.stats.cache.bytes_moved += bucket * columns * cache.column_bytes
         with ctx.stage(stages.DECODE):
-            state.stats.count_decode(static.step(prompt_len + state.num_steps, bucket), num_live)
-            state.stats.shared_prefix_steps += static.shares_prefix(bucket)
+            state.stats.decode.count(static.step(prompt_len + state.num_steps, bucket), num_live)
+            state.stats.decode.shared_prefix_steps += static.shares_prefix(bucket)
             state.num_steps += 1
     if counts:  # the budget ended the loop: the last check may show that every row had ended before it
         done, (at_step, at_bucket) = counts.take()
-        state.stats.host_syncs += 1
+        state.stats.decode.host_syncs += 1
         if at_bucket - done == 0:
             _cut_overrun(state, at_step)
 
 
 def _cut_overrun(state: DecodeState, at_step: int) -> None:
     """Every row had ended by token ``at_step``: the tokens decoded since are not part of the output."""
-    state.stats.eos_overrun_steps += state.num_steps - at_step
+    state.stats.decode.eos_overrun_steps += state.num_steps - at_step
     state.num_steps = at_step
