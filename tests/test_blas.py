@@ -83,7 +83,7 @@ def test_off_cuda_nothing_is_touched(fake):
 
 
 def test_config_default_and_call_stats_on_the_cpu(fake):
-    assert RolloutConfig().blas_library == "cublaslt"
+    assert RolloutConfig().kernels.blas_library == "cublaslt"
     ids, mask = random_prompts(2, 5, seed=1)
     ro = Rollout(tiny_model("qwen2", seed=0), TinyTokenizer(eos_token_id=None), RolloutConfig())
     ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=2, temperature=0.0))

@@ -62,9 +62,10 @@ def main() -> None:
     partitioned = None
     if STAGE == 3:  # outside the rollout the parameters are partitioned again
         partitioned = all(p.numel() == 0 for p in engine.module.parameters())
-    emit({"rank": rank(), "expected": expected, "got": got, "num_forwards": stats.prefill.forwards + stats.decode.forwards,
+    emit({"rank": rank(), "expected": expected, "got": got,
+          "num_forwards": stats.prefill.forwards + stats.decode.forwards,
           "decode_fallback_reason": stats.decode.fallback_reason,
-          "fast_decode": stats.decode.eager_steps, 0) + stats.decode.graph_steps, 0) > 0,
+          "fast_decode": stats.decode.eager_steps + stats.decode.graph_steps > 0,
           "stable_weight_addresses": stable, "repeat_equal": torch.equal(again.input_ids, batch.input_ids),
           "is_zero3": rollout.is_zero3, "route": stats.route, "partitioned_after": partitioned,
           "training_after": engine.module.training})
