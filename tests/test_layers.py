@@ -288,7 +288,6 @@ def _readme_map() -> list[tuple[int, str]]:
     return [(int(n), part) for n, part in re.findall(r"^\| *(\d+) *\| *`([^`]+)` *\|", section.group(1), re.M)]
 
 
-@pytest.mark.xfail(strict=True, reason="README map written in the docs step of issue 31")
 def test_readme_map_matches_the_layer_table():
     """README's ``## Map`` lists every part once, with its number, in number order (any order within one)."""
     rows = _readme_map()
