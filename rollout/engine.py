@@ -6,7 +6,7 @@ cache_acquire -> prefill -> decode x k [-> cache_trim, continuous route] -> cach
 lora_unfuse -> mode_switch (restore) -> mask_build -> postprocess.
 
 The engine checks the inputs, plans the route and post-processes; everything on the device (the KV pool, our
-step, the graphs, the weights' gather and LoRA fuse, one executor per route) belongs to its
+step, the graphs, the prompts' expansion, the weights' gather and LoRA fuse, one executor per route) belongs to its
 :class:`rollout.executors.runner.Runner`, which hands every route the same ``RouteCall``.
 """
 
@@ -18,9 +18,7 @@ import torch
 
 from instrumentation import collect_stages, stage, stages
 from rollout.config import RolloutConfig, SamplingConfig
-from rollout.executors.context import Prompts
 from rollout.executors.runner import Runner
-from rollout.ops.expand import expand_prompts
 from rollout.ops.inputs import checked_layout
 from rollout.ops.postprocess import assemble, finish_reasons, masked_logprobs, response_mask
 from rollout.plan import routes
@@ -141,14 +139,12 @@ class Rollout:
         mask = request.prompt_attention_mask.to(device, non_blocking=True)
         layout = checked_layout(ids, mask, self.model.config.vocab_size, sampling.max_new_tokens,
                                 self.runner.context_limit)
-        prepared = self.runner.prepare(layout, sampling, self.eos_token_ids)  # refuses a call that cannot fit
-        with stage(stages.EXPAND):
-            expanded_ids, expanded_mask = expand_prompts(ids, mask, sampling.n_samples_per_prompt)
+        prepared = self.runner.prepare(ids, mask, layout, sampling, self.eos_token_ids)  # refuses what cannot fit
         with stage(stages.PLAN):
             plan = routes.choose_route(self.config.route, layout, sampling.n_samples_per_prompt, prepared.slots,
                                        self.runner.cost_model, self.config.routing.max_prefill_tokens,
                                        prepared.decode.prefill_path)
-        result = self.runner.run(prepared, plan, Prompts(ids, mask, expanded_ids, expanded_mask, layout))
+        result = self.runner.run(prepared, plan)
         generated = result.tokens
         with stage(stages.MASK_BUILD):
             responses = response_mask(generated, self.eos_token_ids)
@@ -158,5 +154,7 @@ class Rollout:
                 extras["finish_reasons"] = finish_reasons(generated, self.eos_token_ids)
             if result.logprobs is not None:
                 extras["logprobs"] = masked_logprobs(result.logprobs, responses)
-            output = assemble(expanded_ids, expanded_mask, generated, responses, self.pad_token_id, extras)
+            prompts = prepared.prompts
+            output = assemble(prompts.expanded_ids, prompts.expanded_mask, generated, responses, self.pad_token_id,
+                              extras)
         return output, result.stats

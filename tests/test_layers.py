@@ -6,7 +6,7 @@ imports the module ``pkg.name`` when there is one, else ``pkg`` (its ``__init__`
 ``importlib`` imports by a string (the lazy public names of ``rollout`` and ``instrumentation``) are
 not seen.
 
-- Inside ``rollout/`` (README "Layout"): each part (a sub-package or a top-level module) has a layer
+- Inside ``rollout/`` (README "Map"): each part (a sub-package or a top-level module) has a layer
   in :data:`LAYER` and imports only parts of its own layer or below, and the third-party packages of
   :data:`THIRD_PARTY` (``instrumentation`` from layer 2 up).
 - Between packages (:data:`PACKAGE_RANK`): a package imports only packages of a lower rank.
@@ -293,3 +293,11 @@ def test_readme_map_matches_the_layer_table():
     rows = _readme_map()
     assert [n for n, _ in rows] == sorted(n for n, _ in rows), "map rows not in number order"
     assert sorted(rows) == sorted(map_rows())
+
+
+def test_the_engine_imports_few_modules_and_no_route_internals():
+    """``rollout/engine.py`` plans and post-processes: at most 10 project modules, none inside a route
+    (``rollout.executors.ordinary`` / ``.continuous``); routes are reached through the runner's executors."""
+    project = [m for m in _imports(PACKAGE / "engine.py") if m.split(".")[0] in PACKAGE_RANK]
+    assert len(project) <= 10, project
+    assert not [m for m in project if m.startswith(("rollout.executors.ordinary", "rollout.executors.continuous"))]

@@ -28,6 +28,7 @@ from rollout.executors.prefill_graph import PrefillGraphs
 from rollout.model import compat, zero
 from rollout.model.costs import cost_model_for
 from rollout.model.lora import LoraFuser
+from rollout.ops.expand import expand_prompts
 from rollout.ops.sampling import sampler_fn
 from rollout.plan import routes
 from rollout.plan.layout import PromptLayout, check_gather
@@ -42,6 +43,8 @@ class Prepared:
     decode: DecodeChoice
     fit: Optional[SlotPlan]
     """The continuous route's slots and capacity within the budget (None: as planned)."""
+    prompts: Prompts
+    """The prompts on the device, once per prompt and once per row."""
     sampling: SamplingConfig
     eos_ids: tuple[int, ...]
     """The tokenizer's end-of-sequence ids (empty: rows run to the budget)."""
@@ -91,20 +94,26 @@ class Runner:
         return self._cost_model
 
     # ---- one call ---------------------------------------------------------------------------------
-    def prepare(self, layout: PromptLayout, sampling: SamplingConfig, eos_ids: tuple[int, ...]) -> Prepared:
-        """The call's decode path and its KV budget; refuses a call that cannot fit before any allocation."""
+    def prepare(self, ids: torch.Tensor, mask: torch.Tensor, layout: PromptLayout, sampling: SamplingConfig,
+                eos_ids: tuple[int, ...]) -> Prepared:
+        """The call's decode path and KV budget (a call that cannot fit is refused before any allocation), then its
+        prompts expanded to one row per sample (``ids``/``mask``: ``[B, T_p]`` on the device, checked)."""
         device = self.device
         decode = choose_decode(self.config, self.model, self.is_zero3, device)
-        return Prepared(decode, self._slots_within_budget(layout, sampling, decode, device), sampling, eos_ids, device)
+        fit = self._slots_within_budget(layout, sampling, decode, device)
+        with stage(stages.EXPAND):
+            expanded_ids, expanded_mask = expand_prompts(ids, mask, sampling.n_samples_per_prompt)
+        prompts = Prompts(ids, mask, expanded_ids, expanded_mask, layout)
+        return Prepared(decode, fit, prompts, sampling, eos_ids, device)
 
-    def run(self, prepared: Prepared, plan: RouteChoice, prompts: Prompts) -> Generation:
-        """The planned route over ``prompts``, with the weights ready for generation around it."""
+    def run(self, prepared: Prepared, plan: RouteChoice) -> Generation:
+        """The planned route over the prepared prompts, with the weights ready for generation around it."""
         device, decode = prepared.device, prepared.decode
         with self._inference_mode(), self._generation_weights(), self.fast_step.one_call(), \
                 blas.blas_library(self.config.kernels.blas_library, device) as blas_in_effect:
             ctx = self._context(prepared, plan.route)  # after the gather: ZeRO-3 weights are resident
             graphs = ctx.prefill_graphs
-            call = RouteCall(ctx, decode, plan, prompts, prepared.fit, blas_in_effect,
+            call = RouteCall(ctx, decode, plan, prepared.prompts, prepared.fit, blas_in_effect,
                              graph_passes_before=graphs.replays if graphs is not None else 0)
             return self.executors[plan.route].run(call)
 
