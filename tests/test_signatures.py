@@ -25,8 +25,6 @@ MAX_SCRIPT_LINES = 500
 #: ``(path, limit)`` over its limit today in a file being restructured by others: an xfail(strict=True), so
 #: remove the entry once the file is fixed (a fixed file fails until then). ``limit``: "positional" or "lines".
 KNOWN_OVER = {
-    ("scripts/profile_decode_step.py", "positional"),  # shared_prefix_variants: 9
-    ("scripts/profile_decode_step.py", "lines"),  # 606
     ("scripts/train_opsd.py", "lines"),  # 883
 }
 
