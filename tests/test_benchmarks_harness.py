@@ -206,3 +206,24 @@ def test_scripts_keep_only_what_users_run():
     assert [p for p in (ROOT / "scripts").glob("*.py") if "sys.path.insert" in p.read_text()
             and p.name not in ("train_opsd.py", "check_kernels.py")] == []
     assert [p for p in (ROOT / "benchmarks").rglob("*.py") if "sys.path.insert" in p.read_text()] == []
+
+
+_AB_COMMAND = ("import json, os, sys; json.dump([{'suite': 's', 'cell': 'c', 'candidate': os.path.basename(os.getcwd()),"
+               " 'e2e_ms': 2.0 if 'new' in os.getcwd() else 1.0}], open(sys.argv[2], 'w'))")
+
+
+def test_ab_runs_the_command_in_each_tree_in_alternating_rounds(tmp_path, capsys):
+    from benchmarks import ab
+
+    for name in ("old", "new"):
+        (tmp_path / name).mkdir()
+    rows = ab.main(["--tree", f"old={tmp_path / 'old'}", "--tree", f"new={tmp_path / 'new'}", "--rounds", "3",
+                    "--out", str(tmp_path / "ab"), "--", "-c", _AB_COMMAND])
+    out = capsys.readouterr().out
+    rounds = [line.split(":")[0] for line in out.splitlines() if line.startswith("# ")]
+    assert rounds == ["# old round 0", "# new round 0", "# new round 1", "# old round 1", "# old round 2",
+                      "# new round 2"]
+    assert [(r.candidate, r.ms) for r in rows] == [("old", {"old": [1.0] * 3}), ("new", {"new": [2.0] * 3})]
+    doc = results.read(str(tmp_path / "ab" / "ab.json"))
+    assert doc.meta["rounds"] == 3 and len(doc.rows) == 2
+    assert "| s | c | old | 1.00 (1.00-1.00; n=3) | - | - |" in out

@@ -103,7 +103,6 @@ def eos_scale_for(bench: Bench, cell: CellSpec) -> dict:
     scale, mean, seen = search_scale(lambda s: mean_length(s, cell.budget), float(cell.mean_target),
                                      lower=(lambda s: mean_length(s, short)) if short < cell.budget else None)
     ro.shutdown()
-    del ro
     gc.collect()
     entry = {"scale": scale, "calibration_mean": mean, "probes": seen, "rows": family.rows,
              "seconds": time.perf_counter() - t0}

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """ZeRO stage x rollout gathering x GPU count x launcher: OPSD step time and peak memory per rank.
 
 Runs ``scripts/train_opsd.py --json-out`` once per variant, each under a launcher (``torchrun
@@ -11,16 +10,16 @@ becomes a row with the tail of its log; the others still run. ``--out`` holds ev
 run's full report) and is rewritten after every variant, so a run cut short keeps what finished.
 
     # issue 8: random Qwen2.5-3B-shaped student and teacher, 1 and 2 GPUs, six variants
-    python3 scripts/bench_multigpu.py --student qwen25-3b --teacher qwen25-3b --batch-size 2 \\
+    python -m benchmarks.multigpu --student qwen25-3b --teacher qwen25-3b --batch-size 2 \\
         --samples-per-prompt 4 --max-new-tokens 128 --prompt-len 256 --steps 4 --nproc 1 2 --out bench8.json
     # the same under the deepspeed launcher, with per-rank traces and their summary per variant
-    python3 scripts/bench_multigpu.py ... --launcher deepspeed --profile traces8
-    python3 scripts/bench_multigpu.py --merge bench8.json bench8-ds.json    # one table from several runs
+    python -m benchmarks.multigpu ... --launcher deepspeed --profile traces8
+    python -m benchmarks.multigpu --merge bench8.json bench8-ds.json    # one table from several runs
 
 Variants (``--variants``): ``zeroS`` (S = 0, 1, 2, 3) or ``zero3-once`` / ``zero3-per_forward``
 (``RolloutConfig.gather``), each optionally with ``/Ngpu`` to pin its GPU count; a variant without
 it runs once per ``--nproc`` value. Every flag this script does not know is passed to
-``train_opsd.py`` (checked by its own parser before anything runs); ``--zero-stage``, ``--gather``
+``train_opsd.py`` (checked by its own parser before anything runs: ``benchmarks.harness.programs``); ``--zero-stage``, ``--gather``
 and ``--json-out`` come from the variant. ``--profile DIR`` runs every variant with ``OPSD_PROFILE=1
 OPSD_PROFILE_RANKS=all OPSD_PROFILE_DIR=DIR/<launcher>-<variant>-<N>gpu`` and afterwards prints
 ``scripts/summarize_trace.py --by-rank`` of the run's trace directory (the profiled steps carry the
@@ -44,13 +43,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks.harness import results
+from benchmarks.harness.meta import run_meta
+from benchmarks.harness.programs import REPO, SUMMARIZE_SCRIPT, TRAIN_SCRIPT, train_opsd
+from benchmarks.harness.table import markdown_table
 
-from scripts import train_opsd  # noqa: E402  (standard library only at import)
-from scripts.train_opsd import free_port  # noqa: E402
-TRAIN_SCRIPT = REPO / "scripts" / "train_opsd.py"
-SUMMARIZE_SCRIPT = REPO / "scripts" / "summarize_trace.py"
 LAUNCHERS = ("torchrun", "deepspeed")
 DEFAULT_VARIANTS = ("zero0", "zero3-once", "zero3-per_forward")
 DEFAULT_NPROC = (1, 2)
@@ -116,7 +113,7 @@ def launch_command(run: dict, job_args: list[str], json_path: Path) -> list[str]
                 str(run["gpus"]), str(TRAIN_SCRIPT), *args]
     # The deepspeed launcher appends --local_rank=N to the script's arguments (train_opsd accepts it).
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(run["gpus"]),
-            "--master_port", str(free_port()), str(TRAIN_SCRIPT), *args]
+            "--master_port", str(train_opsd().free_port()), str(TRAIN_SCRIPT), *args]
 
 
 def run_env(run: dict, profile_dir: Optional[Path]) -> dict:
@@ -281,26 +278,24 @@ def _first_error_line(error: Optional[str]) -> str:
     return text[:200].replace("|", "/")
 
 
-TABLE_HEADER = ("| variant | launcher | GPUs | ZeRO | gather | median s/step | last step s | rollout tok/s | "
-                "peak GiB max | peak GiB per rank | last loss | status |")
+HEADER = ("variant", "launcher", "GPUs", "ZeRO", "gather", "median s/step", "last step s", "rollout tok/s",
+          "peak GiB max", "peak GiB per rank", "last loss", "status")
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """One markdown table of the rows (failed ones with their error's last line)."""
-    lines = [TABLE_HEADER, "|---|---|---:|---:|---|---:|---:|---:|---:|---|---:|---|"]
-    for row in rows:
-        ok = row.get("status") == "ok"
-        peaks = row.get("peak_gib_per_rank") or []
-        status = "ok" + (" (profiled)" if row.get("profiled") else "") if ok else \
-            f"{row.get('status')}: {_first_error_line(row.get('error'))}"
-        lines.append("| " + " | ".join([
-            row["variant"], row["launcher"], str(row["gpus"]), str(row["zero_stage"]), row.get("gather") or "-",
-            _num(row.get("median_step_s"), ".3f") if ok else "-",
-            _num(row.get("last_step_s"), ".3f") if ok else "-",
-            _num(row.get("rollout_tokens_per_s"), ".0f") if ok else "-",
-            _num(row.get("peak_gib_max"), ".2f") if ok else "-",
-            ", ".join(format(p, ".2f") for p in peaks) if ok and peaks else "-",
-            _num(row.get("last_loss"), ".5f") if ok else "-", status]) + " |")
+def _cells(row: dict) -> list:
+    ok = row.get("status") == "ok"
+    peaks = row.get("peak_gib_per_rank") or []
+    status = "ok" + (" (profiled)" if row.get("profiled") else "") if ok else \
+        f"{row.get('status')}: {_first_error_line(row.get('error'))}"
+    figures = [_num(row.get("median_step_s"), ".3f"), _num(row.get("last_step_s"), ".3f"),
+               _num(row.get("rollout_tokens_per_s"), ".0f"), _num(row.get("peak_gib_max"), ".2f"),
+               ", ".join(format(p, ".2f") for p in peaks) or "-", _num(row.get("last_loss"), ".5f")]
+    return [row["variant"], row["launcher"], row["gpus"], row["zero_stage"], row.get("gather") or "-",
+            *(figures if ok else ["-"] * len(figures)), status]
+
+
+def format_table(rows: list[dict]) -> str:
+    """One markdown table of the rows (failed ones with their error's cause), and what the columns mean."""
     kinds = {row.get("peak_memory") for row in rows if row.get("status") == "ok"}
     notes = {"cuda_max_allocated": "peak GiB: torch.cuda.max_memory_allocated per rank during the training steps",
              "cpu_peak_rss": "peak GiB: peak resident set size of each rank's process (CPU run)"}
@@ -311,15 +306,7 @@ def markdown_table(rows: list[dict]) -> str:
                   "ranks of each rank's median")
     if devices:
         footer.append("device: " + ", ".join(devices))
-    return "\n".join(lines) + "\n\n" + "\n".join(footer)
-
-
-def write_rows(path: Path, rows: list[dict], meta: dict) -> None:
-    """All rows to ``path`` (atomically)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"schema": "opsd-bench-multigpu/1", **meta, "rows": rows}, indent=2) + "\n")
-    os.replace(tmp, path)
+    return markdown_table(HEADER, [_cells(row) for row in rows]) + "\n\n" + "\n".join(footer)
 
 
 def progress_line(index: int, total: int, row: dict) -> str:
@@ -332,7 +319,8 @@ def progress_line(index: int, total: int, row: dict) -> str:
 
 # ---- main ---------------------------------------------------------------------------------------
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.multigpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)  # every unknown flag goes to train_opsd.py whole
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="V",
                         help="zeroS, zero3-once, zero3-per_forward, optionally /Ngpu "
@@ -377,7 +365,7 @@ def check_job_args(parser: argparse.ArgumentParser, job_args: list[str]) -> None
 
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
-            train_opsd.parse_args(job_args)
+            train_opsd().parse_args(job_args)
     except SystemExit as exc:
         message = err.getvalue().strip().splitlines()
         parser.error(f"train_opsd.py rejects the passed-through flags {job_args}: "
@@ -385,23 +373,25 @@ def check_job_args(parser: argparse.ArgumentParser, job_args: list[str]) -> None
 
 
 def load_rows(paths: list[str]) -> list[dict]:
+    """The rows of earlier ``--out`` files (this schema or the one before it), figures added since the file was
+    written recomputed from each run's report."""
     rows = []
     for path in paths:
-        doc = json.loads(Path(path).read_text())
-        for row in doc.get("rows", []):
+        for row in results.read(path).rows:
             if row.get("status") == "ok" and isinstance(row.get("report"), dict):
-                row = {**row, **row_from_report(row, row["report"])}  # figures added since the file was written
+                row = {**row, **row_from_report(row, row["report"])}
             rows.append(row)
     return rows
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, job_args = parse_args(argv)
     if args.merge is not None:
         rows = load_rows(args.merge)
-        print(markdown_table(rows))
+        print(format_table(rows))
         if args.out is not None:
-            write_rows(Path(args.out), rows, {"merged_from": args.merge})
+            results.write(args.out, run_meta("multigpu", argv, merged_from=args.merge), rows)
         return 0 if all(r.get("status") == "ok" for r in rows) else 1
     out = Path(args.out or "bench_multigpu.json")
     runs = expand_runs(args.variants, args.nproc, args.launcher)
@@ -414,22 +404,22 @@ def main(argv=None) -> int:
             print(f"{run['id']}: {extra} " + " ".join(launch_command(run, job_args, work_dir / f"{run['id']}.json")))
         return 0
     work_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"job_args": job_args, "variants": args.variants, "nproc": args.nproc, "launchers": args.launcher,
-            "timeout_s": args.timeout, "profile_dir": None if profile_dir is None else str(profile_dir),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = run_meta("multigpu", argv, job_args=job_args, variants=args.variants, nproc=args.nproc,
+                    launchers=args.launcher, timeout_s=args.timeout,
+                    profile_dir=None if profile_dir is None else str(profile_dir))
     print(f"{len(runs)} runs: {', '.join(r['id'] for r in runs)}; flags for train_opsd.py: "
           f"{' '.join(job_args) or '(none)'}", flush=True)
     rows = []
     for index, run in enumerate(runs, 1):
         row = run_variant(run, job_args, work_dir, args.timeout, profile_dir)
         rows.append(row)
-        write_rows(out, rows, meta)
+        results.write(str(out), meta, rows)
         print(progress_line(index, len(runs), row), flush=True)
         if row.get("trace_summary") is not None:
             print(f"\n--- summarize_trace.py --by-rank {' '.join(row.get('trace_dirs', []))} ---\n"
                   f"{row['trace_summary']}", flush=True)
     print()
-    print(markdown_table(rows))
+    print(format_table(rows))
     print(f"\nrows: {out}  (logs and per-run reports: {work_dir})")
     return 0 if all(row["status"] == "ok" for row in rows) else 1
 

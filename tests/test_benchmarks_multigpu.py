@@ -1,4 +1,4 @@
-"""scripts/bench_multigpu.py and the flags of scripts/train_opsd.py it relies on, on the CPU.
+"""benchmarks.multigpu (``python -m benchmarks.multigpu``) and the flags of scripts/train_opsd.py it relies on, on the CPU.
 
 In-process: model shape names (``--student qwen25-3b``) and their errors, ``--gather`` /
 ``--teacher-offload`` / ``--local_rank`` parsing, the bench's variant names and pass-through checks,
@@ -23,7 +23,6 @@ import torch
 from rollout.testing import MODEL_SHAPES, QWEN25_3B_SHAPE, shape_config, shaped_model, tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "scripts" / "bench_multigpu.py"
 #: Flags of the tiny real runs: 2 steps of 1 prompt x 2 samples x 6 new tokens per rank.
 TINY_JOB = ["--steps", "2", "--batch-size", "1", "--samples-per-prompt", "2", "--max-new-tokens", "6",
             "--prompt-len", "8"]
@@ -45,7 +44,9 @@ def train_opsd():
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script("bench_multigpu")
+    from benchmarks import multigpu
+
+    return multigpu
 
 
 # ---- shape names ----------------------------------------------------------------------------------
@@ -187,7 +188,9 @@ def test_a_failing_or_hanging_variant_becomes_a_row_and_the_rest_still_run(bench
     out = tmp_path / "rows.json"
     code = bench.main(["--nproc", "2", "--timeout", "3", "--out", str(out)])
     assert code == 1
-    rows = json.loads(out.read_text())["rows"]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert doc["schema"] == 1 and doc["meta"]["command"][:3] == ["python", "-m", "benchmarks.multigpu"]
     assert [r["status"] for r in rows] == ["failed", "timeout", "ok"]
     assert "ValueError: boom from the stand-in" in rows[0]["error"] and rows[0]["exit_status"] == 1
     assert rows[1]["error"].startswith("timed out after 3 s") and rows[1]["exit_status"] is None
@@ -205,7 +208,7 @@ def run_bench(tmp: Path, *args) -> tuple[dict, str]:
     env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))})
     out = tmp / "rows.json"
-    proc = subprocess.run([sys.executable, str(BENCH), *args, "--out", str(out)], cwd=tmp, env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.multigpu", *args, "--out", str(out)], cwd=tmp, env=env,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-3000:]}"
     return json.loads(out.read_text()), proc.stdout
