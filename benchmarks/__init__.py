@@ -19,6 +19,12 @@ files, tables). Each runs as ``python -m benchmarks.<name> --help``.
 | ``benchmarks.ab`` | one benchmark command in two source trees, alternating | ``scripts/bench_ab.py`` |
 
 Layering (``tests/test_layers.py``): benchmarks import ``rollout``, ``instrumentation`` and ``traces``; no library
-imports benchmarks, and benchmarks import nothing of ``scripts/`` (the user programs they run, ``train_opsd.py``,
-are run as programs).
+imports benchmarks, and benchmarks import nothing of ``scripts/``: the user program two of them drive,
+``train_opsd.py``, is launched as a program, or loaded from its file in one place (``benchmarks.harness.programs``)
+where its flag parser or its OPSD step is needed in process.
+
+Every benchmark times with :mod:`benchmarks.harness.rounds` (a warm-up, then rounds A B C, C B A, ...; round ``r``
+draws seed ``base + r % K``), writes ``--json`` as one schema (:mod:`benchmarks.harness.results`: ``{"schema": 1,
+"meta": {...}, "rows": [...]}``, readable along with every older file under ``docs/results/``) and prints one
+markdown table (:mod:`benchmarks.harness.table`).
 """

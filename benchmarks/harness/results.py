@@ -10,7 +10,8 @@ A result file (``SCHEMA`` 1)::
               ...what the benchmark adds (its settings, measured rates)},
      "rows": [{...one dataclass row...}, ...]}
 
-Rows are dataclasses (``dataclasses.asdict``); non-finite floats are written as null (strict JSON).
+Rows are dataclasses (``dataclasses.asdict``); non-finite floats are written as null (strict JSON:
+``traces.cli.finite``).
 
 :func:`read` also loads what the benchmarks wrote before this schema (``schema`` 0): ``{"meta": ..., "rows":
 [...]}`` (``bench_rl``), a bare list of rows (``bench_rollout``, ``profile_decode_step``, ``bench_sampler``,
@@ -25,12 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from rollout.stats import renamed
+from traces.cli import finite
 
 #: Version of the result files this module writes.
 SCHEMA = 1
@@ -51,23 +52,11 @@ class Document:
     path: Optional[str] = field(default=None, compare=False)
 
 
-def json_safe(value):
-    """``value`` with every non-finite float replaced by None (strict JSON), dataclasses as dicts."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
 def write(path: str, meta: dict, rows: Sequence) -> None:
     """``{"schema", "meta", "rows"}`` to ``path``, atomically (a temporary file renamed over it), so a run cut
     short leaves the last complete file. ``rows``: dataclasses (or dicts)."""
-    payload = json_safe({"schema": SCHEMA, "meta": meta, "rows": list(rows)})
+    plain = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rows]
+    payload = finite({"schema": SCHEMA, "meta": meta, "rows": plain})
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"

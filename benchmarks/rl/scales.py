@@ -12,11 +12,11 @@ from typing import Optional
 
 import torch
 
-from benchmarks.harness.results import json_safe
 from benchmarks.rl.cells import EOS_ID, CellSpec, make_prompts
 from benchmarks.rl.figures import nucleus_sizes, response_lengths, search_scale
 from benchmarks.rl.running import Bench, sampling_for
 from rollout import Rollout, RolloutConfig, RolloutRequest
+from traces.cli import finite
 
 #: Rows x columns of the calibration probes: the first CALIB_PROMPTS prompts of the long-tail family.
 CALIB_PROMPTS = 32
@@ -77,7 +77,7 @@ def save_scales(bench: Bench) -> None:
     path = bench.args.eos_scales
     if path:
         with open(path, "w") as f:
-            json.dump(json_safe(bench.scales), f, indent=1, allow_nan=False, sort_keys=True)
+            json.dump(finite(bench.scales), f, indent=1, allow_nan=False, sort_keys=True)
 
 
 def eos_scale_for(bench: Bench, cell: CellSpec) -> dict:
