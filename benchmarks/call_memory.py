@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """What a rollout call leaves allocated on the GPU (a check, not a test; needs CUDA).
 
 Two views, both from ``torch.cuda.memory_allocated`` after a synchronize:

@@ -171,7 +171,7 @@ def plot_rows(rows: list[Row], path: str) -> None:
     import matplotlib.pyplot as plt
 
     smoke = [r for r in rows if r.suite == "smoke000" and r.extra.get("prefill_ms") is not None]
-    seed = [r for r in rows if r.suite == "seed004" and r.e2e_ms == r.e2e_ms]
+    seed = [r for r in rows if r.suite == "seed004" and r.e2e_ms is not None and r.e2e_ms == r.e2e_ms]  # timed
     panels = [p for p, rows_of in (("smoke", smoke), ("seed", seed)) if rows_of]
     fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, len(smoke) * 0.35), 5 * len(panels)), squeeze=False)
     axes = {name: ax for name, ax in zip(panels, axes[:, 0])}
