@@ -33,6 +33,7 @@ gets ``OPSD_PROFILE=0``. Launchers run through this interpreter (``python -m tor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -40,6 +41,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -188,6 +190,43 @@ def error_tail(log_path: Path, chars: int = ERROR_TAIL_CHARS) -> str:
     return f"cause: {causes[0]}\n{tail}" if causes else tail
 
 
+@dataclass
+class VariantRow:
+    """One variant's run: what ran, how it ended, and (``status`` ok) the figures of its report."""
+
+    id: str
+    variant: str
+    launcher: str
+    gpus: int
+    zero_stage: int
+    gather: Optional[str] = None
+    command: list = field(default_factory=list)
+    log: str = ""
+    profiled: bool = False
+    wall_s: Optional[float] = None
+    exit_status: Optional[int] = None
+    """None: timed out."""
+    status: str = ""
+    """``ok``, ``failed`` or ``timeout``."""
+    error: Optional[str] = None
+    median_step_s: Optional[float] = None
+    last_step_s: Optional[float] = None
+    rollout_tokens_per_s: Optional[float] = None
+    peak_memory: Optional[str] = None
+    """What ``peak_gib_per_rank`` measures: ``cuda_max_allocated`` or ``cpu_peak_rss``."""
+    peak_gib_per_rank: list = field(default_factory=list)
+    peak_gib_max: Optional[float] = None
+    last_loss: Optional[float] = None
+    last_losses: list = field(default_factory=list)
+    device_name: Optional[str] = None
+    reported_launcher: Optional[str] = None
+    report: Optional[dict] = None
+    """train_opsd.py's ``--json-out`` report (every rank)."""
+    trace_dirs: list = field(default_factory=list)
+    trace_summary_status: Optional[int] = None
+    trace_summary: Optional[str] = None
+
+
 def row_from_report(run: dict, report: dict) -> dict:
     """The table figures of a successful run."""
     peaks = report.get("peak_gib_per_rank") or []
@@ -218,7 +257,7 @@ def summarize_traces(run_dirs: list[Path], env: dict) -> tuple[Optional[int], st
 
 
 def run_variant(run: dict, job_args: list[str], work_dir: Path, timeout_s: float,
-                profile_dir: Optional[Path]) -> dict:
+                profile_dir: Optional[Path]) -> VariantRow:
     """Run one variant; a row (``status`` ok / failed / timeout), never an exception for its failure."""
     json_path = work_dir / f"{run['id']}.json"
     log_path = work_dir / f"{run['id']}.log"
@@ -227,35 +266,35 @@ def run_variant(run: dict, job_args: list[str], work_dir: Path, timeout_s: float
     env = run_env(run, profile_dir)
     variant_dir = None if profile_dir is None else profile_dir / run["id"]
     before = set(variant_dir.glob("run-*")) if variant_dir is not None and variant_dir.is_dir() else set()
-    row = {key: run[key] for key in ("id", "variant", "launcher", "gpus", "zero_stage", "gather")}
-    row.update(command=argv, log=str(log_path), profiled=profile_dir is not None)
-    code, wall_s = run_bounded(argv, env, log_path, timeout_s)
-    row["wall_s"], row["exit_status"] = wall_s, code
+    row = VariantRow(**{key: run[key] for key in ("id", "variant", "launcher", "gpus", "zero_stage", "gather")},
+                     command=argv, log=str(log_path), profiled=profile_dir is not None)
+    code, row.wall_s = run_bounded(argv, env, log_path, timeout_s)
+    row.exit_status = code
     report = None
     if json_path.is_file():
         try:
             report = json.loads(json_path.read_text())
         except ValueError as exc:
-            row["error"] = f"unreadable report {json_path}: {exc}"
+            row.error = f"unreadable report {json_path}: {exc}"
     if code is None:
-        row.update(status="timeout", error=f"timed out after {timeout_s:.0f} s\n{error_tail(log_path)}")
+        row.status, row.error = "timeout", f"timed out after {timeout_s:.0f} s\n{error_tail(log_path)}"
     elif code != 0:
-        row.update(status="failed", error=f"exit status {code}\n{error_tail(log_path)}")
+        row.status, row.error = "failed", f"exit status {code}\n{error_tail(log_path)}"
     elif report is None:
-        row.update(status="failed", error=row.get("error") or f"no report at {json_path}\n{error_tail(log_path)}")
+        row.status, row.error = "failed", row.error or f"no report at {json_path}\n{error_tail(log_path)}"
     elif report.get("world_size") != run["gpus"] or len(report.get("ranks", [])) != run["gpus"]:
-        row.update(status="failed", error=f"report has world size {report.get('world_size')} and "
-                                          f"{len(report.get('ranks', []))} ranks; expected {run['gpus']}")
+        row.status, row.error = "failed", (f"report has world size {report.get('world_size')} and "
+                                           f"{len(report.get('ranks', []))} ranks; expected {run['gpus']}")
     else:
-        row.update(status="ok", error=None, **row_from_report(run, report))
-    row["report"] = report
+        row = dataclasses.replace(row, status="ok", error=None, **row_from_report(run, report))
+    row.report = report
     if variant_dir is not None:
         run_dirs = new_run_dirs(variant_dir, before)
-        row["trace_dirs"] = [str(p) for p in run_dirs]
+        row.trace_dirs = [str(p) for p in run_dirs]
         if run_dirs:
-            row["trace_summary_status"], row["trace_summary"] = summarize_traces(run_dirs, env)
+            row.trace_summary_status, row.trace_summary = summarize_traces(run_dirs, env)
         else:
-            row["trace_summary_status"], row["trace_summary"] = None, f"no trace directory under {variant_dir}"
+            row.trace_summary = f"no trace directory under {variant_dir}"
     return row
 
 
@@ -282,24 +321,22 @@ HEADER = ("variant", "launcher", "GPUs", "ZeRO", "gather", "median s/step", "las
           "peak GiB max", "peak GiB per rank", "last loss", "status")
 
 
-def _cells(row: dict) -> list:
-    ok = row.get("status") == "ok"
-    peaks = row.get("peak_gib_per_rank") or []
-    status = "ok" + (" (profiled)" if row.get("profiled") else "") if ok else \
-        f"{row.get('status')}: {_first_error_line(row.get('error'))}"
-    figures = [_num(row.get("median_step_s"), ".3f"), _num(row.get("last_step_s"), ".3f"),
-               _num(row.get("rollout_tokens_per_s"), ".0f"), _num(row.get("peak_gib_max"), ".2f"),
-               ", ".join(format(p, ".2f") for p in peaks) or "-", _num(row.get("last_loss"), ".5f")]
-    return [row["variant"], row["launcher"], row["gpus"], row["zero_stage"], row.get("gather") or "-",
+def _cells(row: VariantRow) -> list:
+    ok = row.status == "ok"
+    status = "ok" + (" (profiled)" if row.profiled else "") if ok else f"{row.status}: {_first_error_line(row.error)}"
+    figures = [_num(row.median_step_s, ".3f"), _num(row.last_step_s, ".3f"), _num(row.rollout_tokens_per_s, ".0f"),
+               _num(row.peak_gib_max, ".2f"), ", ".join(format(p, ".2f") for p in row.peak_gib_per_rank) or "-",
+               _num(row.last_loss, ".5f")]
+    return [row.variant, row.launcher, row.gpus, row.zero_stage, row.gather or "-",
             *(figures if ok else ["-"] * len(figures)), status]
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[VariantRow]) -> str:
     """One markdown table of the rows (failed ones with their error's cause), and what the columns mean."""
-    kinds = {row.get("peak_memory") for row in rows if row.get("status") == "ok"}
+    kinds = {row.peak_memory for row in rows if row.status == "ok"}
     notes = {"cuda_max_allocated": "peak GiB: torch.cuda.max_memory_allocated per rank during the training steps",
              "cpu_peak_rss": "peak GiB: peak resident set size of each rank's process (CPU run)"}
-    devices = sorted({row.get("device_name") for row in rows if row.get("device_name")})
+    devices = sorted({row.device_name for row in rows if row.device_name})
     footer = [notes[k] for k in sorted(k for k in kinds if k in notes)]
     footer.append("median s/step: median over the steps after the first (warm-up), slowest rank; last step s: the "
                   "last step, slowest rank (the steady state when warm-up outlasts step 1); rollout tok/s: sum over "
@@ -309,12 +346,12 @@ def format_table(rows: list[dict]) -> str:
     return markdown_table(HEADER, [_cells(row) for row in rows]) + "\n\n" + "\n".join(footer)
 
 
-def progress_line(index: int, total: int, row: dict) -> str:
-    head = f"[{index}/{total}] {row['variant']} {row['gpus']}gpu ({row['launcher']}): {row['status']}"
-    if row["status"] == "ok":
-        return (f"{head}, {row['median_step_s']:.3f} s/step, {_num(row['rollout_tokens_per_s'], '.0f')} tok/s, "
-                f"peak {_num(row['peak_gib_max'], '.2f')} GiB, wall {row['wall_s']:.0f} s")
-    return f"{head} after {row['wall_s']:.0f} s (log: {row['log']})\n{row['error']}"
+def progress_line(index: int, total: int, row: VariantRow) -> str:
+    head = f"[{index}/{total}] {row.variant} {row.gpus}gpu ({row.launcher}): {row.status}"
+    if row.status == "ok":
+        return (f"{head}, {row.median_step_s:.3f} s/step, {_num(row.rollout_tokens_per_s, '.0f')} tok/s, "
+                f"peak {_num(row.peak_gib_max, '.2f')} GiB, wall {row.wall_s:.0f} s")
+    return f"{head} after {row.wall_s:.0f} s (log: {row.log})\n{row.error}"
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -372,14 +409,14 @@ def check_job_args(parser: argparse.ArgumentParser, job_args: list[str]) -> None
                      f"{message[-1] if message else exc}")
 
 
-def load_rows(paths: list[str]) -> list[dict]:
+def load_rows(paths: list[str]) -> list[VariantRow]:
     """The rows of earlier ``--out`` files (this schema or the one before it), figures added since the file was
     written recomputed from each run's report."""
     rows = []
     for path in paths:
-        for row in results.read(path).rows:
-            if row.get("status") == "ok" and isinstance(row.get("report"), dict):
-                row = {**row, **row_from_report(row, row["report"])}
+        for row in results.rows_of(VariantRow, results.read(path)):
+            if row.status == "ok" and isinstance(row.report, dict):
+                row = dataclasses.replace(row, **row_from_report(dataclasses.asdict(row), row.report))
             rows.append(row)
     return rows
 
@@ -392,7 +429,7 @@ def main(argv=None) -> int:
         print(format_table(rows))
         if args.out is not None:
             results.write(args.out, run_meta("multigpu", argv, merged_from=args.merge), rows)
-        return 0 if all(r.get("status") == "ok" for r in rows) else 1
+        return 0 if all(r.status == "ok" for r in rows) else 1
     out = Path(args.out or "bench_multigpu.json")
     runs = expand_runs(args.variants, args.nproc, args.launcher)
     work_dir = (Path(args.work_dir) if args.work_dir else out.with_name(out.stem + ".runs")).resolve()
@@ -415,13 +452,13 @@ def main(argv=None) -> int:
         rows.append(row)
         results.write(str(out), meta, rows)
         print(progress_line(index, len(runs), row), flush=True)
-        if row.get("trace_summary") is not None:
-            print(f"\n--- summarize_trace.py --by-rank {' '.join(row.get('trace_dirs', []))} ---\n"
-                  f"{row['trace_summary']}", flush=True)
+        if row.trace_summary is not None:
+            print(f"\n--- summarize_trace.py --by-rank {' '.join(row.trace_dirs)} ---\n{row.trace_summary}",
+                  flush=True)
     print()
     print(format_table(rows))
     print(f"\nrows: {out}  (logs and per-run reports: {work_dir})")
-    return 0 if all(row["status"] == "ok" for row in rows) else 1
+    return 0 if all(row.status == "ok" for row in rows) else 1
 
 
 if __name__ == "__main__":

@@ -275,3 +275,15 @@ def test_deepspeed_launcher_with_an_offloaded_teacher_matches_torchrun(torchrun_
     plain = torchrun_rows[1][0]["report"]["ranks"]
     for offloaded, reference in zip(report["ranks"], plain):
         assert offloaded["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+
+
+def test_merge_reads_the_files_written_before_the_schema(bench):
+    """``--merge`` of two older files (``{"schema": "opsd-bench-multigpu/1", ..., "rows"}``, 2026-11-30 and
+    2026-12-01): every row a ``VariantRow``, its figures recomputed from its report."""
+    rows = bench.load_rows([str(REPO / "docs/results/h200-2026-11-30/bench8.json"),
+                            str(REPO / "docs/results/h200-2026-12-01g/zero-ed277b2-2.json")])
+    assert [(r.variant, r.gpus) for r in rows] == [("zero0", 1), ("zero3-once", 1), ("zero3-per_forward", 1),
+                                                   ("zero0", 2), ("zero3-once", 2), ("zero0", 1), ("zero3-once", 1)]
+    assert all(isinstance(r, bench.VariantRow) and r.status == "ok" for r in rows)
+    assert rows[3].peak_gib_per_rank == [pytest.approx(75.21, abs=0.01)] * 2 and rows[3].last_step_s > 0
+    assert "| zero3-per_forward | torchrun | 1 | 3 | per_forward | 13.326 |" in bench.format_table(rows)
