@@ -62,7 +62,7 @@ test-oldest: $(VENV_OLDEST)/.installed
 	$(TEST_ENV) $(VENV_OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(COMPAT_TESTS)
 
 bench-postprocess: $(VENV)/.installed
-	$(VENV)/bin/python scripts/bench_postprocess.py
+	$(VENV)/bin/python -m benchmarks.postprocess
 
 clean:
 	rm -rf $(VENV) $(VENV_OLDEST) opsd_traces *.egg-info

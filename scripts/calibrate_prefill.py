@@ -26,30 +26,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from rollout import KernelConfig, Rollout, RolloutConfig, RolloutRequest, RoutingConfig, SamplingConfig  # noqa: E402
-from rollout.cache.aligned import AlignedKVCache  # noqa: E402
-from rollout.cache.pool import ScratchArena  # noqa: E402
-from rollout.executors.decode import FastStep  # noqa: E402
-from rollout.model import prefill as fast_prefill  # noqa: E402
-from rollout.model import step as fast_decode  # noqa: E402
-from rollout.model.costs import calibration_metadata, load_cost_model  # noqa: E402
-from rollout.plan.calibration import (CopySample, DecodeSample, GroupSample, PrefillSample,  # noqa: E402
+from rollout import KernelConfig, Rollout, RolloutConfig, RolloutRequest, RoutingConfig, SamplingConfig
+from rollout.cache.aligned import AlignedKVCache
+from rollout.cache.pool import ScratchArena
+from rollout.executors.decode import FastStep
+from rollout.model import prefill as fast_prefill
+from rollout.model import step as fast_decode
+from rollout.model.costs import calibration_metadata, load_cost_model
+from rollout.plan.calibration import (CopySample, DecodeSample, GroupSample, PrefillSample,
                                       fit_cost_model, save_calibration)
-from rollout.model.compat import mask_dtype  # noqa: E402
-from rollout.cache.static import cache_shape  # noqa: E402
-from rollout.model.hf import prefill_forward  # noqa: E402
-from rollout.plan.planner import CostModel  # noqa: E402
-from rollout.testing import TinyTokenizer, shaped_model, tiny_model  # noqa: E402
+from rollout.model.compat import mask_dtype
+from rollout.cache.static import cache_shape
+from rollout.model.hf import prefill_forward
+from rollout.plan.planner import CostModel
+from rollout.testing import TinyTokenizer, shaped_model, tiny_model
 
 NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
 #: Calibration grids per model: batches, lengths, decode shapes (batch x length), decode extra steps.

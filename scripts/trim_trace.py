@@ -13,12 +13,9 @@ script says which, and exits 2 when even that is not enough. Prints the kept ste
 import argparse
 import gzip
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from traces.trim import DROP_ORDER, drop_categories, step_index, step_ranges, trim_events  # noqa: E402
+from traces.trim import DROP_ORDER, drop_categories, step_index, step_ranges, trim_events
 
 
 def parse_args(argv=None):

@@ -16,7 +16,7 @@ from rollout.ops import sampling as smp
 from rollout.ops.nucleus import _nth_member, ordered_keys, top_p_keep
 from rollout.ops.sampling import (Sampler, _select, filter_top_k, sampled_logprobs, sampler_fn, sampler_key,
                                   select_next_token)
-from scripts.bench_sampler import old_select  # the previous implementation (commit b8f0f0e), copied there
+from benchmarks.sampler import old_select  # the previous implementation (commit b8f0f0e), copied there
 
 CHI2_MIN_P = 1e-6
 """A correct sampler's chi-square p-value is uniform on (0, 1): it falls below this with probability 1e-6."""
@@ -256,7 +256,7 @@ def test_first_call_failure_falls_back_to_eager_for_good(monkeypatch):
 
 def test_compiled_sampler_traces_whole_without_a_sort(monkeypatch):
     """torch.compile(fullgraph=True) traces the sort-free path in one graph per sampler (dynamo + AOT
-    autograd on the CPU; Inductor's code generation for CUDA is exercised by scripts/bench_sampler.py),
+    autograd on the CPU; Inductor's code generation for CUDA is exercised by benchmarks.sampler),
     also when samplers of other keys were compiled before in the same process."""
     graphs = []
 

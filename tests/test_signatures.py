@@ -24,13 +24,7 @@ MAX_SCRIPT_LINES = 500
 
 #: ``(path, limit)`` over its limit today in a file being restructured by others: an xfail(strict=True), so
 #: remove the entry once the file is fixed (a fixed file fails until then). ``limit``: "positional" or "lines".
-KNOWN_OVER = {
-    ("scripts/bench_rl.py", "positional"),  # run_interleaved: 9
-    ("scripts/bench_rl.py", "lines"),  # 1474
-    ("scripts/bench_rollout.py", "positional"),  # suite_seed004: 9
-    ("scripts/profile_decode_step.py", "positional"),  # shared_prefix_variants: 9
-    ("scripts/profile_decode_step.py", "lines"),  # 606
-}
+KNOWN_OVER: set[tuple[str, str]] = set()
 
 #: ``"path:function"`` allowed more positional parameters, each with why (none today).
 EXEMPT: set[str] = set()

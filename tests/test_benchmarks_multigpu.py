@@ -1,4 +1,4 @@
-"""scripts/bench_multigpu.py and the flags of scripts/train_opsd.py it relies on, on the CPU.
+"""benchmarks.multigpu (``python -m benchmarks.multigpu``) and the flags of scripts/train_opsd.py it relies on, on the CPU.
 
 In-process: model shape names (``--student qwen25-3b``) and their errors, ``--gather`` /
 ``--teacher-offload`` / ``--local_rank`` parsing, the bench's variant names and pass-through checks,
@@ -23,7 +23,6 @@ import torch
 from rollout.testing import MODEL_SHAPES, QWEN25_3B_SHAPE, shape_config, shaped_model, tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "scripts" / "bench_multigpu.py"
 #: Flags of the tiny real runs: 2 steps of 1 prompt x 2 samples x 6 new tokens per rank.
 TINY_JOB = ["--steps", "2", "--batch-size", "1", "--samples-per-prompt", "2", "--max-new-tokens", "6",
             "--prompt-len", "8"]
@@ -45,7 +44,9 @@ def train_opsd():
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script("bench_multigpu")
+    from benchmarks import multigpu
+
+    return multigpu
 
 
 # ---- shape names ----------------------------------------------------------------------------------
@@ -189,7 +190,9 @@ def test_a_failing_or_hanging_variant_becomes_a_row_and_the_rest_still_run(bench
     out = tmp_path / "rows.json"
     code = bench.main(["--nproc", "2", "--timeout", "3", "--out", str(out)])
     assert code == 1
-    rows = json.loads(out.read_text())["rows"]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert doc["schema"] == 1 and doc["meta"]["command"][:3] == ["python", "-m", "benchmarks.multigpu"]
     assert [r["status"] for r in rows] == ["failed", "timeout", "ok"]
     assert "ValueError: boom from the stand-in" in rows[0]["error"] and rows[0]["exit_status"] == 1
     assert rows[1]["error"].startswith("timed out after 3 s") and rows[1]["exit_status"] is None
@@ -207,7 +210,7 @@ def run_bench(tmp: Path, *args) -> tuple[dict, str]:
     env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))})
     out = tmp / "rows.json"
-    proc = subprocess.run([sys.executable, str(BENCH), *args, "--out", str(out)], cwd=tmp, env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.multigpu", *args, "--out", str(out)], cwd=tmp, env=env,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-3000:]}"
     return json.loads(out.read_text()), proc.stdout
@@ -274,3 +277,15 @@ def test_deepspeed_launcher_with_an_offloaded_teacher_matches_torchrun(torchrun_
     plain = torchrun_rows[1][0]["report"]["ranks"]
     for offloaded, reference in zip(report["ranks"], plain):
         assert offloaded["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+
+
+def test_merge_reads_the_files_written_before_the_schema(bench):
+    """``--merge`` of two older files (``{"schema": "opsd-bench-multigpu/1", ..., "rows"}``, 2026-11-30 and
+    2026-12-01): every row a ``VariantRow``, its figures recomputed from its report."""
+    rows = bench.load_rows([str(REPO / "docs/results/h200-2026-11-30/bench8.json"),
+                            str(REPO / "docs/results/h200-2026-12-01g/zero-ed277b2-2.json")])
+    assert [(r.variant, r.gpus) for r in rows] == [("zero0", 1), ("zero3-once", 1), ("zero3-per_forward", 1),
+                                                   ("zero0", 2), ("zero3-once", 2), ("zero0", 1), ("zero3-once", 1)]
+    assert all(isinstance(r, bench.VariantRow) and r.status == "ok" for r in rows)
+    assert rows[3].peak_gib_per_rank == [pytest.approx(75.21, abs=0.01)] * 2 and rows[3].last_step_s > 0
+    assert "| zero3-per_forward | torchrun | 1 | 3 | per_forward | 13.326 |" in bench.format_table(rows)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """What a rollout call leaves allocated on the GPU (a check, not a test; needs CUDA).
 
 Two views, both from ``torch.cuda.memory_allocated`` after a synchronize:
@@ -13,8 +12,8 @@ Two views, both from ``torch.cuda.memory_allocated`` after a synchronize:
   the allocator's history during one more ``keep_cache=False`` call and lists what is still allocated
   after it by the Python stack that allocated it ("?" = allocated before recording, i.e. the model).
 
-  python3 scripts/check_call_memory.py                # 3B shape, bf16
-  python3 scripts/check_call_memory.py --snapshot
+  python -m benchmarks.call_memory                # 3B shape, bf16
+  python -m benchmarks.call_memory --snapshot
 """
 
 from __future__ import annotations
@@ -22,16 +21,14 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig  # noqa: E402
-from rollout.testing import TinyTokenizer, random_prompts  # noqa: E402
-from scripts.bench_rollout import build_model  # noqa: E402
+from benchmarks.harness.meta import header, run_meta
+from benchmarks.harness.models import MODELS, build_model
+from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout.testing import TinyTokenizer, random_prompts
 
 MiB = 2**20
 TOKENIZER = TinyTokenizer(pad_token_id=0, eos_token_id=None)
@@ -98,14 +95,16 @@ def one_call(model, cfg: dict, record: bool = False) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["tiny", "3b"], default="3b")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.call_memory", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default="3b")
     parser.add_argument("--snapshot", action="store_true", help="per-stage view and the allocations left, by stack")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("check_call_memory.py needs a CUDA device (it reads the CUDA caching allocator)")
+        sys.exit("benchmarks.call_memory needs a CUDA device (it reads the CUDA caching allocator)")
     model = build_model(args.model, torch.bfloat16, "cuda")
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, model {args.model} bf16")
+    print(f"{header(run_meta('call_memory', argv, 'cuda'))}; model {args.model} bf16")
     if args.snapshot:
         for cfg in (dict(keep_cache=True), dict(keep_cache=False), {'keep_cache': False, 'kernels.cuda_graphs': False},
                     dict(keep_cache=True), dict(keep_cache=False), dict(keep_cache=False, route="continuous")):

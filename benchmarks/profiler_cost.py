@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """What profiling costs a training step, measured in one process (issue 16, items 8 and 9).
 
 Two measurements:
@@ -21,20 +20,20 @@ default, on where torch's CUDA runtime is >= 12.6).
 ``--processes K`` runs K child processes alternating ``--teardown-cupti 0`` / ``1`` and prints one
 table of all of them.
 
-Workloads: ``--workload opsd`` (default) is ``scripts/train_opsd.py``'s OPSD step, built from the
+Workloads: ``--workload opsd`` (default) is ``scripts/train_opsd.py``'s OPSD step (the program loaded by
+``benchmarks.harness.programs``), built from the
 arguments after ``--`` (the same flags, e.g. ``--student qwen25-3b --teacher qwen25-3b``);
 ``--workload synthetic`` is a small stand-in (matmuls in stage ranges, a CUDA-graph "decode" on GPU)
 for trying the script on a CPU. ``--json-out`` writes every step time and the summary.
 
-    python scripts/bench_profiler_cost.py light --pairs 60 -- --student qwen25-3b --teacher qwen25-3b
-    python scripts/bench_profiler_cost.py linger --processes 4 --fixed-work -- --student qwen25-3b --teacher qwen25-3b
+    python -m benchmarks.profiler_cost light --pairs 60 -- --student qwen25-3b --teacher qwen25-3b
+    python -m benchmarks.profiler_cost linger --processes 4 --fixed-work -- --student qwen25-3b --teacher qwen25-3b
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import statistics
@@ -43,16 +42,17 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from instrumentation import ProfileConfig, configure, opsd_profiler, stage, stages  # noqa: E402
-from instrumentation.config import parse_int_list  # noqa: E402
-from instrumentation.tracing import teardown_cupti  # noqa: E402
+from benchmarks.harness import results
+from benchmarks.harness.meta import run_meta
+from benchmarks.harness.programs import train_opsd
+from benchmarks.harness.rounds import Timer, round_order
+from benchmarks.harness.table import markdown_table
+from instrumentation import ProfileConfig, configure, opsd_profiler, stage, stages
+from instrumentation.config import parse_int_list
+from instrumentation.tracing import teardown_cupti
 
 
 # ---- workloads --------------------------------------------------------------------------------------
@@ -65,9 +65,9 @@ class OpsdWorkload:
     """``scripts/train_opsd.py``'s OPSD step (its flags), one call per training step."""
 
     def __init__(self, train_args: list[str], num_steps: int, fixed_work: bool = False):
-        import train_opsd as T
         from rollout import SamplingConfig
 
+        T = train_opsd()
         job, opsd_config = T.parse_args(train_args + ["--steps", str(num_steps)])
         self.T, self.job = T, job
         self.rank, _, self.device = T.init_distributed()
@@ -207,12 +207,8 @@ def ratio_of_medians(after: list[float], before: list[float], seed: int = 0) -> 
 
 
 # ---- light mode -------------------------------------------------------------------------------------
-def _timed(fn) -> tuple[float, object]:
-    _sync()
-    t0 = time.perf_counter()
-    out = fn()
-    _sync()
-    return (time.perf_counter() - t0) * 1e3, out
+#: Wall ms of a step, the device synchronised before and after it.
+_timed = Timer("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def measure_light(args) -> dict:
@@ -227,8 +223,8 @@ def measure_light(args) -> dict:
             if index == args.warmup and args.gc_freeze:  # both arms alike: no long gen-2 collections in pairs
                 gc.collect()
                 gc.freeze()
-            pair, first = divmod(index - args.warmup, 2)
-            on = index < args.warmup or (first == 0) == (pair % 2 == 0)
+            pair, first = divmod(index - args.warmup, 2)  # the harness's order: on off, off on, ...
+            on = index < args.warmup or round_order(("on", "off"), pair)[first] == "on"
             configure(on_cfg if on else off_cfg)
 
             def one_step():
@@ -254,11 +250,12 @@ def print_light(r: dict) -> None:
     work = (", fixed work" if r.get("fixed_work") else "") + (", gc frozen" if r.get("gc_freeze") else "")
     print(f"light mode (OPSD_PROFILE=timers + log_step) vs off, {r['workload']}{work} on {r['device']}, "
           f"{r['pairs']} ABBA pairs")
-    print("| off mean ms | on mean ms | mean diff ms | cost | 95% upper bound (t) | (bootstrap) | <= 1% |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     ucb = r["ucb95_t"]
-    print(f"| {r['off_mean_ms']:.2f} | {r['on_mean_ms']:.2f} | {r['diff_mean_ms']:+.3f} | {100 * r['relative']:+.3f}% "
-          f"| {100 * ucb:+.3f}% | {100 * r['ucb95_bootstrap']:+.3f}% | {'yes' if ucb <= 0.01 else 'NO'} |")
+    print(markdown_table(["off mean ms", "on mean ms", "mean diff ms", "cost", "95% upper bound (t)", "(bootstrap)",
+                          "<= 1%"],
+                         [[f"{r['off_mean_ms']:.2f}", f"{r['on_mean_ms']:.2f}", f"{r['diff_mean_ms']:+.3f}",
+                           f"{100 * r['relative']:+.3f}%", f"{100 * ucb:+.3f}%", f"{100 * r['ucb95_bootstrap']:+.3f}%",
+                           "yes" if ucb <= 0.01 else "NO"]]))
     print(f"scalars: {r['scalars_dir']}")
 
 
@@ -354,32 +351,31 @@ def print_linger(r: dict) -> None:
 
 def run_processes(args, passthrough: list[str]) -> list[dict]:
     """``--processes K`` children alternating ``--teardown-cupti 0/1``; one table at the end."""
-    results = []
+    out = []
     for k in range(args.processes):
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            out = f.name
-        cmd = [sys.executable, os.path.abspath(__file__), "linger", "--teardown-cupti", str(k % 2),
-               "--json-out", out, *passthrough]
+            path = f.name
+        cmd = [sys.executable, "-m", "benchmarks.profiler_cost", "linger", "--teardown-cupti", str(k % 2),
+               "--json-out", path, *passthrough]
         proc = subprocess.run(cmd, text=True)
         if proc.returncode != 0:
-            results.append({"teardown_cupti": bool(k % 2), "failed": proc.returncode})
+            out.append({"teardown_cupti": bool(k % 2), "failed": proc.returncode})
             continue
-        with open(out) as f:
-            results.append(json.load(f))
-    print("| process | TEARDOWN_CUPTI | before ms | drift before | recorded ms | after ms | after/before (95%) | graphs |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | --- | --- |")
-    for k, r in enumerate(results):
-        if "failed" in r:
-            print(f"| {k} | {int(r['teardown_cupti'])} | process failed (exit {r['failed']}) | | | | | |")
-            continue
-        q = r["after_over_before"]
-        graphs = ", ".join(c["status"] for c in r["graph_checks"])
-        drift = r.get("before_drift")
-        drift_text = f"{100 * drift:+.1f}%" if drift is not None else "n/a"
-        print(f"| {k} | {int(r['teardown_cupti'])} | {r['median_before_ms']:.1f} | {drift_text} | "
-              f"{r['median_recorded_ms']:.1f} | "
-              f"{r['median_after_ms']:.1f} | {q['ratio']:.4f} ({q['low']:.4f}-{q['high']:.4f}) | {graphs} |")
-    return results
+        out.append(results.read(path).rows[0])
+    print(markdown_table(["process", "TEARDOWN_CUPTI", "before ms", "drift before", "recorded ms", "after ms",
+                          "after/before (95%)", "graphs"], [_process_cells(k, r) for k, r in enumerate(out)]))
+    return out
+
+
+def _process_cells(k: int, r: dict) -> list:
+    if "failed" in r:
+        return [k, int(r["teardown_cupti"]), f"process failed (exit {r['failed']})", "", "", "", "", ""]
+    q = r["after_over_before"]
+    drift = r.get("before_drift")
+    return [k, int(r["teardown_cupti"]), f"{r['median_before_ms']:.1f}",
+            f"{100 * drift:+.1f}%" if drift is not None else "n/a", f"{r['median_recorded_ms']:.1f}",
+            f"{r['median_after_ms']:.1f}", f"{q['ratio']:.4f} ({q['low']:.4f}-{q['high']:.4f})",
+            ", ".join(c["status"] for c in r["graph_checks"])]
 
 
 # ---- main -------------------------------------------------------------------------------------------
@@ -388,7 +384,8 @@ def _device() -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profiler_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("measure", choices=("light", "linger"))
     p.add_argument("--workload", choices=("opsd", "synthetic"), default="opsd")
     p.add_argument("--pairs", type=int, default=60, help="light: on/off pairs (>= 50 for the report)")
@@ -406,14 +403,14 @@ def parse_args(argv=None):
                    help="light: gc.collect() + gc.freeze() after the warm-up (the model's objects leave the "
                         "collector's generations, as training loops that freeze after setup do)")
     p.add_argument("--output-dir", default=None, help="where traces and scalars go (default: a temp dir)")
-    p.add_argument("--json-out", default=None)
+    p.add_argument("--json-out", default=None, help="write the result file here (one row: the measurement)")
     args, rest = p.parse_known_args(argv)
     args.train_args = [x for x in rest if x != "--"]
     return args
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.measure == "linger" and args.processes:
         passthrough = [x for x in argv if x not in ("linger",)]
@@ -429,8 +426,8 @@ def main(argv=None) -> int:
     else:
         result = measure_light(args) if args.measure == "light" else measure_linger(args)
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(result, f, indent=1, allow_nan=False, default=lambda v: None)
+        results.write(args.json_out, run_meta("profiler_cost", argv, "cuda" if torch.cuda.is_available() else "cpu",
+                                              workload=args.workload), [result])
     return 0
 
 

@@ -1,8 +1,6 @@
-"""scripts/bench_profiler_cost.py on the CPU stand-in workload: it runs, writes its JSON, and its
+"""benchmarks.profiler_cost on the CPU stand-in workload: it runs, writes its result file, and its
 statistics are right (the GPU figures come from the lead's H200 runs)."""
 
-import importlib.util
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,15 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks import profiler_cost
+from benchmarks.harness import results
+
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "bench_profiler_cost.py"
 
 
 def bench_module():
-    spec = importlib.util.spec_from_file_location("bench_profiler_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return profiler_cost
 
 
 @pytest.mark.parametrize("df,expected", [(5, 2.0150), (10, 1.8125), (49, 1.6766), (119, 1.6578)])
@@ -41,11 +38,13 @@ def test_paired_cost_and_ratio():
 
 def run(*args, tmp_path):
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--workload", "synthetic", "--output-dir",
-                           str(tmp_path / "traces"), "--json-out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.profiler_cost", *args, "--workload", "synthetic",
+                           "--output-dir", str(tmp_path / "traces"), "--json-out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, json.loads(out.read_text())
+    doc = results.read(str(out))
+    assert doc.schema == 1 and doc.meta["command"][:4] == ["python", "-m", "benchmarks.profiler_cost", args[0]]
+    return proc.stdout, doc.rows[0]
 
 
 def test_light_measure_runs(tmp_path):

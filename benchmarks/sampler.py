@@ -1,14 +1,14 @@
-#!/usr/bin/env python
 """The sampler on the GPU, before and after the sort-free nucleus: the previous implementation (a copy,
 below), the new eager function (the fallback: it still sorts) and the new compiled sampler, each call
 captured in a CUDA graph after two warm-up runs; median ms of ``--iters`` replays (CUDA events). Also
 checks that the new tokens equal the old ones on the same logits, seeds and steps, and the compiled
-log-probabilities against the eager ``sampled_logprobs``. Prints one table; ``--json`` writes the rows.
+log-probabilities against the eager ``sampled_logprobs``. Prints one table; ``--json`` writes the result file
+(rewritten after every row count, so a time limit keeps what ran).
 
-  python scripts/bench_sampler.py                      # rows 32 and 256, vocab 151936, bf16 logits
-  python scripts/bench_sampler.py --rows 256 --old-compiled --json out.json
-  python scripts/bench_sampler.py --rows 8 256 --kernel-configs 2048x8 512x4   # the fused kernel's tiles
-  python scripts/bench_sampler.py --rows 8 256 --chunk-configs 8192x2048x8x16 4096x1024x4x8   # rows cut in chunks
+  python -m benchmarks.sampler                      # rows 32 and 256, vocab 151936, bf16 logits
+  python -m benchmarks.sampler --rows 256 --old-compiled --json out.json
+  python -m benchmarks.sampler --rows 8 256 --kernel-configs 2048x8 512x4   # the fused kernel's tiles
+  python -m benchmarks.sampler --rows 8 256 --chunk-configs 8192x2048x8x16 4096x1024x4x8   # rows cut in chunks
 
 Compiling takes a while on the first call of each sampler (greedy, T=1, top-p, each with and without
 log-probs); ``--cases`` runs a subset.
@@ -17,21 +17,20 @@ log-probs); ``--cases`` runs a subset.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import types
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from rollout.config import SamplingConfig  # noqa: E402
-from rollout.ops import fused_nucleus  # noqa: E402
-from rollout.ops.sampling import Sampler, sampled_logprobs, sampler_key, select_next_token  # noqa: E402
-from scripts.profile_decode_step import graph_ms  # noqa: E402
+from benchmarks.harness import results
+from benchmarks.harness.device import graph_ms
+from benchmarks.harness.meta import header, run_meta
+from benchmarks.harness.table import fmt, markdown_table
+from rollout.config import SamplingConfig
+from rollout.ops import fused_nucleus
+from rollout.ops.sampling import Sampler, sampled_logprobs, sampler_key, select_next_token
 
 
 # ----------------------------------------------------------------------------- the previous implementation
@@ -90,7 +89,7 @@ CASES = {
     "T=0.7 top-p 0.9": (dict(temperature=0.7, top_p=0.9), "random"),
 }
 RANDOM_SCALE = 3.0
-"""Logits ~ N(0, 3^2), as in scripts/profile_decode_step.py."""
+"""Logits ~ N(0, 3^2), as in ``benchmarks.decode_step``."""
 TRIALS = ((0, 1), (12345, 17), (2**32 - 1, 200))
 """(seed, step) pairs of the token checks."""
 
@@ -236,8 +235,24 @@ def bench_case(rows: int, vocab: int, case: str, iters: int, old_compiled: bool,
     return out
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def kernel_defaults() -> str:
+    return (f"fused kernel defaults {fused_nucleus.BLOCK}x{fused_nucleus.NUM_WARPS}w arity {fused_nucleus.ARITY}/"
+            f"{fused_nucleus.WIDE_ARITY} a program per row; chunks of {fused_nucleus.CHUNK_TOKENS}, "
+            f"{fused_nucleus.SPLIT_BLOCK}x{fused_nucleus.SPLIT_WARPS}w arity {fused_nucleus.SPLIT_ARITY}/"
+            f"{fused_nucleus.SPLIT_WIDE_ARITY}/{fused_nucleus.SPLIT_WIDEST_ARITY}, {fused_nucleus.CHUNKS_PER_PROGRAM} "
+            "a program")
+
+
+def format_rows(rows: list[SamplerRow]) -> str:
+    return markdown_table(["rows", "case", "variant", "ms", "median nucleus", "tokens = old", "note"],
+                          [[r.rows, r.case, r.variant, fmt(r.ms), r.median_nucleus, r.tokens_equal_old, r.note]
+                           for r in rows])
+
+
+def main(argv=None) -> list[SamplerRow]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sampler", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -246,36 +261,29 @@ def main(argv=None) -> None:
     parser.add_argument("--kernel-configs", nargs="*", default=[],
                         help="extra BLOCKxWARPS[xARITY] configs of the one-program-per-row kernel, e.g. 2048x8 512x4x8")
     parser.add_argument("--chunk-configs", nargs="*", default=[],
-                        help="extra TOKENSxBLOCKxWARPS[xARITY[xPER_PROGRAM]] configs of the chunked kernels, e.g. 8192x2048x8x16; a fifth field fixes the chunks per program")
+                        help="extra TOKENSxBLOCKxWARPS[xARITY[xPER_PROGRAM]] configs of the chunked kernels, e.g. "
+                             "8192x2048x8x16; a fifth field fixes the chunks per program")
     parser.add_argument("--skip-compiled", action="store_true", help="leave out the compiled search variants")
-    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--json", help="write the result file here")
     args = parser.parse_args(argv)
     configs = [tuple(int(v) for v in c.split("x")) for c in args.kernel_configs]
     chunk_configs = [tuple(int(v) for v in c.split("x")) for c in args.chunk_configs]
     global _SKIP_COMPILED
     _SKIP_COMPILED = args.skip_compiled
     if not torch.cuda.is_available():
-        raise SystemExit("bench_sampler.py needs a CUDA device")
-    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; vocab {args.vocab}, bf16 logits, "
-          f"each call captured in a CUDA graph, median of {args.iters} replays; fused kernel defaults "
-          f"{fused_nucleus.BLOCK}x{fused_nucleus.NUM_WARPS}w arity {fused_nucleus.ARITY}/{fused_nucleus.WIDE_ARITY} "
-          f"a program per row; chunks of {fused_nucleus.CHUNK_TOKENS}, {fused_nucleus.SPLIT_BLOCK}x"
-          f"{fused_nucleus.SPLIT_WARPS}w arity {fused_nucleus.SPLIT_ARITY}/{fused_nucleus.SPLIT_WIDE_ARITY}/"
-          f"{fused_nucleus.SPLIT_WIDEST_ARITY}, "
-          f"{fused_nucleus.CHUNKS_PER_PROGRAM} a program", flush=True)
-    print("| rows | case | variant | ms | median nucleus | tokens = old | note |")
-    print("|---:|---|---|---:|---:|---:|---|", flush=True)
-    results = []
-    for rows in args.rows:  # rows printed (and the JSON rewritten) as they come: a time limit keeps what ran
+        raise SystemExit("benchmarks.sampler needs a CUDA device")
+    meta = run_meta("sampler", argv, "cuda", vocab=args.vocab, iters=args.iters, kernel_defaults=kernel_defaults())
+    print(f"{header(meta)}; vocab {args.vocab}, bf16 logits, each call captured in a CUDA graph, median of "
+          f"{args.iters} replays; {kernel_defaults()}", flush=True)
+    rows: list[SamplerRow] = []
+    for count in args.rows:
         for case in args.cases:
-            for r in bench_case(rows, args.vocab, case, args.iters, args.old_compiled, configs, chunk_configs):
-                results.append(r)
-                ms = f"{r.ms:.3f}" if r.ms is not None else "-"
-                print(f"| {r.rows} | {r.case} | {r.variant} | {ms} | {r.median_nucleus} | {r.tokens_equal_old} "
-                      f"| {r.note} |", flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump([asdict(r) for r in results], f, indent=1)
+            rows += bench_case(count, args.vocab, case, args.iters, args.old_compiled, configs, chunk_configs)
+            print(f"  rows {count}, {case}: done", flush=True)
+        if args.json:
+            results.write(args.json, meta, rows)
+    print(format_rows(rows))
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """ZeRO stage x rollout gathering x GPU count x launcher: OPSD step time and peak memory per rank.
 
 Runs ``scripts/train_opsd.py --json-out`` once per variant, each under a launcher (``torchrun
@@ -11,16 +10,16 @@ becomes a row with the tail of its log; the others still run. ``--out`` holds ev
 run's full report) and is rewritten after every variant, so a run cut short keeps what finished.
 
     # issue 8: random Qwen2.5-3B-shaped student and teacher, 1 and 2 GPUs, six variants
-    python3 scripts/bench_multigpu.py --student qwen25-3b --teacher qwen25-3b --batch-size 2 \\
+    python -m benchmarks.multigpu --student qwen25-3b --teacher qwen25-3b --batch-size 2 \\
         --samples-per-prompt 4 --max-new-tokens 128 --prompt-len 256 --steps 4 --nproc 1 2 --out bench8.json
     # the same under the deepspeed launcher, with per-rank traces and their summary per variant
-    python3 scripts/bench_multigpu.py ... --launcher deepspeed --profile traces8
-    python3 scripts/bench_multigpu.py --merge bench8.json bench8-ds.json    # one table from several runs
+    python -m benchmarks.multigpu ... --launcher deepspeed --profile traces8
+    python -m benchmarks.multigpu --merge bench8.json bench8-ds.json    # one table from several runs
 
 Variants (``--variants``): ``zeroS`` (S = 0, 1, 2, 3) or ``zero3-once`` / ``zero3-per_forward``
 (``RolloutConfig.gather``), each optionally with ``/Ngpu`` to pin its GPU count; a variant without
 it runs once per ``--nproc`` value. Every flag this script does not know is passed to
-``train_opsd.py`` (checked by its own parser before anything runs); ``--zero-stage``, ``--gather``
+``train_opsd.py`` (checked by its own parser before anything runs: ``benchmarks.harness.programs``); ``--zero-stage``, ``--gather``
 and ``--json-out`` come from the variant. ``--profile DIR`` runs every variant with ``OPSD_PROFILE=1
 OPSD_PROFILE_RANKS=all OPSD_PROFILE_DIR=DIR/<launcher>-<variant>-<N>gpu`` and afterwards prints
 ``scripts/summarize_trace.py --by-rank`` of the run's trace directory (the profiled steps carry the
@@ -34,6 +33,7 @@ gets ``OPSD_PROFILE=0``. Launchers run through this interpreter (``python -m tor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -41,16 +41,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks.harness import results
+from benchmarks.harness.meta import run_meta
+from benchmarks.harness.programs import REPO, SUMMARIZE_SCRIPT, TRAIN_SCRIPT, train_opsd
+from benchmarks.harness.table import markdown_table
 
-from scripts import train_opsd  # noqa: E402  (standard library only at import)
-from scripts.train_opsd import free_port  # noqa: E402
-TRAIN_SCRIPT = REPO / "scripts" / "train_opsd.py"
-SUMMARIZE_SCRIPT = REPO / "scripts" / "summarize_trace.py"
 LAUNCHERS = ("torchrun", "deepspeed")
 DEFAULT_VARIANTS = ("zero0", "zero3-once", "zero3-per_forward")
 DEFAULT_NPROC = (1, 2)
@@ -116,7 +115,7 @@ def launch_command(run: dict, job_args: list[str], json_path: Path) -> list[str]
                 str(run["gpus"]), str(TRAIN_SCRIPT), *args]
     # The deepspeed launcher appends --local_rank=N to the script's arguments (train_opsd accepts it).
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(run["gpus"]),
-            "--master_port", str(free_port()), str(TRAIN_SCRIPT), *args]
+            "--master_port", str(train_opsd().free_port()), str(TRAIN_SCRIPT), *args]
 
 
 def run_env(run: dict, profile_dir: Optional[Path]) -> dict:
@@ -191,6 +190,43 @@ def error_tail(log_path: Path, chars: int = ERROR_TAIL_CHARS) -> str:
     return f"cause: {causes[0]}\n{tail}" if causes else tail
 
 
+@dataclass
+class VariantRow:
+    """One variant's run: what ran, how it ended, and (``status`` ok) the figures of its report."""
+
+    id: str
+    variant: str
+    launcher: str
+    gpus: int
+    zero_stage: int
+    gather: Optional[str] = None
+    command: list = field(default_factory=list)
+    log: str = ""
+    profiled: bool = False
+    wall_s: Optional[float] = None
+    exit_status: Optional[int] = None
+    """None: timed out."""
+    status: str = ""
+    """``ok``, ``failed`` or ``timeout``."""
+    error: Optional[str] = None
+    median_step_s: Optional[float] = None
+    last_step_s: Optional[float] = None
+    rollout_tokens_per_s: Optional[float] = None
+    peak_memory: Optional[str] = None
+    """What ``peak_gib_per_rank`` measures: ``cuda_max_allocated`` or ``cpu_peak_rss``."""
+    peak_gib_per_rank: list = field(default_factory=list)
+    peak_gib_max: Optional[float] = None
+    last_loss: Optional[float] = None
+    last_losses: list = field(default_factory=list)
+    device_name: Optional[str] = None
+    reported_launcher: Optional[str] = None
+    report: Optional[dict] = None
+    """train_opsd.py's ``--json-out`` report (every rank)."""
+    trace_dirs: list = field(default_factory=list)
+    trace_summary_status: Optional[int] = None
+    trace_summary: Optional[str] = None
+
+
 def row_from_report(run: dict, report: dict) -> dict:
     """The table figures of a successful run."""
     peaks = report.get("peak_gib_per_rank") or []
@@ -221,7 +257,7 @@ def summarize_traces(run_dirs: list[Path], env: dict) -> tuple[Optional[int], st
 
 
 def run_variant(run: dict, job_args: list[str], work_dir: Path, timeout_s: float,
-                profile_dir: Optional[Path]) -> dict:
+                profile_dir: Optional[Path]) -> VariantRow:
     """Run one variant; a row (``status`` ok / failed / timeout), never an exception for its failure."""
     json_path = work_dir / f"{run['id']}.json"
     log_path = work_dir / f"{run['id']}.log"
@@ -230,35 +266,35 @@ def run_variant(run: dict, job_args: list[str], work_dir: Path, timeout_s: float
     env = run_env(run, profile_dir)
     variant_dir = None if profile_dir is None else profile_dir / run["id"]
     before = set(variant_dir.glob("run-*")) if variant_dir is not None and variant_dir.is_dir() else set()
-    row = {key: run[key] for key in ("id", "variant", "launcher", "gpus", "zero_stage", "gather")}
-    row.update(command=argv, log=str(log_path), profiled=profile_dir is not None)
-    code, wall_s = run_bounded(argv, env, log_path, timeout_s)
-    row["wall_s"], row["exit_status"] = wall_s, code
+    row = VariantRow(**{key: run[key] for key in ("id", "variant", "launcher", "gpus", "zero_stage", "gather")},
+                     command=argv, log=str(log_path), profiled=profile_dir is not None)
+    code, row.wall_s = run_bounded(argv, env, log_path, timeout_s)
+    row.exit_status = code
     report = None
     if json_path.is_file():
         try:
             report = json.loads(json_path.read_text())
         except ValueError as exc:
-            row["error"] = f"unreadable report {json_path}: {exc}"
+            row.error = f"unreadable report {json_path}: {exc}"
     if code is None:
-        row.update(status="timeout", error=f"timed out after {timeout_s:.0f} s\n{error_tail(log_path)}")
+        row.status, row.error = "timeout", f"timed out after {timeout_s:.0f} s\n{error_tail(log_path)}"
     elif code != 0:
-        row.update(status="failed", error=f"exit status {code}\n{error_tail(log_path)}")
+        row.status, row.error = "failed", f"exit status {code}\n{error_tail(log_path)}"
     elif report is None:
-        row.update(status="failed", error=row.get("error") or f"no report at {json_path}\n{error_tail(log_path)}")
+        row.status, row.error = "failed", row.error or f"no report at {json_path}\n{error_tail(log_path)}"
     elif report.get("world_size") != run["gpus"] or len(report.get("ranks", [])) != run["gpus"]:
-        row.update(status="failed", error=f"report has world size {report.get('world_size')} and "
-                                          f"{len(report.get('ranks', []))} ranks; expected {run['gpus']}")
+        row.status, row.error = "failed", (f"report has world size {report.get('world_size')} and "
+                                           f"{len(report.get('ranks', []))} ranks; expected {run['gpus']}")
     else:
-        row.update(status="ok", error=None, **row_from_report(run, report))
-    row["report"] = report
+        row = dataclasses.replace(row, status="ok", error=None, **row_from_report(run, report))
+    row.report = report
     if variant_dir is not None:
         run_dirs = new_run_dirs(variant_dir, before)
-        row["trace_dirs"] = [str(p) for p in run_dirs]
+        row.trace_dirs = [str(p) for p in run_dirs]
         if run_dirs:
-            row["trace_summary_status"], row["trace_summary"] = summarize_traces(run_dirs, env)
+            row.trace_summary_status, row.trace_summary = summarize_traces(run_dirs, env)
         else:
-            row["trace_summary_status"], row["trace_summary"] = None, f"no trace directory under {variant_dir}"
+            row.trace_summary = f"no trace directory under {variant_dir}"
     return row
 
 
@@ -281,58 +317,47 @@ def _first_error_line(error: Optional[str]) -> str:
     return text[:200].replace("|", "/")
 
 
-TABLE_HEADER = ("| variant | launcher | GPUs | ZeRO | gather | median s/step | last step s | rollout tok/s | "
-                "peak GiB max | peak GiB per rank | last loss | status |")
+HEADER = ("variant", "launcher", "GPUs", "ZeRO", "gather", "median s/step", "last step s", "rollout tok/s",
+          "peak GiB max", "peak GiB per rank", "last loss", "status")
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """One markdown table of the rows (failed ones with their error's last line)."""
-    lines = [TABLE_HEADER, "|---|---|---:|---:|---|---:|---:|---:|---:|---|---:|---|"]
-    for row in rows:
-        ok = row.get("status") == "ok"
-        peaks = row.get("peak_gib_per_rank") or []
-        status = "ok" + (" (profiled)" if row.get("profiled") else "") if ok else \
-            f"{row.get('status')}: {_first_error_line(row.get('error'))}"
-        lines.append("| " + " | ".join([
-            row["variant"], row["launcher"], str(row["gpus"]), str(row["zero_stage"]), row.get("gather") or "-",
-            _num(row.get("median_step_s"), ".3f") if ok else "-",
-            _num(row.get("last_step_s"), ".3f") if ok else "-",
-            _num(row.get("rollout_tokens_per_s"), ".0f") if ok else "-",
-            _num(row.get("peak_gib_max"), ".2f") if ok else "-",
-            ", ".join(format(p, ".2f") for p in peaks) if ok and peaks else "-",
-            _num(row.get("last_loss"), ".5f") if ok else "-", status]) + " |")
-    kinds = {row.get("peak_memory") for row in rows if row.get("status") == "ok"}
+def _cells(row: VariantRow) -> list:
+    ok = row.status == "ok"
+    status = "ok" + (" (profiled)" if row.profiled else "") if ok else f"{row.status}: {_first_error_line(row.error)}"
+    figures = [_num(row.median_step_s, ".3f"), _num(row.last_step_s, ".3f"), _num(row.rollout_tokens_per_s, ".0f"),
+               _num(row.peak_gib_max, ".2f"), ", ".join(format(p, ".2f") for p in row.peak_gib_per_rank) or "-",
+               _num(row.last_loss, ".5f")]
+    return [row.variant, row.launcher, row.gpus, row.zero_stage, row.gather or "-",
+            *(figures if ok else ["-"] * len(figures)), status]
+
+
+def format_table(rows: list[VariantRow]) -> str:
+    """One markdown table of the rows (failed ones with their error's cause), and what the columns mean."""
+    kinds = {row.peak_memory for row in rows if row.status == "ok"}
     notes = {"cuda_max_allocated": "peak GiB: torch.cuda.max_memory_allocated per rank during the training steps",
              "cpu_peak_rss": "peak GiB: peak resident set size of each rank's process (CPU run)"}
-    devices = sorted({row.get("device_name") for row in rows if row.get("device_name")})
+    devices = sorted({row.device_name for row in rows if row.device_name})
     footer = [notes[k] for k in sorted(k for k in kinds if k in notes)]
     footer.append("median s/step: median over the steps after the first (warm-up), slowest rank; last step s: the "
                   "last step, slowest rank (the steady state when warm-up outlasts step 1); rollout tok/s: sum over "
                   "ranks of each rank's median")
     if devices:
         footer.append("device: " + ", ".join(devices))
-    return "\n".join(lines) + "\n\n" + "\n".join(footer)
+    return markdown_table(HEADER, [_cells(row) for row in rows]) + "\n\n" + "\n".join(footer)
 
 
-def write_rows(path: Path, rows: list[dict], meta: dict) -> None:
-    """All rows to ``path`` (atomically)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"schema": "opsd-bench-multigpu/1", **meta, "rows": rows}, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def progress_line(index: int, total: int, row: dict) -> str:
-    head = f"[{index}/{total}] {row['variant']} {row['gpus']}gpu ({row['launcher']}): {row['status']}"
-    if row["status"] == "ok":
-        return (f"{head}, {row['median_step_s']:.3f} s/step, {_num(row['rollout_tokens_per_s'], '.0f')} tok/s, "
-                f"peak {_num(row['peak_gib_max'], '.2f')} GiB, wall {row['wall_s']:.0f} s")
-    return f"{head} after {row['wall_s']:.0f} s (log: {row['log']})\n{row['error']}"
+def progress_line(index: int, total: int, row: VariantRow) -> str:
+    head = f"[{index}/{total}] {row.variant} {row.gpus}gpu ({row.launcher}): {row.status}"
+    if row.status == "ok":
+        return (f"{head}, {row.median_step_s:.3f} s/step, {_num(row.rollout_tokens_per_s, '.0f')} tok/s, "
+                f"peak {_num(row.peak_gib_max, '.2f')} GiB, wall {row.wall_s:.0f} s")
+    return f"{head} after {row.wall_s:.0f} s (log: {row.log})\n{row.error}"
 
 
 # ---- main ---------------------------------------------------------------------------------------
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.multigpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)  # every unknown flag goes to train_opsd.py whole
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="V",
                         help="zeroS, zero3-once, zero3-per_forward, optionally /Ngpu "
@@ -377,32 +402,34 @@ def check_job_args(parser: argparse.ArgumentParser, job_args: list[str]) -> None
 
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
-            train_opsd.parse_args(job_args)
+            train_opsd().parse_args(job_args)
     except SystemExit as exc:
         message = err.getvalue().strip().splitlines()
         parser.error(f"train_opsd.py rejects the passed-through flags {job_args}: "
                      f"{message[-1] if message else exc}")
 
 
-def load_rows(paths: list[str]) -> list[dict]:
+def load_rows(paths: list[str]) -> list[VariantRow]:
+    """The rows of earlier ``--out`` files (this schema or the one before it), figures added since the file was
+    written recomputed from each run's report."""
     rows = []
     for path in paths:
-        doc = json.loads(Path(path).read_text())
-        for row in doc.get("rows", []):
-            if row.get("status") == "ok" and isinstance(row.get("report"), dict):
-                row = {**row, **row_from_report(row, row["report"])}  # figures added since the file was written
+        for row in results.rows_of(VariantRow, results.read(path)):
+            if row.status == "ok" and isinstance(row.report, dict):
+                row = dataclasses.replace(row, **row_from_report(dataclasses.asdict(row), row.report))
             rows.append(row)
     return rows
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, job_args = parse_args(argv)
     if args.merge is not None:
         rows = load_rows(args.merge)
-        print(markdown_table(rows))
+        print(format_table(rows))
         if args.out is not None:
-            write_rows(Path(args.out), rows, {"merged_from": args.merge})
-        return 0 if all(r.get("status") == "ok" for r in rows) else 1
+            results.write(args.out, run_meta("multigpu", argv, merged_from=args.merge), rows)
+        return 0 if all(r.status == "ok" for r in rows) else 1
     out = Path(args.out or "bench_multigpu.json")
     runs = expand_runs(args.variants, args.nproc, args.launcher)
     work_dir = (Path(args.work_dir) if args.work_dir else out.with_name(out.stem + ".runs")).resolve()
@@ -414,24 +441,24 @@ def main(argv=None) -> int:
             print(f"{run['id']}: {extra} " + " ".join(launch_command(run, job_args, work_dir / f"{run['id']}.json")))
         return 0
     work_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"job_args": job_args, "variants": args.variants, "nproc": args.nproc, "launchers": args.launcher,
-            "timeout_s": args.timeout, "profile_dir": None if profile_dir is None else str(profile_dir),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = run_meta("multigpu", argv, job_args=job_args, variants=args.variants, nproc=args.nproc,
+                    launchers=args.launcher, timeout_s=args.timeout,
+                    profile_dir=None if profile_dir is None else str(profile_dir))
     print(f"{len(runs)} runs: {', '.join(r['id'] for r in runs)}; flags for train_opsd.py: "
           f"{' '.join(job_args) or '(none)'}", flush=True)
     rows = []
     for index, run in enumerate(runs, 1):
         row = run_variant(run, job_args, work_dir, args.timeout, profile_dir)
         rows.append(row)
-        write_rows(out, rows, meta)
+        results.write(str(out), meta, rows)
         print(progress_line(index, len(runs), row), flush=True)
-        if row.get("trace_summary") is not None:
-            print(f"\n--- summarize_trace.py --by-rank {' '.join(row.get('trace_dirs', []))} ---\n"
-                  f"{row['trace_summary']}", flush=True)
+        if row.trace_summary is not None:
+            print(f"\n--- summarize_trace.py --by-rank {' '.join(row.trace_dirs)} ---\n{row.trace_summary}",
+                  flush=True)
     print()
-    print(markdown_table(rows))
+    print(format_table(rows))
     print(f"\nrows: {out}  (logs and per-run reports: {work_dir})")
-    return 0 if all(row["status"] == "ok" for row in rows) else 1
+    return 0 if all(row.status == "ok" for row in rows) else 1
 
 
 if __name__ == "__main__":

@@ -1,22 +1,26 @@
-#!/usr/bin/env python
 """Post-processing: per-row reference loop vs upstream-style loop vs our batched version.
 
-Rows B*n in {16, 256, 2048} x sequence length T in {128, 1024} (prompt T/2, response budget T/2,
-EOS at random positions in half of the rows). Candidates are interleaved; median of repeats.
-Prints one markdown table; ``--json`` writes the rows too.
+Rows B*n in {16, 256, 2048} x sequence length T in {128, 1024} (prompt T/2, response budget T/2, EOS at random
+positions in half of the rows). The three are checked equal first, then timed by the harness (a warm-up call
+each, rounds alternating); median of ``--repeats``. One markdown table; ``--json`` writes the result file.
+
+  python -m benchmarks.postprocess [--device cuda] [--repeats 7] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import time
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import dataclass
 
 import torch
 
+from benchmarks.harness import results
+from benchmarks.harness.meta import header, run_meta
+from benchmarks.harness.models import default_device
+from benchmarks.harness.rounds import Rounds, Timer, time_rounds
+from benchmarks.harness.table import markdown_table
 from rollout.ops.expand import expand_prompts
 from rollout.ops.postprocess import postprocess, postprocess_reference
 
@@ -39,7 +43,7 @@ def upstream_style(prompt_ids, prompt_mask, generated, n, eos_ids, pad):
 
 
 @dataclass
-class Row:
+class PostprocessRow:
     rows: int
     seq_len: int
     device: str
@@ -47,38 +51,21 @@ class Row:
     upstream_style_ms: float
     batched_ms: float
 
-    @property
-    def speedup(self) -> float:
-        return self.reference_ms / self.batched_ms
 
-
-def _inputs(rows, seq_len, device, seed=0):
+def _inputs(rows: int, seq_len: int, device, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     batch, prompt_len, width = rows // N_SAMPLES, seq_len // 2, seq_len // 2
-    ids = torch.randint(3, 1000, (batch, prompt_len), generator=gen)
+    ids = torch.randint(3, 1000, (batch, prompt_len), generator=gen)  # ids: [B, T_p]
     lengths = torch.randint(1, prompt_len + 1, (batch,), generator=gen)
     mask = (torch.arange(prompt_len)[None] >= prompt_len - lengths[:, None]).long()
     ids = torch.where(mask.bool(), ids, PAD)
-    generated = torch.randint(3, 1000, (rows, width), generator=gen)
+    generated = torch.randint(3, 1000, (rows, width), generator=gen)  # generated: [B*n, T_r]
     eos_rows = torch.randperm(rows, generator=gen)[: rows // 2]
     generated[eos_rows, torch.randint(0, width, (len(eos_rows),), generator=gen)] = EOS[0]
     return ids.to(device), mask.to(device), generated.to(device)
 
 
-def _time(fn, device, repeats):
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
-
-
-def measure(rows, seq_len, device, repeats):
+def measure(rows: int, seq_len: int, device: torch.device, repeats: int) -> PostprocessRow:
     ids, mask, generated = _inputs(rows, seq_len, device)
     exp_ids, exp_mask = expand_prompts(ids, mask, N_SAMPLES)
     fns = {
@@ -88,35 +75,32 @@ def measure(rows, seq_len, device, repeats):
     }
     ref, fast = fns["reference"](), fns["batched"]()
     assert torch.equal(ref.input_ids, fast.input_ids) and torch.equal(ref.attention_mask, fast.attention_mask)
-    for fn in fns.values():  # warm-up
-        fn()
-    results = {name: [] for name in fns}
-    for _ in range(repeats):  # interleaved: A B C A B C ...
-        for name, fn in fns.items():
-            results[name].append(_time(fn, device, 1))
-    med = {name: statistics.median(v) for name, v in results.items()}
-    return Row(rows, seq_len, device.type, med["reference"], med["upstream_style"], med["batched"])
+    med = {k: statistics.median(v) for k, v in time_rounds(fns, Rounds(repeats), Timer(str(device))).items()}
+    return PostprocessRow(rows, seq_len, device.type, med["reference"], med["upstream_style"], med["batched"])
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+def main(argv=None) -> list[PostprocessRow]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.postprocess", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default=default_device())
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--json", help="also write the result file here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     rows = [measure(r, t, device, args.repeats) for r in (16, 256, 2048) for t in (128, 1024)]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"# post-processing, {name}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats}, n_samples_per_prompt={N_SAMPLES}")
-    print("| B*n | T | device | reference loop (ms) | upstream-style (ms) | batched (ms) | vs reference | vs upstream-style |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r.rows} | {r.seq_len} | {r.device} | {r.reference_ms:.3f} | {r.upstream_style_ms:.3f} | "
-              f"{r.batched_ms:.3f} | {r.speedup:.1f}x | {r.upstream_style_ms / r.batched_ms:.1f}x |")
+    meta = run_meta("postprocess", argv, args.device, threads=torch.get_num_threads(), repeats=args.repeats,
+                    n_samples_per_prompt=N_SAMPLES)
+    print(f"{header(meta)}; {torch.get_num_threads()} threads, median of {args.repeats}, "
+          f"n_samples_per_prompt={N_SAMPLES}")
+    print(markdown_table(
+        ["B*n", "T", "device", "reference loop (ms)", "upstream-style (ms)", "batched (ms)", "vs reference",
+         "vs upstream-style"],
+        [[r.rows, r.seq_len, r.device, f"{r.reference_ms:.3f}", f"{r.upstream_style_ms:.3f}", f"{r.batched_ms:.3f}",
+          f"{r.reference_ms / r.batched_ms:.1f}x", f"{r.upstream_style_ms / r.batched_ms:.1f}x"] for r in rows]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+        results.write(args.json, meta, rows)
+    return rows
 
 
 if __name__ == "__main__":

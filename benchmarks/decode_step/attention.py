@@ -1,0 +1,155 @@
+"""The decode step's attention and sampler pieces, alone: each variant captured in a CUDA graph and replayed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.harness.device import graph_ms
+from rollout.config import SamplingConfig
+from rollout.model.step import compile_piece, grouped_decode_attention
+from rollout.ops import decode_attention
+from rollout.ops.sampling import select_next_token
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The attention's shape of the model (``--live`` columns cached)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+
+    @classmethod
+    def of(cls, config) -> "Geometry":
+        heads = config.num_attention_heads
+        return cls(heads, config.num_key_value_heads, config.hidden_size // heads, config.num_hidden_layers)
+
+
+def compiled_grouped_attention():
+    """``rollout.model.step.grouped_decode_attention`` compiled as the step's pieces are."""
+    return compile_piece(grouped_decode_attention)
+
+
+def attention_variants(rows: int, live: int, geo: Geometry) -> tuple[dict, int]:
+    """One layer's decode attention per variant, times the layers: ``{name: ms or "failed: ..."}`` and the bytes of
+    keys and values all layers read."""
+    heads, kv_heads, dim = geo.heads, geo.kv_heads, geo.head_dim
+    q = torch.randn(rows, heads, 1, dim, device="cuda", dtype=torch.bfloat16)  # q: [B, Hq, 1, D]
+    k = torch.randn(rows, kv_heads, live, dim, device="cuda", dtype=torch.bfloat16)  # k: [B, Hkv, L, D]
+    v = torch.randn_like(k)
+    keep = torch.rand(rows, 1, 1, live, device="cuda") > 0.1
+    keep[..., -1] = True
+    group = heads // kv_heads
+    qg = q.view(rows, kv_heads, group, dim)  # the query heads of one KV head as queries: K/V read once, no repeat
+    bias = torch.zeros(rows, 1, 1, live, device="cuda", dtype=torch.bfloat16).masked_fill(~keep, float("-inf"))
+    compiled_grouped = compiled_grouped_attention()
+    padded = keep.clone()
+    padded[::2, ..., : live // 2] = False  # every other row: half its window is left padding
+
+    def triton_kernel(splits=None, block=decode_attention.BLOCK_L, warps=decode_attention.WARPS,
+                      stages=decode_attention.STAGES, mask=None):
+        mask = keep if mask is None else mask
+        return lambda: decode_attention.attention(q, k, v, mask, dim ** -0.5, True, splits=splits, block=block,
+                                                  warps=warps, stages=stages)
+
+    launch = [(f"triton kernel, block {b_} warps {w} stages {st}", triton_kernel(block=b_, warps=w, stages=st))
+              for b_, w, st in ((64, 4, 3), (64, 4, 1), (32, 4, 2), (128, 4, 2), (64, 8, 2), (32, 2, 2))]
+    auto = decode_attention.split_count(rows, kv_heads, live, decode_attention.sm_count(0))
+    gqa_mask = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)  # noqa: E731
+    cases = (("sdpa gqa + bool mask (now)", gqa_mask),
+             ("grouped q + bool mask", lambda: F.scaled_dot_product_attention(qg, k, v, attn_mask=keep)),
+             ("grouped q + bf16 bias", lambda: F.scaled_dot_product_attention(qg, k, v, attn_mask=bias)),
+             ("grouped q, no mask", lambda: F.scaled_dot_product_attention(qg, k, v)),  # lower bound: flash
+             ("grouped bmm, compiled", lambda: compiled_grouped(q, k, v, keep, dim ** -0.5, True)),
+             (f"triton kernel, splits auto ({auto})", triton_kernel()),
+             *((f"triton kernel, {n} splits", triton_kernel(n)) for n in (1, 2, 4, 8) if n != auto),
+             *launch,
+             ("sdpa gqa, half the rows half padded",
+              lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=padded, enable_gqa=True)),
+             ("triton kernel, half the rows half padded", triton_kernel(mask=padded)))
+    out = {}
+    for name, fn in cases:
+        try:
+            out[name] = graph_ms(fn, 20) * geo.layers
+        except Exception as exc:  # noqa: BLE001 - a variant the backend refuses is reported, not fatal
+            out[name] = f"failed: {exc!r:.120}"
+    diff = (decode_attention.attention(q, k, v, keep, dim ** -0.5, True).float() - gqa_mask().float()).abs().max()
+    print(f"# {rows} rows: triton kernel vs SDPA, max |diff| {diff.item():.3g}", flush=True)
+    return out, 2 * rows * kv_heads * live * dim * 2 * geo.layers
+
+
+@dataclass(frozen=True)
+class SharedWindow:
+    """A batch whose rows are ``samples`` copies of each prompt: ``prefix`` shared columns, then each row's own up to
+    ``filled``, in a length bucket of ``live`` columns."""
+
+    live: int
+    prefix: int
+    filled: int
+    samples: int
+
+
+def shared_prefix_variants(rows: int, window: SharedWindow, geo: Geometry) -> list[dict]:
+    """The Triton attention over a :class:`SharedWindow`: the whole bucket read, up to the last filled column
+    (``last``), and each prompt read once for its samples (``shared``), times the layers; with the bytes each
+    reads."""
+    heads, kv_heads, dim, samples, prefix = geo.heads, geo.kv_heads, geo.head_dim, window.samples, window.prefix
+    q = torch.randn(rows, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(rows, kv_heads, window.live, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k[:, :, :prefix] = k[::samples, :, :prefix].repeat_interleave(samples, 0)[:rows]
+    v[:, :, :prefix] = v[::samples, :, :prefix].repeat_interleave(samples, 0)[:rows]
+    keep = torch.zeros(rows, 1, 1, window.live, dtype=torch.bool, device="cuda")
+    keep[..., :window.filled] = True
+    last = torch.tensor(window.filled - 1, device="cuda")
+    shared = decode_attention.SharedPrefix(torch.arange(rows, device="cuda"), samples,
+                                           torch.tensor(prefix, device="cuda"))
+    scale = dim ** -0.5
+    column = 2 * kv_heads * dim * 2 * geo.layers  # bytes of one row's column, keys and values, every layer
+    groups = -(-rows // samples)
+    cases = [("whole length bucket", lambda: decode_attention.attention(q, k, v, keep, scale, True),
+              rows * window.live),
+             ("to the last column (last)", lambda: decode_attention.attention(q, k, v, keep, scale, True, last=last),
+              rows * window.filled),
+             (f"last + each prompt once for its {samples} samples (shared)",
+              lambda: decode_attention.attention(q, k, v, keep, scale, True, last=last, shared=shared),
+              groups * prefix + rows * (window.filled - prefix))]
+    reference = cases[0][1]().float()
+    part = f"attention x{geo.layers}, prefix {prefix}, filled {window.filled}, bucket {window.live}"
+    out = []
+    for name, fn, columns in cases:
+        err = float((fn().float() - reference).abs().max())
+        try:
+            ms = graph_ms(fn, 20) * geo.layers
+            gbs = columns * column / ms / 1e6
+            out.append(dict(rows=rows, part=part, ms=ms,
+                            variant=f"{name}: {columns * column / 1e9:.2f} GB, {gbs:.0f} GB/s, max |diff| {err:.3g}"))
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            out.append(dict(rows=rows, part="attention shared", variant=name, ms=f"failed: {exc!r:.120}"))
+    return out
+
+
+def sampler_variants(rows: int, vocab: int) -> dict:
+    """Token selection at ``rows`` rows, eager and compiled, greedy / T=1 / top-p (``benchmarks.sampler`` has the
+    full comparison)."""
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    seed = torch.zeros((), dtype=torch.long, device="cuda")
+    ids = torch.arange(rows, device="cuda")
+    step = torch.ones((), dtype=torch.long, device="cuda")
+    greedy = SamplingConfig(max_new_tokens=8, temperature=0.0)
+    sampled = SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9)
+    plain = SamplingConfig(max_new_tokens=8, temperature=1.0)
+    compiled = torch.compile(select_next_token, fullgraph=True, dynamic=False)
+    out = {}
+    for name, fn, s in (("greedy (eager)", select_next_token, greedy), ("T=1 (eager)", select_next_token, plain),
+                        ("T=1 top-p 0.9 (eager, now)", select_next_token, sampled),
+                        ("T=1 (compiled)", compiled, plain), ("T=1 top-p 0.9 (compiled)", compiled, sampled)):
+        try:
+            out[name] = graph_ms(lambda fn=fn, s=s: fn(logits, s, None, seed, ids, step), 20)
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"failed: {exc!r:.120}"
+    return out

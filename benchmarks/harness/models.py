@@ -1,0 +1,114 @@
+"""The models and inputs the benchmarks run: the random Qwen2.5-3B shape or the tiny model, prompts, DeepSpeed.
+
+``--model tiny|3b``, ``--device`` and ``--dtype`` mean the same in every benchmark (:func:`add_model_args`,
+:func:`load_model`): the 3B shape in bf16 on CUDA, the tiny model in fp32 elsewhere, unless given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from instrumentation.roofline import ModelGeometry
+from rollout.testing import shaped_model, tiny_model
+
+MODELS = ("tiny", "3b")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_model_args(parser: argparse.ArgumentParser, dtype: bool = True) -> None:
+    """``--model``, ``--device`` (and ``--dtype``): what :func:`load_model` reads."""
+    parser.add_argument("--model", choices=MODELS, default=None, help="3b on CUDA, tiny elsewhere")
+    parser.add_argument("--device", default=default_device())
+    if dtype:
+        parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    name: str
+    """``"tiny"`` or ``"3b"``."""
+    dtype: torch.dtype
+    device: str
+
+
+def load_model(args: argparse.Namespace) -> LoadedModel:
+    """The model ``--model``/``--device``/``--dtype`` ask for (the defaults follow the device)."""
+    cuda = args.device.startswith("cuda")
+    name = args.model or ("3b" if cuda else "tiny")
+    dtype_name = getattr(args, "dtype", None)
+    dtype = getattr(torch, dtype_name) if dtype_name else (torch.bfloat16 if cuda else torch.float32)
+    return LoadedModel(build_model(name, dtype, args.device), name, dtype, args.device)
+
+
+def build_model(name: str, dtype: torch.dtype, device: str):
+    """The tiny Qwen2 model (16k positions) or the random Qwen2.5-3B-shaped model, seed 0."""
+    if name == "tiny":
+        return tiny_model("qwen2", seed=0, dtype=dtype, device=device, max_position_embeddings=16384)
+    return shaped_model("qwen25-3b", seed=0, dtype=dtype, device=device)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the full weights (under ZeRO-3 a parameter's local tensor is a partition: ``ds_numel`` is its full
+    size), tied weights counted once."""
+    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
+
+
+def model_geometry(model) -> ModelGeometry:
+    """The roofline's figures of an HF decoder (:class:`instrumentation.roofline.ModelGeometry`)."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    element = next(model.parameters()).element_size()
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    nonembedding = total - embed.numel() - (0 if head is embed else head.numel())
+    return ModelGeometry(
+        weight_bytes=weight_bytes(model),
+        kv_bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element,
+        nonembedding_params=nonembedding, lm_head_params=head.numel(),
+        attn_flops_per_key=4 * cfg.num_hidden_layers * heads * head_dim)
+
+
+def left_padded(lengths: list[int], vocab: int, device: str, token: Optional[int] = None, seed: int = 0):
+    """``(ids, mask)`` of prompts with these real lengths, left-padded with 0: random ids in ``[3, vocab)``
+    (generator ``seed``), or every real token ``token``."""
+    width = max(lengths)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)  # ids: [B, T_p]
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        fill = torch.full((length,), token) if token is not None else torch.randint(3, vocab, (length,), generator=gen)
+        ids[row, width - length:] = fill
+        mask[row, width - length:] = 1
+    return ids.to(device), mask.to(device)
+
+
+def set_single_process_env(port: int) -> None:
+    """The rendezvous variables of a one-process DeepSpeed run (kept where already set)."""
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                           LOCAL_RANK="0").items():
+        os.environ.setdefault(key, value)
+
+
+def upstream_rollout(model, tok, continuous: bool = False):
+    """DeepSpeed 0.19.8's ``HybridEngineRollout`` on a ZeRO-0 engine (single process)."""
+    import deepspeed
+    from deepspeed.runtime.rollout import HybridEngineRollout
+    from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig
+
+    set_single_process_env(29511)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
+              "bf16": {"enabled": next(model.parameters()).dtype == torch.bfloat16}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    cfg = HybridEngineRolloutConfig(align_decode_fronts=continuous) if continuous else HybridEngineRolloutConfig()
+    return HybridEngineRollout(engine, tok, cfg)

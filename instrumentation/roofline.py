@@ -1,0 +1,113 @@
+"""Rooflines of a rollout call (no torch): the least time its bytes and FLOPs allow at measured rates.
+
+One implementation for the benchmarks (``benchmarks.rl``, ``benchmarks.suites``) and the trace report. The
+rates are measured by the benchmarks (``benchmarks.harness.device.measure_rates``: a device copy and a GEMM);
+here they are plain numbers in a :class:`Rates`. Definitions (issue 15):
+
+- a decode step reads every weight once and the keys and values of every live row's context, and computes
+  ``2 * params`` FLOPs per row plus attention over the context: its time is ``max(bytes / copy rate, FLOPs /
+  GEMM rate)``;
+- a call's prefill computes each unique prompt once (not once per sample) and reads the weights once;
+- a call's roofline is its prefill's plus every decode step's, each row live until its realised length.
+
+The copy rate counts bytes read + written per second (a device copy of N bytes moves 2N), the convention of
+the measured figures (a 6.17 GB read at 4.25 TB/s: 1.45 ms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What the roofline needs of a model, as plain ints."""
+
+    weight_bytes: int
+    """Bytes of all weights (tied matrices once)."""
+    kv_bytes_per_token: int
+    """K + V of one token over all layers: 2 * layers * kv_heads * head_dim * element size."""
+    nonembedding_params: int
+    """Parameters other than the input embedding and the output embedding (lm_head)."""
+    lm_head_params: int
+    """vocab x hidden."""
+    attn_flops_per_key: int
+    """4 * layers * q_heads * head_dim: QK^T and PV FLOPs of one query against one key."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Measured device rates the rooflines divide by."""
+
+    copy_bytes_s: float
+    """Copy bandwidth, bytes read + written per second."""
+    gemm_flops_s: float
+    """Dense GEMM rate in the model's dtype, FLOP/s."""
+
+    def __post_init__(self) -> None:
+        for name in ("copy_bytes_s", "gemm_flops_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}: must be a number > 0; got {value!r}")
+
+    @classmethod
+    def measured(cls, copy_gbps: float, gemm_tflops: float) -> "Rates":
+        """From the units benchmarks print and record (GB/s, TFLOP/s)."""
+        return cls(copy_gbps * 1e9, gemm_tflops * 1e12)
+
+
+def decode_step_floor_s(geo: ModelGeometry, live_tokens: int, rates: Rates) -> float:
+    """The bandwidth floor of one decode step: every weight and the keys and values of ``live_tokens`` cached
+    tokens (summed over the rows) read once at the copy rate."""
+    return (geo.weight_bytes + geo.kv_bytes_per_token * live_tokens) / rates.copy_bytes_s
+
+
+def decode_roofline_s(prompt_lens: Sequence[int], response_lens: Sequence[int], geo: ModelGeometry,
+                      rates: Rates) -> float:
+    """Sum over decode steps t = 1 .. max(L) - 1 of max(bytes_t / copy rate, flops_t / GEMM rate).
+
+    Row r (real prompt tokens P_r, realised response length L_r) is live at step t iff L_r > t (the first
+    response token comes from the prefill's logits; step t produces token t + 1); its current length is
+    P_r + t. bytes_t = weight_bytes + kv_bytes_per_token * sum over live rows of (P_r + t);
+    flops_t = sum over live rows of [2 * (nonembedding_params + lm_head_params) + attn_flops_per_key * (P_r + t)].
+    """
+    if len(prompt_lens) != len(response_lens):
+        raise ValueError(f"prompt_lens/response_lens: lengths differ ({len(prompt_lens)} vs {len(response_lens)})")
+    if not response_lens:
+        return 0.0
+    order = sorted(range(len(response_lens)), key=lambda i: response_lens[i])
+    lens = [response_lens[i] for i in order]
+    prompts = [prompt_lens[i] for i in order]
+    dense = 2 * (geo.nonembedding_params + geo.lm_head_params)
+    live, live_prompt, first = len(lens), sum(prompts), 0
+    total = 0.0
+    for t in range(1, lens[-1]):
+        while first < len(lens) and lens[first] <= t:  # rows that ended before step t leave
+            live -= 1
+            live_prompt -= prompts[first]
+            first += 1
+        context = live_prompt + live * t
+        step_bytes = geo.weight_bytes + geo.kv_bytes_per_token * context
+        step_flops = live * dense + geo.attn_flops_per_key * context
+        total += max(step_bytes / rates.copy_bytes_s, step_flops / rates.gemm_flops_s)
+    return total
+
+
+def prefill_roofline_s(unique_prompt_lens: Sequence[int], geo: ModelGeometry, rates: Rates) -> float:
+    """max(weight_bytes / copy rate, FLOPs / GEMM rate) over the unique prompts (each once, not once per sample).
+
+    FLOPs = sum over prompts of [2 * nonembedding_params * P + 2 * lm_head_params (one logits row per prompt)
+    + attn_flops_per_key * P * (P + 1) / 2 (causal: query i attends i keys)].
+    """
+    flops = sum(2 * geo.nonembedding_params * p + 2 * geo.lm_head_params + geo.attn_flops_per_key * p * (p + 1) / 2
+                for p in unique_prompt_lens)
+    return max(geo.weight_bytes / rates.copy_bytes_s, flops / rates.gemm_flops_s)
+
+
+def call_roofline_s(unique_prompt_lens: Sequence[int], n: int, response_lens: Sequence[int], geo: ModelGeometry,
+                    rates: Rates) -> float:
+    """Roofline of one call: prefill of the unique prompts + every decode step. Row i of the output (``n`` samples
+    per prompt) belongs to prompt i // n."""
+    expanded = [p for p in unique_prompt_lens for _ in range(n)]
+    return prefill_roofline_s(unique_prompt_lens, geo, rates) + decode_roofline_s(expanded, response_lens, geo, rates)

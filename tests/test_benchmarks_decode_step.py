@@ -1,0 +1,55 @@
+"""benchmarks.decode_step on the CPU: its step variants are ``KernelConfig`` settings (the routes' default step is
+``KernelConfig()``, an A/B flips one setting), and the steps it times compute what the routes' step computes."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from benchmarks.decode_step import cli
+from benchmarks.decode_step.step import BASE, ROUTE_AB, ROUTE_DEFAULT, StepVariant, decode_step_fn, \
+    step_variant_list, variant
+from rollout.config import KernelConfig
+from rollout.testing import tiny_model
+
+
+def _differences(a: KernelConfig, b: KernelConfig) -> dict:
+    return {f.name: getattr(b, f.name) for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
+
+
+def test_the_routes_default_step_is_the_default_kernel_config():
+    assert ROUTE_DEFAULT.kernels == KernelConfig() and not ROUTE_DEFAULT.additive_mask and not ROUTE_DEFAULT.grouped
+    assert ROUTE_DEFAULT.name.endswith("fused gate|up, rotary+write kernel, skinny o projection")
+
+
+@pytest.mark.parametrize("flag", sorted(ROUTE_AB))
+def test_an_ab_flag_times_the_default_and_the_default_with_one_setting_off_in_two_rounds(flag):
+    args = cli.build_parser().parse_args(["--" + flag.replace("_", "-")])
+    steps, rounds = step_variant_list(args)
+    setting, off, _ = ROUTE_AB[flag]
+    assert rounds == 2 and steps[1] == ROUTE_DEFAULT
+    assert _differences(ROUTE_DEFAULT.kernels, steps[0].kernels) == {setting: off}
+
+
+def test_the_experiments_start_from_the_compiled_fused_qkv_step():
+    args = cli.build_parser().parse_args(["--triton-attention", "--kv-write-in-piece", "--additive-mask"])
+    steps, rounds = step_variant_list(args)
+    assert rounds == 1 and steps[:3] == [variant(compile=False, fuse_qkv=False), variant(fuse_qkv=False), variant()]
+    assert [_differences(BASE, s.kernels) for s in steps[3:]] == [
+        {}, {"fused_kv_write": True}, {"fused_kv_write": True}, {"decode_attention": "triton"},
+        {"decode_attention": "triton", "fused_kv_write": True}]
+    assert [s.additive_mask for s in steps[3:]] == [True, False, True, False, False]
+    assert "--split-k" not in cli.build_parser().format_help()
+
+
+def test_the_timed_steps_compute_the_same_logits():
+    """On the CPU (eager pieces): the routes' default step, the base step, the additive-mask and grouped-attention
+    experiments all give the same logits for one random cache."""
+    model = tiny_model("qwen2", seed=0)
+    outputs = []
+    for step in (ROUTE_DEFAULT, StepVariant(), variant(additive_mask=True), variant(grouped=True)):
+        torch.manual_seed(0)
+        outputs.append(decode_step_fn(model, 3, 6, step, device="cpu")())
+    assert outputs[0].shape == (3, model.config.vocab_size)
+    for other in outputs[1:]:
+        torch.testing.assert_close(other, outputs[0], rtol=1e-4, atol=1e-4)
