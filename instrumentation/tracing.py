@@ -9,7 +9,7 @@ On the H200 (CUDA 13) CUDA graphs captured before a window replay, and new ones 
 after windows with teardown. Whether the lingering cost is real there is not settled: in the one pair
 of runs (docs/BENCHMARKS.md, 2026-12-01 evening) the steps after the window ran 27% slower than before
 it without teardown, but the run with teardown had already drifted to the same ~550 ms before its
-window. ``scripts/bench_profiler_cost.py linger`` measures it and checks the graphs.
+window. ``python -m benchmarks.profiler_cost linger`` measures it and checks the graphs.
 
 Trace files are written by :func:`instrumentation.export.export_trace` (atomically, validated, all
 temporary files inside the run directory).

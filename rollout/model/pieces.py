@@ -99,7 +99,7 @@ def grouped_decode_attention(q, k, v, keep, scale: float, gqa: bool, *, last=Non
     ``enable_gqa``): each key and value is read once per KV head, and under ``torch.compile`` the mask and softmax
     fuse into one kernel. Scores are computed in the inputs' dtype and the softmax in fp32, as HF's eager
     attention does. An experiment
-    (``scripts/profile_decode_step.py --grouped-attention``), not used by the routes: on an H200 it made the
+    (``python -m benchmarks.decode_step --grouped-attention``), not used by the routes: on an H200 it made the
     compiled 3B step slower (4.08 vs 3.79 ms at 32 rows, 12.8 vs 5.79 at 256)."""
     batch, heads, _, dim = q.shape
     kv_heads, length = k.shape[1], k.shape[2]

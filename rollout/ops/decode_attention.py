@@ -41,7 +41,7 @@ from rollout.ops.dot_options import dot_options
 from rollout.ops.fallback import launch_or_fall_back
 
 #: Columns per tile of the key window, warps per program and software-pipelining stages (the kernel's
-#: launch parameters; ``scripts/profile_decode_step.py`` times others: on the H200, 36 layers over 512
+#: launch parameters; ``python -m benchmarks.decode_step`` times others: on the H200, 36 layers over 512
 #: columns, 2 stages took 1.52 ms at 256 rows where 3 or 4 took 1.80-1.82, and SDPA 1.88).
 BLOCK_L = 64
 WARPS = 4
@@ -54,7 +54,7 @@ MIN_SPLIT_TILES = 2
 #: read their prompt one by one.
 MAX_SHARED_QUERIES = 128
 #: Fewest prompt columns for which the ordinary route shares them (``RolloutConfig.kernels.shared_prefix_rows``). On the
-#: H200 (3B shape, 36 layers, ``profile_decode_step.py --parts shared``, docs/BENCHMARKS.md) a 768-column
+#: H200 (3B shape, 36 layers, ``python -m benchmarks.decode_step --parts shared``, docs/BENCHMARKS.md) a 768-column
 #: prompt with 4 samples took 1.511 ms instead of 2.063 at 256 rows and 0.939 instead of 1.337 at 128, but a
 #: 256-column one 1.431 instead of 1.233 at 256 rows: short windows are bound by each program's chain of
 #: dependent loads, not by the bytes, and sharing adds a merge.

@@ -14,7 +14,7 @@ weights) ran at 35% of the copy rate through cuBLAS, with one more kernel to cop
 over the whole of K: each weight is read once, no partial sums are written, and the norm, bias, SiLU·mul and
 residual are done in the same kernel.
 
-Measured on an H200 (3B shape, 36 layers, ``scripts/profile_decode_step.py --parts skinny``, 2026-12-01): o with
+Measured on an H200 (3B shape, 36 layers, ``python -m benchmarks.decode_step --parts skinny``, 2026-12-01): o with
 its residual took 0.206 ms against the compiled piece's 0.270 at 8 rows (0.236 against 0.305 at 32), so the
 routes use it for o (``RolloutConfig.kernels.skinny_rows``). The other projections lost to cuBLAS: q|k|v with the norm
 0.447 against 0.299, gate|up with the norm and SiLU·mul 1.13-2.3 against 1.07, down with the residual 0.667
@@ -48,7 +48,7 @@ from rollout.ops.norm import rms_norm
 #: The most rows the kernel takes (all rows are one tile).
 MAX_ROWS = 64
 #: Output columns per program, K per step of its loop, warps and pipelining stages (launch parameters;
-#: ``scripts/profile_decode_step.py --parts skinny`` times others; these were the o projection's best at 8 rows).
+#: ``python -m benchmarks.decode_step --parts skinny`` times others; these were the o projection's best at 8 rows).
 BLOCK_N = 16
 BLOCK_K = 256
 WARPS = 2
