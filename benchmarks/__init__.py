@@ -20,8 +20,8 @@ files, tables). Each runs as ``python -m benchmarks.<name> --help``.
 
 Layering (``tests/test_layers.py``): benchmarks import ``rollout``, ``instrumentation`` and ``traces``; no library
 imports benchmarks, and benchmarks import nothing of ``scripts/``: the user program two of them drive,
-``train_opsd.py``, is launched as a program, or loaded from its file in one place (``benchmarks.harness.programs``)
-where its flag parser or its OPSD step is needed in process.
+``train_opsd.py``, is launched as a program (its path: ``benchmarks.harness.programs``), and where its flag parser or
+its OPSD step is needed in process it comes from the program's library, ``rollout.job``.
 
 Every benchmark times with :mod:`benchmarks.harness.rounds` (a warm-up, then rounds A B C, C B A, ...; round ``r``
 draws seed ``base + r % K``), writes ``--json`` as one schema (:mod:`benchmarks.harness.results`: ``{"schema": 1,

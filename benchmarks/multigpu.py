@@ -19,8 +19,8 @@ run's full report) and is rewritten after every variant, so a run cut short keep
 Variants (``--variants``): ``zeroS`` (S = 0, 1, 2, 3) or ``zero3-once`` / ``zero3-per_forward``
 (``RolloutConfig.gather``), each optionally with ``/Ngpu`` to pin its GPU count; a variant without
 it runs once per ``--nproc`` value. Every flag this script does not know is passed to
-``train_opsd.py`` (checked by its own parser before anything runs: ``benchmarks.harness.programs``); ``--zero-stage``, ``--gather``
-and ``--json-out`` come from the variant. ``--profile DIR`` runs every variant with ``OPSD_PROFILE=1
+``train_opsd.py`` (checked by its own parser before anything runs: :func:`rollout.job.parse_args`);
+``--zero-stage``, ``--gather`` and ``--json-out`` come from the variant. ``--profile DIR`` runs every variant with ``OPSD_PROFILE=1
 OPSD_PROFILE_RANKS=all OPSD_PROFILE_DIR=DIR/<launcher>-<variant>-<N>gpu`` and afterwards prints
 ``scripts/summarize_trace.py --by-rank`` of the run's trace directory (the profiled steps carry the
 profiler's overhead: take step times from runs without ``--profile``). The other ``OPSD_PROFILE_*``
@@ -47,7 +47,7 @@ from typing import Optional
 
 from benchmarks.harness import results
 from benchmarks.harness.meta import run_meta
-from benchmarks.harness.programs import REPO, SUMMARIZE_SCRIPT, TRAIN_SCRIPT, train_opsd
+from benchmarks.harness.programs import REPO, SUMMARIZE_SCRIPT, TRAIN_SCRIPT
 from benchmarks.harness.table import markdown_table
 
 LAUNCHERS = ("torchrun", "deepspeed")
@@ -109,13 +109,15 @@ def train_args(run: dict, job_args: list[str], json_path: Path) -> list[str]:
 
 def launch_command(run: dict, job_args: list[str], json_path: Path) -> list[str]:
     """The launcher command line (through this interpreter, so no launcher has to be on PATH)."""
+    from rollout.opsd.engines import free_port  # torch: imported when a run is launched
+
     args = train_args(run, job_args, json_path)
     if run["launcher"] == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                 str(run["gpus"]), str(TRAIN_SCRIPT), *args]
     # The deepspeed launcher appends --local_rank=N to the script's arguments (train_opsd accepts it).
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(run["gpus"]),
-            "--master_port", str(train_opsd().free_port()), str(TRAIN_SCRIPT), *args]
+            "--master_port", str(free_port()), str(TRAIN_SCRIPT), *args]
 
 
 def run_env(run: dict, profile_dir: Optional[Path]) -> dict:
@@ -400,9 +402,11 @@ def check_job_args(parser: argparse.ArgumentParser, job_args: list[str]) -> None
         import contextlib
         import io
 
+        from rollout.job import parse_args  # torch and transformers: imported when flags are checked
+
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
-            train_opsd().parse_args(job_args)
+            parse_args(job_args)
     except SystemExit as exc:
         message = err.getvalue().strip().splitlines()
         parser.error(f"train_opsd.py rejects the passed-through flags {job_args}: "

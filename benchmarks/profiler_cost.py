@@ -20,8 +20,8 @@ default, on where torch's CUDA runtime is >= 12.6).
 ``--processes K`` runs K child processes alternating ``--teardown-cupti 0`` / ``1`` and prints one
 table of all of them.
 
-Workloads: ``--workload opsd`` (default) is ``scripts/train_opsd.py``'s OPSD step (the program loaded by
-``benchmarks.harness.programs``), built from the
+Workloads: ``--workload opsd`` (default) is ``scripts/train_opsd.py``'s OPSD step (built by :mod:`rollout.job`, the
+main job's library), built from the
 arguments after ``--`` (the same flags, e.g. ``--student qwen25-3b --teacher qwen25-3b``);
 ``--workload synthetic`` is a small stand-in (matmuls in stage ranges, a CUDA-graph "decode" on GPU)
 for trying the script on a CPU. ``--json-out`` writes every step time and the summary.
@@ -47,7 +47,6 @@ import torch
 
 from benchmarks.harness import results
 from benchmarks.harness.meta import run_meta
-from benchmarks.harness.programs import train_opsd
 from benchmarks.harness.rounds import Timer, round_order
 from benchmarks.harness.table import markdown_table
 from instrumentation import ProfileConfig, configure, opsd_profiler, stage, stages
@@ -66,14 +65,15 @@ class OpsdWorkload:
 
     def __init__(self, train_args: list[str], num_steps: int, fixed_work: bool = False):
         from rollout import SamplingConfig
+        from rollout.job import build_step, make_prompts, parse_args
+        from rollout.opsd.engines import init_distributed
 
-        T = train_opsd()
-        job, opsd_config = T.parse_args(train_args + ["--steps", str(num_steps)])
-        self.T, self.job = T, job
-        self.rank, _, self.device = T.init_distributed()
-        self.step = T.build_step(job, opsd_config, self.device)
+        args = parse_args(train_args + ["--steps", str(num_steps)])
+        job = self.job = args.job
+        self.rank, _, self.device = init_distributed()
+        self.step = build_step(job, args.opsd, self.device)
         self.vocab = min(self.step.student_vocab_size, self.step.teacher_vocab_size)
-        self.ids, self.mask = T.make_prompts(job, self.step.rollout.tokenizer, self.vocab, self.rank, self.device)
+        self.ids, self.mask = make_prompts(job, self.step.rollout.tokenizer, self.vocab, self.rank, self.device)
         self.sampling = SamplingConfig(max_new_tokens=job.max_new_tokens, temperature=job.sampling_temperature,
                                        n_samples_per_prompt=job.samples_per_prompt)
         self.params = _num_params(getattr(self.step, "student", None)), _num_params(getattr(self.step, "teacher", None))
@@ -83,15 +83,17 @@ class OpsdWorkload:
         import dataclasses
 
         from instrumentation.mfu import mfu, opsd_step_flops, peak_flops
+        from rollout.job import self_teacher_prompts
+        from rollout.opsd.job import SELF_TEACHER
 
         job = self.job
         if self.fixed_work:  # the same prompts and sampling seed every step: same shapes, no recompiles
             index = 0
         rows = slice(index * job.batch_size, (index + 1) * job.batch_size)
         extra = {}
-        if job.teacher == self.T.SELF_TEACHER:
+        if job.teacher == SELF_TEACHER:
             extra = dict(zip(("teacher_prompt_ids", "teacher_prompt_attention_mask"),
-                             self.T.self_teacher_prompts(self.ids[rows], self.mask[rows], self.vocab, job.seed)))
+                             self_teacher_prompts(self.ids[rows], self.mask[rows], self.vocab, job.seed)))
         seed = job.seed * 100_003 + self.rank * 1009 + index
         result = self.step.step(self.ids[rows], self.mask[rows], dataclasses.replace(self.sampling, seed=seed),
                                 **extra)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollout.opsd.engines import teacher_engine_config
 from rollout.testing import MODEL_SHAPES, QWEN25_3B_SHAPE, shape_config, shaped_model, tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,8 +117,8 @@ def test_launcher_local_rank_argument_is_accepted_and_ignored(train_opsd):
     assert train_opsd.local_rank_arg is None
 
 
-def test_offloaded_teacher_config_is_inference_only_zero3(train_opsd):
-    config = train_opsd.teacher_engine_config({"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"}}, 8)
+def test_offloaded_teacher_config_is_inference_only_zero3():
+    config = teacher_engine_config({"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"}}, 8)
     zero = config["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_param"] == {"device": "cpu", "pin_memory": True}
     assert config["bf16"] == {"enabled": True} and "optimizer" not in config

@@ -38,7 +38,7 @@ PACKAGE = ROOT / "rollout"
 #: Layer of each part of ``rollout`` (a sub-package, or a top-level module).
 LAYER = {
     "checks": 0, "_packages": 0, "__init__": 0, "config": 1, "planner": 1, "plan": 1, "request": 2, "ops": 2, "model": 3, "cache": 4, "stats": 5, "executors": 6, "engine": 7, "opsd": 8,
-    "testing": 9, "real_model": 9,
+    "testing": 9, "real_model": 9, "job": 9,
 }
 #: Third-party packages each layer may import (the standard library is always allowed).
 THIRD_PARTY = {

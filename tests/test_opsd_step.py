@@ -1,4 +1,4 @@
-"""The OPSD step (rollout.opsd) and the main job (scripts/train_opsd.py) on CPU.
+"""The OPSD step (rollout.opsd) and the main job (scripts/train_opsd.py, rollout.job) on CPU.
 
 In-process tests drive a plain student module with a torch optimizer (fast); the DeepSpeed cases
 (ZeRO-0/3, LoRA, two ranks over gloo) run in subprocess workers (tests/ds_workers/opsd_train.py).
@@ -22,6 +22,7 @@ import torch
 
 from instrumentation import ProfileConfig, collect_stages, configure, reset_for_tests, stages
 from rollout import Rollout, RolloutRequest
+from rollout import job as job_lib
 from rollout.config import SamplingConfig
 from rollout.opsd.losses import generalized_jsd_loss, response_logit_positions
 from rollout.opsd import OPSDConfig, OPSDStep
@@ -327,7 +328,7 @@ def test_script_rejects_a_bad_flag_naming_the_field():
 # ---- the main job's flags, in-process ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def train_opsd():
-    """``scripts/train_opsd.py`` as a module: its ``main`` and ``build_step`` in this process."""
+    """``scripts/train_opsd.py`` as a module: its ``main`` and ``parse_args`` in this process."""
     spec = importlib.util.spec_from_file_location("_train_opsd_under_test", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -338,10 +339,10 @@ def test_rollout_flags_reach_the_rollout_config_the_step_uses(train_opsd, monkey
     job, opsd_config = train_opsd.parse_args(["--rollout", "kernels.cuda_graphs=False", "--route", "auto",
                                               "--keep-cache", "0", "--rollout", "routing.eos_check_interval=2"])
     # a plain student module with an SGD optimizer instead of a DeepSpeed engine (no process group here)
-    monkeypatch.setattr(train_opsd, "make_student_engine", lambda model, config, **kwargs: model)
-    monkeypatch.setattr(train_opsd, "OPSDStep", lambda student, *args, **kwargs: OPSDStep(
+    monkeypatch.setattr(job_lib, "make_student_engine", lambda model, config, **kwargs: model)
+    monkeypatch.setattr(job_lib, "OPSDStep", lambda student, *args, **kwargs: OPSDStep(
         student, *args, optimizer=torch.optim.SGD(student.parameters(), lr=0.1), **kwargs))
-    step = train_opsd.build_step(job, opsd_config, torch.device("cpu"))
+    step = job_lib.build_step(job, opsd_config, torch.device("cpu"))
     config = step.rollout.config
     assert config is job.rollout
     assert config.kernels.cuda_graphs is False and config.routing.eos_check_interval == 2
@@ -367,7 +368,7 @@ def no_model(*args, **kwargs):
     (["--max-cache-gib", "0"], ["max_cache_gib:", "> 0"]),
 ])
 def test_a_bad_rollout_setting_fails_before_any_model_is_built(train_opsd, monkeypatch, capsys, argv, words):
-    monkeypatch.setattr(train_opsd, "load_model", no_model)
+    monkeypatch.setattr(job_lib, "load_model", no_model)
     monkeypatch.setattr(train_opsd, "init_distributed", no_model)
     with pytest.raises(SystemExit) as exc:
         train_opsd.main(argv)
@@ -384,7 +385,7 @@ def test_a_bad_rollout_setting_fails_before_any_model_is_built(train_opsd, monke
     (["--steps", "2", "--compile"], "--compile: moved; use --rollout kernels.compile=VALUE"),
 ])
 def test_an_old_kernel_flag_names_its_new_spelling(train_opsd, monkeypatch, capsys, argv, spelling):
-    monkeypatch.setattr(train_opsd, "load_model", no_model)
+    monkeypatch.setattr(job_lib, "load_model", no_model)
     monkeypatch.setattr(train_opsd, "init_distributed", no_model)
     with pytest.raises(SystemExit) as exc:
         train_opsd.main(argv)
