@@ -36,8 +36,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 ENTRY_KERNELS = {
     "rollout.ops.decode_attention_kernel": ("decode_attention_split", "decode_attention_shared",
                                             "decode_attention_merge"),

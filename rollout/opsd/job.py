@@ -90,7 +90,7 @@ class JobConfig:
 @dataclass(frozen=True)
 class ModelNames:
     """The model names the job knows besides HF repo ids (``org/name``) and local paths. They live above
-    this layer (``rollout.testing.MODEL_SHAPES``, ``rollout.real_model``): the script passes them in."""
+    this layer (``rollout.testing.MODEL_SHAPES``, ``rollout.real_model``): ``rollout.job`` passes them in."""
 
     vocab_sizes: Mapping[str, int]
     """Shape name (a random model of that geometry) -> its vocabulary size."""
