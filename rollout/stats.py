@@ -12,7 +12,7 @@ timers into ``Rollout.get_last_profile()``: DeepSpeed's keys with their names an
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from instrumentation import stages

@@ -6,6 +6,8 @@ Tiny Qwen2: 2 layers, 2 KV heads of 16 channels, fp32 -> one cache column of one
 2 (keys, values) x 2 x 2 x 16 x 4 bytes = 512 bytes.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -126,7 +128,7 @@ def test_one_record_per_part_and_one_name_per_counter(prompts):
                                                          continuous_batch_size=4))
     stats = ro.last_stats
     assert type(stats.cache) is CacheStats and stats.cache.prefill_copy_bytes > 0
-    assert set(stats.to_dict()) == {f.name for f in stats_module.fields(CallStats)}
+    assert set(stats.to_dict()) == {f.name for f in dataclasses.fields(CallStats)}
     assert stats.to_dict()["cache"]["prefill_copy_bytes"] == stats.flat()["cache.prefill_copy_bytes"]
     assert not hasattr(stats, "__getitem__") and not hasattr(stats, "get")  # no dict facade, no aliases
     profile = stats_module.build_profile({}, stats, stats_module.CallShape(3, 2, 6, 5, 6, 30), 0.5, 0)

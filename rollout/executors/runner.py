@@ -69,7 +69,7 @@ class Runner:
         if config.route != routes.ORDINARY:
             check_gather(config.route, config.gather, self.is_zero3)
         self.pool = CachePool(keep=config.keep_cache)
-        self.fast_step = FastStep(self.model, config.kernels, mirror_weights=self.is_zero3)
+        self.fast_step = self._new_fast_step()
         self.executors: dict[str, Executor] = {routes.ORDINARY: OrdinaryExecutor(self.pool, self.fast_step),
                                                routes.CONTINUOUS: ContinuousExecutor(self.pool, self.fast_step)}
         tokens = config.kernels.prefill_graph_tokens
@@ -131,7 +131,7 @@ class Runner:
             executor.release()
         if self.prefill_graphs is not None:
             self.prefill_graphs.clear()
-        self.fast_step = FastStep(self.model, self.config.kernels, mirror_weights=self.is_zero3)
+        self.fast_step = self._new_fast_step()
         for executor in self.executors.values():
             executor.fast_step = self.fast_step
 
@@ -144,6 +144,10 @@ class Runner:
                 + graphs)
 
     # ---- pieces of a call -------------------------------------------------------------------------
+    def _new_fast_step(self) -> FastStep:
+        """Our step for this model as ``config.kernels`` asks (nothing held yet: no weight copies, no mirror)."""
+        return FastStep(self.model, self.config.kernels, mirror_weights=self.is_zero3)
+
     def _context(self, prepared: Prepared, route: str) -> CallContext:
         """What the executors need of this call (inside the gather). An eager prefill reads the (gathered)
         parameters directly, as eager decode steps do; a captured one (``kernels.prefill_graph_tokens``, with graph
