@@ -111,3 +111,47 @@ def call_roofline_s(unique_prompt_lens: Sequence[int], n: int, response_lens: Se
     per prompt) belongs to prompt i // n."""
     expanded = [p for p in unique_prompt_lens for _ in range(n)]
     return prefill_roofline_s(unique_prompt_lens, geo, rates) + decode_roofline_s(expanded, response_lens, geo, rates)
+
+
+#: Bytes an AdamW step moves per parameter: reads fp32 master, gradient, both moments (16); writes master,
+#: moments and the bf16 working copy (14).
+ADAMW_BYTES_PER_PARAM = 30
+
+
+def forward_flops(row_lens: Sequence[int], geo: ModelGeometry, head_positions: int) -> float:
+    """FLOPs of one forward over rows of ``row_lens`` real tokens each (no padding), with the head applied at
+    ``head_positions`` positions: sum over rows of [2 * nonembedding_params * L + attn_flops_per_key * L (L + 1) / 2]
+    + 2 * lm_head_params * head_positions."""
+    dense = sum(2 * geo.nonembedding_params * n + geo.attn_flops_per_key * n * (n + 1) / 2 for n in row_lens)
+    return dense + 2 * geo.lm_head_params * head_positions
+
+
+def pass_roofline_s(flops: float, geo: ModelGeometry, rates: Rates, passes: int = 1) -> float:
+    """max(weights read ``passes`` times / copy rate, ``flops`` / GEMM rate): one training pass or several."""
+    return max(passes * geo.weight_bytes / rates.copy_bytes_s, flops / rates.gemm_flops_s)
+
+
+@dataclass(frozen=True)
+class TrainingRoofline:
+    """The least time of an OPSD step's training phases (seconds), from its realised row lengths."""
+
+    teacher_s: float
+    """Teacher forward over prompt + response, head at the loss positions."""
+    student_s: float
+    """Student forward + backward (3x the forward's FLOPs), the head at the loss positions included wherever
+    it runs (the fused loss computes it)."""
+    optimizer_s: float
+    """AdamW over the student's trainable parameters (:data:`ADAMW_BYTES_PER_PARAM`)."""
+
+    @property
+    def total_s(self) -> float:
+        return self.teacher_s + self.student_s + self.optimizer_s
+
+
+def training_roofline(student_rows: Sequence[int], teacher_rows: Sequence[int], loss_positions: int,
+                      student: ModelGeometry, teacher: ModelGeometry, trainable_params: int,
+                      rates: Rates) -> TrainingRoofline:
+    """:class:`TrainingRoofline` of rows of ``student_rows`` / ``teacher_rows`` real tokens (prompt + response)."""
+    teacher_s = pass_roofline_s(forward_flops(teacher_rows, teacher, loss_positions), teacher, rates)
+    student_s = pass_roofline_s(3 * forward_flops(student_rows, student, loss_positions), student, rates, passes=3)
+    return TrainingRoofline(teacher_s, student_s, ADAMW_BYTES_PER_PARAM * trainable_params / rates.copy_bytes_s)

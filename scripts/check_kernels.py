@@ -41,6 +41,7 @@ ENTRY_KERNELS = {
                                             "decode_attention_merge"),
     "rollout.ops.skinny_linear_kernel": ("skinny_linear",),
     "rollout.ops.rotary_write_kernel": ("rotary_write",),
+    "rollout.ops.jsd_kernel": ("jsd_rows",),
     "rollout.ops.nucleus_kernel": ("nucleus_sample",),
     "rollout.ops.nucleus_split_kernel": ("chunk_stats", "search_pass", "tie_members", "draw", "finish"),
 }
@@ -257,6 +258,21 @@ def rotary_cases() -> list[tuple[str, Callable]]:
             ("rotary + cache write fp32", lambda: call(torch.float32, 4, 2, 64))]
 
 
+def loss_cases() -> list[tuple[str, Callable]]:
+    import torch
+
+    from rollout.ops import jsd
+
+    def call(dtype, beta, write_grad=True):
+        student = torch.zeros(4, 1000, dtype=dtype)
+        jsd.jsd_rows(student, student.clone(), beta, 0.7, 0.01, write_grad=write_grad, interpret=True,
+                     fallback=lambda: None)
+
+    return [(f"JSD rows {name} {str(dtype)[6:]}{'' if grad else ', loss only'}", lambda d=dtype, b=beta, g=grad: call(d, b, g))
+            for name, beta in (("forward KL", 0.0), ("reverse KL", 1.0), ("beta 0.5", 0.5))
+            for dtype in (torch.bfloat16, torch.float32) for grad in (True, False)]
+
+
 def sampler_cases() -> list[tuple[str, Callable]]:
     import torch
 
@@ -319,7 +335,7 @@ def main(argv=None) -> int:
     original = JITFunction.run
     JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiler.run(fn, *a, grid=grid, warmup=warmup, **kw)
     try:
-        run_cases(compiler, attention_cases() + linear_cases() + rotary_cases() + sampler_cases())
+        run_cases(compiler, attention_cases() + linear_cases() + rotary_cases() + loss_cases() + sampler_cases())
     finally:
         JITFunction.run = original
     print(f"triton {triton.__version__}, target cuda sm_{'/'.join(map(str, args.arch))}")

@@ -190,7 +190,7 @@ def test_the_table_printer():
 
 # ---- layout ----------------------------------------------------------------------------------------------------------
 BENCHMARKS = ["ab", "call_memory", "decode_step", "keep_cache", "multigpu", "overhead", "planner", "postprocess",
-              "profiler_cost", "rl", "sampler", "suites", "trace_summary"]
+              "profiler_cost", "rl", "sampler", "step", "suites", "trace_summary"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)

@@ -168,10 +168,10 @@ def record_live_caches(monkeypatch) -> dict:
     return counts
 
 
-@pytest.mark.parametrize("config, max_student_rows, max_live", [
-    (OPSDConfig(max_student_rows=2), 2, 1),                       # teacher per micro-batch: one cache at a time
-    (OPSDConfig(max_student_rows=2, max_teacher_rows=3), 3, 2),   # straddling chunks: two at most
-    (OPSDConfig(**ONE_SHOT), NUM_ROWS - 1, 1),
+@pytest.mark.parametrize("config, max_student_rows, max_live", [  # the padded path's logits (packed: none)
+    (OPSDConfig(max_student_rows=2, train_path="padded"), 2, 1),  # teacher per micro-batch: one cache at a time
+    (OPSDConfig(max_student_rows=2, max_teacher_rows=3, train_path="padded"), 3, 2),  # straddling chunks: two at most
+    (OPSDConfig(**ONE_SHOT, train_path="padded"), NUM_ROWS - 1, 1),
 ])
 def test_logits_exist_for_one_micro_batch_at_a_time(monkeypatch, config, max_student_rows, max_live):
     batch = make_batch()

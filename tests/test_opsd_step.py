@@ -62,8 +62,10 @@ def full_logits(model, ids, mask):
         return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits  # [N, T, V]
 
 
-def reference_loss(student, teacher, batch: RolloutBatch, config: OPSDConfig, teacher_ids=None, teacher_mask=None):
-    """The step's loss from full logits of unmodified copies (the teacher rounded to the cache dtype)."""
+def reference_loss(student, teacher, batch: RolloutBatch, config: OPSDConfig, teacher_ids=None, teacher_mask=None, *,
+                   path: str = "padded"):
+    """The step's loss from full logits of unmodified copies (the teacher rounded to the cache dtype on the padded
+    path; the packed path caches the teacher's hidden states in its own dtype, its logits are not rounded)."""
     s_logits = full_logits(student, batch.input_ids, batch.attention_mask)[:, :-1]
     if teacher_ids is None:
         t_logits = full_logits(teacher, batch.input_ids, batch.attention_mask)[:, :-1]
@@ -75,7 +77,8 @@ def reference_loss(student, teacher, batch: RolloutBatch, config: OPSDConfig, te
     top_ids = None
     if config.teacher_top_k is not None:
         t_logits, top_ids = torch.topk(t_logits, config.teacher_top_k, dim=-1)
-    t_logits = t_logits.to(config.logit_cache_dtype).float()
+    if path == "padded":
+        t_logits = t_logits.to(config.logit_cache_dtype).float()
     mask = response_logit_positions(batch.attention_mask, batch.response_start_idx)
     return generalized_jsd_loss(s_logits, t_logits, mask, config.beta, config.temperature, chunk_size=1 << 20,
                                 teacher_top_k_ids=top_ids).item()
@@ -184,7 +187,7 @@ def test_step_loss_equals_independent_recomputation(config, teacher_vocab):
     batch = result.batch
     assert not bool(batch.attention_mask[:, PROMPT_LEN:].all())  # some rows ended early (right padding)
     assert result.num_response_tokens == int(batch.attention_mask[:, PROMPT_LEN:].sum())
-    expected = reference_loss(oracle, teacher, batch, config)
+    expected = reference_loss(oracle, teacher, batch, config, path=step.train_path)
     assert result.loss == pytest.approx(expected, rel=1e-5, abs=1e-7)
     assert result.loss > 0 and result.rollout_tokens_per_s > 0 and result.step_ms >= result.rollout_ms > 0
     changed = [n for n, p in student.named_parameters() if not torch.equal(p, oracle.get_parameter(n))]
@@ -255,6 +258,7 @@ def test_deepspeed_steps_train_the_student_only(stage, kinds, world_size, extra)
         outs = [r.result[kind] for r in results]
         for out in outs:
             assert out["is_zero3"] == (stage == 3)
+            assert out["train_path"] == ("padded" if stage == 3 else "packed")  # ZeRO-3 keeps the padded path
             assert len(out["losses"]) == 3 and all(math.isfinite(x) and x > 0 for x in out["losses"])
             assert out["losses"][0] == pytest.approx(out["reference_loss"], rel=1e-5)
             assert out["teacher_changed"] == [] and out["teacher_grads"] == []

@@ -24,6 +24,10 @@ def _is_count(value) -> bool:
     return is_int(value) and value >= 1
 
 
+#: The settings of ``OPSDConfig.train_path``.
+TRAIN_PATHS = ("auto", "packed", "padded")
+
+
 @dataclass(frozen=True)
 class OPSDConfig:
     """Loss and teacher-cache settings of the OPSD step (sampling is passed to each ``step``)."""
@@ -54,10 +58,21 @@ class OPSDConfig:
     that many; None: all rows in one forward (the whole batch's cache is held)."""
     max_micro_batch_gib: Optional[float] = None
     """Memory one micro-batch may use under ``max_student_rows="auto"`` (activations kept for backward,
-    logits, cache); None: 60% of the device memory free when the distillation starts (CUDA), 8 GiB on
-    the CPU (see :mod:`rollout.opsd.sizing`)."""
+    logits, cache); None: 60% of the device memory free when the distillation starts (CUDA; 45% on the
+    packed path), 8 GiB on the CPU (see :mod:`rollout.opsd.sizing`)."""
+
+    train_path: str = "auto"
+    """How the teacher and student passes run: ``"packed"`` (each micro-batch's rows packed into one sequence
+    with variable-length attention, no padding; the teacher caches its final hidden states at the loss
+    positions and the loss applies both heads chunk by chunk: :mod:`rollout.opsd.packed`,
+    :mod:`rollout.opsd.fused_loss`), ``"padded"`` (HF's forward over ``[rows, columns]`` with a mask, logits
+    and a logit cache), or ``"auto"``: packed where it is supported (a Llama/Qwen2/Qwen3/Mistral-type model
+    with a bias-free linear head, no ZeRO-3 partitioning, no top-k cache), padded otherwise. The step reports
+    the path it took (``StepBreakdown.train_path``)."""
 
     def __post_init__(self) -> None:
+        require(self.train_path in TRAIN_PATHS, "train_path",
+                f"must be one of {TRAIN_PATHS}; got {self.train_path!r}")
         require(_is_number(self.beta) and 0.0 <= self.beta <= 1.0, "beta", f"must be in [0, 1]; got {self.beta!r}")
         require(_is_number(self.temperature) and self.temperature > 0, "temperature",
                  f"must be a finite number > 0; got {self.temperature!r}")

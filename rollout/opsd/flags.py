@@ -61,6 +61,7 @@ FLAGS = {
     "--max-student-rows": ("opsd", "max_student_rows", rows_setting, "rows per student micro-batch: auto, all or N"),
     "--max-teacher-rows": ("opsd", "max_teacher_rows", rows_setting, "rows per teacher forward: auto, all or N"),
     "--max-micro-batch-gib": ("opsd", "max_micro_batch_gib", float, "micro-batch memory budget for auto"),
+    "--train-path": ("opsd", "train_path", str, "teacher/student passes: auto, packed (varlen, fused loss) or padded"),
     "--beta": ("opsd", "beta", float, "generalized JSD beta (0 forward KL, 1 reverse KL)"),
     "--temperature": ("opsd", "temperature", float, "loss temperature"),
     "--teacher-top-k": ("opsd", "teacher_top_k", int, "cache the teacher's top-k logits only"),

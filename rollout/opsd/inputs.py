@@ -73,11 +73,11 @@ def distill_inputs(batch: RolloutBatch, teacher_prompts: Optional[tuple]) -> Dis
     columns = torch.arange(1, real.shape[1] + 1, device=real.device)
     extent = torch.where(real, columns, 0).amax(dim=1) if real.shape[1] else real.sum(dim=1)  # [N]
     per_row = torch.stack([loss_mask.sum(dim=1), extent, _first_real_column(batch.attention_mask),
-                           _first_real_column(teacher_mask)])  # per_row: [4, N]
+                           _first_real_column(teacher_mask), (batch.attention_mask != 0).sum(dim=1)])  # [5, N]
     host = torch.cat([per_row.flatten(), batch.input_ids.max().view(1).to(per_row.dtype)]).tolist()  # one sync
     rows = batch.batch_size
-    counts, extents, firsts, teacher_firsts = (tuple(host[i * rows:(i + 1) * rows]) for i in range(4))
-    stats = RowStats(counts, extents, firsts, teacher_firsts, start_col, teacher_col)
+    counts, extents, firsts, teacher_firsts, tokens = (tuple(host[i * rows:(i + 1) * rows]) for i in range(5))
+    stats = RowStats(counts, extents, firsts, teacher_firsts, start_col, teacher_col, tokens)
     return DistillInputs(batch.input_ids, batch.attention_mask, teacher_ids, teacher_mask, loss_mask, stats,
                          sum(counts), int(host[-1]))
 

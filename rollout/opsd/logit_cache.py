@@ -137,6 +137,24 @@ class TeacherLogitCache:
             ready.record(torch.cuda.current_stream(teacher_logits.device))
         return cls(values, ids, mask, config, ready)
 
+    @classmethod
+    @torch.no_grad()
+    def from_rows(cls, values: torch.Tensor, config: LogitCacheConfig) -> "TeacherLogitCache":
+        """Cache rows already packed at the loss positions (``[N, W]``, e.g. the teacher's final hidden
+        states of :mod:`rollout.opsd.packed`), stored as :meth:`build` stores logits (dtype, location)."""
+        if values.dim() != 2 or values.shape[0] == 0:
+            raise ValueError(f"values must be [N, W] with N >= 1; got {tuple(values.shape)}")
+        if config.top_k is not None:
+            raise ValueError("packed rows are cached whole: top_k must be None")
+        to_host = config.location == "host"
+        storage, _ = cls._allocate(values.shape[0], values.shape[1], config, values.device, to_host)
+        storage.copy_(values.to(config.dtype), non_blocking=to_host)
+        ready = None
+        if to_host and values.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(values.device))
+        return cls(storage, None, None, config, ready)
+
     @staticmethod
     def _allocate(num_positions, width, config, device, to_host):
         """Storage: values ``[N, width]`` in ``config.dtype`` and ids ``[N, K]`` int32 (top-k)."""

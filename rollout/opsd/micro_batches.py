@@ -51,6 +51,15 @@ class RowStats:
     """First response column of the student's input."""
     teacher_response_column: int
     """First response column of the teacher's input."""
+    num_tokens: tuple[int, ...] = ()
+    """Real tokens of each row in the student's input (the packed path's token count; empty: unknown)."""
+
+    def tokens(self, rows: Sequence[int], packed: bool) -> int:
+        """Tokens a micro-batch of ``rows`` computes: their real tokens packed, rows x columns padded."""
+        if packed:
+            return sum(self.num_tokens[row] for row in rows)
+        first, stop, _ = self.columns(rows)
+        return len(rows) * (stop - first)
 
     def columns(self, rows: Sequence[int], teacher: bool = False) -> tuple[int, int, int]:
         """``(first, stop, kept)`` for ``rows``: input columns ``first:stop`` hold every real token
@@ -72,8 +81,14 @@ class RowCost:
     """Per kept logits position of a row: student logits and their gradient, teacher logits, cache."""
     fixed_bytes: float
     """Per micro-batch whatever its size (the loss's and the cache's float32 chunk scratch)."""
+    packed: bool = False
+    """Rows packed without padding (each row costs its own tokens and loss positions), else padded to the
+    micro-batch's columns."""
 
     def micro_batch_bytes(self, stats: RowStats, rows: Sequence[int]) -> float:
+        if self.packed:
+            return (stats.tokens(rows, True) * self.bytes_per_token
+                    + sum(stats.num_positions[row] for row in rows) * self.bytes_per_position + self.fixed_bytes)
         first, stop, kept = stats.columns(rows)
         return len(rows) * ((stop - first) * self.bytes_per_token + kept * self.bytes_per_position) + self.fixed_bytes
 

@@ -18,7 +18,7 @@ Estimate (bytes), for a decoder of ``L`` layers, hidden size ``H``, MLP size ``I
 
 The budget: ``OPSDConfig.max_micro_batch_gib``, or by default :data:`AUTO_FREE_FRACTION` of the
 device memory free when the distillation starts (the driver's free memory plus what PyTorch's
-allocator holds unused), :data:`CPU_MICRO_BATCH_GIB` on the CPU.
+allocator holds unused; :data:`PACKED_FREE_FRACTION` on the packed path), :data:`CPU_MICRO_BATCH_GIB` on the CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ ACTIVATION_H, ACTIVATION_I = 22, 8
 #: Share of the free device memory one micro-batch may use by default (the rest: fragmentation,
 #: gradients and optimizer state allocated on the first step, collectives' buffers).
 AUTO_FREE_FRACTION = 0.6
+#: The same share on the packed path, whose estimate has no logits term: 0.45 keeps the 3B RL step's peak near 100
+#: GiB (at 0.6 it peaked at 110 GiB with 9k-token micro-batches, at 37 GiB of budget 117 GiB with 7.1k, in the same
+#: time: docs/BENCHMARKS.md, table 8).
+PACKED_FREE_FRACTION = 0.45
 #: Default micro-batch budget on the CPU (GiB).
 CPU_MICRO_BATCH_GIB = 8.0
 GIB = float(1 << 30)
@@ -80,12 +84,28 @@ def row_cost(student: torch.nn.Module, teacher: torch.nn.Module, cache: LogitCac
     return RowCost(per_token, per_position, 10.0 * loss_chunk_size * s_vocab * 4)
 
 
-def budget_bytes(max_micro_batch_gib: Optional[float], device: torch.device) -> float:
-    """The micro-batch budget: the configured GiB, or the default of the module docstring."""
+def packed_row_cost(student: torch.nn.Module, teacher: torch.nn.Module, loss_chunk_size: int) -> RowCost:
+    """The estimate for the packed path (:mod:`rollout.opsd.packed`): per real token as :func:`row_cost`;
+    per loss position the student's and the teacher's hidden states, the former's gradient and the cache
+    (``[N, H]`` each, no logits); per micro-batch the fused loss's chunk scratch (``[chunk, V]`` float32
+    temporaries and bf16 logits) and its float32 head-gradient accumulator (``V * H * 4``)."""
+    padded = row_cost(student, teacher, LogitCacheConfig(), loss_chunk_size)
+    _, hidden, _ = _dims(student.config)
+    _, t_hidden, _ = _dims(teacher.config)
+    width, t_width = _param_bytes(student), _param_bytes(teacher)
+    s_vocab = int(student.config.vocab_size)
+    per_position = 3 * hidden * width + 2 * t_hidden * t_width
+    fixed = 12.0 * loss_chunk_size * s_vocab * 4 + s_vocab * hidden * 4
+    return RowCost(padded.bytes_per_token, per_position, fixed, packed=True)
+
+
+def budget_bytes(max_micro_batch_gib: Optional[float], device: torch.device, packed: bool = False) -> float:
+    """The micro-batch budget: the configured GiB, or the default of the module docstring (``packed``:
+    :data:`PACKED_FREE_FRACTION` of the free memory)."""
     if max_micro_batch_gib is not None:
         return max_micro_batch_gib * GIB
     if device.type != "cuda":
         return CPU_MICRO_BATCH_GIB * GIB
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return AUTO_FREE_FRACTION * (free + cached)
+    return (PACKED_FREE_FRACTION if packed else AUTO_FREE_FRACTION) * (free + cached)

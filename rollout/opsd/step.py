@@ -17,7 +17,11 @@ divergence over the batch's response-position count, so the micro-batches' losse
 up to those of the whole batch at once: the mean over all response positions. No ``[B, T, V]``
 logits exist: logits are ``[rows, k, V]`` for one micro-batch's rows (``k``: the positions from the
 last prompt token through its longest response), and the loss is chunked (:mod:`rollout.opsd.losses`).
-Alignment of logits and tokens: :mod:`rollout.opsd.inputs`.
+Alignment of logits and tokens: :mod:`rollout.opsd.inputs`. That is the ``"padded"`` training path; the
+``"packed"`` one (``OPSDConfig.train_path``, taken by ``"auto"`` where supported) packs each micro-batch's rows into
+one sequence with variable-length attention, caches the teacher's final hidden states instead of its logits and
+applies both heads inside a fused loss (:mod:`rollout.opsd.packed`, :mod:`rollout.opsd.fused_loss`); its
+micro-batches are sized by real tokens.
 
 Self-distillation. Pass the student (engine or module) as ``teacher``. The teacher forward then runs
 on the current weights under ``no_grad`` with the module in eval mode (each submodule's flag restored
@@ -43,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -57,6 +61,8 @@ from rollout.opsd import sizing
 from rollout.opsd.breakdown import PhaseTimer
 from rollout.opsd.config import OPSDConfig, StepResult
 from rollout.opsd.inputs import DistillInputs, distill_inputs, forward_logits
+from rollout.opsd import packed
+from rollout.opsd.fused_loss import fused_jsd_loss
 from rollout.opsd.logit_cache import TeacherLogitCache
 from rollout.opsd.losses import generalized_jsd_loss
 from rollout.opsd.micro_batches import AUTO, MicroBatchPlan, Span, agree, plan_micro_batches
@@ -107,8 +113,27 @@ class OPSDStep:
         require(top_k is None or top_k <= shared_vocab, "teacher_top_k",
                  f"{top_k} exceeds the shared vocabulary size {shared_vocab}")
         check_teacher_tokens(tokenizer, teacher_tokenizer, teacher_model.config)
-        self.row_cost = sizing.row_cost(student_model, teacher_model, self.config.cache_config(),
-                                        self.config.loss_chunk_size)
+        self._student_model, self._teacher_model = student_model, teacher_model
+        self.train_path, self.train_path_reason = self._choose_path(student_model, teacher_model)
+        if self.train_path == "packed":
+            self.row_cost = sizing.packed_row_cost(student_model, teacher_model, self.config.loss_chunk_size)
+        else:
+            self.row_cost = sizing.row_cost(student_model, teacher_model, self.config.cache_config(),
+                                            self.config.loss_chunk_size)
+
+    def _choose_path(self, student_model, teacher_model) -> tuple[str, Optional[str]]:
+        """``(path, why not packed)`` for ``OPSDConfig.train_path`` (ValueError when packed cannot run)."""
+        setting = self.config.train_path
+        if setting == "padded":
+            return "padded", "train_path='padded'"
+        reason = None
+        if self.config.teacher_top_k is not None:
+            reason = "a top-k teacher cache"
+        for role, model in (("student", student_model), ("teacher", teacher_model)):
+            why = packed.unsupported_reason(model)
+            reason = reason or (None if why is None else f"{role}: {why}")
+        require(setting != "packed" or reason is None, "train_path", f"'packed' cannot run here: {reason}")
+        return ("padded", reason) if reason else ("packed", None)
 
     # ---- public -----------------------------------------------------------------------------
     def step(self, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor, sampling: SamplingConfig, *,
@@ -150,7 +175,7 @@ class OPSDStep:
         """Plan, then teacher + student per micro-batch, then the optimizer: ``(loss, positions, breakdown)``."""
         inputs = distill_inputs(batch, teacher_prompts)
         config = self.config
-        budget = sizing.budget_bytes(config.max_micro_batch_gib, inputs.ids.device) \
+        budget = sizing.budget_bytes(config.max_micro_batch_gib, inputs.ids.device, self.train_path == "packed") \
             if config.max_student_rows == AUTO else None
         plan = plan_micro_batches(inputs.stats, config.max_student_rows, config.max_teacher_rows, self.row_cost,
                                   budget or 0.0)
@@ -161,8 +186,10 @@ class OPSDStep:
         plan = agree(plan, max(f.num_micro_batches for f in figures), max(f.num_teacher_forwards for f in figures))
         loss = self._train(inputs, plan, rank_weight(figures, local), timer)
         largest = max(stop - start for start, stop in plan.groups)
+        is_packed = self.train_path == "packed"
+        tokens = max(inputs.stats.tokens(plan.rows(span), is_packed) for span in plan.groups)
         return loss, inputs.num_positions, timer.breakdown(len(plan.groups), largest, len(plan.teacher_chunks),
-                                                           budget)
+                                                           budget, train_path=self.train_path, max_tokens=tokens)
 
     def _train(self, inputs: DistillInputs, plan: MicroBatchPlan, weight: float, timer: PhaseTimer) -> float:
         """Every micro-batch (teacher chunks built just before they are read), then one optimizer step."""
@@ -185,6 +212,8 @@ class OPSDStep:
 
     def _teacher_chunk(self, run: "_Run", span: Span) -> TeacherLogitCache:
         """One teacher forward over ``span``'s rows, cached at their response positions."""
+        if self.train_path == "packed":
+            return self._packed_teacher_chunk(run, span)
         inputs, index = run.inputs, run.order[span[0]:span[1]]
         first, stop, kept = inputs.stats.columns(run.plan.rows(span), teacher=True)
         with run.timer.phase(stages.TEACHER_FORWARD), torch.no_grad(), self._teacher_mode():
@@ -195,8 +224,42 @@ class OPSDStep:
                                            self.config.cache_config(), student_vocab_size=self.student_vocab_size,
                                            chunk_size=self.config.loss_chunk_size)
 
+    def _packed_teacher_chunk(self, run: "_Run", span: Span) -> TeacherLogitCache:
+        """The packed path's teacher forward: final hidden states at the loss positions, cached."""
+        inputs, index = run.inputs, run.order[span[0]:span[1]]
+        with run.timer.phase(stages.TEACHER_FORWARD), torch.no_grad(), self._teacher_mode():
+            rows = packed.pack(inputs.teacher_ids[index], inputs.teacher_mask[index], inputs.loss_mask[index])
+            with packed.packed_attention(self._teacher_model, rows.layout):
+                hidden = packed.loss_hidden(self.teacher, self._teacher_model, rows)  # [N, H_t]
+        with run.timer.phase(stages.LOGIT_CACHE):  # kept in the teacher's own dtype (no logits are rounded)
+            return TeacherLogitCache.from_rows(hidden, replace(self.config.cache_config(), dtype=hidden.dtype))
+
+    def _packed_micro_batch(self, run: "_Run", span: Span, stream: TeacherStream, is_last: bool) -> torch.Tensor:
+        """The packed path's student forward, fused head + loss and backward (the packed attention is held
+        through backward: checkpointed layers recompute there)."""
+        inputs, index, config = run.inputs, run.order[span[0]:span[1]], self.config
+        model = self._student_model
+        with contextlib.ExitStack() as held:
+            with run.timer.phase(stages.STUDENT_FORWARD):
+                self._trainer.begin_micro_batch(is_last)
+                rows = packed.pack(inputs.ids[index], inputs.mask[index], inputs.loss_mask[index])
+                held.enter_context(packed.packed_attention(model, rows.layout))
+                hidden = packed.loss_hidden(self._trainer, model, rows)  # [N, H]
+            with run.timer.phase(stages.LOSS):
+                values, _ = stream.take(span, hidden.device)
+                loss = fused_jsd_loss(hidden, packed.head_weight(model), values,
+                                      packed.head_weight(self._teacher_model), config.beta, config.temperature,
+                                      chunk_size=config.loss_chunk_size, divisor=inputs.num_positions)
+                del values, hidden
+                stream.release(span)
+            with run.timer.phase(stages.BACKWARD):
+                self._trainer.backward(loss if run.weight == 1.0 else loss * run.weight)
+        return loss.detach()
+
     def _micro_batch(self, run: "_Run", span: Span, stream: TeacherStream, is_last: bool) -> torch.Tensor:
         """Student forward, loss and backward of ``span``'s rows; returns the (detached) loss share."""
+        if self.train_path == "packed":
+            return self._packed_micro_batch(run, span, stream, is_last)
         inputs, index, config = run.inputs, run.order[span[0]:span[1]], self.config
         first, stop, kept = inputs.stats.columns(run.plan.rows(span))
         with run.timer.phase(stages.STUDENT_FORWARD):

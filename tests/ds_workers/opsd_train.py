@@ -53,15 +53,18 @@ def gathered_weights(module) -> dict:
         return {name: p.detach().clone() for name, p in params.items()}
 
 
-def reference_loss(oracle, teacher, batch) -> float:
-    """The step's loss recomputed from full logits (no logits_to_keep, no cache, one chunk)."""
+def reference_loss(oracle, teacher, batch, path: str) -> float:
+    """The step's loss recomputed from full logits (no logits_to_keep, no cache, one chunk); the padded path's cache
+    rounds the teacher's logits to bf16, the packed path's keeps the teacher's hidden states unrounded."""
     mask = batch.attention_mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         student = oracle(input_ids=batch.input_ids, attention_mask=mask, position_ids=positions).logits
         target = teacher(input_ids=batch.input_ids, attention_mask=mask, position_ids=positions).logits
     loss_mask = response_logit_positions(mask, batch.response_start_idx)
-    target = target[:, :-1].to(CONFIG.logit_cache_dtype).float()  # the cache stores bf16
+    target = target[:, :-1]
+    if path == "padded":
+        target = target.to(CONFIG.logit_cache_dtype).float()  # the cache stores bf16
     return generalized_jsd_loss(student[:, :-1], target, loss_mask, CONFIG.beta, CONFIG.temperature,
                                 chunk_size=1 << 20).item()
 
@@ -97,7 +100,8 @@ def run(kind: str) -> dict:
     after = gathered_weights(module)
     out = {
         "is_zero3": step.rollout.is_zero3, "losses": [r.loss for r in results],
-        "reference_loss": reference_loss(oracle, teacher, results[0].batch),
+        "reference_loss": reference_loss(oracle, teacher, results[0].batch, step.train_path),
+        "train_path": step.train_path,
         "num_params": len(before), "trainable": sorted(n for n, p in module.named_parameters() if p.requires_grad),
         "changed": sorted(n for n in before if not torch.equal(before[n], after[n])),
         "teacher_changed": [n for n, p in teacher.named_parameters() if not torch.equal(p, teacher_before[n])],

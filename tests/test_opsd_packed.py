@@ -1,0 +1,262 @@
+"""The packed training path (issue 32): packing, variable-length attention, the teacher's and student's hidden
+states against HF's padded forward, the fused head + JSD loss against ``generalized_jsd_loss``, the JSD kernel
+(Triton's interpreter on the CPU), token-budget micro-batches, and whole steps equal to the padded path in fp32."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollout.config import SamplingConfig
+from rollout.ops import jsd, masks
+from rollout.opsd import OPSDConfig, OPSDStep, packed, sizing
+from rollout.opsd.fused_loss import fused_jsd_loss
+from rollout.opsd.logit_cache import LogitCacheConfig, TeacherLogitCache
+from rollout.opsd.losses import _chunk_divergence, generalized_jsd_loss
+from rollout.opsd.micro_batches import AUTO, RowStats, plan_micro_batches
+from rollout.testing import TinyTokenizer, random_prompts, tiny_model
+
+SAMPLING = SamplingConfig(max_new_tokens=6, n_samples_per_prompt=2, seed=5)
+
+
+def ragged_rows():
+    """Three rows: left-padded prompts, right-padded responses; loss masks over the last 5 columns."""
+    ids = torch.randint(3, 100, (3, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, 8:] = 0
+    mask[2, :1] = 0
+    mask[2, 9:] = 0
+    loss_mask = torch.zeros(3, 5, dtype=torch.bool)
+    loss_mask[0, :4] = True
+    loss_mask[1, :3] = True
+    loss_mask[2, 1:4] = True
+    return ids * mask, mask, loss_mask
+
+
+# ---- packing ----------------------------------------------------------------------------------------------------------
+def test_pack_lays_rows_end_to_end_with_positions_restarting():
+    ids, mask, loss_mask = ragged_rows()
+    rows = packed.pack(ids, mask, loss_mask)
+    assert rows.layout.lengths == (7, 8, 8) and rows.layout.cu_seqlens.tolist() == [0, 7, 15, 23]
+    assert rows.layout.cu_seqlens.dtype == torch.int32 and rows.layout.total == 23 and rows.layout.max_len == 8
+    assert rows.input_ids[0].tolist() == ids[mask.bool()].tolist()
+    assert rows.position_ids[0].tolist() == [*range(7), *range(8), *range(8)]
+    # loss column j of a row is input column 5 + j: packed index = row start + real tokens before it
+    expected = [0 + 2, 0 + 3, 0 + 4, 0 + 5, 7 + 5, 7 + 6, 7 + 7, 15 + 5, 15 + 6, 15 + 7]
+    assert rows.loss_index.tolist() == expected
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_varlen_attention_is_causal_within_each_row(groups):
+    gen = torch.Generator().manual_seed(1)
+    lengths = (3, 5, 1)
+    q = torch.randn(9, 4, 8, generator=gen)
+    k, v = torch.randn(9, 4 // groups, 8, generator=gen), torch.randn(9, 4 // groups, 8, generator=gen)
+    layout = packed.PackLayout(torch.tensor([0, 3, 8, 9], dtype=torch.int32), lengths)
+    out = packed.varlen_causal_attention(q, k, v, layout, scale=0.3)
+    start = 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        kk, vv = (t[rows].repeat_interleave(groups, dim=1) for t in (k, v))
+        ref = F.scaled_dot_product_attention(q[rows].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
+                                             is_causal=True, scale=0.3).transpose(0, 1)
+        torch.testing.assert_close(out[rows], ref)
+        start += n
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_packed_hidden_states_equal_hf_padded_forward(arch):
+    model = tiny_model(arch, seed=0)
+    ids, mask, loss_mask = ragged_rows()
+    rows = packed.pack(ids, mask, loss_mask)
+    assert packed.unsupported_reason(model) is None
+    before = model.config._attn_implementation
+    with packed.packed_attention(model, rows.layout):
+        assert model.config._attn_implementation == packed.ATTENTION
+        hidden = packed.loss_hidden(model, model, rows)
+    assert model.config._attn_implementation == before  # restored: the rollout shares the model
+    reference = model.model(input_ids=ids, attention_mask=mask, position_ids=masks.prompt_positions(mask))
+    expected = reference.last_hidden_state[:, 5:][loss_mask]
+    torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_attention_outside_its_context_and_nested_raise():
+    model = tiny_model("qwen2", seed=0)
+    ids, mask, loss_mask = ragged_rows()
+    rows = packed.pack(ids, mask, loss_mask)
+    packed.register()
+    model.config._attn_implementation = packed.ATTENTION
+    with pytest.raises(RuntimeError, match="only inside"):
+        model(input_ids=rows.input_ids, position_ids=rows.position_ids)
+    model.config._attn_implementation = "sdpa"
+    with packed.packed_attention(model, rows.layout), pytest.raises(RuntimeError, match="already active"):
+        with packed.packed_attention(model, rows.layout):
+            pass
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_unsupported_models_are_named():
+    model = tiny_model("qwen2", seed=0)
+    odd = copy.deepcopy(model)
+    odd.config.model_type = "gemma2"
+    assert "gemma2" in packed.unsupported_reason(odd)
+    biased = copy.deepcopy(model)
+    biased.lm_head = torch.nn.Linear(biased.lm_head.in_features, biased.lm_head.out_features, bias=True)
+    assert "bias-free" in packed.unsupported_reason(biased)
+    windowed = copy.deepcopy(model)
+    windowed.config.use_sliding_window = True
+    assert "sliding" in packed.unsupported_reason(windowed)
+
+
+# ---- the fused loss ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("beta, temperature, teacher_vocab", [(0.0, 1.0, 50), (0.5, 0.7, 50), (1.0, 2.0, 50),
+                                                              (0.3, 1.0, 64)])
+def test_fused_loss_equals_generalized_jsd_loss_on_logits(beta, temperature, teacher_vocab):
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(23, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, requires_grad=True)
+    teacher_hidden, teacher_weight = torch.randn(23, 12, generator=gen), torch.randn(teacher_vocab, 12, generator=gen)
+    loss = fused_jsd_loss(hidden, weight, teacher_hidden, teacher_weight, beta, temperature, chunk_size=5, divisor=30)
+    loss.backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    logits = (hidden @ weight.T)[None]  # [1, N, V_s]: every position a loss position
+    reference = generalized_jsd_loss(logits, (teacher_hidden @ teacher_weight.T)[None], torch.ones(1, 23), beta,
+                                     temperature, num_positions_total=30)
+    reference.backward()
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads[1], weight.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_fused_loss_gives_the_teacher_no_gradient_and_checks_its_inputs():
+    hidden, weight = torch.randn(4, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    teacher_hidden, teacher_weight = torch.randn(4, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    fused_jsd_loss(hidden, weight, teacher_hidden, teacher_weight).backward()
+    assert teacher_hidden.grad is None and teacher_weight.grad is None and hidden.grad is not None
+    with pytest.raises(ValueError, match="same N positions"):
+        fused_jsd_loss(hidden, weight, teacher_hidden[:3], teacher_weight)
+    with pytest.raises(ValueError, match="divisor"):
+        fused_jsd_loss(hidden, weight, teacher_hidden, teacher_weight, divisor=3)
+    with pytest.raises(ValueError, match="beta"):
+        fused_jsd_loss(hidden, weight, teacher_hidden, teacher_weight, beta=2.0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_jsd_kernel_equals_the_pytorch_chunk(beta, dtype):
+    """The Triton kernel (interpreted on the CPU) against ``_chunk_divergence``: loss per row and the gradient it
+    writes over the student's logits (rounded once to their dtype)."""
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(3)
+    student, teacher = (torch.randn(6, 9000, generator=gen) * 3).to(dtype), (torch.randn(6, 9000, generator=gen) * 3).to(dtype)
+    loss, grad = _chunk_divergence(student.float(), teacher.float(), beta, 0.7, True)
+    assert jsd.unsupported_reason(student, teacher, interpret=True) is None
+    written = student.clone()
+    rows = jsd.jsd_rows(written, teacher, beta, 0.7, 0.25, interpret=True, fallback=lambda: pytest.fail("fell back"))
+    torch.testing.assert_close(rows.sum(), loss, rtol=1e-5, atol=1e-5)
+    tol = 1e-4 if dtype == torch.float32 else 4e-3  # fp32: an online softmax against log_softmax
+    torch.testing.assert_close(written.float(), (grad * 0.25).to(dtype).float(), rtol=tol, atol=tol)
+    loss_only = student.clone()
+    jsd.jsd_rows(loss_only, teacher, beta, 0.7, 0.25, write_grad=False, interpret=True, fallback=None)
+    assert torch.equal(loss_only, student)
+
+
+def test_fused_loss_through_the_kernel_equals_its_pytorch_path():
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(4)
+    args = [torch.randn(37, 16, generator=gen), torch.randn(50, 16, generator=gen),
+            torch.randn(37, 16, generator=gen), torch.randn(60, 16, generator=gen)]
+    out = []
+    for interpret in (False, True):
+        hidden, weight = args[0].clone().requires_grad_(), args[1].clone().requires_grad_()
+        loss = fused_jsd_loss(hidden, weight, args[2], args[3], 0.5, 0.8, chunk_size=5, divisor=40,
+                              interpret=interpret)
+        loss.backward()
+        out.append((loss.detach(), hidden.grad, weight.grad))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert jsd.unsupported_reason(args[0], args[2]) == "not a CUDA tensor"  # without interpret: PyTorch
+
+
+def test_hidden_state_cache_holds_rows_where_asked():
+    values = torch.randn(5, 8)
+    cache = TeacherLogitCache.from_rows(values, LogitCacheConfig(location="host", dtype=torch.float32))
+    got, ids = cache.take(1, 4, "cpu")
+    assert ids is None and torch.equal(got, values[1:4]) and cache.nbytes == values.nbytes
+    with pytest.raises(ValueError, match="top_k"):
+        TeacherLogitCache.from_rows(values, LogitCacheConfig(top_k=2))
+
+
+# ---- token-budget micro-batches ----------------------------------------------------------------------------------------
+def test_packed_micro_batches_are_sized_by_real_tokens():
+    stats = RowStats(num_positions=(10, 10, 2, 2), response_extent=(10, 10, 2, 2), first_column=(0, 90, 0, 90),
+                     teacher_first_column=(0, 90, 0, 90), response_column=100, teacher_response_column=100,
+                     num_tokens=(110, 20, 102, 12))
+    student, teacher = tiny_model("qwen2", seed=0), tiny_model("llama", seed=1)
+    cost = sizing.packed_row_cost(student, teacher, 8)
+    assert cost.packed and stats.tokens((1, 3), True) == 32 and stats.tokens((1, 3), False) == 2 * 20
+    bytes_ = cost.micro_batch_bytes(stats, (1, 3))
+    assert bytes_ == pytest.approx(32 * cost.bytes_per_token + 12 * cost.bytes_per_position + cost.fixed_bytes)
+    # a budget for ~140 tokens: the long rows go alone or together with a short one, by their own tokens
+    budget = cost.fixed_bytes + 140 * cost.bytes_per_token + 20 * cost.bytes_per_position
+    plan = plan_micro_batches(stats, AUTO, AUTO, cost, budget)
+    assert plan.order == (0, 1, 2, 3) and plan.groups == ((0, 2), (2, 4))
+    padded = sizing.row_cost(student, teacher, LogitCacheConfig(), 8)
+    assert not padded.packed and cost.bytes_per_position < padded.bytes_per_position / 5  # no logits per position
+
+
+# ---- whole steps ------------------------------------------------------------------------------------------------------
+def run_step(path: str, *, beta=0.5, teacher="llama", checkpointing=False, teacher_prompts=None, rows=2):
+    student = tiny_model("qwen2", seed=0)
+    if checkpointing:
+        enable = getattr(student, "activation_checkpointing_enable", None) or student.gradient_checkpointing_enable
+        enable()
+        student.train()
+    other = student if teacher == "self" else tiny_model(teacher, seed=1)
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.0)
+    config = OPSDConfig(beta=beta, temperature=0.7, train_path=path, max_student_rows=rows, loss_chunk_size=7,
+                        logit_cache_dtype=torch.float32)
+    step = OPSDStep(student, other, TinyTokenizer(pad_token_id=0, eos_token_id=2), config, optimizer=optimizer)
+    step._trainer.step = lambda: None  # keep the gradients
+    ids, mask = random_prompts(3, 8, min_len=3, vocab_size=100, pad_token_id=0, seed=3)
+    extra = {} if teacher_prompts is None else dict(zip(("teacher_prompt_ids", "teacher_prompt_attention_mask"),
+                                                       teacher_prompts))
+    result = step.step(ids, mask, SAMPLING, **extra)
+    grads = {name: p.grad.clone() for name, p in student.named_parameters() if p.grad is not None}
+    return result, grads, step
+
+
+@pytest.mark.parametrize("kwargs", [dict(beta=0.0), dict(beta=0.5), dict(beta=1.0), dict(rows=None),
+                                    dict(teacher="self", teacher_prompts=random_prompts(3, 10, min_len=4, seed=5)),
+                                    dict(checkpointing=True)])
+def test_packed_step_equals_padded_step_in_fp32(kwargs):
+    """Loss and every student gradient after one step, fp32 on the CPU, within 1e-5 relative."""
+    padded, padded_grads, padded_step = run_step("padded", **kwargs)
+    result, grads, step = run_step("packed", **kwargs)
+    assert (padded_step.train_path, step.train_path) == ("padded", "packed")
+    assert result.breakdown.train_path == "packed" and padded.breakdown.train_path == "padded"
+    assert torch.equal(result.batch.input_ids, padded.batch.input_ids)
+    assert result.loss == pytest.approx(padded.loss, rel=1e-5)
+    assert result.loss > 1e-5 and set(grads) == set(padded_grads)
+    for name, grad in padded_grads.items():
+        assert (grads[name] - grad).norm() <= 1e-5 * grad.norm() + 1e-9, name
+
+
+def test_the_path_is_chosen_and_reported():
+    ids_step = lambda config: OPSDStep(tiny_model("qwen2", seed=0), tiny_model("llama", seed=1),
+                                       TinyTokenizer(pad_token_id=0, eos_token_id=2), config,
+                                       optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    auto = ids_step(OPSDConfig())
+    assert (auto.train_path, auto.train_path_reason) == ("packed", None)
+    top_k = ids_step(OPSDConfig(teacher_top_k=4))
+    assert top_k.train_path == "padded" and "top-k" in top_k.train_path_reason
+    assert ids_step(OPSDConfig(train_path="padded")).train_path == "padded"
+    with pytest.raises(ValueError, match="train_path.*top-k"):
+        ids_step(OPSDConfig(train_path="packed", teacher_top_k=4))
+    with pytest.raises(ValueError, match="train_path"):
+        OPSDConfig(train_path="fast")
