@@ -84,6 +84,21 @@ def test_packed_hidden_states_equal_hf_padded_forward(arch):
     torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fast_teacher_forward_equals_hf_packed_forward(arch):
+    """The teacher's forward through the rollout's decoder pieces (eager on the CPU) against HF's, both packed."""
+    model = tiny_model(arch, seed=0)
+    ids, mask, loss_mask = ragged_rows()
+    rows = packed.pack(ids, mask, loss_mask)
+    parts = packed.fast_parts(model, torch.device("cpu"))
+    assert parts is not None
+    with torch.no_grad():
+        fast = packed.fast_loss_hidden(parts, rows)
+        with packed.packed_attention(model, rows.layout):
+            reference = packed.loss_hidden(model, model, rows)
+    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_packed_attention_outside_its_context_and_nested_raise():
     model = tiny_model("qwen2", seed=0)
     ids, mask, loss_mask = ragged_rows()
@@ -211,7 +226,8 @@ def test_packed_micro_batches_are_sized_by_real_tokens():
 
 
 # ---- whole steps ------------------------------------------------------------------------------------------------------
-def run_step(path: str, *, beta=0.5, teacher="llama", checkpointing=False, teacher_prompts=None, rows=2):
+def run_step(path: str, *, beta=0.5, teacher="llama", checkpointing=False, teacher_prompts=None, rows=2,
+             fast_teacher=True):
     student = tiny_model("qwen2", seed=0)
     if checkpointing:
         enable = getattr(student, "activation_checkpointing_enable", None) or student.gradient_checkpointing_enable
@@ -220,7 +236,7 @@ def run_step(path: str, *, beta=0.5, teacher="llama", checkpointing=False, teach
     other = student if teacher == "self" else tiny_model(teacher, seed=1)
     optimizer = torch.optim.SGD(student.parameters(), lr=0.0)
     config = OPSDConfig(beta=beta, temperature=0.7, train_path=path, max_student_rows=rows, loss_chunk_size=7,
-                        logit_cache_dtype=torch.float32)
+                        logit_cache_dtype=torch.float32, fast_teacher=fast_teacher)
     step = OPSDStep(student, other, TinyTokenizer(pad_token_id=0, eos_token_id=2), config, optimizer=optimizer)
     step._trainer.step = lambda: None  # keep the gradients
     ids, mask = random_prompts(3, 8, min_len=3, vocab_size=100, pad_token_id=0, seed=3)
@@ -233,12 +249,14 @@ def run_step(path: str, *, beta=0.5, teacher="llama", checkpointing=False, teach
 
 @pytest.mark.parametrize("kwargs", [dict(beta=0.0), dict(beta=0.5), dict(beta=1.0), dict(rows=None),
                                     dict(teacher="self", teacher_prompts=random_prompts(3, 10, min_len=4, seed=5)),
-                                    dict(checkpointing=True)])
+                                    dict(checkpointing=True), dict(fast_teacher=False)])
 def test_packed_step_equals_padded_step_in_fp32(kwargs):
     """Loss and every student gradient after one step, fp32 on the CPU, within 1e-5 relative."""
     padded, padded_grads, padded_step = run_step("padded", **kwargs)
     result, grads, step = run_step("packed", **kwargs)
     assert (padded_step.train_path, step.train_path) == ("padded", "packed")
+    assert step.teacher_path == ("fast" if kwargs.get("fast_teacher", True) else "hf")
+    assert result.breakdown.teacher_path == step.teacher_path and padded.breakdown.teacher_path == "padded"
     assert result.breakdown.train_path == "packed" and padded.breakdown.train_path == "padded"
     assert torch.equal(result.batch.input_ids, padded.batch.input_ids)
     assert result.loss == pytest.approx(padded.loss, rel=1e-5)
@@ -260,3 +278,16 @@ def test_the_path_is_chosen_and_reported():
         ids_step(OPSDConfig(train_path="packed", teacher_top_k=4))
     with pytest.raises(ValueError, match="train_path"):
         OPSDConfig(train_path="fast")
+    with pytest.raises(ValueError, match="fast_teacher"):
+        OPSDConfig(fast_teacher=1)
+
+
+def test_a_teacher_with_an_unfused_adapter_runs_hf_forward_packed():
+    peft = pytest.importorskip("peft")
+    teacher = peft.get_peft_model(tiny_model("llama", seed=1), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    step = OPSDStep(tiny_model("qwen2", seed=0), teacher, TinyTokenizer(pad_token_id=0, eos_token_id=2),
+                    OPSDConfig(max_student_rows=2), optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    assert (step.train_path, step.teacher_path) == ("packed", "hf")
+    ids, mask = random_prompts(2, 8, min_len=3, vocab_size=100, pad_token_id=0, seed=3)
+    result = step.step(ids, mask, SAMPLING)
+    assert result.breakdown.teacher_path == "hf" and result.loss > 0

@@ -70,7 +70,14 @@ class OPSDConfig:
     with a bias-free linear head, no ZeRO-3 partitioning, no top-k cache), padded otherwise. The step reports
     the path it took (``StepBreakdown.train_path``)."""
 
+    fast_teacher: bool = True
+    """On the packed path, run the teacher's forward through the rollout's own decoder pieces (fused norms, rotary
+    and MLP, ``torch.compile``d on CUDA; :func:`rollout.opsd.packed.fast_loss_hidden`) where they cover the model;
+    False, or a model they do not cover (an unfused LoRA adapter, ZeRO-3), runs HF's forward with the packed
+    attention. ``StepBreakdown.teacher_path`` says which ran."""
+
     def __post_init__(self) -> None:
+        require(isinstance(self.fast_teacher, bool), "fast_teacher", f"must be a bool; got {self.fast_teacher!r}")
         require(self.train_path in TRAIN_PATHS, "train_path",
                 f"must be one of {TRAIN_PATHS}; got {self.train_path!r}")
         require(_is_number(self.beta) and 0.0 <= self.beta <= 1.0, "beta", f"must be in [0, 1]; got {self.beta!r}")

@@ -115,6 +115,11 @@ class OPSDStep:
         check_teacher_tokens(tokenizer, teacher_tokenizer, teacher_model.config)
         self._student_model, self._teacher_model = student_model, teacher_model
         self.train_path, self.train_path_reason = self._choose_path(student_model, teacher_model)
+        self.teacher_path = "padded"
+        if self.train_path == "packed":
+            device = next(teacher_model.parameters()).device
+            fast = self.config.fast_teacher and packed.fast_parts(teacher_model, device) is not None
+            self.teacher_path = "fast" if fast else "hf"
         if self.train_path == "packed":
             self.row_cost = sizing.packed_row_cost(student_model, teacher_model, self.config.loss_chunk_size)
         else:
@@ -189,7 +194,8 @@ class OPSDStep:
         is_packed = self.train_path == "packed"
         tokens = max(inputs.stats.tokens(plan.rows(span), is_packed) for span in plan.groups)
         return loss, inputs.num_positions, timer.breakdown(len(plan.groups), largest, len(plan.teacher_chunks),
-                                                           budget, train_path=self.train_path, max_tokens=tokens)
+                                                           budget, train_path=self.train_path,
+                                                           teacher_path=self.teacher_path, max_tokens=tokens)
 
     def _train(self, inputs: DistillInputs, plan: MicroBatchPlan, weight: float, timer: PhaseTimer) -> float:
         """Every micro-batch (teacher chunks built just before they are read), then one optimizer step."""
@@ -229,8 +235,13 @@ class OPSDStep:
         inputs, index = run.inputs, run.order[span[0]:span[1]]
         with run.timer.phase(stages.TEACHER_FORWARD), torch.no_grad(), self._teacher_mode():
             rows = packed.pack(inputs.teacher_ids[index], inputs.teacher_mask[index], inputs.loss_mask[index])
-            with packed.packed_attention(self._teacher_model, rows.layout):
-                hidden = packed.loss_hidden(self.teacher, self._teacher_model, rows)  # [N, H_t]
+            parts = packed.fast_parts(self._teacher_model, rows.input_ids.device) \
+                if self.teacher_path == "fast" else None  # views of the weights as they are now
+            if parts is not None:
+                hidden = packed.fast_loss_hidden(parts, rows)  # [N, H_t]
+            else:
+                with packed.packed_attention(self._teacher_model, rows.layout):
+                    hidden = packed.loss_hidden(self.teacher, self._teacher_model, rows)
         with run.timer.phase(stages.LOGIT_CACHE):  # kept in the teacher's own dtype (no logits are rounded)
             return TeacherLogitCache.from_rows(hidden, replace(self.config.cache_config(), dtype=hidden.dtype))
 
