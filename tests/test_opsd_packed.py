@@ -125,6 +125,11 @@ def test_unsupported_models_are_named():
     windowed = copy.deepcopy(model)
     windowed.config.use_sliding_window = True
     assert "sliding" in packed.unsupported_reason(windowed)
+    from transformers import MistralConfig, MistralForCausalLM
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2)
+    assert "sliding" in packed.unsupported_reason(MistralForCausalLM(MistralConfig(sliding_window=4, **shape)))
+    assert packed.unsupported_reason(MistralForCausalLM(MistralConfig(sliding_window=None, **shape))) is None
 
 
 # ---- the fused loss ---------------------------------------------------------------------------------------------------

@@ -138,8 +138,12 @@ def unsupported_reason(causal_lm: torch.nn.Module) -> Optional[str]:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    if getattr(config, "use_sliding_window", False) or any(kind != "full_attention"
-                                                          for kind in getattr(config, "layer_types", None) or ()):
+    # Qwen's configs keep a window size that they use only with use_sliding_window; the others use any they hold.
+    if model_type in ("qwen2", "qwen3"):
+        windowed = bool(getattr(config, "use_sliding_window", False))
+    else:
+        windowed = getattr(config, "sliding_window", None) is not None
+    if windowed or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return "sliding-window attention"
     if "logits_to_keep" not in inspect.signature(type(causal_lm).forward).parameters:
         return f"{type(causal_lm).__name__}.forward takes no logits_to_keep"
