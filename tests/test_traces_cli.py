@@ -106,11 +106,22 @@ def test_tensorboard_scalars(tmp_path, capsys):
             <= set(acc.Tags()["scalars"])
 
 
-def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch):
+def test_plot_without_matplotlib_is_a_clear_error_before_any_work(tmp_path, capsys, monkeypatch):
+    """Issue 33: matplotlib is a dependency now; without it --plot fails at once, before the report prints."""
     two_ranks(tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, out, err = run_cli(capsys, [str(tmp_path), "--plot", str(tmp_path / "p.png")])
-    assert code == 2 and "matplotlib" in err and PREFILL in out
+    assert code == 2 and "matplotlib" in err and out == ""
+
+
+@pytest.mark.parametrize("name, problem", [("x.html", "html suffix"), ("x", "no suffix"),
+                                           ("missing/x.png", "does not exist")])
+def test_an_unwritable_plot_is_refused_before_the_report(tmp_path, capsys, name, problem):
+    pytest.importorskip("matplotlib")
+    two_ranks(tmp_path)
+    code, out, err = run_cli(capsys, [str(tmp_path), "--plot", str(tmp_path / name)])
+    assert code == 2 and problem in err
+    assert out == ""  # nothing printed: the report was not computed
 
 
 def test_plot_png(tmp_path, capsys):
@@ -159,3 +170,44 @@ def test_json_output_is_strict_json_even_with_nan_in_the_trace(tmp_path, capsys)
 
     doc = json.loads(out, parse_constant=refuse)
     assert code == 0 and doc["stages"][0]["name"] == STEP
+
+
+def _runs(tmp_path, steps: dict) -> str:
+    """Run directories (with run markers) holding ``steps[name]`` steps each, at identical times."""
+    for name, n in steps.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / ".opsd-run").write_text(json.dumps({"run_id": f"{name}-id"}))
+        events = []
+        for k in range(n):
+            events += [annotation(S.range_name(S.STEP), k * 100, 50), annotation(PREFILL, k * 100 + 1, 10)]
+        write_events(str(folder / "rank0.pt.trace.json"), events, rank=0)
+    return str(tmp_path)
+
+
+def test_a_folder_of_runs_is_reported_run_by_run(tmp_path, capsys):
+    """Issue 33: two runs under one folder are two reports under their names, steps numbered in each (they were
+    merged and renumbered 0-5, and ranges at equal times were even dropped as duplicates across runs)."""
+    folder = _runs(tmp_path, {"run-a": 2, "run-b": 3})
+    code, out, err = run_cli(capsys, [folder, "--by-step"])
+    assert code == 0 and "duplicate" not in err
+    a, b = out.index("=== run run-a (id run-a-id) ==="), out.index("=== run run-b (id run-b-id) ===")
+    assert a < b
+    assert "opsd/step (2 ranges)" in out[a:b] and "opsd/step (3 ranges)" in out[b:]
+    assert "\nstep 2\n" not in out[a:b] and "\nstep 2\n" in out[b:]  # steps counted per run
+    code, out, _ = run_cli(capsys, [folder, "--format", "json"])
+    doc = json.loads(out)
+    assert [(r["run"], r["run_id"]) for r in doc["runs"]] == [("run-a", "run-a-id"), ("run-b", "run-b-id")]
+    code, out, _ = run_cli(capsys, [folder, "--format", "csv"])
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert {r["run"] for r in rows} == {"run-a", "run-b"}
+    code, out, _ = run_cli(capsys, [folder, "--format", "markdown"])
+    assert "## run run-a (id run-a-id)" in out
+
+
+def test_one_run_keeps_the_plain_report_and_outputs_of_one_run_only(tmp_path, capsys):
+    folder = _runs(tmp_path, {"run-a": 2, "run-b": 1})
+    code, out, _ = run_cli(capsys, [str(tmp_path / "run-a")])
+    assert code == 0 and "=== run" not in out and "opsd/step (2 ranges)" in out
+    code, out, err = run_cli(capsys, [folder, "--tensorboard", str(tmp_path / "tb")])
+    assert code == 2 and "2 runs (run-a, run-b)" in err and "--tensorboard takes one run" in err and out == ""

@@ -118,3 +118,33 @@ def test_plot_with_diff_draws_both(tmp_path, capsys):
     png = tmp_path / "d.png"
     assert main([after, "--diff", before, "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_diff_is_ready_for_a_pr(tmp_path, capsys):
+    """Issue 33: the headline first (with the noise's n and a verdict), then a compact table of at most 100
+    columns (stage | before | after | Δ ms | Δ % | ± noise | verdict) even with a long stage name; --diff-wide
+    prints every figure."""
+    before = run(tmp_path, [100, 102, 98], "before.json")
+    after = run(tmp_path, [150, 152, 148], "after.json")
+    assert main([after, "--diff", before]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("diff: step (CPU ms/step): ") and "(n = 3 + 3 steps)" in first
+    assert first.endswith(": within noise")  # the step's time is the same on both sides here
+    table = out[out.index("\ndiff (per-step CPU ms"):].splitlines()[2:]
+    assert table[0].split() == ["stage", "before", "after", "Δ", "ms", "Δ", "%", "±", "noise", "verdict"]
+    prefill = next(line for line in table if line.startswith(PREFILL))
+    assert prefill.split()[1:] == ["0.100", "0.150", "+0.050", "+50.0%", "0.003", "cpu", "slower"]
+    assert "n = 3 + 3 steps" in out and max(len(line) for line in table) <= 100
+    assert main([after, "--diff", before, "--diff-wide"]) == 0
+    wide = capsys.readouterr().out
+    assert "cpu/step b" in wide and "cpu/call a" in wide
+
+
+def test_a_compact_diff_shortens_long_names_to_fit():
+    from traces.diff import COMPACT_WIDTH, format_diff
+    long = "opsd/" + "a_very_long_user_stage_name_" * 3
+    rows = diff_rows([StageRow.from_samples(long, [1.0, 2.0])], [StageRow.from_samples(long, [3.0, 4.0])])
+    text = format_diff(rows)
+    assert max(len(line) for line in text.splitlines()) <= COMPACT_WIDTH and "…" in text
+    assert format_diff(rows, "markdown").count(long) == 1  # Markdown keeps the whole name

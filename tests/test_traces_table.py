@@ -68,3 +68,21 @@ def test_users_share_the_style():
         assert NULL in row.split()  # null cells print the same everywhere
     assert "+100.0%" not in diff  # no per-step figures without step ranges: no relative change
     assert format_diff([], "markdown").startswith("| stage |")
+
+
+def test_kernel_names_are_shortened_but_stay_apart():
+    """Issue 33: names cut at the same width used to read the same (four ``multi_tensor_apply_kernel<at::native::
+    (anonymou...`` rows); now namespaces go, and names that still share their first ``width`` characters skip the
+    shared part to show what tells them apart."""
+    from traces.format import readable_kernel, short_kernel_names
+    template = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+                "TensorListMetadata<{n}>, at::native::(anonymous namespace)::{f}<float, {n}>, float>(float*)")
+    names = [template.format(n=4, f="FusedAdamMathFunctor"), template.format(n=4, f="ZeroFunctor"),
+             template.format(n=2, f="ScaleFunctor"), "void short_kernel<int>(int)"]
+    assert readable_kernel(names[3]) == "short_kernel<int>(int)"
+    assert readable_kernel(names[0]).startswith("multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor")
+    for width in (40, 60, 90):
+        short = short_kernel_names(names, width)
+        assert len(set(short)) == len(names) and all(len(s) <= width for s in short)
+        assert short[3] == "short_kernel<int>(int)"
+    assert "FusedAdamMathFunctor" in short_kernel_names(names, 40)[0]  # the distinguishing part is shown

@@ -9,8 +9,10 @@ per file), not errors. A file whose data breaks the report is named and left out
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import functools
+import io
 import json
 import math
 import os
@@ -18,10 +20,11 @@ import sys
 
 from instrumentation import stages as S
 from instrumentation.config import parse_bool
-from traces.diff import diff_columns, diff_rows, diff_values, format_diff
+from traces.runs import group_by_run
+from traces.diff import diff_columns, diff_headline, diff_rows, diff_values, format_diff, noise_note
 from traces.format import csv_rows, format_headline, format_kernels, format_overview, format_table
 from traces.load import LoadedSet, load, read_trace
-from traces.report import Report, build_report
+from traces.report import SCHEMA_VERSION, Report, build_report
 from traces.records import row_from_dict
 from instrumentation.table import Column, render
 
@@ -44,7 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--by-step", action="store_true", help="also report per step range")
     p.add_argument("--diff", metavar="BASELINE",
                    help="compare with a baseline: a saved --format json report, or trace path(s)")
-    p.add_argument("--plot", metavar="PNG", help="write stacked per-stage bars (needs matplotlib)")
+    p.add_argument("--diff-wide", action="store_true",
+                   help="with --diff: every figure (both clocks, noise, per-call means, counts), not the compact table")
+    p.add_argument("--plot", metavar="PNG", help="write stacked per-stage bars (matplotlib: .png, .svg, .pdf, ...)")
     p.add_argument("--tensorboard", metavar="DIR", help="write per-stage TensorBoard scalars")
     p.add_argument("--kernels", metavar="N", type=_kernels_arg, default=0,
                    help="list the top N kernels (and copies) of each stage by GPU time, and the "
@@ -174,16 +179,26 @@ def _render(report: Report, args) -> str:
         for k in sorted(report.per_step):
             parts += [f"\nstep {k}\n", format_overview(report.per_step[k], fmt)]
     if report.diff is not None:
-        parts += ["\ndiff (b = before, a = after): per-step means over recorded (rank, step) pairs, noise = "
-                  "2 sd of the difference; per-call means\n", format_diff(report.diff, fmt)]
+        head = diff_headline(report.diff)
+        if head:  # the headline first: the line a PR quotes
+            parts.insert(0, f"diff: {head}\n")
+        parts += [f"\ndiff ({noise_note(report.diff)})\n",
+                  format_diff(report.diff, fmt, wide=getattr(args, "diff_wide", False))]
     return "".join(parts)
 
 
 def run(args) -> int:
-    from traces.plot import OutputError, plot_report
+    from traces.plot import OutputError, plot_problem, plot_report
     from traces.tensorboard import write_tensorboard
 
+    problem = plot_problem(args.plot) if args.plot else None
+    if problem:  # before any trace is read: not after the whole report has printed
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     loaded = load(args.paths, _source(args))
+    runs = group_by_run(loaded)
+    if len(runs) > 1:
+        return _run_each(args, loaded, runs)
     errors = [str(e) for e in loaded.errors]
     steps = args.by_step or bool(args.tensorboard)
     options = dict(prefix=args.prefix, kernels=args.kernels, steps=steps)
@@ -213,6 +228,56 @@ def run(args) -> int:
     for e in errors:
         print(f"error: {e}", file=sys.stderr)
     return 2 if errors or report is None else 0
+
+
+def _csv_cell(text) -> str:
+    out = io.StringIO()
+    csv.writer(out, lineterminator="").writerow(["" if text is None else text])
+    return out.getvalue()
+
+
+def _run_label(run) -> str:
+    return f"run {run.name}" + (f" (id {run.run_id})" if run.run_id else "") if run.name else "files outside any run"
+
+
+def _run_each(args, loaded, runs) -> int:
+    """Inputs of several runs: each run's report under its name, its steps numbered on their own."""
+    errors = [str(e) for e in loaded.errors]
+    for w in loaded.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    names = ", ".join(r.name or "(no run)" for r in runs)
+    single = [flag for flag, value in (("--diff", args.diff), ("--plot", args.plot),
+                                       ("--tensorboard", args.tensorboard)) if value]
+    if single:
+        print(f"error: {', '.join(args.paths)}: the inputs hold {len(runs)} runs ({names}); {', '.join(single)} "
+              "takes one run: pass its run directory", file=sys.stderr)
+        return 2
+    options = dict(prefix=args.prefix, kernels=args.kernels, steps=args.by_step)
+    docs, texts, ok = [], [], 0
+    for run in runs:
+        report = _isolated_report(run.files, options, errors)
+        if report is None or not report.stages:
+            errors.append(f"{_run_label(run)}: no user_annotation ranges matching prefix {args.prefix!r}")
+            continue
+        ok += 1
+        for w in report.warnings:
+            print(f"warning: {_run_label(run)}: {w}", file=sys.stderr)
+        if args.format == "json":
+            docs.append({"run": run.name, "run_id": run.run_id, **report.to_dict(args.by_rank, args.by_step)})
+        elif args.format == "csv":  # one table: a leading run column
+            lines = _csv(report, args).splitlines()
+            texts.append(([] if texts else ["run," + lines[0]]) + [_csv_cell(run.name) + "," + x for x in lines[1:]])
+        else:
+            heading = f"## {_run_label(run)}" if args.format == "markdown" else f"=== {_run_label(run)} ==="
+            texts.append([heading, "", _render(report, args)])
+    if args.format == "json":
+        sys.stdout.write(json.dumps(finite({"schema_version": SCHEMA_VERSION, "runs": docs}), indent=2,
+                                    allow_nan=False) + "\n")
+    else:
+        sys.stdout.write("\n".join(line for part in texts for line in part) + ("\n" if texts else ""))
+    for e in errors:
+        print(f"error: {e}", file=sys.stderr)
+    return 2 if errors or not ok else 0
 
 
 def main(argv=None) -> int:

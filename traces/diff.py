@@ -144,6 +144,80 @@ def diff_values(d: dict) -> list:
     return values + [verdict(d)]
 
 
-def format_diff(diff: list[dict], fmt: str = "table") -> str:
-    """The diff as one table (per-step means with noise, per-call means, verdict) in ``fmt``."""
-    return render(diff_columns(), [diff_values(d) for d in diff], fmt)
+#: Widest a compact diff table prints (``--diff-wide``: every column).
+COMPACT_WIDTH = 100
+_SIGNED_MS = lambda v: f"{v:+.3f}"
+
+
+def basis(diff: list[dict]) -> str:
+    """``"gpu"`` when the step's GPU time per step is known on both sides, else ``"cpu"``: the figure the compact
+    table and the headline compare."""
+    step = next((d for d in diff if d["name"] == STEP_NAME), None)
+    change = step.get("gpu_step_ms") if step else None
+    return "gpu" if change and change["before"] is not None and change["after"] is not None else "cpu"
+
+
+def _steps(diff: list[dict]) -> tuple:
+    step = next((d for d in diff if d["name"] == STEP_NAME), None)
+    return (step["steps"]["before"], step["steps"]["after"]) if step else (None, None)
+
+
+def noise_note(diff: list[dict]) -> str:
+    """How the ± noise column was computed, with its n."""
+    before, after = _steps(diff)
+    n = f"{before if before is not None else '?'} + {after if after is not None else '?'}"
+    return f"per-step {basis(diff).upper()} ms; ± noise = 2 sd of the difference of the means, n = {n} steps"
+
+
+def diff_headline(diff: list[dict]) -> str | None:
+    """One line for the top of a report or a PR: the step's per-step time before and after, its change, the noise
+    with its n, and the verdict; None without an ``opsd/step`` on both sides."""
+    step = next((d for d in diff if d["name"] == STEP_NAME), None)
+    side = basis(diff)
+    change = step.get(f"{side}_step_ms") if step else None
+    if not change or change["before"] is None or change["after"] is None:
+        return None
+    before, after = _steps(diff)
+    relative = "" if change["relative"] is None else f", {100 * change['relative']:+.1f}%"
+    if change["noise"] is None:
+        noise, call = "noise unknown (fewer than 2 steps a side)", "no verdict"
+    else:
+        noise = f"± {change['noise']:.3f} ms (n = {before} + {after} steps)"
+        call = "within noise" if not change["significant"] else ("slower" if change["change"] > 0 else "faster")
+    return (f"step ({side.upper()} ms/step): {change['before']:.3f} -> {change['after']:.3f} "
+            f"(Δ {change['change']:+.3f} ms{relative}), {noise}: {call}")
+
+
+def compact_columns(side: str) -> list[Column]:
+    """stage | before | after | Δ ms | Δ % | ± noise | verdict (per-step means of ``side``)."""
+    return [Column("name", "stage", left=True), Column(f"{side}_step_before_ms", "before", _MS),
+            Column(f"{side}_step_after_ms", "after", _MS), Column(f"{side}_step_change_ms", "Δ ms", _SIGNED_MS),
+            Column(f"{side}_step_relative", "Δ %", _REL), Column(f"{side}_step_noise_ms", "± noise", _MS),
+            Column("verdict", "verdict", left=True)]
+
+
+def _short(name: str, width: int | None) -> str:
+    return name if width is None or len(name) <= width else name[:width - 1] + "…"
+
+
+def compact_values(d: dict, side: str, name_width: int | None = None) -> list:
+    """The values of one diff entry in :func:`compact_columns` order (the name cut to ``name_width``, if given)."""
+    key = f"{side}_step_ms"
+    return [_short(d["name"], name_width), _get(d, key, "before"), _get(d, key, "after"), _get(d, key, "change"),
+            _get(d, key, "relative"), _get(d, key, "noise"), verdict(d)]
+
+
+def format_diff(diff: list[dict], fmt: str = "table", wide: bool = False) -> str:
+    """The diff in ``fmt``: compact (stage | before | after | Δ ms | Δ % | ± noise | verdict; as text at most
+    :data:`COMPACT_WIDTH` columns, long stage names shortened) or, with ``wide``, every figure (per-step means of both
+    clocks with their noise, per-call means, counts: also what CSV carries)."""
+    if wide:
+        return render(diff_columns(), [diff_values(d) for d in diff], fmt)
+    side = basis(diff)
+    columns = compact_columns(side)
+    text = render(columns, [compact_values(d, side) for d in diff], fmt)
+    width = max((len(d["name"]) for d in diff), default=0)
+    while fmt == "table" and max(map(len, text.splitlines())) > COMPACT_WIDTH and width > 12:
+        width -= 2
+        text = render(columns, [compact_values(d, side, width) for d in diff], fmt)
+    return text

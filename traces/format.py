@@ -6,6 +6,9 @@ their depth in the stage tree (two spaces per level in text, ``&emsp;`` in Markd
 
 from __future__ import annotations
 
+import os
+import re
+
 from traces.headline import Headline
 from traces.records import StageRow
 from instrumentation.table import FORMATS, Column, fixed, percent, render
@@ -103,6 +106,37 @@ def format_table(rows: list[StageRow], fmt: str = "table") -> str:
     return render(columns, [[_flat(r, fmt)[c.key] for c in columns] for r in rows], fmt)
 
 
+_QUALIFIER = re.compile(r"(?:\(anonymous namespace\)|[A-Za-z_]\w*)::")
+
+
+def readable_kernel(name: str) -> str:
+    """A kernel's name without ``void`` and namespace qualifiers (``at::native::``, ``(anonymous namespace)::``)."""
+    return _QUALIFIER.sub("", name[5:] if name.startswith("void ") else name)
+
+
+def short_kernel_names(names: list[str], width: int) -> list[str]:
+    """``names`` readable (:func:`readable_kernel`) and at most ``width`` characters, still telling apart names
+    that a plain cut would make identical: such a name keeps its head, then skips the part it shares with the
+    others and shows what follows (``multi_tensor_apply_kernel<…FusedAdamMathFunctor<float, 4…``)."""
+    readable = [readable_kernel(n) for n in names]
+    out = []
+    for i, name in enumerate(readable):
+        if len(name) <= width:
+            out.append(name)
+            continue
+        stem = name[:width - 1]
+        peers = [m for j, m in enumerate(readable) if j != i and m != name and m[:width - 1] == stem]
+        if not peers:
+            out.append(stem + "…")
+            continue
+        common = min(len(os.path.commonprefix([name, m])) for m in peers)
+        head = name[:width // 3]
+        rest = width - len(head) - 2
+        tail = name[common:common + rest]
+        out.append(head + "…" + tail + ("…" if common + rest < len(name) else ""))
+    return out
+
+
 def format_kernels(rows: list[StageRow], fmt: str = "table", width: int = 90) -> str:
     """Per stage: its top kernels (name, calls, summed GPU ms, that over the stage's GPU time) and the
     start of its slowest call (``ts`` in the file, and ms after the file's first event)."""
@@ -111,14 +145,15 @@ def format_kernels(rows: list[StageRow], fmt: str = "table", width: int = 90) ->
                Column("count", "count"), Column("gpu_ms", "gpu ms", _MS),
                Column("part", "of stage gpu", _PCT)]
     out = []
+    every = [k.name for r in rows for k in r.kernels or ()]
+    short = dict(zip(every, every if fmt == "csv" else short_kernel_names(every, width)))
     for r in rows:
         if not r.kernels and r.slowest is None:
             continue
         total = r.gpu_ms.total if r.gpu_ms else None
         label = r.name
         for k in r.kernels or ():
-            name = k.name if len(k.name) <= width or fmt == "csv" else k.name[:width - 3] + "..."
-            out.append([label, name, k.count, k.gpu_ms, k.gpu_ms / total if total else None])
+            out.append([label, short[k.name], k.count, k.gpu_ms, k.gpu_ms / total if total else None])
             label = ""
         if r.slowest is not None:
             s = r.slowest

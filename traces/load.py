@@ -4,8 +4,8 @@ A file is read as an Nsight Systems SQLite export when it ends in ``.sqlite`` or
 SQLite header (named explicitly: directories expand to Chrome traces only), else as a Chrome trace.
 Rank of a file: its ``distributedInfo.rank``; else a ``rank{R}`` prefix of the file name; else the
 file's index in the sorted input list. Several files of one rank (profiler windows) are merged;
-ranges found in two files of one rank with identical name, thread and times are true duplicates:
-they are counted once and reported as a warning naming both files.
+ranges found in two files of one rank of one run (:mod:`traces.runs`) with identical name, thread and times are
+true duplicates: they are counted once and reported as a warning naming both files.
 
 Failures stay with their file: a file that cannot be read (for whatever reason) is an error naming
 it, and the others are still read; bad events are skipped and counted (one warning line per file).
@@ -25,6 +25,7 @@ from instrumentation.config import PARTIAL_SUFFIX
 from traces.chrome import read_chrome_trace
 from traces.events import EventSource, TraceData, TraceError, collect
 from traces.nsys import is_sqlite_file, read_nsys_sqlite
+from traces.runs import split_by_run
 
 TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
 _FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
@@ -129,7 +130,8 @@ def load(paths: list[str], source: EventSource = read_trace) -> LoadedSet:
         if data.bad.total:
             result.warnings.append(f"{path}: {data.bad.describe()}")
         result.files.append(data)
-    result.warnings.extend(drop_duplicates(result.files))
+    for run in split_by_run(result.files, lambda data: data.path):  # two runs never duplicate each other
+        result.warnings.extend(drop_duplicates(run))
     return result
 
 

@@ -13,6 +13,8 @@ colours of matplotlib's ``tab20``.
 
 from __future__ import annotations
 
+import os
+
 from traces.report import Report
 from traces.records import StageRow
 from traces.tensorboard import OutputError
@@ -134,6 +136,25 @@ def _heatmap(ax, report: Report, by_step: bool) -> None:
     ax.figure.colorbar(image, ax=ax, fraction=0.04)
 
 
+def plot_problem(path: str) -> str | None:
+    """Why ``--plot path`` cannot be written (checked before any trace is read), or None: matplotlib missing, a
+    format matplotlib does not write (``x.html``), or a folder that does not exist."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        from matplotlib.figure import Figure
+    except ImportError:
+        return "--plot needs matplotlib (pip install matplotlib)"
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = Figure().canvas.get_supported_filetypes()
+    if suffix not in formats:
+        return f"--plot {path}: {suffix or 'no'} suffix; matplotlib writes {', '.join(sorted(formats))} (e.g. x.png)"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"--plot {path}: folder {folder} does not exist"
+    return None
+
+
 def plot_report(report: Report, path: str, by_step: bool = False,
                 before: list[StageRow] | None = None) -> None:
     """Write the PNG (see the module docstring); :class:`OutputError` when it cannot."""
@@ -159,4 +180,4 @@ def plot_report(report: Report, path: str, by_step: bool = False,
         plt.close(fig)
 
 
-__all__ = ["OutputError", "plot_report", "stage_colors"]
+__all__ = ["OutputError", "plot_problem", "plot_report", "stage_colors"]
