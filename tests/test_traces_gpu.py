@@ -79,13 +79,22 @@ def test_headline_busy_and_idle_split(tmp_path):
     assert parts == pytest.approx(head.wall_ms)  # busy + idle = wall
 
 
+def test_bound_bands():
+    """Issue 33: host below 40% GPU busy, gpu above 60%, mixed between; sync when waits fill half the window."""
+    from traces.figures import bound
+    assert [bound(b, 0, 100) for b in (0, 39.9, 40, 50.7, 60, 60.1, 100)] == \
+        ["host", "host", "mixed", "mixed", "mixed", "gpu", "gpu"]
+    assert bound(30, 50, 100) == "sync" and bound(61, 50, 100) == "gpu" and bound(10, 49, 100) == "host"
+    assert bound(0, 0, 0) == "host"
+
+
 def test_per_stage_gpu_share_launches_sync_and_bound(tmp_path):
     r = rows(report_of(tmp_path, graph_step_events()))
     expected = {  # gpu busy us, launches, sync us charged, bound
         STEP: (273, 92, 300, "host"),      # GPU busy 27% of the step
         ROLLOUT: (202, 21, 300, "sync"),   # the host waits 300 of its 600 us
         PREFILL: (34, 17, 0, "host"),      # 200 us of host for 34 us of GPU
-        DECODE: (168, 4, 300, "gpu"),      # window 220..524: 168 of 304 us busy; the wait is for it
+        DECODE: (168, 4, 300, "mixed"),    # window 220..524: 168 of 304 us busy (55%: neither 40% nor 60%)
         OPT: (71, 71, 0, "host"),
     }
     for name, (busy, launches, sync_us, verdict) in expected.items():

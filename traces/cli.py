@@ -9,10 +9,8 @@ per file), not errors. A file whose data breaks the report is named and left out
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import functools
-import io
 import json
 import math
 import os
@@ -20,7 +18,7 @@ import sys
 
 from instrumentation import stages as S
 from instrumentation.config import parse_bool
-from traces.runs import group_by_run
+from traces.runs import csv_cell, group_by_run
 from traces.diff import diff_columns, diff_headline, diff_rows, diff_values, format_diff, noise_note
 from traces.format import csv_rows, format_headline, format_kernels, format_overview, format_table
 from traces.load import LoadedSet, load, read_trace
@@ -230,16 +228,6 @@ def run(args) -> int:
     return 2 if errors or report is None else 0
 
 
-def _csv_cell(text) -> str:
-    out = io.StringIO()
-    csv.writer(out, lineterminator="").writerow(["" if text is None else text])
-    return out.getvalue()
-
-
-def _run_label(run) -> str:
-    return f"run {run.name}" + (f" (id {run.run_id})" if run.run_id else "") if run.name else "files outside any run"
-
-
 def _run_each(args, loaded, runs) -> int:
     """Inputs of several runs: each run's report under its name, its steps numbered on their own."""
     errors = [str(e) for e in loaded.errors]
@@ -257,18 +245,18 @@ def _run_each(args, loaded, runs) -> int:
     for run in runs:
         report = _isolated_report(run.files, options, errors)
         if report is None or not report.stages:
-            errors.append(f"{_run_label(run)}: no user_annotation ranges matching prefix {args.prefix!r}")
+            errors.append(f"{run.label}: no user_annotation ranges matching prefix {args.prefix!r}")
             continue
         ok += 1
         for w in report.warnings:
-            print(f"warning: {_run_label(run)}: {w}", file=sys.stderr)
+            print(f"warning: {run.label}: {w}", file=sys.stderr)
         if args.format == "json":
             docs.append({"run": run.name, "run_id": run.run_id, **report.to_dict(args.by_rank, args.by_step)})
         elif args.format == "csv":  # one table: a leading run column
             lines = _csv(report, args).splitlines()
-            texts.append(([] if texts else ["run," + lines[0]]) + [_csv_cell(run.name) + "," + x for x in lines[1:]])
+            texts.append(([] if texts else ["run," + lines[0]]) + [csv_cell(run.name) + "," + x for x in lines[1:]])
         else:
-            heading = f"## {_run_label(run)}" if args.format == "markdown" else f"=== {_run_label(run)} ==="
+            heading = f"## {run.label}" if args.format == "markdown" else f"=== {run.label} ==="
             texts.append([heading, "", _render(report, args)])
     if args.format == "json":
         sys.stdout.write(json.dumps(finite({"schema_version": SCHEMA_VERSION, "runs": docs}), indent=2,

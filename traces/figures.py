@@ -4,13 +4,17 @@ The instances of one stage in one scope (merged, a rank, a step) may come from s
 time is a union per file (files are per rank, each on its own clock and device) summed over files.
 
 Verdict (``bound``) of a stage, from its *window* (the union over its instances of CPU start to the
-later of CPU end and the end of the last GPU op it launched):
+later of CPU end and the end of the last GPU op it launched) and its GPU busy share of that window:
 
-- ``gpu`` when its GPU busy time (union of the GPU work it launched) covers at least half of the
-  window: the GPU is the limit (CUDA-graph decode, whose short CPU ranges launch work that runs later);
+- ``gpu`` when its GPU busy time (union of the GPU work it launched) covers more than
+  :data:`GPU_FRACTION` (60%) of the window: the GPU is the limit (CUDA-graph decode, whose short CPU ranges launch
+  work that runs later);
 - else ``sync`` when the host spent at least half of the window waiting in syncs inside the stage's
   CPU ranges (waiting for work it did not launch, e.g. a ``.item()`` behind earlier stages);
-- else ``host``: the host (Python, launches) is the limit (eager prefill, the optimizer step).
+- else ``host`` below :data:`HOST_FRACTION` (40%) busy: the host (Python, launches) is the limit (eager prefill, the
+  optimizer step);
+- else ``mixed``: neither dominates (40-60% busy), so no single fix applies (a hard 50% cut called a stage at
+  50.7% busy GPU-bound).
 """
 
 from __future__ import annotations
@@ -24,17 +28,23 @@ from traces.gpu import COMM, COMPUTE, PidOps
 from traces.intervals import intersection_length, merge, union_length
 from traces.records import KernelRow, SlowestCall
 
-#: A stage is ``gpu`` / ``sync`` bound when that part reaches this fraction of its window.
-BOUND_FRACTION = 0.5
+#: GPU busy above this fraction of the window: ``gpu`` bound.
+GPU_FRACTION = 0.6
+#: GPU busy below this fraction of the window (and no dominant waits): ``host`` bound; between the two, ``mixed``.
+HOST_FRACTION = 0.4
+#: Waits in syncs of at least this fraction of the window: ``sync`` bound.
+SYNC_FRACTION = 0.5
 
 
 def bound(busy_us: float, wait_us: float, window_us: float) -> str:
-    """``gpu``, ``sync`` or ``host`` (see the module docstring)."""
-    if window_us > 0 and busy_us >= BOUND_FRACTION * window_us:
+    """``gpu``, ``sync``, ``host`` or ``mixed`` (see the module docstring)."""
+    if window_us <= 0:
+        return "host"
+    if busy_us > GPU_FRACTION * window_us:
         return "gpu"
-    if window_us > 0 and wait_us >= BOUND_FRACTION * window_us:
+    if wait_us >= SYNC_FRACTION * window_us:
         return "sync"
-    return "host"
+    return "host" if busy_us < HOST_FRACTION * window_us else "mixed"
 
 
 def _op_indices(instances: list[StageInstance]) -> list[tuple[PidOps, np.ndarray]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-BOUNDS = ("host", "gpu", "sync")
+BOUNDS = ("host", "gpu", "sync", "mixed")
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

@@ -9,7 +9,9 @@ step numbers, instead of merging a 24-token run and an 8-token run into steps 0-
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import os
 from typing import Optional
 
@@ -28,6 +30,20 @@ class Run:
     run_id: Optional[str]
     files: object
     """The run's files (a ``traces.load.LoadedSet``)."""
+
+    @property
+    def label(self) -> str:
+        """``run <name> (id <id>)``: a report's heading."""
+        if self.name is None:
+            return "files outside any run"
+        return f"run {self.name}" + (f" (id {self.run_id})" if self.run_id else "")
+
+
+def csv_cell(text: Optional[str]) -> str:
+    """``text`` as one CSV cell (quoted where it must be; empty for None)."""
+    out = io.StringIO()
+    csv.writer(out, lineterminator="").writerow(["" if text is None else text])
+    return out.getvalue()
 
 
 def split_by_run(items: list, path_of) -> list[list]:
