@@ -20,6 +20,7 @@ from instrumentation import stages as S
 from instrumentation.config import parse_bool
 from traces.runs import csv_cell, group_by_run
 from traces.diff import diff_columns, diff_headline, diff_rows, diff_values, format_diff, noise_note
+from traces.findings import findings, format_findings
 from traces.format import csv_rows, format_headline, format_kernels, format_overview, format_table
 from traces.load import LoadedSet, load, read_trace
 from traces.report import SCHEMA_VERSION, Report, build_report
@@ -155,12 +156,13 @@ def _csv(report: Report, args) -> str:
 
 def _render(report: Report, args) -> str:
     if args.format == "json":
-        return json.dumps(finite(report.to_dict(args.by_rank, args.by_step)), indent=2, allow_nan=False) + "\n"
+        doc = {**report.to_dict(args.by_rank, args.by_step), "findings": [f.to_dict() for f in findings(report.stages)]}
+        return json.dumps(finite(doc), indent=2, allow_nan=False) + "\n"
     if args.format == "csv":
         return _csv(report, args)
     fmt = args.format
     parts = [f"ranks: {report.ranks}  files: {len(report.sources)}\n", format_headline(report.headline),
-             "\n", format_overview(report.stages, fmt)]
+             format_findings(findings(report.stages)), "\n", format_overview(report.stages, fmt)]
     if args.kernels:
         parts += ["\ntop kernels per stage (inclusive of nested stages)\n", format_kernels(report.stages, fmt)]
     parts += ["\ndetails (ms)\n", format_table(report.stages, fmt)]
