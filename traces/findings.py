@@ -73,8 +73,8 @@ def _host_finding(row: StageRow, steps: int) -> Finding | None:
         action = ("fewer, larger launches: fuse elementwise work (torch.compile), capture a CUDA graph, or use a "
                   "fused / multi-tensor implementation")
     else:
-        action = ("the host works between launches: list its CPU operators (--prefix ''); look for Python loops, "
-                  "per-call setup or kernels built per shape")
+        action = ("the host works between launches: look at its CPU operators in Perfetto for Python loops, "
+                  "per-call setup or kernels built per shape (docs/profiling.md)")
     kind = "host-bound" if row.gpu.bound == "host" else "mixed"
     return Finding(row.name, kind, recoverable, evidence, action)
 
