@@ -184,13 +184,21 @@ class ProfilerSession:
             return []
         return sorted(glob.glob(os.path.join(self.run_dir, f"rank{self.rank}.*{TRACE_SUFFIX}")))
 
-    def stage_rows(self) -> list[dict]:
-        """Live per-stage table over the timed steps (see ``StageTable.rows``)."""
-        return self._table.rows()
+    def stage_rows(self, with_warmup: bool = False) -> list[dict]:
+        """Live per-stage table over the timed steps after the warm-up step 0 (see ``StageTable.rows``;
+        ``with_warmup``: over every timed step)."""
+        return self._table.rows(with_warmup)
+
+    def warmup_rows(self) -> list[dict]:
+        """The warm-up step's own rows (step 0 when it was timed; empty otherwise)."""
+        return self._table.warmup.rows() if self._table.warmup.num_steps else []
 
     def stage_table(self, title: Optional[str] = None) -> str:
-        """:meth:`stage_rows` as fixed-width text."""
-        return format_stage_rows(self.stage_rows(), title)
+        """:meth:`stage_rows` as fixed-width text, then the warm-up step's rows apart when later steps were timed."""
+        text = format_stage_rows(self.stage_rows(), title)
+        if self._table.warmup.num_steps and self._table.num_steps:
+            text += "\n" + format_stage_rows(self.warmup_rows(), "warm-up step 0, apart (captures, compilation)")
+        return text
 
     # -- steps -----------------------------------------------------------------------------
     def _begin_step(self) -> None:
@@ -233,7 +241,7 @@ class ProfilerSession:
 
     def _add_step(self, step: int, summary: dict, wall_ms: float) -> None:
         self.recorded_steps.append(step)
-        self._table.add_step(summary, wall_ms)
+        self._table.add_step(summary, wall_ms, warmup=step == 0 and self._table.warmup.num_steps == 0)
         self._scalars.stages(step, summary, HUB.backend.has_device_clock, flush=self.config.timing)
 
 

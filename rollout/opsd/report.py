@@ -75,7 +75,7 @@ class PeakMemory:
         """Peak GiB allocated during the steps (None on the CPU)."""
         if not self.cuda:
             return None
-        recorded = [row["peak_mib"] for row in (prof.stage_rows() if prof is not None and prof.selected else [])
+        recorded = [row["peak_mib"] for row in (prof.stage_rows(with_warmup=True) if prof is not None and prof.selected else [])
                     if row.get("peak_mib") is not None]
         return max([self.step_bytes / GIB] + [mib / 1024.0 for mib in recorded])
 
