@@ -86,3 +86,15 @@ def test_kernel_names_are_shortened_but_stay_apart():
         assert len(set(short)) == len(names) and all(len(s) <= width for s in short)
         assert short[3] == "short_kernel<int>(int)"
     assert "FusedAdamMathFunctor" in short_kernel_names(names, 40)[0]  # the distinguishing part is shown
+
+
+def test_a_headline_over_several_steps_is_per_step():
+    """Issue 33: 'wall 11,902.7 ms' for 3 steps read like one step; now ms/step, the total beside it."""
+    from traces.format import format_headline
+    from traces.headline import Headline, Idle
+    head = Headline("opsd/step", 300.0, 150.0, Idle(90.0, 30.0, 30.0), num_ranges=3)
+    line = format_headline(head)
+    assert line.startswith("opsd/step (3 ranges): wall 100.0 ms/step (300.0 in all), GPU busy 50.0 (50.0%)")
+    assert line.rstrip().endswith("queued/other 10.0 (ms/step)")
+    one = format_headline(Headline("opsd/step", 300.0, 150.0, Idle(90.0, 30.0, 30.0), num_ranges=1))
+    assert one.startswith("opsd/step (1 range): wall 300.0 ms, GPU busy 150.0 (50.0%)") and "ms/step" not in one

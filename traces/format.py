@@ -167,15 +167,23 @@ def _ms(value: float) -> str:
 
 
 def format_headline(head: Headline | None, label: str = "") -> str:
-    """One line: wall time, GPU busy and where the idle time went (ms)."""
+    """One line: wall time, GPU busy and where the idle time went (ms; per step when the root stage has several
+    ranges, with the wall time in all)."""
     if head is None:
         return f"{label}no root stage\n"
-    ranges = f"{head.num_ranges} range{'s' if head.num_ranges != 1 else ''}"
-    text = f"{label}{head.stage} ({ranges}): wall {_ms(head.wall_ms)} ms"
+    n = head.num_ranges
+    ranges = f"{n} range{'s' if n != 1 else ''}"
+    if n > 1:  # several steps: per step (the totals are in the JSON report), not a sum that reads like one step
+        unit = "step" if head.stage.endswith("/step") else "range"
+        per = lambda ms: _ms(ms / n)
+        text = f"{label}{head.stage} ({ranges}): wall {per(head.wall_ms)} ms/{unit} ({_ms(head.wall_ms)} in all)"
+    else:
+        unit, per = None, _ms
+        text = f"{label}{head.stage} ({ranges}): wall {_ms(head.wall_ms)} ms"
     if head.gpu_busy_ms is None:
         return text + ", no GPU activity in the trace\n"
     i = head.idle
     idle = i.host_launch_ms + i.host_sync_ms + i.other_ms
-    return (text + f", GPU busy {_ms(head.gpu_busy_ms)} ({head.gpu_busy_pct:.1f}%), GPU idle {_ms(idle)}: "
-            f"host launching {_ms(i.host_launch_ms)}, host in syncs {_ms(i.host_sync_ms)}, "
-            f"queued/other {_ms(i.other_ms)}\n")
+    return (text + f", GPU busy {per(head.gpu_busy_ms)} ({head.gpu_busy_pct:.1f}%), GPU idle {per(idle)}: "
+            f"host launching {per(i.host_launch_ms)}, host in syncs {per(i.host_sync_ms)}, "
+            f"queued/other {per(i.other_ms)}" + (f" (ms/{unit})" if unit else "") + "\n")
