@@ -138,7 +138,7 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional[PeakMemory] 
     sampling = SamplingConfig(max_new_tokens=job.max_new_tokens, temperature=job.sampling_temperature,
                               n_samples_per_prompt=job.samples_per_prompt)
     bar, results = ProgressBar(job.steps, enabled=rank == 0), []
-    flops = StepFlops(step, device)
+    flops = StepFlops(step, device, job.peak_tflops)
     with opsd_profiler() as prof:
         for index in range(job.steps):
             questions, ids, mask, extra = inputs(index)

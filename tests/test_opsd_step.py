@@ -430,3 +430,24 @@ def test_script_from_saved_models_with_profiling_writes_traces_and_table(tmp_pat
     assert traces and all(p.is_file() and p.parent.parent == tmp_path / "traces" for p in traces)
     events = json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]
     assert {f"opsd/{stages.TEACHER_FORWARD}", f"opsd/{stages.LOSS}"} <= {e.get("name") for e in events}
+
+
+def test_a_settable_peak_gives_mfu_on_any_device(train_opsd, capsys):
+    """Issue 33: --peak-tflops sets the peak MFU divides by (no MFU off the listed GPUs before); a bad one fails at
+    parse time naming the field; the train_path and peak flags reach their configs."""
+    from types import SimpleNamespace
+
+    from rollout.opsd.report import StepFlops
+    job, opsd_config = train_opsd.parse_args(["--peak-tflops", "0.5", "--train-path", "padded"])
+    assert job.peak_tflops == 0.5 and opsd_config.train_path == "padded"
+    model = tiny_model("qwen2", seed=0)
+    step = SimpleNamespace(student=model, teacher=model, is_self_distillation=True)
+    flops = StepFlops(step, torch.device("cpu"), job.peak_tflops)
+    result = SimpleNamespace(num_response_tokens=40, step_ms=100.0)
+    value = flops.mfu(torch.ones(2, 8), {}, 2, result)
+    assert value is not None and value > 0
+    assert StepFlops(step, torch.device("cpu")).mfu(torch.ones(2, 8), {}, 2, result) is None  # no peak on a CPU
+    for bad in ("0", "-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            train_opsd.parse_args(["--peak-tflops", bad])
+        assert "peak_tflops" in capsys.readouterr().err

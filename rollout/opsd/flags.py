@@ -57,6 +57,7 @@ FLAGS = {
     "--teacher-offload": ("job", "teacher_offload", int,
                           "1: teacher in an inference-only ZeRO-3 engine, parameters offloaded to host"),
     "--json-out": ("job", "json_out", str, "rank 0 writes the run's JSON report (all ranks) here"),
+    "--peak-tflops": ("job", "peak_tflops", float, "the device's peak TFLOP/s for MFU (default: a listed GPU's)"),
     "--print-every": ("job", "print_every", int, "print 2 rollout rows decoded every N steps (0: never)"),
     "--max-student-rows": ("opsd", "max_student_rows", rows_setting, "rows per student micro-batch: auto, all or N"),
     "--max-teacher-rows": ("opsd", "max_teacher_rows", rows_setting, "rows per teacher forward: auto, all or N"),

@@ -64,6 +64,9 @@ class JobConfig:
     to host memory (for teachers larger than the student)."""
     json_out: Optional[str] = None
     """Where rank 0 writes the run's JSON report (every rank's figures); None writes none."""
+    peak_tflops: Optional[float] = None
+    """The device's peak FLOP/s (TFLOP/s) that MFU divides by; None: the data-sheet figure of a listed GPU
+    (``instrumentation.mfu.PEAK_TFLOPS``), no MFU elsewhere (the CPU included)."""
     print_every: int = 2
     """Print the first two rollout rows decoded at step 1 and every this many steps after it, and at
     the last step (tokenizers that decode only, e.g. ``smollm2-135m``); 0 prints none."""
@@ -76,6 +79,10 @@ class JobConfig:
         require(self.lora is None or _is_count(self.lora, 1), "lora", f"must be a LoRA rank >= 1; got {self.lora!r}")
         require(self.lr is None or (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0),
                 "lr", f"must be a finite number > 0; got {self.lr!r}")
+        require(self.peak_tflops is None or (isinstance(self.peak_tflops, (int, float))
+                                             and not isinstance(self.peak_tflops, bool)
+                                             and math.isfinite(self.peak_tflops) and self.peak_tflops > 0),
+                "peak_tflops", f"must be a finite number > 0; got {self.peak_tflops!r}")
         require(_is_count(self.print_every, 0), "print_every", f"must be an int >= 0; got {self.print_every!r}")
         require(self.teacher_offload in (0, 1) and not isinstance(self.teacher_offload, bool), "teacher_offload",
                 f"must be 0 or 1; got {self.teacher_offload!r}")

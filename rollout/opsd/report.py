@@ -23,15 +23,19 @@ REPORT_SCHEMA = "opsd-train-report/1"
 class StepFlops:
     """Model FLOPs utilisation of a step (``instrumentation.mfu``: formula and peak FLOP/s there)."""
 
-    def __init__(self, step, device):
+    def __init__(self, step, device, peak_tflops: Optional[float] = None):
         from instrumentation.mfu import matmul_params, peak_flops
 
         self.student = matmul_params(step.student)
         self.teacher = self.student if step.is_self_distillation else matmul_params(step.teacher)
-        self.peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        if peak_tflops is not None:  # the user's figure (--peak-tflops), on any device
+            self.peak = peak_tflops * 1e12
+        else:
+            self.peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
     def mfu(self, mask, extra: dict, samples: int, result) -> Optional[float]:
-        """None off CUDA or on a GPU whose peak is not in the table (no host sync then)."""
+        """None without a peak: off CUDA or on a GPU not in the table, unless ``peak_tflops`` was given (no host
+        sync then)."""
         if self.peak is None:
             return None
         from instrumentation.mfu import mfu, opsd_step_flops
