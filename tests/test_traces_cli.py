@@ -39,7 +39,7 @@ def test_json_schema_round_trip(tmp_path, capsys):
     code, out, err = run_cli(capsys, [str(tmp_path), "--format", "json", "--by-rank", "--by-step"])
     assert code == 0 and err == ""
     doc = json.loads(out)
-    assert doc["schema_version"] == 2 and sorted(doc["sources"]) == sorted(paths)
+    assert doc["schema_version"] == 3 and sorted(doc["sources"]) == sorted(paths)
     assert doc["ranks"] == [0, 1]
     stage = {s["name"]: s for s in doc["stages"]}
     assert set(stage[STEP]) == {"name", "parent", "count", "cpu_ms", "gpu_ms", "gpu_span_ms", "self_ms",
@@ -211,3 +211,12 @@ def test_one_run_keeps_the_plain_report_and_outputs_of_one_run_only(tmp_path, ca
     assert code == 0 and "=== run" not in out and "opsd/step (2 ranges)" in out
     code, out, err = run_cli(capsys, [folder, "--tensorboard", str(tmp_path / "tb")])
     assert code == 2 and "2 runs (run-a, run-b)" in err and "--tensorboard takes one run" in err and out == ""
+
+
+def test_a_baseline_of_several_runs_is_refused_naming_it(tmp_path, capsys):
+    folder = _runs(tmp_path, {"run-a": 2, "run-b": 1})
+    code, out, _ = run_cli(capsys, [folder, "--format", "json"])
+    saved = tmp_path / "runs.json"
+    saved.write_text(out)
+    code, _, err = run_cli(capsys, [str(tmp_path / "run-a"), "--diff", str(saved)])
+    assert code == 2 and "report of 2 runs" in err

@@ -89,6 +89,10 @@ def _baseline_rows(path: str, prefix: str, problems: tuple[list, list], args):
             try:
                 with open(path, encoding="utf-8") as f:
                     doc = json.load(f, parse_constant=_reject_constant)
+                if isinstance(doc, dict) and "runs" in doc and "stages" not in doc:
+                    errors.append(f"{path}: --diff baseline is a report of {len(doc['runs'])} runs; save one run's "
+                                  "report (summarise its run directory) as the baseline")
+                    return None
                 return [row_from_dict(d) for d in doc["stages"]]
             except Exception as exc:  # noqa: BLE001 - any flaw of the saved report (RecursionError too)
                 errors.append(f"{path}: --diff baseline is not a valid report ({type(exc).__name__}: {exc})")

@@ -22,7 +22,7 @@ from traces.host import SyncWaits
 from traces.load import LoadedSet
 from traces.records import GpuFigures, StageRow, Stats, StepSpread
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 STEP_NAME = S.range_name(S.STEP)
 _ORDER = {S.range_name(s): i for i, s in enumerate(S.ALL_STAGES)}
 _MIB = float(1 << 20)
@@ -47,7 +47,7 @@ class Report:
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self, by_rank: bool = False, by_step: bool = False) -> dict:
-        """The JSON document (``schema_version`` 2)."""
+        """The JSON document (``schema_version`` 3; the CLI adds ``findings``)."""
         out = {"schema_version": SCHEMA_VERSION, "sources": self.sources, "ranks": self.ranks,
                "headline": self.headline.to_dict() if self.headline else None,
                "stages": [r.to_dict() for r in self.stages]}
