@@ -40,3 +40,25 @@ def test_plot_png_for_one_and_eight_ranks(tmp_path, capsys, num_ranks, flags):
 
     height, width = imread(str(png)).shape[:2]
     assert width >= (1500 if num_ranks > 1 else 1000) and height >= 400  # the heat map panel with ranks
+
+
+def test_small_stages_fold_into_one_bar_and_the_title_has_the_headline(tmp_path):
+    """Issue 33: stages under 1% of the step (CPU and GPU) become one bar; the title carries the step's time per
+    step and GPU busy share; a legend names CPU and GPU (and the baseline with --diff). The H200 trace: 10 of its
+    18 stages fold."""
+    from pathlib import Path
+
+    from traces.load import load
+    from traces.plot import FOLD_SHARE, _title, fold, per_step
+    from traces.report import build_report
+    path = str(Path(__file__).parent / "data" / "traces" / "h200_opsd_3b_graphs.pt.trace.json.gz")
+    report = build_report(load([path]), S.PREFIX)
+    shown, folded = fold(report.stages, 1)
+    step_ms = per_step(next(r for r in report.stages if r.parent is None), 1)[0]
+    assert len(folded) == 10 and len(shown) == 8 and shown[0].name == S.range_name(S.STEP)
+    assert all(max(per_step(r, 1)[0], per_step(r, 1)[1] or 0) < FOLD_SHARE * step_ms for r in folded)
+    assert S.range_name(S.OPTIMIZER_STEP) in {r.name for r in folded}
+    assert _title(report, False) == "opsd/step: 776 ms per step, GPU busy 55.4%"
+    png = tmp_path / "p.png"
+    assert main([path, "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -85,17 +85,47 @@ def _bar(ax, y: float, value: float | None, color, hatch=None, alpha=1.0, spread
                 va="center", fontsize=7)
 
 
-def _tree_labels(ax, ticks: list[float], rows: list[StageRow], fontsize: int = 8) -> None:
-    """Stage names left-aligned and indented by their depth in the stage tree."""
-    labels = ["   " * r.depth + r.name for r in rows]
+def _tree_labels(ax, ticks: list[float], labels: list[str], fontsize: int = 8) -> None:
+    """Stage names (already indented by their depth in the stage tree), left-aligned."""
     ax.set_yticks(ticks)
     ax.set_yticklabels(labels, fontsize=fontsize, ha="left", family="monospace")
     ax.tick_params(axis="y", pad=0.62 * fontsize * max((len(x) for x in labels), default=1))
 
 
+#: Stages whose CPU and GPU time per step both stay under this share of the root stage's are folded into one bar.
+FOLD_SHARE = 0.01
+_FOLDED_COLOR = "#b0b0b0"
+
+
+def fold(rows: list[StageRow], steps: int | None) -> tuple[list[StageRow], list[StageRow]]:
+    """``(shown, folded)``: the rows worth a bar, and the small ones (see :data:`FOLD_SHARE`; roots are always shown)."""
+    roots = [per_step(r, steps)[0] for r in rows if r.parent is None]
+    limit = FOLD_SHARE * max(roots, default=0.0)
+    shown, folded = [], []
+    for row in rows:
+        cpu, gpu = per_step(row, steps)
+        small = row.parent is not None and cpu < limit and (gpu or 0.0) < limit
+        (folded if small else shown).append(row)
+    return shown, folded
+
+
+def _title(report: Report, several: bool) -> str:
+    head, title = report.headline, "per-stage CPU and GPU time"
+    if head is not None and head.num_ranges:
+        title = f"{head.stage}: {_number(head.wall_ms / head.num_ranges)} ms per range"
+        if head.stage.endswith("/step"):
+            title = title.replace("per range", "per step")
+        if head.gpu_busy_pct is not None:
+            title += f", GPU busy {head.gpu_busy_pct:.1f}%"
+    return title + (" (whiskers: min-max over ranks)" if several else "")
+
+
 def _bars(ax, report: Report, before: list[StageRow] | None) -> None:
-    rows, colors = report.stages, stage_colors([r.name for r in report.stages])
-    steps, base = _num_steps(rows), {r.name: r for r in before or ()}
+    from matplotlib.patches import Patch
+
+    steps, base = _num_steps(report.stages), {r.name: r for r in before or ()}
+    rows, folded = fold(report.stages, steps)
+    colors = stage_colors([r.name for r in report.stages])
     base_steps = _num_steps(before or [])
     several = len(report.per_rank) > 1
     for i, row in enumerate(rows):
@@ -107,11 +137,24 @@ def _bars(ax, report: Report, before: list[StageRow] | None) -> None:
             b_cpu, b_gpu = per_step(base[row.name], base_steps)
             _bar(ax, y - 1.5 * _BAR, b_cpu, colors[row.name], alpha=0.25)
             _bar(ax, y + 1.5 * _BAR, b_gpu, colors[row.name], hatch="///", alpha=0.15)
-    _tree_labels(ax, [2 * i for i in range(len(rows))], rows)
+    labels = [("   " * r.depth + r.name) for r in rows]
+    if folded:  # one bar for the small stages (their own times summed; nested ones may overlap)
+        y = 2 * len(rows)
+        values = [per_step(r, steps) for r in folded]
+        _bar(ax, y - _BAR / 2, sum(c for c, _ in values), _FOLDED_COLOR)
+        gpus = [g for _, g in values if g is not None]
+        _bar(ax, y + _BAR / 2, sum(gpus) if gpus else None, _FOLDED_COLOR, hatch="///", alpha=0.55)
+        labels.append(f"{len(folded)} stages < {FOLD_SHARE:.0%} each")
+    _tree_labels(ax, [2 * i for i in range(len(labels))], labels)
     ax.invert_yaxis()
-    unit = "ms per step" if steps or any(r.per_step for r in rows) else "ms (total)"
-    ax.set_xlabel(f"{unit}: solid = CPU, hatched = GPU" + (", pale = before" if before else ""))
-    ax.set_title("per-stage CPU and GPU time" + (" (whiskers: min-max over ranks)" if several else ""))
+    unit = "ms per step" if steps or any(r.per_step for r in report.stages) else "ms (total)"
+    ax.set_xlabel(unit)
+    handles = [Patch(facecolor="#808080", edgecolor="black", label="CPU"),
+               Patch(facecolor="#808080", alpha=0.55, hatch="///", edgecolor="black", label="GPU")]
+    if before:
+        handles.append(Patch(facecolor="#808080", alpha=0.25, edgecolor="black", label="before (--diff)"))
+    ax.legend(handles=handles, loc="lower right", fontsize=8)
+    ax.set_title(_title(report, several))
     ax.grid(axis="x", alpha=0.3)
 
 
@@ -165,7 +208,7 @@ def plot_report(report: Report, path: str, by_step: bool = False,
     except ImportError:
         raise OutputError("--plot needs matplotlib (pip install matplotlib)") from None
     heat = by_step and len(report.per_step) > 1 or len(report.per_rank) > 1
-    rows = len(report.stages)
+    rows = len(fold(report.stages, _num_steps(report.stages))[0]) + 1  # the shown stages and the folded bar
     fig, axes = plt.subplots(1, 2 if heat else 1, figsize=(17 if heat else 10, max(4.0, 0.42 * rows * (2 if before else 1.3) + 1.5)),
                              gridspec_kw={"width_ratios": [3, 2]} if heat else None, squeeze=False)
     _bars(axes[0][0], report, before)
