@@ -56,7 +56,7 @@ class _FusedHeadJSD(torch.autograd.Function):
         grad_weight = torch.zeros((vocab, weight.shape[1]), dtype=torch.float32, device=weight.device) \
             if need_weight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        probe = hidden[:1] @ head[:1].T
+        probe = hidden.new_empty(1, 1)  # where the chunks' logits will live
         if jsd.unsupported_reason(probe, probe, interpret) is None:
             chunk_size *= KERNEL_CHUNK_FACTOR
         for start in range(0, hidden.shape[0], chunk_size):

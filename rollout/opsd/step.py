@@ -57,11 +57,10 @@ from rollout.checks import require
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.engine import Rollout
 from rollout.model import compat
-from rollout.opsd import sizing
+from rollout.opsd import packed, sizing
 from rollout.opsd.breakdown import PhaseTimer
 from rollout.opsd.config import OPSDConfig, StepResult
 from rollout.opsd.inputs import DistillInputs, distill_inputs, forward_logits
-from rollout.opsd import packed
 from rollout.opsd.fused_loss import fused_jsd_loss
 from rollout.opsd.logit_cache import TeacherLogitCache
 from rollout.opsd.losses import generalized_jsd_loss
@@ -120,7 +119,6 @@ class OPSDStep:
             device = next(teacher_model.parameters()).device
             fast = self.config.fast_teacher and packed.fast_parts(teacher_model, device) is not None
             self.teacher_path = "fast" if fast else "hf"
-        if self.train_path == "packed":
             self.row_cost = sizing.packed_row_cost(student_model, teacher_model, self.config.loss_chunk_size)
         else:
             self.row_cost = sizing.row_cost(student_model, teacher_model, self.config.cache_config(),
@@ -199,7 +197,9 @@ class OPSDStep:
 
     def _train(self, inputs: DistillInputs, plan: MicroBatchPlan, weight: float, timer: PhaseTimer) -> float:
         """Every micro-batch (teacher chunks built just before they are read), then one optimizer step."""
-        run = _Run(inputs, plan, torch.tensor(plan.order, device=inputs.ids.device), weight, timer)
+        # The teacher's pieces: views of its weights, which change only at the optimizer step after every chunk.
+        parts = packed.fast_parts(self._teacher_model, inputs.ids.device) if self.teacher_path == "fast" else None
+        run = _Run(inputs, plan, torch.tensor(plan.order, device=inputs.ids.device), weight, timer, parts)
         stream = TeacherStream(lambda span: self._teacher_chunk(run, span), plan.teacher_chunks,
                                [inputs.stats.num_positions[row] for row in plan.order])
         total = torch.zeros((), dtype=torch.float32, device=inputs.ids.device)
@@ -235,10 +235,8 @@ class OPSDStep:
         inputs, index = run.inputs, run.order[span[0]:span[1]]
         with run.timer.phase(stages.TEACHER_FORWARD), torch.no_grad(), self._teacher_mode():
             rows = packed.pack(inputs.teacher_ids[index], inputs.teacher_mask[index], inputs.loss_mask[index])
-            parts = packed.fast_parts(self._teacher_model, rows.input_ids.device) \
-                if self.teacher_path == "fast" else None  # views of the weights as they are now
-            if parts is not None:
-                hidden = packed.fast_loss_hidden(parts, rows)  # [N, H_t]
+            if run.teacher_parts is not None:
+                hidden = packed.fast_loss_hidden(run.teacher_parts, rows)  # [N, H_t]
             else:
                 with packed.packed_attention(self._teacher_model, rows.layout):
                     hidden = packed.loss_hidden(self.teacher, self._teacher_model, rows)
@@ -304,3 +302,5 @@ class _Run:
     weight: float
     """The data-parallel loss weight (:func:`rollout.opsd.ranks.rank_weight`)."""
     timer: PhaseTimer
+    teacher_parts: object = None
+    """The fast teacher's decoder pieces (:func:`rollout.opsd.packed.fast_parts`), built once a step; None otherwise."""
