@@ -25,7 +25,7 @@ from instrumentation.config import PARTIAL_SUFFIX
 from traces.chrome import read_chrome_trace
 from traces.events import EventSource, TraceData, TraceError, collect
 from traces.nsys import is_sqlite_file, read_nsys_sqlite
-from traces.runs import split_by_run
+from traces.runs import by_run_dir
 
 TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
 _FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
@@ -130,7 +130,7 @@ def load(paths: list[str], source: EventSource = read_trace) -> LoadedSet:
         if data.bad.total:
             result.warnings.append(f"{path}: {data.bad.describe()}")
         result.files.append(data)
-    for run in split_by_run(result.files, lambda data: data.path):  # two runs never duplicate each other
+    for run in by_run_dir(result.files, lambda data: data.path).values():  # two runs never duplicate each other
         result.warnings.extend(drop_duplicates(run))
     return result
 

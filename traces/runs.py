@@ -46,12 +46,12 @@ def csv_cell(text: Optional[str]) -> str:
     return out.getvalue()
 
 
-def split_by_run(items: list, path_of) -> list[list]:
-    """``items`` in groups of one run directory each (:func:`run_dir_of` of ``path_of(item)``), in order."""
+def by_run_dir(items: list, path_of) -> dict[Optional[str], list]:
+    """``items`` by run directory (:func:`run_dir_of` of ``path_of(item)``; None outside any), in order."""
     groups: dict[Optional[str], list] = {}
     for item in items:
         groups.setdefault(run_dir_of(path_of(item)), []).append(item)
-    return list(groups.values())
+    return groups
 
 
 def run_dir_of(path: str) -> Optional[str]:
@@ -70,9 +70,7 @@ def run_dir_of(path: str) -> Optional[str]:
 def group_by_run(loaded) -> list[Run]:
     """The runs of ``loaded``'s files, by name (files outside run directories last); errors and warnings stay
     with ``loaded``."""
-    by_dir: dict[Optional[str], list] = {}
-    for data in loaded.files:
-        by_dir.setdefault(run_dir_of(data.path), []).append(data)
+    by_dir = by_run_dir(loaded.files, lambda data: data.path)
     runs = []
     for folder in sorted(by_dir, key=lambda f: (f is None, f or "")):
         marker = read_marker(folder, wait_s=0.0) if folder else None
