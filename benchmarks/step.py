@@ -25,6 +25,7 @@ Time nothing in a machine's first process (cuDNN builds attention kernels per sh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -54,7 +55,11 @@ class Cell:
 
 CELLS = {cell.name: cell for cell in (Cell("uniform", 64, 4, 1024, 256), Cell("wide2048", 64, 4, 2048, 256),
                                       Cell("small", 4, 4, 64, 64))}
-PATHS = ("padded", "packed")
+#: The suite's paths: ``OPSDConfig`` settings by name (``--paths``).
+PATHS = {"padded": dict(train_path="padded"),
+         "packed": dict(train_path="packed"),
+         "packed-hf-student": dict(train_path="packed", fast_student=False),
+         "packed-hf": dict(train_path="packed", fast_student=False, fast_teacher=False)}
 
 
 @dataclass
@@ -80,6 +85,8 @@ class StepRow:
     max_tokens: int = 0
     mfu: Optional[float] = None
     train_tokens_per_s: float = 0.0
+    passes: str = ""
+    """Which teacher and student passes ran (``OPSDStep.teacher_path`` / ``student_path``)."""
 
 
 def _job_argv(cell: Cell, args) -> list:
@@ -136,10 +143,10 @@ def run_cell(cell: Cell, args, rates: Rates, device, rows: list) -> None:
     from rollout.config import SamplingConfig
     parsed = parse_args(_job_argv(cell, args))
     job, opsd = parsed.job, parsed.opsd
-    base = build_step(job, replace(opsd, train_path=args.paths[0]), device)
+    base = build_step(job, replace(opsd, **PATHS[args.paths[0]]), device)
     steps = {args.paths[0]: base}
     for path in args.paths[1:]:
-        steps[path] = OPSDStep(base.student, base.teacher, base.rollout.tokenizer, replace(opsd, train_path=path),
+        steps[path] = OPSDStep(base.student, base.teacher, base.rollout.tokenizer, replace(opsd, **PATHS[path]),
                                rollout_config=job.rollout)
     inputs = StepInputs(job, base, 0, device)
     figures = _figures(base, rates, device)
@@ -155,7 +162,9 @@ def run_cell(cell: Cell, args, rates: Rates, device, rows: list) -> None:
             wall = time.perf_counter() - began
             row = _row(cell, path, index, result, wall, figures)
             row_path = steps[path].train_path
-            rows.append(replace(row, path=row_path if row_path == path else f"{path}->{row_path}"))
+            label = path if row_path == PATHS[path]["train_path"] else f"{path}->{row_path}"
+            rows.append(replace(row, path=label, passes=f"teacher {steps[path].teacher_path}, "
+                                                        f"student {steps[path].student_path}"))
             print(f"  {cell.name} {row.path} round {index}: step {wall:.2f} s, loss {result.loss:.5f}, "
                   + " | ".join(result.breakdown.lines()), flush=True)
     del steps, base
@@ -163,10 +172,14 @@ def run_cell(cell: Cell, args, rates: Rates, device, rows: list) -> None:
         torch.cuda.empty_cache()
 
 
-#: The variants of ``--check``: (label, train_path, max_student_rows, FlashAttention on, dtype).
-CHECK_VARIANTS = (("fp32 padded (reference)", "padded", 16, True, torch.float32),
-                  ("padded", "padded", 16, True, None), ("padded, 4-row micro-batches", "padded", 4, True, None),
-                  ("packed", "packed", 16, True, None), ("packed, per-row SDPA", "packed", 16, False, None))
+#: The variants of ``--check``: (label, ``OPSDConfig`` settings, FlashAttention on, dtype).
+CHECK_VARIANTS = (("fp32 padded (reference)", dict(train_path="padded", max_student_rows=16), True, torch.float32),
+                  ("padded", dict(train_path="padded", max_student_rows=16), True, None),
+                  ("padded, 4-row micro-batches", dict(train_path="padded", max_student_rows=4), True, None),
+                  ("packed", dict(train_path="packed", max_student_rows=16), True, None),
+                  ("packed, HF student", dict(train_path="packed", max_student_rows=16, fast_student=False), True,
+                   None),
+                  ("packed, per-row SDPA", dict(train_path="packed", max_student_rows=16), False, None))
 
 
 def check_paths(args, device) -> list[str]:
@@ -190,11 +203,10 @@ def check_paths(args, device) -> list[str]:
                      ).rollout.generate(RolloutRequest(ids, mask), SamplingConfig(
                          max_new_tokens=args.check_tokens, n_samples_per_prompt=2, seed=args.seed))
     grads, losses = {}, {}
-    for label, path, rows, flash, variant_dtype in CHECK_VARIANTS:
+    for label, settings, flash, variant_dtype in CHECK_VARIANTS:
         models = (student, teacher) if variant_dtype is None else (student.float(), teacher.float())
         optimizer = torch.optim.SGD(models[0].parameters(), lr=0.0)
-        step = OPSDStep(models[0], models[1], tokenizer, OPSDConfig(train_path=path, max_student_rows=rows,
-                                                                     logit_cache_dtype=models[0].dtype),
+        step = OPSDStep(models[0], models[1], tokenizer, OPSDConfig(**settings, logit_cache_dtype=models[0].dtype),
                         optimizer=optimizer)
         step._trainer.step = lambda: None  # keep the gradients to compare them
         packed.USE_FLASH = flash
@@ -216,6 +228,7 @@ def check_paths(args, device) -> list[str]:
     for label, *_ in CHECK_VARIANTS[1:]:
         lines.append(f"check ({dtype}): " + compare(reference, label))
     lines.append(f"check ({dtype}): " + compare("padded", "packed"))
+    lines.append(f"check ({dtype}): " + compare("packed, HF student", "packed"))
     lines.append(f"check ({dtype}): " + compare("padded", "padded, 4-row micro-batches"))
     lines.append(f"check ({dtype}): " + compare("packed", "packed, per-row SDPA"))
     del student, teacher, grads
@@ -224,13 +237,49 @@ def check_paths(args, device) -> list[str]:
     return lines
 
 
-def kernel_profile(args, device, tokens: int = 7168, row_len: int = 1280, top: int = 14) -> list[str]:
-    """The CUDA kernels of one packed student forward + backward over ``tokens`` tokens (rows of ``row_len``), by
-    total GPU time: how much of a training pass is GEMM."""
-    from torch.profiler import ProfilerActivity, profile
+#: Kernel classes of ``--kernels`` (first match of the lower-cased name; the rest is "other": elementwise,
+#: reductions, copies).
+KERNEL_CLASSES = (("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "splitk")),
+                  ("attention", ("flash", "fmha", "attention")), ("jsd", ("jsd",)))
 
+
+def kernel_class(name: str) -> str:
+    lowered = name.lower()
+    return next((label for label, keys in KERNEL_CLASSES if any(key in lowered for key in keys)), "other")
+
+
+def _profiled(fn, top: int, title: str) -> list[str]:
+    """``fn`` run twice, then once under the CUDA profiler: its kernels by class and the ``top`` largest."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    classes: dict = {}
+    for e in events:
+        label = kernel_class(e.key)
+        classes[label] = classes.get(label, 0.0) + e.self_device_time_total
+    split = ", ".join(f"{label} {us / 1e3:.1f} ms ({100 * us / total:.0f}%)" for label, us in
+                      sorted(classes.items(), key=lambda item: -item[1]))
+    events.sort(key=lambda e: -e.self_device_time_total)
+    lines = [f"{title}: {total / 1e3:.1f} ms GPU; {split}"]
+    for e in events[:top]:
+        lines.append(f"  {100 * e.self_device_time_total / total:5.1f}% {e.self_device_time_total / 1e3:8.2f} ms "
+                     f"{e.count:5d}x {e.key[:110]}")
+    return lines
+
+
+def kernel_profile(args, device, tokens: int = 7168, row_len: int = 1280, top: int = 10) -> list[str]:
+    """The CUDA kernels of one packed student forward + backward over ``tokens`` tokens (rows of ``row_len``),
+    through HF's layers and through the compiled pieces, and of the fused head + JSD loss over its loss positions,
+    by class (GEMM, attention, JSD, other) and the largest: how much of a training pass is not GEMM."""
     from rollout.job import load_model
-    from rollout.opsd import packed
+    from rollout.opsd import OPSDConfig, fast_passes, packed
+    from rollout.opsd.fused_loss import fused_jsd_loss
     model, _ = load_model(args.student or None, "qwen2", args.seed, torch.bfloat16, device)
     rows = max(1, tokens // row_len)
     ids = torch.randint(3, 1000, (rows, row_len), device=device)
@@ -238,23 +287,29 @@ def kernel_profile(args, device, tokens: int = 7168, row_len: int = 1280, top: i
     loss_mask = torch.ones(rows, row_len // 2, dtype=torch.bool, device=device)
     packed_rows = packed.pack(ids, mask, loss_mask)
 
-    def once():
-        with packed.packed_attention(model, packed_rows.layout):
-            packed.loss_hidden(model, model, packed_rows).float().square().mean().backward()
-    for _ in range(2):
-        once()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        once()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events)
-    events.sort(key=lambda e: -e.self_device_time_total)
-    lines = [f"kernels of one packed forward + backward, {rows} x {row_len} tokens: {total / 1e3:.1f} ms GPU"]
-    for e in events[:top]:
-        lines.append(f"  {100 * e.self_device_time_total / total:5.1f}% {e.self_device_time_total / 1e3:8.2f} ms "
-                     f"{e.count:5d}x {e.key[:110]}")
-    del model
+    def student_pass(fast: bool):
+        def once():
+            with packed.packed_attention(model, packed_rows.layout):
+                parts = fast_passes.student_parts(model, device) if fast else None
+                with fast_passes.student_decoder(model, parts, packed_rows) if fast else contextlib.nullcontext():
+                    hidden = packed.loss_hidden(model, model, packed_rows)
+                hidden.float().square().mean().backward()
+        return once
+
+    hidden = torch.randn(int(loss_mask.sum()), model.config.hidden_size, device=device, dtype=torch.bfloat16)
+    teacher_hidden = torch.randn_like(hidden)
+    head = packed.head_weight(model)
+
+    def loss_pass():
+        leaf = hidden.detach().requires_grad_(True)
+        fused_jsd_loss(leaf, head, teacher_hidden, head.detach(), 0.5, 1.0, chunk_size=OPSDConfig().loss_chunk_size,
+                       divisor=hidden.shape[0]).backward()
+
+    lines = _profiled(student_pass(False), top, f"packed student forward + backward through HF's layers, "
+                                                 f"{rows} x {row_len} tokens")
+    lines += _profiled(student_pass(True), top, "the same through the compiled pieces")
+    lines += _profiled(loss_pass, top, f"fused head + JSD loss forward and backward, {hidden.shape[0]} positions")
+    del model, head
     torch.cuda.empty_cache()
     return lines
 
@@ -299,6 +354,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    unknown = [p for p in args.paths if p not in PATHS]
+    if unknown or not args.paths:
+        parser.error(f"--paths: {unknown or args.paths} not among {tuple(PATHS)}")
     cells = [CELLS[name.strip()] for name in args.cells.split(",") if name.strip()]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     set_single_process_env(29531)

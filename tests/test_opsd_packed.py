@@ -4,6 +4,7 @@ states against HF's padded forward, the fused head + JSD loss against ``generali
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 from rollout.config import SamplingConfig
 from rollout.ops import jsd, masks
-from rollout.opsd import OPSDConfig, OPSDStep, packed, sizing
+from rollout.opsd import OPSDConfig, OPSDStep, fast_passes, packed, sizing
 from rollout.opsd.fused_loss import fused_jsd_loss
 from rollout.opsd.logit_cache import LogitCacheConfig, TeacherLogitCache
 from rollout.opsd.losses import _chunk_divergence, generalized_jsd_loss
@@ -90,13 +91,52 @@ def test_fast_teacher_forward_equals_hf_packed_forward(arch):
     model = tiny_model(arch, seed=0)
     ids, mask, loss_mask = ragged_rows()
     rows = packed.pack(ids, mask, loss_mask)
-    parts = packed.fast_parts(model, torch.device("cpu"))
+    parts = fast_passes.fast_parts(model, torch.device("cpu"))
     assert parts is not None
     with torch.no_grad():
-        fast = packed.fast_loss_hidden(parts, rows)
+        fast = fast_passes.fast_loss_hidden(parts, rows)
         with packed.packed_attention(model, rows.layout):
             reference = packed.loss_hidden(model, model, rows)
     torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fast_student_forward_and_backward_equal_hf_packed(arch):
+    """The student's pass through the pieces over its parameters (eager on the CPU), called through the model as
+    the step calls it: hidden states and every parameter's gradient equal HF's packed forward, and the decoder's
+    own forward is back after the block."""
+    model = tiny_model(arch, seed=0)
+    ids, mask, loss_mask = ragged_rows()
+    rows = packed.pack(ids, mask, loss_mask)
+    weight = torch.randn(int(loss_mask.sum()), model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    assert fast_passes.student_unsupported_reason(model) is None
+    results = []
+    for fast in (True, False):
+        model.zero_grad(set_to_none=True)
+        with packed.packed_attention(model, rows.layout):
+            parts = fast_passes.student_parts(model, torch.device("cpu")) if fast else None
+            with fast_passes.student_decoder(model, parts, rows) if fast else contextlib.nullcontext():
+                hidden = packed.loss_hidden(model, model, rows)
+            (hidden * weight).sum().backward()
+        results.append((hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert "forward" not in packed.decoder_of(model).__dict__
+    (fast_hidden, fast_grads), (hf_hidden, hf_grads) = results
+    torch.testing.assert_close(fast_hidden, hf_hidden, rtol=1e-5, atol=1e-5)
+    assert set(fast_grads) == set(hf_grads) == {n for n, _ in model.named_parameters()} - {"lm_head.weight"}
+    for name, grad in hf_grads.items():
+        assert (fast_grads[name] - grad).norm() <= 1e-5 * grad.norm() + 1e-9, name
+
+
+def test_fast_student_declines_what_its_pieces_do_not_compute():
+    model = tiny_model("qwen2", seed=0)
+    model.gradient_checkpointing_enable()
+    assert "checkpointing" in fast_passes.student_unsupported_reason(model)
+    dropout = tiny_model("llama", seed=0)
+    dropout.config.attention_dropout = 0.1
+    assert "attention_dropout" in fast_passes.student_unsupported_reason(dropout)
+    odd = tiny_model("qwen2", seed=0)
+    odd.config.hidden_act = "gelu"
+    assert "gelu" in fast_passes.student_unsupported_reason(odd)
 
 
 def test_packed_attention_outside_its_context_and_nested_raise():
@@ -232,7 +272,7 @@ def test_packed_micro_batches_are_sized_by_real_tokens():
 
 # ---- whole steps ------------------------------------------------------------------------------------------------------
 def run_step(path: str, *, beta=0.5, teacher="llama", checkpointing=False, teacher_prompts=None, rows=2,
-             fast_teacher=True):
+             fast_teacher=True, fast_student=True):
     student = tiny_model("qwen2", seed=0)
     if checkpointing:
         enable = getattr(student, "activation_checkpointing_enable", None) or student.gradient_checkpointing_enable
@@ -241,7 +281,7 @@ def run_step(path: str, *, beta=0.5, teacher="llama", checkpointing=False, teach
     other = student if teacher == "self" else tiny_model(teacher, seed=1)
     optimizer = torch.optim.SGD(student.parameters(), lr=0.0)
     config = OPSDConfig(beta=beta, temperature=0.7, train_path=path, max_student_rows=rows, loss_chunk_size=7,
-                        logit_cache_dtype=torch.float32, fast_teacher=fast_teacher)
+                        logit_cache_dtype=torch.float32, fast_teacher=fast_teacher, fast_student=fast_student)
     step = OPSDStep(student, other, TinyTokenizer(pad_token_id=0, eos_token_id=2), config, optimizer=optimizer)
     step._trainer.step = lambda: None  # keep the gradients
     ids, mask = random_prompts(3, 8, min_len=3, vocab_size=100, pad_token_id=0, seed=3)
@@ -254,7 +294,7 @@ def run_step(path: str, *, beta=0.5, teacher="llama", checkpointing=False, teach
 
 @pytest.mark.parametrize("kwargs", [dict(beta=0.0), dict(beta=0.5), dict(beta=1.0), dict(rows=None),
                                     dict(teacher="self", teacher_prompts=random_prompts(3, 10, min_len=4, seed=5)),
-                                    dict(checkpointing=True), dict(fast_teacher=False)])
+                                    dict(checkpointing=True), dict(fast_teacher=False), dict(fast_student=False)])
 def test_packed_step_equals_padded_step_in_fp32(kwargs):
     """Loss and every student gradient after one step, fp32 on the CPU, within 1e-5 relative."""
     padded, padded_grads, padded_step = run_step("padded", **kwargs)
@@ -263,6 +303,9 @@ def test_packed_step_equals_padded_step_in_fp32(kwargs):
     assert step.teacher_path == ("fast" if kwargs.get("fast_teacher", True) else "hf")
     assert result.breakdown.teacher_path == step.teacher_path and padded.breakdown.teacher_path == "padded"
     assert result.breakdown.train_path == "packed" and padded.breakdown.train_path == "padded"
+    fast_student = kwargs.get("fast_student", True) and not kwargs.get("checkpointing")
+    assert (step.student_path, padded_step.student_path) == ("fast" if fast_student else "hf", "padded")
+    assert result.breakdown.student_path == step.student_path and padded.breakdown.student_path == "padded"
     assert torch.equal(result.batch.input_ids, padded.batch.input_ids)
     assert result.loss == pytest.approx(padded.loss, rel=1e-5)
     assert result.loss > 1e-5 and set(grads) == set(padded_grads)
@@ -285,6 +328,8 @@ def test_the_path_is_chosen_and_reported():
         OPSDConfig(train_path="fast")
     with pytest.raises(ValueError, match="fast_teacher"):
         OPSDConfig(fast_teacher=1)
+    with pytest.raises(ValueError, match="fast_student"):
+        OPSDConfig(fast_student="yes")
 
 
 def test_a_teacher_with_an_unfused_adapter_runs_hf_forward_packed():

@@ -112,11 +112,6 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _linear(module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    base = getattr(module, "base_layer", module)
-    return _plain(base.weight), _plain(base.bias)
-
-
 def _plain(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A plain-tensor view (same storage) of a parameter. The compiled step pieces guard on their
     inputs' types: parameters here and the ZeRO-3 weight mirror's plain tensors elsewhere would make
@@ -124,9 +119,16 @@ def _plain(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach()
 
 
-def spec_and_weights(model: torch.nn.Module) -> tuple[DecoderSpec, DecoderWeights]:
+def spec_and_weights(model: torch.nn.Module, *, trainable: bool = False) -> tuple[DecoderSpec, DecoderWeights]:
     """Read geometry and weight tensors from an HF ``*ForCausalLM`` (no copies: plain-tensor views of the
-    parameters, read at each call so that reassigned ``.data`` is followed)."""
+    parameters, read at each call so that reassigned ``.data`` is followed). ``trainable``: the parameters
+    themselves instead, so that a forward through them accumulates their gradients (the student's packed pass)."""
+    read = (lambda tensor: tensor) if trainable else _plain
+
+    def _linear(module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        base = getattr(module, "base_layer", module)
+        return read(base.weight), read(base.bias)
+
     config, inner = model.config, model.model
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layers = []
@@ -136,15 +138,15 @@ def spec_and_weights(model: torch.nn.Module) -> tuple[DecoderSpec, DecoderWeight
         k, k_b = _linear(attn.k_proj)
         v, v_b = _linear(attn.v_proj)
         o, o_b = _linear(attn.o_proj)
-        layers.append(LayerWeights(_plain(layer.input_layernorm.weight), q, q_b, k, k_b, v, v_b, o, o_b,
-                                   _plain(layer.post_attention_layernorm.weight), _linear(mlp.gate_proj)[0],
+        layers.append(LayerWeights(read(layer.input_layernorm.weight), q, q_b, k, k_b, v, v_b, o, o_b,
+                                   read(layer.post_attention_layernorm.weight), _linear(mlp.gate_proj)[0],
                                    _linear(mlp.up_proj)[0], _linear(mlp.down_proj)[0]))
     lm_head, lm_bias = _linear(model.lm_head)
     spec = DecoderSpec(config.num_hidden_layers, config.num_attention_heads,
                        getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
                        float(getattr(inner.norm, "variance_epsilon", getattr(config, "rms_norm_eps", 1e-6))),
                        float(getattr(inner.rotary_emb, "attention_scaling", 1.0)))
-    weights = DecoderWeights(_plain(inner.embed_tokens.weight), layers, _plain(inner.norm.weight), lm_head, lm_bias,
+    weights = DecoderWeights(read(inner.embed_tokens.weight), layers, read(inner.norm.weight), lm_head, lm_bias,
                              inner.rotary_emb.inv_freq)
     return spec, weights
 

@@ -85,6 +85,9 @@ class StepBreakdown:
     teacher_path: str = "padded"
     """The teacher's forward: ``"fast"`` (the rollout's decoder pieces), ``"hf"`` (HF's forward, packed) or
     ``"padded"``."""
+    student_path: str = "padded"
+    """The student's forward and backward: ``"fast"`` (the rollout's decoder pieces with autograd), ``"hf"`` (HF's
+    forward, packed) or ``"padded"``."""
     max_micro_batch_tokens: int = 0
     """Tokens of the largest student micro-batch as computed (packed: real tokens; padded: rows x columns)."""
 
@@ -94,7 +97,8 @@ class StepBreakdown:
         parts = [f"{_LABELS[name]} {getattr(times, name):.1f}" for name in PHASES
                  if getattr(times, name) is not None]
         budget = "" if self.budget_gib is None else f" (budget {self.budget_gib:.3g} GiB)"
-        shape = (f"{self.train_path} (teacher {self.teacher_path}): {self.num_micro_batches} micro-batches of <= {self.max_micro_batch_rows} rows "
+        shape = (f"{self.train_path} (teacher {self.teacher_path}, student {self.student_path}): "
+                 f"{self.num_micro_batches} micro-batches of <= {self.max_micro_batch_rows} rows "
                  f"and <= {self.max_micro_batch_tokens} tokens{budget}, {self.num_teacher_forwards} teacher forwards")
         if self.peak_gib is not None:
             peaks = ", ".join(f"{_LABELS[name]} {getattr(self.peak_gib, name):.2f}" for name in PHASES
@@ -150,11 +154,11 @@ class PhaseTimer:
 
     def breakdown(self, num_micro_batches: int, max_rows: int, num_teacher_forwards: int,
                   budget_bytes: Optional[float], *, train_path: str = "padded", teacher_path: str = "padded",
-                  max_tokens: int = 0) -> StepBreakdown:
+                  student_path: str = "padded", max_tokens: int = 0) -> StepBreakdown:
         """The step's :class:`StepBreakdown`; call after the step's last host sync (no wait then)."""
         peaks = None
         if self._tracks_peaks:
             peaks = self._times({name: self._peaks.get(name, 0) / GIB for name in PHASES})
         budget = None if budget_bytes is None else budget_bytes / GIB
         return StepBreakdown(self._times(self._host), self._device_ms(), peaks, num_micro_batches, max_rows,
-                             num_teacher_forwards, budget, train_path, teacher_path, max_tokens)
+                             num_teacher_forwards, budget, train_path, teacher_path, student_path, max_tokens)

@@ -76,8 +76,15 @@ class OPSDConfig:
     False, or a model they do not cover (an unfused LoRA adapter, ZeRO-3), runs HF's forward with the packed
     attention. ``StepBreakdown.teacher_path`` says which ran."""
 
+    fast_student: bool = True
+    """On the packed path, run the student's forward (and so its backward) through the same pieces over its
+    parameters, with autograd (:func:`rollout.opsd.fast_passes.student_decoder`; compiled forward and backward on
+    CUDA); False, or a model they do not cover (an unfused LoRA adapter, activation checkpointing, attention
+    dropout), runs HF's forward with the packed attention. ``StepBreakdown.student_path`` says which ran."""
+
     def __post_init__(self) -> None:
-        require(isinstance(self.fast_teacher, bool), "fast_teacher", f"must be a bool; got {self.fast_teacher!r}")
+        for name in ("fast_teacher", "fast_student"):
+            require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
         require(self.train_path in TRAIN_PATHS, "train_path",
                 f"must be one of {TRAIN_PATHS}; got {self.train_path!r}")
         require(_is_number(self.beta) and 0.0 <= self.beta <= 1.0, "beta", f"must be in [0, 1]; got {self.beta!r}")

@@ -18,6 +18,8 @@ caches keep the logits path.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rollout.ops import jsd
@@ -45,6 +47,30 @@ def _chunk_loss(student, teacher, beta, temperature, divisor, need_grad, interpr
     return rows.sum(), (student if need_grad else None)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_float32_out_gemm(device_type: str) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` takes half-precision inputs on this device type (cuBLAS
+    accumulating into a float32 output: CUDA on recent PyTorch)."""
+    if device_type != "cuda":
+        return False
+    try:
+        half = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        return torch.addmm(half.float(), half, half, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _add_head_grad(acc, grad: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``acc + grad.T @ hidden`` in float32 (``acc`` None: the product alone). One GEMM writing float32 where
+    cuBLAS can (no half-precision ``[V, H]`` product, copy and add per chunk), else the product, rounded, added."""
+    if _has_float32_out_gemm(grad.device.type):
+        if acc is None:
+            return torch.mm(grad.T, hidden, out_dtype=torch.float32)
+        return torch.addmm(acc, grad.T, hidden, out_dtype=torch.float32, out=acc)  # in place: beta 1
+    product = (grad.T @ hidden).float()
+    return product if acc is None else acc.add_(product)
+
+
 class _FusedHeadJSD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, beta, temperature, chunk_size, divisor,
@@ -53,8 +79,7 @@ class _FusedHeadJSD(torch.autograd.Function):
         head, teacher_head = weight[:vocab], teacher_weight[:vocab]
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros((vocab, weight.shape[1]), dtype=torch.float32, device=weight.device) \
-            if need_weight else None
+        grad_weight = None  # float32 [vocab, H], from the first chunk on
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         probe = hidden.new_empty(1, 1)  # where the chunks' logits will live
         if jsd.unsupported_reason(probe, probe, interpret) is None:
@@ -72,7 +97,7 @@ class _FusedHeadJSD(torch.autograd.Function):
             if need_hidden:
                 grad_hidden[rows] = grad @ head
             if need_weight:
-                grad_weight += (grad.T @ hidden[rows]).float()
+                grad_weight = _add_head_grad(grad_weight, grad, hidden[rows])
         ctx.grads = (grad_hidden, grad_weight, weight.shape[0], weight.dtype)
         return total / divisor
 

@@ -226,31 +226,3 @@ def loss_hidden(model, causal_lm: torch.nn.Module, rows: PackedRows) -> torch.Te
     finally:
         handle.remove()
     return captured[-1][0, rows.loss_index]  # [N, H]
-
-
-def fast_parts(causal_lm: torch.nn.Module, device: torch.device):
-    """The rollout's own decoder pieces over ``causal_lm``'s weights (:mod:`rollout.model.step`: fused norms,
-    rotary and SiLU MLP, ``torch.compile``d on CUDA, one graph for every layer), or None where they do not cover
-    the model exactly (its type, an unfused LoRA adapter, ZeRO-3 partitioned weights)."""
-    from rollout.model.step import StepFns, StepParts, compiled_step_fns, spec_and_weights, unsupported_reason
-    if unsupported_reason(causal_lm) is not None or any(hasattr(p, "ds_id") for p in causal_lm.parameters()):
-        return None
-    spec, weights = spec_and_weights(causal_lm)
-    return StepParts(spec, weights, compiled_step_fns() if device.type == "cuda" else StepFns())
-
-
-def fast_loss_hidden(parts, rows: PackedRows) -> torch.Tensor:
-    """:func:`loss_hidden` of a no-grad forward through ``parts`` (:func:`fast_parts`): the packed tokens pass
-    every layer once (the attention of :func:`varlen_causal_attention`), the final norm runs at the loss positions
-    only. The teacher's forward on the packed path."""
-    from rollout.model.step import layer_output, layer_qkv, rotary
-    from rollout.ops.norm import rms_norm
-    spec, weights, fns = parts.spec, parts.weights, parts.fns
-    h = F.embedding(rows.input_ids[0], weights.embed)  # [T, H]
-    cos, sin = rotary(rows.position_ids[0], weights.inv_freq, spec.attention_scaling, h.dtype)
-    scale = spec.head_dim ** -0.5
-    for w in weights.layers:
-        q, k, v = layer_qkv(fns, h, w, cos, sin, spec)  # q [T, Hq, 1, D], k/v [T, Hkv, 1, D]
-        attn = varlen_causal_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], rows.layout, scale)
-        h = layer_output(fns, h, attn.unsqueeze(2), w, spec.rms_eps)
-    return rms_norm(h.index_select(0, rows.loss_index), weights.final_norm, spec.rms_eps)  # [N, H]

@@ -59,7 +59,7 @@ def _cache_bytes_per_position(cache: LogitCacheConfig, vocab: int) -> int:
     return vocab * item if cache.top_k is None else cache.top_k * (item + 4)
 
 
-def _is_checkpointing(model: torch.nn.Module) -> bool:
+def is_checkpointing(model: torch.nn.Module) -> bool:
     """Whether HF gradient (activation) checkpointing is on (the newer name first: the older warns)."""
     name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
         else "is_gradient_checkpointing"
@@ -72,7 +72,7 @@ def row_cost(student: torch.nn.Module, teacher: torch.nn.Module, cache: LogitCac
     layers, hidden, mlp = _dims(student.config)
     width = _param_bytes(student)
     per_layer = width / 2 * (ACTIVATION_H * hidden + ACTIVATION_I * mlp)
-    if _is_checkpointing(student):
+    if is_checkpointing(student):
         kept = layers * width * hidden + per_layer
     else:
         kept = layers * per_layer

@@ -57,7 +57,7 @@ from rollout.checks import require
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.engine import Rollout
 from rollout.model import compat
-from rollout.opsd import packed, sizing
+from rollout.opsd import fast_passes, packed, sizing
 from rollout.opsd.breakdown import PhaseTimer
 from rollout.opsd.config import OPSDConfig, StepResult
 from rollout.opsd.inputs import DistillInputs, distill_inputs, forward_logits
@@ -117,8 +117,10 @@ class OPSDStep:
         self.teacher_path = "padded"
         if self.train_path == "packed":
             device = next(teacher_model.parameters()).device
-            fast = self.config.fast_teacher and packed.fast_parts(teacher_model, device) is not None
+            fast = self.config.fast_teacher and fast_passes.fast_parts(teacher_model, device) is not None
             self.teacher_path = "fast" if fast else "hf"
+        self.student_path, self.student_path_reason = self._student_path()
+        if self.train_path == "packed":
             self.row_cost = sizing.packed_row_cost(student_model, teacher_model, self.config.loss_chunk_size)
         else:
             self.row_cost = sizing.row_cost(student_model, teacher_model, self.config.cache_config(),
@@ -137,6 +139,15 @@ class OPSDStep:
             reason = reason or (None if why is None else f"{role}: {why}")
         require(setting != "packed" or reason is None, "train_path", f"'packed' cannot run here: {reason}")
         return ("padded", reason) if reason else ("packed", None)
+
+    def _student_path(self) -> tuple[str, Optional[str]]:
+        """``(path, why not fast)`` of the student's pass: ``"fast"`` (:mod:`rollout.opsd.fast_passes`), ``"hf"``
+        (HF's packed forward) or ``"padded"``; read at every step (activation checkpointing may be switched)."""
+        if self.train_path != "packed":
+            return "padded", self.train_path_reason
+        why = "fast_student=False" if not self.config.fast_student else \
+            fast_passes.student_unsupported_reason(self._student_model)
+        return ("hf", why) if why else ("fast", None)
 
     # ---- public -----------------------------------------------------------------------------
     def step(self, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor, sampling: SamplingConfig, *,
@@ -193,13 +204,17 @@ class OPSDStep:
         tokens = max(inputs.stats.tokens(plan.rows(span), is_packed) for span in plan.groups)
         return loss, inputs.num_positions, timer.breakdown(len(plan.groups), largest, len(plan.teacher_chunks),
                                                            budget, train_path=self.train_path,
-                                                           teacher_path=self.teacher_path, max_tokens=tokens)
+                                                           teacher_path=self.teacher_path,
+                                                           student_path=self.student_path, max_tokens=tokens)
 
     def _train(self, inputs: DistillInputs, plan: MicroBatchPlan, weight: float, timer: PhaseTimer) -> float:
         """Every micro-batch (teacher chunks built just before they are read), then one optimizer step."""
         # The teacher's pieces: views of its weights, which change only at the optimizer step after every chunk.
-        parts = packed.fast_parts(self._teacher_model, inputs.ids.device) if self.teacher_path == "fast" else None
-        run = _Run(inputs, plan, torch.tensor(plan.order, device=inputs.ids.device), weight, timer, parts)
+        device = inputs.ids.device
+        parts = fast_passes.fast_parts(self._teacher_model, device) if self.teacher_path == "fast" else None
+        self.student_path, self.student_path_reason = self._student_path()
+        student = fast_passes.student_parts(self._student_model, device) if self.student_path == "fast" else None
+        run = _Run(inputs, plan, torch.tensor(plan.order, device=device), weight, timer, parts, student)
         stream = TeacherStream(lambda span: self._teacher_chunk(run, span), plan.teacher_chunks,
                                [inputs.stats.num_positions[row] for row in plan.order])
         total = torch.zeros((), dtype=torch.float32, device=inputs.ids.device)
@@ -236,7 +251,7 @@ class OPSDStep:
         with run.timer.phase(stages.TEACHER_FORWARD), torch.no_grad(), self._teacher_mode():
             rows = packed.pack(inputs.teacher_ids[index], inputs.teacher_mask[index], inputs.loss_mask[index])
             if run.teacher_parts is not None:
-                hidden = packed.fast_loss_hidden(run.teacher_parts, rows)  # [N, H_t]
+                hidden = fast_passes.fast_loss_hidden(run.teacher_parts, rows)  # [N, H_t]
             else:
                 with packed.packed_attention(self._teacher_model, rows.layout):
                     hidden = packed.loss_hidden(self.teacher, self._teacher_model, rows)
@@ -253,7 +268,9 @@ class OPSDStep:
                 self._trainer.begin_micro_batch(is_last)
                 rows = packed.pack(inputs.ids[index], inputs.mask[index], inputs.loss_mask[index])
                 held.enter_context(packed.packed_attention(model, rows.layout))
-                hidden = packed.loss_hidden(self._trainer, model, rows)  # [N, H]
+                with (fast_passes.student_decoder(model, run.student_parts, rows) if run.student_parts is not None
+                      else contextlib.nullcontext()):
+                    hidden = packed.loss_hidden(self._trainer, model, rows)  # [N, H]
             with run.timer.phase(stages.LOSS):
                 values, _ = stream.take(span, hidden.device)
                 loss = fused_jsd_loss(hidden, packed.head_weight(model), values,
@@ -303,4 +320,8 @@ class _Run:
     """The data-parallel loss weight (:func:`rollout.opsd.ranks.rank_weight`)."""
     timer: PhaseTimer
     teacher_parts: object = None
-    """The fast teacher's decoder pieces (:func:`rollout.opsd.packed.fast_parts`), built once a step; None otherwise."""
+    """The fast teacher's decoder pieces (:func:`rollout.opsd.fast_passes.fast_parts`), built once a step; None
+    otherwise."""
+    student_parts: object = None
+    """The fast student's pieces (:func:`rollout.opsd.fast_passes.student_parts`), built once a step; None
+    otherwise."""
