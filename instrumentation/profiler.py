@@ -2,7 +2,7 @@
 
     with opsd_profiler() as prof:
         for step in range(num_steps):
-            with stage(stages.STEP):
+            with stage(stages.STEP):   # your own step; OPSDStep.step opens opsd/step itself: never wrap it
                 ...
             prof.log_step(step, loss=loss, tokens_per_s=tps, step_ms=ms, mfu=mfu)  # optional
             prof.step()
@@ -82,6 +82,16 @@ def check_scalars(step, values: dict) -> None:
             raise ValueError(f"{name} must be a real number or None; got {type(value).__name__}")
 
 
+def _warn_if_no_rank_writes(config: ProfileConfig, rank: int, world_size: int) -> None:
+    """One warning, naming ``OPSD_PROFILE_RANKS``, when it selects no rank below the world size (a run that
+    would write nothing and say nothing); a rank left out while another writes is normal and silent."""
+    if config.ranks is None or config.ranks[0] < world_size:
+        return
+    state.warn_once("ranks", f"OPSD_PROFILE_RANKS selects rank {','.join(map(str, config.ranks))}, none of this "
+                             f"run's (world size {world_size}; this process is rank {rank}): no traces or scalars "
+                             "are written")
+
+
 class ProfilerSession:
     """See the module docstring; build it with :func:`opsd_profiler`."""
 
@@ -116,6 +126,7 @@ class ProfilerSession:
         if config.stage_timers:  # may refuse the run (ValueError) before anything has changed
             run_name, run_id = runfiles.shared_run(config, self.world_size)
             self.selected = config.selects_rank(self.rank)
+            _warn_if_no_rank_writes(config, self.rank, self.world_size)
             if self.selected:
                 self.run_dir = runfiles.make_run_dir(config.output_dir, run_name, run_id)
         if config != active:  # the ranges must follow the session's config; restored on exit

@@ -17,6 +17,10 @@ Run coalescing (light mode; the rule in full in :mod:`instrumentation.light`): w
 them, make ONE record of ``calls`` calls: host times summed, device time the span from the first
 call's start event to the last call's end event. A run is held until anything else happens.
 
+A stage opened while it is open already (a loop wrapped in ``stage(STEP)`` around ``OPSDStep.step``, which
+opens ``opsd/step`` itself) opens no frame: it is timed once, as the outer call, with one ``ProfilingWarning``
+per stage naming it and the rank (else the table would count each step twice and halve every share).
+
 The frame stack is process-wide: call ``stage()`` from the training thread (ranges opened by other
 threads at the same time would interleave with it).
 """
@@ -25,120 +29,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
-from instrumentation import state
+from instrumentation import stages, state
+from instrumentation.backends import CpuBackend, CudaBackend, TimerBackend, detect_backend  # noqa: F401
 
 BYTES_PER_MIB = 1024 * 1024
-
-
-class TimerBackend(Protocol):
-    """Device clock and allocator access; :class:`CpuBackend` and :class:`CudaBackend` implement it."""
-
-    tracks_memory: bool
-    has_device_clock: bool
-
-    def mark(self) -> Any: ...
-    def elapsed_ms(self, start: Any, end: Any) -> Optional[float]: ...
-    def is_done(self, mark: Any) -> bool: ...
-    def release(self, marks) -> None: ...
-    def max_allocated_bytes(self) -> Optional[int]: ...
-    def reset_peak(self) -> None: ...
-
-
-class CpuBackend:
-    """No device clock (device time = host time) and no allocator peak."""
-
-    tracks_memory = False
-    has_device_clock = False
-
-    def mark(self): return None
-    def is_done(self, mark) -> bool: return True
-    def release(self, marks) -> None: pass
-    def elapsed_ms(self, start, end): return None
-    def max_allocated_bytes(self): return None
-    def reset_peak(self): pass
-
-
-class CudaBackend:
-    """CUDA events on the current stream; peak of the current device's caching allocator.
-
-    The peak is read from ``torch._C._cuda_memoryStats`` directly: the public
-    ``torch.cuda.max_memory_allocated()`` flattens every allocator statistic into a Python dict on
-    each call (~80 us on an H200 host, against ~10 us); the public API is the fallback.
-    """
-
-    tracks_memory = True
-    has_device_clock = True
-
-    def __init__(self):
-        import torch
-
-        self._torch = torch
-        self._device = torch.cuda.current_device
-        self._raw_stats = getattr(torch._C, "_cuda_memoryStats", None)
-        self._raw_reset = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)
-        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        self._streams: dict[tuple[int, int], Any] = {}
-        self._pool: dict[int, list] = {}
-        """Released events per device, reused by :meth:`mark` (no event creation per stage call)."""
-
-    def _current_stream(self):
-        """``torch.cuda.current_stream()``, cached by raw stream handle (it builds a new Python
-        object per call, ~5 us, twice per stage)."""
-        if self._raw_stream is None:
-            return self._torch.cuda.current_stream()
-        key = (self._device(), self._raw_stream(self._device()))
-        stream = self._streams.get(key)
-        if stream is None:
-            stream = self._streams[key] = self._torch.cuda.current_stream()
-        return stream
-
-    def mark(self):
-        device = self._device()
-        pool = self._pool.get(device)
-        event = pool.pop() if pool else self._torch.cuda.Event(enable_timing=True)
-        event.record(self._current_stream())
-        event.opsd_device = device  # where it may be recorded again (see release)
-        return event
-
-    def elapsed_ms(self, start, end):
-        end.synchronize()
-        return start.elapsed_time(end)
-
-    def is_done(self, mark) -> bool:
-        """Whether the GPU has passed ``mark`` (``cudaEventQuery``; never waits)."""
-        return mark is None or mark.query()
-
-    def release(self, marks) -> None:
-        """Give resolved events back for reuse (only once nothing reads them any more)."""
-        for event in marks:
-            device = getattr(event, "opsd_device", None)
-            if device is not None:
-                self._pool.setdefault(device, []).append(event)
-
-    def max_allocated_bytes(self):
-        if self._raw_stats is not None:
-            try:
-                return self._raw_stats(self._device())["allocated_bytes"]["all"]["peak"]
-            except (KeyError, TypeError, RuntimeError):
-                self._raw_stats = None
-        return self._torch.cuda.max_memory_allocated()
-
-    def reset_peak(self):
-        if self._raw_reset is not None:
-            try:
-                return self._raw_reset(self._device())
-            except (TypeError, RuntimeError):
-                self._raw_reset = None
-        self._torch.cuda.reset_peak_memory_stats()
-
-
-def detect_backend() -> TimerBackend:
-    """:class:`CudaBackend` when CUDA is available, else :class:`CpuBackend`."""
-    import torch
-
-    return CudaBackend() if torch.cuda.is_available() else CpuBackend()
 
 
 @dataclass
@@ -183,6 +79,7 @@ class StageTimers:
         self.track_memory = self.coalesce = False  # coalesce: every sink has ``coalesce_runs``
         self._sink_tuple: tuple = ()  # tuple(self.sinks), shared by the frames opened meanwhile
         self._held: Optional[StageRecord] = None  # the run the next call of its stage may extend
+        self._nested_warned: set = set()  # stages found nested in themselves (warned once each)
 
     @property
     def backend(self) -> TimerBackend:
@@ -233,8 +130,13 @@ class StageTimers:
                 return frame
         return None
 
-    def open(self, stage: str) -> _Frame:
-        """Open a frame for ``stage`` (call only while ``self.sinks`` is non-empty)."""
+    def open(self, stage: str) -> Optional[_Frame]:
+        """Open a frame for ``stage`` (call only while ``self.sinks`` is non-empty); None, with one warning
+        per stage, when ``stage`` is open already: a stage nested in itself is timed once, as the outer call."""
+        for frame in self.frames:
+            if frame.stage == stage:
+                self._nested(stage)
+                return None
         backend = self.backend
         held = self._held
         if held is not None and held.stage != stage:
@@ -253,6 +155,15 @@ class StageTimers:
         self.frames.append(frame)
         frame.t0 = time.perf_counter()
         return frame
+
+    def _nested(self, stage: str) -> None:
+        if stage in self._nested_warned:
+            return
+        self._nested_warned.add(stage)
+        name = stages.range_name(stage)
+        state.warn_once(f"nested {stage}", f"stage {name} opened inside {name} (rank {_rank()}): the inner call is "
+                                           "not timed (counted once, as the outer call); wrap a stage once "
+                                           "(OPSDStep.step opens opsd/step itself: docs/profiling.md)")
 
     def close(self, frame: _Frame) -> StageRecord:
         """Close ``frame`` and hand its record to the sinks that were open at its start and still are
@@ -293,6 +204,16 @@ class StageTimers:
     def reset(self) -> None:
         """Drop every sink, frame and held run (tests)."""
         self.__init__(self._backend)
+
+
+def _rank() -> str:
+    """This process's rank for a warning (``?`` when it cannot be told)."""
+    try:
+        from instrumentation.runfiles import resolve_rank
+
+        return str(resolve_rank()[0])
+    except Exception:  # noqa: BLE001 - a warning never fails
+        return "?"
 
 
 #: The process-wide hub used by ``stage()``.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Mapping, Optional
 
@@ -19,6 +20,12 @@ from rollout.checks import is_int, require
 ROUTES = ("ordinary", "continuous", "auto")
 #: Seeds key the sampling noise through 32-bit hashes: larger ones would alias smaller ones.
 MAX_SEED = 2**32
+#: Temperatures in (0, MIN_TEMPERATURE) are raised to it with a warning (vLLM raises them to 1e-2): below it,
+#: logits / temperature can overflow float32 to inf and the argmax takes the first inf. At it, every logit under
+#: 3.4e32 stays finite and sampling is near-greedy (a token loses to the argmax only by < ~25 x 1e-6 in logit).
+MIN_TEMPERATURE = 1e-6
+#: ``RolloutConfig.max_cache_gib`` must stay below this (1 EiB; its bytes fit an int64).
+MAX_CACHE_GIB = 2**30
 GATHER_MODES = ("once", "per_forward")
 #: ``RolloutConfig.compile_mode`` values: torch.compile modes without inductor CUDA graphs.
 COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
@@ -35,7 +42,8 @@ class SamplingConfig:
     max_new_tokens: int
     """Response budget per row (> 0). Prompt + budget must fit the model's context."""
     temperature: float = 1.0
-    """Softmax temperature; ``<= 0`` means greedy (argmax)."""
+    """Softmax temperature; ``<= 0`` means greedy (argmax). Values in ``(0, MIN_TEMPERATURE)`` (1e-6) are raised to
+    ``MIN_TEMPERATURE`` with a warning (near-greedy sampling), as vLLM does with its floor."""
     top_p: float = 1.0
     """Nucleus filtering in (0, 1]; 1 disables it."""
     top_k: int = -1
@@ -58,9 +66,13 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         require(is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
                  f"must be a positive int; got {self.max_new_tokens!r}")
-        require(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature),
+        require(_is_number(self.temperature) and math.isfinite(self.temperature),
                  "temperature", f"must be a finite number; got {self.temperature!r}")
-        require(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0, "top_p",
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            warnings.warn(f"temperature: {self.temperature!r} is below the floor {MIN_TEMPERATURE} (logits / "
+                          f"temperature would overflow float32); raised to {MIN_TEMPERATURE}", stacklevel=3)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
+        require(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
                  f"must be in (0, 1]; got {self.top_p!r}")
         require(is_int(self.top_k), "top_k", f"must be an int (<= 0 disables); got {self.top_k!r}")
         require(is_int(self.n_samples_per_prompt) and self.n_samples_per_prompt >= 1,
@@ -68,7 +80,7 @@ class SamplingConfig:
         require(self.continuous_batch_size is None
                  or (is_int(self.continuous_batch_size) and self.continuous_batch_size >= 1),
                  "continuous_batch_size", f"must be None or an int >= 1; got {self.continuous_batch_size!r}")
-        require(isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
+        require(_is_number(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
                  and self.repetition_penalty > 0, "repetition_penalty",
                  f"must be a finite number > 0; got {self.repetition_penalty!r}")
         require(self.seed is None or (is_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed",
@@ -236,10 +248,9 @@ class RolloutConfig:
         require(self.route in ROUTES, "route", f"must be one of {ROUTES}; got {self.route!r}")
         require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
         _require_bools(self, "", ("keep_cache", "fuse_lora"))
-        require(self.max_cache_gib is None or (isinstance(self.max_cache_gib, (int, float))
-                                                and not isinstance(self.max_cache_gib, bool)
-                                                and math.isfinite(self.max_cache_gib) and self.max_cache_gib > 0),
-                "max_cache_gib", f"must be None or a finite number > 0; got {self.max_cache_gib!r}")
+        require(self.max_cache_gib is None or (_is_number(self.max_cache_gib)
+                                                and 0 < self.max_cache_gib < MAX_CACHE_GIB),
+                "max_cache_gib", f"must be None or a finite number > 0 and < 2**30; got {self.max_cache_gib!r}")
         require(self.max_context is None or (is_int(self.max_context) and self.max_context > 0),
                 "max_context", f"must be None or a positive int; got {self.max_context!r}")
         for name, cls in SECTIONS.items():
@@ -312,6 +323,11 @@ def _moved_hint(name: str) -> str:
     if name in REMOVED:
         return f"; it was removed in 0.2: {REMOVED[name]}"
     return ""
+
+
+def _is_number(value) -> bool:
+    """An int or a float that is not a bool (``True`` is an ``int`` in Python, never a number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _require_bools(record, section: str, names: tuple[str, ...]) -> None:

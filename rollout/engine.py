@@ -12,6 +12,7 @@ step, the graphs, the prompts' expansion, the weights' gather and LoRA fuse, one
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -67,7 +68,8 @@ class Rollout:
     ``engine`` is a DeepSpeed engine (ZeRO-0..3, optionally a peft LoRA model inside) or a plain HF
     causal LM (optionally peft-wrapped). Sampling behaviour comes from ``SamplingConfig`` alone: the
     model's ``generation_config`` is ignored. Outputs live on the model's device. A ``Rollout`` runs one call
-    at a time (its buffers and graphs are shared by its calls): it is not thread-safe.
+    at a time (its buffers and graphs are shared by its calls): a ``generate`` call made while another runs on the
+    same ``Rollout`` (another thread) raises ``RuntimeError`` at once; use one ``Rollout`` per thread.
     """
 
     name = "opsd_rollout"
@@ -83,6 +85,7 @@ class Rollout:
         self.module, self.model = self.runner.module, self.runner.model
         _check_in_vocab(self.eos_token_ids, self.pad_token_id, self.model.config.vocab_size)
         self.tokenizer = tokenizer
+        self._call_lock = threading.Lock()  # taken without blocking: a second concurrent call is refused
         self.is_zero3 = self.runner.is_zero3
         self._last_profile: dict | None = None
         self.last_stats: CallStats = CallStats()
@@ -96,6 +99,15 @@ class Rollout:
             raise ValueError(f"request: must be a RolloutRequest; got {type(request).__name__}")
         if not isinstance(sampling, SamplingConfig):
             raise ValueError(f"sampling: must be a SamplingConfig; got {type(sampling).__name__}")
+        if not self._call_lock.acquire(blocking=False):
+            raise RuntimeError("Rollout.generate: another call is running on this Rollout (its cache and buffers "
+                               "serve one call at a time); use one Rollout per thread")
+        try:
+            return self._timed_generate(request, sampling)
+        finally:
+            self._call_lock.release()
+
+    def _timed_generate(self, request: RolloutRequest, sampling: SamplingConfig) -> RolloutBatch:
         start = time.perf_counter()
         with collect_stages() as collector, stage(stages.ROLLOUT):
             try:

@@ -9,21 +9,24 @@ job's step with :func:`build_step` in its own process.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rollout.engine import token_ids
-from rollout.opsd import OPSDStep
+from rollout.config import MAX_SEED
+from rollout.opsd import OPSDStep, preflight
 from rollout.opsd.engines import deepspeed_config, make_offloaded_teacher, make_student_engine, model_dtype
 from rollout.opsd.flags import JobArgs, parse_job
-from rollout.opsd.job import SELF_TEACHER, JobConfig, ModelNames
+from rollout.opsd.job import DEFAULT_STUDENT, DEFAULT_TEACHER, SELF_TEACHER, JobConfig, ModelNames
 #: The real chat model of :mod:`rollout.real_model` (a name, like the shape names).
 from rollout.real_model import SMOLLM2_NAME as REAL_MODEL
 from rollout.real_model import TEACHER_SYSTEM_PROMPT, chat_prompts, load_smollm2, questions_for
-from rollout.testing import MODEL_SHAPES, TinyTokenizer, random_prompts, shaped_model, tiny_model
+from rollout.testing import (MODEL_SHAPES, PromptStream as RowStream, TinyTokenizer, shape_config, shaped_model,
+                             tiny_config, tiny_model)
 
 #: Model names besides HF repo ids and paths: the random models' shapes and the real chat model.
 MODEL_NAMES = ModelNames(vocab_sizes={name: shape["vocab_size"] for name, (_, shape) in MODEL_SHAPES.items()},
@@ -82,15 +85,35 @@ def load_model(name: Optional[str], arch: str, seed: int, dtype, device, flag: s
 
 
 # ---- data ---------------------------------------------------------------------------------------
-def make_prompts(job: JobConfig, tokenizer, vocab_size: int, rank: int, device):
-    """This rank's synthetic prompts for every step: ``(ids, mask)`` ``[steps * B, prompt_len]``."""
+def step_seed(seed: int, rank: int, index: int) -> int:
+    """The sampling seed of step ``index`` on ``rank``: distinct per rank and step, in ``[0, 2**32)`` for every
+    ``--seed`` in that range (the same seeds as before below ``--seed`` 42949, where none wrapped)."""
+    return (seed * 100_003 + rank * 1009 + index) % MAX_SEED
+
+
+class PromptStream:
+    """This rank's synthetic prompts, one step's ``(ids, mask)`` ``[B, prompt_len]`` at a time, in step order: the
+    rows of one ``random_prompts(steps * B, ...)`` call (the same prompts), each step's drawn when it starts.
+    ``special``: the ids prompts avoid, the pad id first (:func:`special_ids`)."""
+
+    def __init__(self, job: JobConfig, vocab_size: int, special: tuple[int, ...], rank: int, device):
+        self.batch_size, self.device, self.next_index = job.batch_size, device, 0
+        self.rows = RowStream(job.steps * job.batch_size, job.prompt_len, min_len=max(1, job.prompt_len // 2),
+                              vocab_size=vocab_size, pad_token_id=special[0], seed=job.seed * 7919 + rank,
+                              avoid=special)
+
+    def __call__(self, index: int):
+        if index != self.next_index:
+            raise ValueError(f"index: steps' prompts are drawn in order; expected step {self.next_index}, got {index}")
+        self.next_index += 1
+        return self.rows.take(self.batch_size, self.device)
+
+
+def special_ids(tokenizer) -> tuple[int, ...]:
+    """Pad (first), EOS and BOS ids: the ids synthetic prompts avoid."""
     eos_ids, pad = token_ids(tokenizer)
-    special = {pad, *eos_ids, getattr(tokenizer, "bos_token_id", None)} - {None}
-    if hasattr(tokenizer, "__len__"):
-        vocab_size = min(vocab_size, len(tokenizer))
-    return random_prompts(job.steps * job.batch_size, job.prompt_len, min_len=max(1, job.prompt_len // 2),
-                          vocab_size=vocab_size, pad_token_id=pad, seed=job.seed * 7919 + rank,
-                          avoid=tuple(special), device=device)
+    others = sorted({*eos_ids, getattr(tokenizer, "bos_token_id", None)} - {None, pad})
+    return (pad, *others)
 
 
 def self_teacher_prompts(ids, mask, vocab_size: int, seed: int):
@@ -131,18 +154,63 @@ class StepInputs:
         self.vocab = min(step.student_vocab_size, step.teacher_vocab_size)
         self.real = job.student == REAL_MODEL
         if not self.real:
-            self.ids, self.mask = make_prompts(job, self.tokenizer, self.vocab, rank, device)
+            vocab = min(self.vocab, len(self.tokenizer)) if hasattr(self.tokenizer, "__len__") else self.vocab
+            self.prompts = PromptStream(job, vocab, special_ids(self.tokenizer), rank, device)
 
     def __call__(self, index: int):
         job = self.job
         if self.real:
             return real_step_prompts(job, self.tokenizer, index, self.rank, self.world, self.device)
-        rows = slice(index * job.batch_size, (index + 1) * job.batch_size)
+        ids, mask = self.prompts(index)
         extra = {}
         if job.teacher == SELF_TEACHER:
             extra = dict(zip(("teacher_prompt_ids", "teacher_prompt_attention_mask"),
-                             self_teacher_prompts(self.ids[rows], self.mask[rows], self.vocab, job.seed)))
-        return None, self.ids[rows], self.mask[rows], extra
+                             self_teacher_prompts(ids, mask, self.vocab, job.seed)))
+        return None, ids, mask, extra
+
+
+# ---- checks before anything is built --------------------------------------------------------------
+def model_config(name: Optional[str], arch: str):
+    """The HF config of a ``--student``/``--teacher`` name without its weights; None where only loading the model
+    reads it (the real model) or it cannot be read (the load then says why)."""
+    if name is None:
+        return tiny_config(arch)
+    if name in MODEL_SHAPES:
+        return shape_config(name)
+    if name == REAL_MODEL:
+        return None
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError):
+        return None
+
+
+def check_job(job: JobConfig, opsd_config, world: Optional[int] = None) -> None:
+    """Everything the job can check before it builds anything (:mod:`rollout.opsd.preflight`): the DeepSpeed
+    config, ``--json-out``, the flags against the models' configs, and the memory estimate of the models against
+    the device's (or the host's) available memory. ValueError naming the flag."""
+    world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    config = deepspeed_config(job.deepspeed_config, job.zero_stage, job.batch_size * job.samples_per_prompt,
+                              device_type == "cuda")
+    preflight.check_deepspeed_config(config, job.deepspeed_config, world)
+    preflight.check_json_out(job.json_out)
+    student_config = model_config(job.student, "qwen2")
+    if student_config is None:
+        return
+    student = preflight.ModelFacts.of(job.student or DEFAULT_STUDENT, student_config)
+    teacher = None
+    if job.teacher != SELF_TEACHER:
+        teacher_config = model_config(job.teacher, "llama")
+        teacher = preflight.ModelFacts.of(job.teacher or DEFAULT_TEACHER, teacher_config) if teacher_config else None
+    stage = config["zero_optimization"].get("stage", 0)
+    synthetic = job.student != REAL_MODEL
+    preflight.check_models(job, opsd_config, student, teacher or student, stage, synthetic)
+    dtype_bytes = model_dtype(config).itemsize
+    cuda = device_type == "cuda"
+    preflight.check_memory(job, preflight.model_bytes(job, student, teacher, dtype_bytes, stage, world, cuda),
+                           preflight.rollout_need(job, student, dtype_bytes, synthetic),
+                           preflight.available_bytes(device_type), "the GPU" if cuda else "the host")
 
 
 # ---- the step -----------------------------------------------------------------------------------

@@ -79,17 +79,35 @@ def random_prompts(batch_size: int, max_len: int, *, min_len: int = 1, vocab_siz
     Row lengths are drawn from ``[min_len, max_len]``; the longest row is ``max_len`` so ``T_p ==
     max_len``. Token ids avoid ``avoid`` (pad/bos/eos by default) so prompts contain no EOS.
     """
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, max_len + 1, (batch_size,), generator=gen)
-    lengths[0] = max_len
-    ids = torch.full((batch_size, max_len), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((batch_size, max_len), dtype=torch.long)
-    allowed = torch.tensor([t for t in range(vocab_size) if t not in avoid])
-    for row, length in enumerate(lengths.tolist()):
-        picks = allowed[torch.randint(len(allowed), (length,), generator=gen)]
-        ids[row, max_len - length:] = picks
-        mask[row, max_len - length:] = 1
-    return ids.to(device), mask.to(device)
+    stream = PromptStream(batch_size, max_len, min_len=min_len, vocab_size=vocab_size, pad_token_id=pad_token_id,
+                          seed=seed, avoid=avoid)
+    return stream.take(batch_size, device)
+
+
+class PromptStream:
+    """The rows of ``random_prompts(num_rows, ...)`` drawn a few at a time, in order (the same rows, bit for bit):
+    the lengths of all rows are drawn at once (8 bytes a row), each row's tokens only when it is taken."""
+
+    def __init__(self, num_rows: int, max_len: int, *, min_len: int = 1, vocab_size: int = 512,
+                 pad_token_id: int = 0, seed: int = 0, avoid: tuple[int, ...] = (0, 1, 2)):
+        self.max_len, self.pad_token_id = max_len, pad_token_id
+        self.gen = torch.Generator().manual_seed(seed)
+        self.lengths = torch.randint(min_len, max_len + 1, (num_rows,), generator=self.gen)
+        self.lengths[0] = max_len
+        self.allowed = torch.tensor([t for t in range(vocab_size) if t not in avoid])
+        self.taken = 0
+
+    def take(self, num_rows: int, device: str | torch.device = "cpu"):
+        """The next ``num_rows`` rows: ``(ids [num_rows, max_len], mask [num_rows, max_len])`` on ``device``."""
+        lengths = self.lengths[self.taken:self.taken + num_rows].tolist()
+        self.taken += len(lengths)
+        ids = torch.full((len(lengths), self.max_len), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(lengths), self.max_len), dtype=torch.long)
+        for row, length in enumerate(lengths):
+            picks = self.allowed[torch.randint(len(self.allowed), (length,), generator=self.gen)]
+            ids[row, self.max_len - length:] = picks
+            mask[row, self.max_len - length:] = 1
+        return ids.to(device), mask.to(device)
 
 
 #: Named random-model shapes for scripts (``--student`` / ``--teacher``): name -> (arch, shape).

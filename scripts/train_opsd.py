@@ -68,7 +68,7 @@ import torch
 
 from instrumentation import check_environment, opsd_profiler
 from rollout import SamplingConfig
-from rollout.job import StepInputs, build_step
+from rollout.job import StepInputs, build_step, check_job, step_seed
 from rollout.job import parse_args as parse_job_args
 from rollout.opsd.console import ProgressBar, banner_line, summary_line
 from rollout.opsd.engines import init_distributed
@@ -142,7 +142,7 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional[PeakMemory] 
     with opsd_profiler() as prof:
         for index in range(job.steps):
             questions, ids, mask, extra = inputs(index)
-            seed = job.seed * 100_003 + rank * 1009 + index  # distinct samples per rank and step
+            seed = step_seed(job.seed, rank, index)  # distinct samples per rank and step
             result = step.step(ids, mask, dataclasses.replace(sampling, seed=seed), **extra)
             if memory is not None:
                 memory.after_step(result)
@@ -167,8 +167,9 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional[PeakMemory] 
 
 def main(argv=None) -> None:
     job, opsd_config = parse_args(argv)
-    try:  # every OPSD_* variable, and a run name already taken, before any model is built
-        check_environment()
+    try:  # every OPSD_* variable, a run name already taken, the flags against the models, the DeepSpeed config and
+        check_environment()  # the memory estimate, before any model is built
+        check_job(job, opsd_config)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     rank, world, device = init_distributed()

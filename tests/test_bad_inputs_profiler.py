@@ -392,3 +392,30 @@ def test_interrupted_export_leaves_nothing_under_a_trace_name(sig, partial_left,
         err = capsys.readouterr().err
         assert "incomplete export(s) (*.partial" in err and "holds no *.pt.trace.json[.gz] file" in err
     shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode", ["1", "timers"])
+@pytest.mark.parametrize("ranks,rank,world_size,warns", [
+    ("1", None, None, True),        # one process: rank 0 only exists
+    ("2-3", 1, 2, True),            # no rank of a 2-rank run is selected
+    ("0", 1, 4, False),             # rank 1 of 4 is not selected, rank 0 writes: normal, silent
+    ("0", None, None, False),
+], ids=["1 in one process", "2-3 of 2 ranks", "0 seen from rank 1", "0 in one process"])
+def test_ranks_that_select_no_rank_of_the_run_warn_once(ranks, rank, world_size, warns, mode, env, tmp_path,
+                                                        monkeypatch):
+    import warnings
+
+    monkeypatch.setenv("OPSD_PROFILE", mode)
+    monkeypatch.setenv("OPSD_PROFILE_RANKS", ranks)
+    monkeypatch.delenv("OPSD_PROFILE_RUN_NAME")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with opsd_profiler(rank=rank, world_size=world_size) as prof:
+            train(prof, num_steps=3)
+    mine = [str(w.message) for w in caught if "OPSD_PROFILE_RANKS" in str(w.message)]
+    selected = ",".join(str(r) for r in range(int(ranks[0]), int(ranks[-1]) + 1))
+    expected = (f"OPSD_PROFILE_RANKS selects rank {selected}, none of this run's (world size {world_size or 1}; "
+                f"this process is rank {rank or 0}): no traces or scalars are written") if warns else None
+    assert mine == ([expected] if warns else [])
+    if warns:
+        assert files_below(tmp_path / "out") == []

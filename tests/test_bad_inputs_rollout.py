@@ -67,3 +67,100 @@ def test_seeds_below_2_32_are_accepted_and_distinct(model):
     draws = [ro.generate(RolloutRequest(IDS, MASK), SamplingConfig(max_new_tokens=6, seed=s)).input_ids
              for s in (5, 2**32 - 1)]
     assert not torch.equal(*draws)
+
+
+# ---- issue 34: tiny temperatures, construction-time checks, concurrent calls ------------------------------------
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-39, 1e-9])
+def test_tiny_temperature_is_raised_to_the_floor_with_a_warning_and_samples_near_greedy(model, temperature):
+    from rollout.config import MIN_TEMPERATURE
+
+    with pytest.warns(UserWarning, match=r"temperature: .* below the floor .*; raised to"):
+        sampling = SamplingConfig(max_new_tokens=6, temperature=temperature, seed=1)
+    assert sampling.temperature == MIN_TEMPERATURE and not sampling.is_greedy
+    ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=None))
+    greedy = ro.generate(RolloutRequest(IDS, MASK), SamplingConfig(max_new_tokens=6, temperature=0.0)).input_ids
+    assert torch.equal(ro.generate(RolloutRequest(IDS, MASK), sampling).input_ids, greedy)
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "repetition_penalty"])
+def test_sampling_numbers_refuse_bools(name):
+    value = True  # was taken as 1.0
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        SamplingConfig(max_new_tokens=4, **{name: value})
+
+
+def _missing_or_bad_json(tmp_path, kind):
+    path = tmp_path / "cost.json"
+    if kind == "not json":
+        path.write_text("{nope")
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["missing", "not json"])
+def test_cost_model_file_is_checked_at_construction(model, tmp_path, kind):
+    path = _missing_or_bad_json(tmp_path, kind)
+    with pytest.raises(ValueError, match=r"^routing.cost_model: cannot read .*cost.json"):
+        Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=2),
+                RolloutConfig().with_settings({"routing.cost_model": path}))
+
+
+@pytest.mark.parametrize("route", ["auto", "continuous"])
+def test_prefill_limit_below_a_prompt_names_the_setting(model, route):
+    ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=2),
+                 RolloutConfig(route=route).with_settings({"routing.max_prefill_tokens": 2}))
+    with pytest.raises(ValueError, match=r"^routing.max_prefill_tokens: a prompt of 6 tokens exceeds"):
+        ro.generate(RolloutRequest(IDS, MASK), SamplingConfig(**OK_SAMPLING))
+    assert ro.runner.pool.nbytes == 0
+
+
+def test_model_without_config_is_refused_naming_it():
+    class NoConfig(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match=r"^engine: the model \(NoConfig\) has no HF `config`"):
+        Rollout(NoConfig(), TinyTokenizer(pad_token_id=0, eos_token_id=2))
+
+
+@pytest.mark.parametrize("value", [1e300, 2.0**31])
+def test_huge_cache_cap_is_refused_naming_it(value):
+    with pytest.raises(ValueError, match=r"^max_cache_gib: must be None or a finite number > 0 and < 2\*\*30; got "):
+        RolloutConfig(max_cache_gib=value)
+
+
+@pytest.mark.parametrize("route", ["auto", "continuous"])
+def test_fewer_slots_than_samples_names_both_fields(model, route):
+    ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=2), RolloutConfig(route=route))
+    with pytest.raises(ValueError, match=r"^continuous_batch_size: .*n_samples_per_prompt=2.*; got 1"):
+        ro.generate(RolloutRequest(IDS, MASK), SamplingConfig(**OK_SAMPLING, n_samples_per_prompt=2,
+                                                              continuous_batch_size=1))
+
+
+def test_concurrent_generate_calls_are_refused(model):
+    import threading
+
+    ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=2))
+    inside, release, errors = threading.Event(), threading.Event(), []
+    prepare = ro.runner.prepare
+
+    def slow_prepare(*args, **kwargs):
+        inside.set()
+        release.wait(timeout=60)
+        return prepare(*args, **kwargs)
+
+    ro.runner.prepare = slow_prepare
+    first = threading.Thread(target=lambda: ro.generate(RolloutRequest(IDS, MASK), SamplingConfig(**OK_SAMPLING)))
+    first.start()
+    inside.wait(timeout=60)
+    try:
+        ro.generate(RolloutRequest(IDS, MASK), SamplingConfig(**OK_SAMPLING))
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    finally:
+        release.set()
+        first.join()
+    assert errors and errors[0].startswith("Rollout.generate: another call is running on this Rollout")
+    ro.runner.prepare = prepare
+    assert ro.generate(RolloutRequest(IDS, MASK), SamplingConfig(**OK_SAMPLING)).input_ids.shape == (3, 10)

@@ -22,7 +22,7 @@ from instrumentation import stages as S
 from traces import load as load_module
 from traces import report as report_module
 from traces.cli import main
-from traces.synth import annotation, gpu_op, launch, write_events
+from traces.synth import annotation, gpu_op, launch, memory, write_events
 
 STEP, PREFILL = S.range_name(S.STEP), S.range_name(S.PREFILL)
 GOOD = [annotation(STEP, 0, 100), annotation(PREFILL, 10, 20), launch(12, 1), gpu_op(15, 5, 1)]
@@ -35,6 +35,15 @@ KINETO_KERNEL = """{{
     "ts": {ts}, "dur": {dur},
     "args": {{
       "queued": 0, "device": 0, "context": 1, "stream": 7, "correlation": {corr}
+    }}
+  }}"""
+
+#: An allocator sample in Kineto's exact layout (the fast path).
+KINETO_MEMORY = """{{
+    "ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]", "pid": 1, "tid": 1,
+    "ts": {ts},
+    "args": {{
+      "Total Reserved": {reserved}, "Total Allocated": {allocated}, "Bytes": 0, "Device Id": 0, "Device Type": 1
     }}
   }}"""
 
@@ -172,6 +181,22 @@ def _saved_report_with_nan(t, m):
     return _diff(t, m, str(t / "report.json"))
 
 
+SAVED_ROW = {"name": PREFILL, "count": 1, "cpu_ms": {"total": 0.02, "mean": 0.02, "p50": 0.02, "p90": 0.02,
+                                                     "max": 0.02}}
+
+
+def _saved_report(t, m, doc):
+    (t / "report.json").write_text(json.dumps(doc))
+    return _diff(t, m, str(t / "report.json"))
+
+
+def _saved_report_text(t, m, total: str):
+    """A saved report whose prefill row's CPU total is the JSON text ``total``."""
+    row = json.dumps(SAVED_ROW).replace('"total": 0.02', '"total": ' + total)
+    (t / "report.json").write_text('{"schema_version": 3, "stages": [%s]}' % row)
+    return _diff(t, m, str(t / "report.json"))
+
+
 def _run_dir(t):
     d = t / "dir"
     d.mkdir()
@@ -272,6 +297,23 @@ CASES = {
     "nsys: text in globalTid": (lambda t, m: _nsys_row(t, NVTX_GOOD + [(40_000, 45_000, PREFILL, "t1")]), 0,
                                 [r"warning: {0}: skipped 1 bad event: 1 with globalTid not an integer"], [0, 1],
                                 2 * PREFILL_MS),
+    "non-object elements in traceEvents": (
+        lambda t, m: _one(t, text_events=["1", "null", '"x"', "[2, {}]"]), 0,
+        [r"warning: {0}: skipped 4 bad events: 4 with element not an object \(first: 1\)"], [0, 1], 2 * PREFILL_MS),
+    "negative allocator sample": (lambda t, m: _one(t, [memory(41, -5 << 30)]), 0,
+                                  [r"warning: {0}: skipped 1 bad event: 1 with negative Total Allocated \(first: "
+                                   r"'\[memory\]' at ts 41\.0\)"], [0, 1], 2 * PREFILL_MS),
+    "negative reserved bytes in Kineto's layout": (
+        lambda t, m: _one(t, text_events=[KINETO_MEMORY.format(ts=41, reserved=-1, allocated=1 << 20)]), 0,
+        [r"warning: {0}: skipped 1 bad event: 1 with negative Total Reserved"], [0, 1], 2 * PREFILL_MS),
+    # -- the same range twice: counted once, one warning line per file naming the stage and the rank
+    "the same opsd/step twice in one file": (
+        lambda t, m: _one(t, [annotation(STEP, 0, 100)]), 0,
+        [r"warning: {0}: rank 1: 1 'opsd/step' range repeated exactly; counted once"], [0, 1], 2 * PREFILL_MS),
+    "opsd/step nested in itself": (
+        lambda t, m: _one(t, [annotation(STEP, 1, 98)]), 0,
+        [r"warning: {0}: rank 1: 1 'opsd/step' range nested in another 'opsd/step'; counted once \(the outer "
+         r"range\): wrap a stage once \(docs/profiling\.md\)"], [0, 1], 2 * PREFILL_MS),
     # -- bad files: named (exit 2); the other inputs still reported
     "not JSON": (lambda t, m: _file(t, "rank1.pt.trace.json", b"garbage"), 2,
                  [r"error: {0}: not JSON \(expected an object with traceEvents\)"], [0], PREFILL_MS),
@@ -294,6 +336,23 @@ CASES = {
     "--diff saved report with NaN": (_saved_report_with_nan, 2,
                                      [r"error: {0}: --diff baseline is not a valid report \(ValueError: "
                                       r"non-standard JSON constant NaN\)"], [0], PREFILL_MS),
+    "--diff saved report of an unknown schema version": (
+        lambda t, m: _saved_report(t, m, {"schema_version": 99, "stages": [SAVED_ROW]}), 2,
+        [r"error: {0}: --diff baseline has schema_version 99; this opsd-summarize reads 1, 2, 3"], [0], PREFILL_MS),
+    "--diff saved report, schema_version a string": (
+        lambda t, m: _saved_report(t, m, {"schema_version": "3", "stages": [SAVED_ROW]}), 2,
+        [r"error: {0}: --diff baseline has schema_version '3'; this opsd-summarize reads 1, 2, 3"], [0], PREFILL_MS),
+    "--diff saved report without stages": (
+        lambda t, m: _saved_report(t, m, {"schema_version": 3, "stages": []}), 2,
+        [r"error: {0}: --diff baseline holds no stages \(an empty 'stages' list\)"], [0], PREFILL_MS),
+    "--diff saved report, stages not a list": (
+        lambda t, m: _saved_report(t, m, {"schema_version": 3, "stages": {"a": 1}}), 2,
+        [r"error: {0}: --diff baseline holds no stages \('stages' is not a list\)"], [0], PREFILL_MS),
+    **{f"--diff saved report, cpu total {text}": (
+        lambda t, m, text=text: _saved_report_text(t, m, text), 2,
+        [r"error: {0}: --diff baseline is not a valid report \(ValueError: stage entry 'opsd/prefill' is not a "
+         r"report row \(cpu_ms\.total: " + re.escape(shown) + r" is not a finite number >= 0\)\)"], [0], PREFILL_MS)
+       for text, shown in (('"abc"', "'abc'"), ("1e400", "inf"), ("-5", "-5"), ("[1]", "[1]"), ("true", "True"))},
     # -- skipped without being opened; reported when unreadable
     "FIFO named like a trace": (lambda t, m: _special_file(t, m, "fifo"), 0,
                                 [r"warning: {0}: not a regular file \(a FIFO\); skipped without opening it"], [0],
@@ -382,3 +441,179 @@ def test_traceback_switch_is_checked(tmp_path, capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert out == "" and err.strip() == ("error: OPSD_TRACEBACK='maybe' is not valid; accepted: one of 1, true, "
                                          "yes, on, 0, false, no, off")
+
+
+def _steps(nested: bool, duplicate: bool = False):
+    """Three 100 us steps of a 49 us rollout, each step wrapped once more in opsd/step when ``nested``
+    (docs/profiling.md's loop around ``OPSDStep.step``), or written twice when ``duplicate``."""
+    events = []
+    for k in range(3):
+        t0 = 200.0 * k
+        events += [annotation(STEP, t0, 100), annotation(S.range_name(S.ROLLOUT), t0 + 10, 49)]
+        if nested:
+            events.append(annotation(STEP, t0 + 1, 98))
+        if duplicate:
+            events.append(annotation(STEP, t0, 100))
+    return events
+
+
+@pytest.mark.parametrize("kind", ["nested", "duplicate"])
+def test_a_step_counted_twice_does_not_halve_the_shares(kind, tmp_path, capsys):
+    path = str(tmp_path / "rank3.pt.trace.json")
+    write_events(path, _steps(kind == "nested", kind == "duplicate"), rank=3)
+    assert main([path, "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    doc = _strict(out)
+    rows = {s["name"]: s for s in doc["stages"]}
+    assert rows[STEP]["count"] == 3
+    assert rows[STEP]["cpu_ms"]["total"] == pytest.approx(0.3)
+    assert rows[S.range_name(S.ROLLOUT)]["share"] == pytest.approx(0.49)
+    assert doc["headline"]["wall_ms"] == pytest.approx(rows[STEP]["cpu_ms"]["total"])
+    what = "nested in another 'opsd/step'" if kind == "nested" else "repeated exactly"
+    assert err.splitlines() == [f"warning: {path}: rank 3: 3 'opsd/step' ranges {what}; counted once"
+                                + (" (the outer range): wrap a stage once (docs/profiling.md)" if kind == "nested" else "")]
+
+
+def test_consecutive_ranges_of_a_stage_are_not_nested(tmp_path, capsys):
+    decode = S.range_name(S.DECODE)
+    path = str(tmp_path / "rank0.pt.trace.json")
+    write_events(path, [annotation(STEP, 0, 100)] + [annotation(decode, 10 + 5 * k, 5) for k in range(4)]
+                 + [annotation(decode, 30, 0)], rank=0)
+    assert main([path, "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert {s["name"]: s["count"] for s in _strict(out)["stages"]}[decode] == 5 and err == ""
+
+
+def test_non_objects_first_in_the_array_keep_the_good_events(tmp_path, capsys):
+    path = tmp_path / "rank0.pt.trace.json"
+    good = json.dumps({"traceEvents": GOOD})
+    path.write_text(good.replace('{"traceEvents": [', '{"traceEvents": [7, "x", true, '))
+    assert main([str(path), "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert {s["name"] for s in _strict(out)["stages"]} == {STEP, PREFILL}
+    assert err.splitlines() == [f"warning: {path}: skipped 3 bad events: 3 with element not an object (first: 7)"]
+
+
+def test_negative_allocator_samples_never_give_a_negative_peak(tmp_path, capsys):
+    path = str(tmp_path / "rank0.pt.trace.json")
+    write_events(path, GOOD + [memory(5, 1 << 20), memory(12, -5 << 30), memory(14, 2 << 20, -1)], rank=0)
+    assert main([path, "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    prefill = {s["name"]: s for s in _strict(out)["stages"]}[PREFILL]
+    assert prefill["peak_allocated_mib"] == pytest.approx(1.0)
+    assert "skipped 2 bad events: 1 with negative Total Allocated" in err
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_whitespace_around_a_trace_is_streamed_not_held(where, tmp_path, capsys, monkeypatch):
+    """A gzip of 64 MiB of whitespace before (or after) a good trace: read in chunks, never held whole."""
+    import tracemalloc
+
+    from traces import textfile
+
+    monkeypatch.setattr(textfile, "CHUNK_CHARS", 1 << 20)
+    path = tmp_path / "rank0.pt.trace.json.gz"
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        if where == "after":
+            f.write(json.dumps({"traceEvents": GOOD}).encode())
+        for _ in range(64):
+            f.write(b" " * (1 << 20))
+        if where == "before":
+            f.write(json.dumps({"traceEvents": GOOD}).encode())
+    tracemalloc.start()
+    try:
+        assert main([str(path), "--format", "json"]) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert {s["name"] for s in _strict(capsys.readouterr().out)["stages"]} == {STEP, PREFILL}
+    assert peak < 16 << 20, peak  # 64 MiB of text held whole before
+
+
+NAMES = {  # raw name in the trace -> how the report writes it
+    "lone surrogate": ("opsd/\ud800x", "opsd/\\ud800x"),
+    "newline faking a row": ("opsd/x\n| fake | row |", "opsd/x\\n| fake | row |"),
+    "terminal escape": ("opsd/\u001b[31mred", "opsd/\\x1b[31mred"),
+}
+
+
+class _Stdout:
+    """A strict UTF-8 stdout, as a terminal or a pipe has (capsys accepts anything)."""
+
+    def __init__(self):
+        import io
+
+        self.raw = io.BytesIO()
+        self.stream = io.TextIOWrapper(self.raw, encoding="utf-8", errors="strict", newline="\n")
+
+    def text(self):
+        self.stream.flush()
+        return self.raw.getvalue().decode("utf-8")
+
+
+@pytest.mark.parametrize("fmt", ["table", "markdown", "csv", "json"])
+@pytest.mark.parametrize("case", list(NAMES))
+def test_names_are_printable_in_every_format(case, fmt, tmp_path, monkeypatch, capsys):
+    raw, shown = NAMES[case]
+    kernel = dict(gpu_op(33, 1, 1), name=raw.replace("opsd/", "kernel "))
+    path = str(tmp_path / "rank0.pt.trace.json")
+    write_events(path, GOOD + [annotation(raw, 30, 4), kernel], rank=0)  # valid JSON: json escapes them
+    stdout = _Stdout()
+    monkeypatch.setattr("sys.stdout", stdout.stream)
+    assert main([path, "--format", fmt, "--kernels", "3"]) == 0
+    out = stdout.text()
+    assert capsys.readouterr().err == ""
+    if fmt == "json":
+        doc = _strict(out)
+        assert shown in {s["name"] for s in doc["stages"]}
+        assert {k["name"] for s in doc["stages"] for k in s["kernels"] or ()} >= {shown.replace("opsd/", "kernel ")}
+        return
+    assert shown.split("|")[0] in out  # Markdown escapes the '|' of a cell
+    assert fmt == "csv" or shown.split("|")[0].replace("opsd/", "kernel ") in out
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f]", out)
+    assert not any(line.startswith(("| fake", "row", " row")) for line in out.splitlines())
+
+
+def test_run_names_and_paths_are_printable(tmp_path, monkeypatch, capsys):
+    """Run directories (and marker ids) named with a newline or an escape sequence: one heading line each,
+    one stderr line per warning."""
+    for k, (name, run_id) in enumerate([("r\n=== run fake ===", "id\x1b[2J"), ("r2", "ok")]):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / ".opsd-run").write_text(json.dumps({"run_id": run_id}))
+        write_events(str(folder / "rank0.pt.trace.json"), GOOD + ([_with("pid", [1])] if k == 0 else []), rank=0)
+    stdout = _Stdout()
+    monkeypatch.setattr("sys.stdout", stdout.stream)
+    assert main([str(tmp_path), "--format", "table"]) == 0
+    out, err = stdout.text(), capsys.readouterr().err
+    headings = [line for line in out.splitlines() if line.startswith("===")]
+    assert headings == ["=== run r\\n=== run fake === (id id\\x1b[2J) ===", "=== run r2 (id ok) ==="]
+    assert len(err.splitlines()) == 1 and "r\\n=== run fake ===" in err and "\x1b" not in out + err
+    assert main([str(tmp_path), "--format", "csv"]) == 0
+    assert "r\\n=== run fake ===" in stdout.text() and "\x1b" not in stdout.text()
+
+
+def test_a_non_utf8_stdout_gets_escapes_not_an_error(tmp_path, monkeypatch, capsys):
+    import io
+
+    path = str(tmp_path / "rank0.pt.trace.json")
+    write_events(path, GOOD + [annotation("opsd/café", 30, 4)], rank=0)
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="ascii", errors="strict")
+    monkeypatch.setattr("sys.stdout", stream)
+    assert main([path, "--format", "table"]) == 0
+    stream.flush()
+    assert "opsd/caf\\xe9" in raw.getvalue().decode("ascii") and capsys.readouterr().err == ""
+
+
+def test_names_of_a_saved_baseline_are_printable(tmp_path, monkeypatch, capsys):
+    path = str(tmp_path / "rank0.pt.trace.json")
+    write_events(path, GOOD, rank=0)
+    (tmp_path / "report.json").write_text(json.dumps({"schema_version": 3, "stages": [
+        dict(SAVED_ROW, name="opsd/\ud800\n| x |", parent="opsd/\x1b[2J")]}))
+    stdout = _Stdout()
+    monkeypatch.setattr("sys.stdout", stdout.stream)
+    assert main([path, "--diff", str(tmp_path / "report.json"), "--format", "table"]) == 0
+    out = stdout.text()
+    assert "opsd/\\ud800\\n| x |" in out and not re.search(r"[\x00-\x09\x0b-\x1f]", out)
+    assert capsys.readouterr().err == ""

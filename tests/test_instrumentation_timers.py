@@ -459,3 +459,50 @@ def test_cpu_runs_sum_host_times_and_device_time_is_host_time(host_clock):
 def test_summarize_counts_calls_not_records():
     records = [StageRecord("decode", 6.0, None, None, calls=127), StageRecord("decode", 1.0, None, None)]
     assert summarize(records, CpuBackend())["decode"]["count"] == 128
+
+
+@pytest.mark.parametrize("coalesce", [False, True], ids=["one record per call", "runs coalesced"])
+def test_a_stage_nested_in_itself_is_timed_once(coalesce, host_clock, monkeypatch):
+    """A loop wrapped in stage(STEP) around OPSDStep.step (which opens opsd/step itself): 3 steps, not 6."""
+    from instrumentation import ProfilingWarning
+
+    monkeypatch.setenv("RANK", "3")
+    alloc = FakeAllocator()
+    hub = StageTimers(alloc)
+    sink = ListSink(allows_reset=False, coalesce_runs=coalesce)
+    hub.add_sink(sink)
+    with pytest.warns(ProfilingWarning) as caught:
+        for _ in range(3):
+            outer = hub.open(stages.STEP)
+            assert hub.open(stages.STEP) is None  # the inner call: not timed, its range closes nothing
+            _call(hub, alloc, host_clock, stages.ROLLOUT, device_ms=49.0, host_ms=49.0)
+            host_clock.now += 0.051
+            alloc.clock_ms += 51.0
+            hub.close(outer)
+    hub.flush()
+    assert [str(w.message) for w in caught] == [
+        "stage opsd/step opened inside opsd/step (rank 3): the inner call is not timed (counted once, as the "
+        "outer call); wrap a stage once (OPSDStep.step opens opsd/step itself: docs/profiling.md)"]
+    table = StageTable(keeps_warmup_apart=False)
+    table.add_step(summarize(sink.records, alloc), wall_ms=300.0)
+    rows = {r["stage"]: r for r in table.rows()}
+    assert rows[stages.STEP]["count"] == 3 and rows[stages.STEP]["total_ms"] == pytest.approx(300.0)
+    assert rows[stages.ROLLOUT]["share_of_step"] == pytest.approx(0.49)
+
+
+def test_the_docs_loop_around_a_step_that_opens_opsd_step_counts_three_steps(tmp_path, monkeypatch):
+    from instrumentation import ProfilingWarning
+    from instrumentation.profiler import opsd_profiler
+
+    for key, value in {"OPSD_PROFILE": "timers", "OPSD_PROFILE_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.warns(ProfilingWarning, match=r"stage opsd/step opened inside opsd/step \(rank 0\)"):
+        with opsd_profiler() as prof:
+            for _ in range(3):
+                with stage(stages.STEP):          # the user's loop ...
+                    with stage(stages.STEP):      # ... around OPSDStep.step, which opens it too
+                        with stage(stages.ROLLOUT):
+                            pass
+                prof.step()
+    counts = {r["stage"]: r["count"] for r in prof.stage_rows(with_warmup=True)}
+    assert counts == {stages.STEP: 3, stages.ROLLOUT: 3}

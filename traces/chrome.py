@@ -41,12 +41,11 @@ def read_chrome_trace(path: str) -> Iterator[tuple]:
     document without a ``traceEvents`` array, or an array that is not closed.
     """
     chunks = textfile.chunks(path, textfile.open_text(path))
-    buf = ""
-    for chunk in chunks:
-        buf += chunk
-        if buf.strip():
+    head = ""
+    for chunk in chunks:  # leading whitespace is dropped chunk by chunk, never held
+        head = chunk.lstrip()
+        if head:
             break
-    head = buf.lstrip()
     if not head:
         raise TraceError(path, "empty file")
     if head[0] == "[":  # the JSON Array Format: a bare list of events
@@ -84,6 +83,17 @@ def _find_events_array(path, chunks, buf):
                     problem = "not valid JSON (or truncated) and no traceEvents array"
             raise TraceError(path, problem)
         buf = keep + nxt
+
+
+def _trailer(first: str, chunks) -> str:
+    """The text after the array (read for metadata): whitespace-only chunks dropped, "" past
+    :data:`MAX_HEADER_CHARS` (the rest is still read: the gzip stream is checked to its end)."""
+    parts, size = [first], len(first)
+    for chunk in chunks:
+        if size <= MAX_HEADER_CHARS and chunk.strip():
+            parts.append(chunk)
+            size += len(chunk)
+    return "".join(parts) if size <= MAX_HEADER_CHARS else ""
 
 
 def _last_boundary(buf: str, pos: int) -> int:
@@ -201,7 +211,7 @@ def _scan_events(path, chunks, buf, pos):
         if buf.startswith(",", pos):
             pos = _WS.match(buf, pos + 1).end()
         if buf.startswith("]", pos):
-            return buf[pos + 1:] + "".join(chunks)
+            return _trailer(buf[pos + 1:], chunks)
         if not at_eof and not force_exact and buf.startswith("{", pos):
             tuples, nxt, exact = _fast_pass(buf, pos)
             yield from tuples
@@ -217,6 +227,16 @@ def _scan_events(path, chunks, buf, pos):
 
 
 _DEEP = object()
+#: First characters of a JSON value: an element of the array that is not an object is skipped as a bad event.
+_VALUE_START = frozenset('{["-0123456789tfn')
+
+
+def _element_tuple(obj, buf: str, pos: int, end: int):
+    """The tuple of a decoded array element: its event's, None for metadata, BAD for a non-object."""
+    if isinstance(obj, dict):
+        return decoded_tuple(obj) if obj.get("ph") != "M" else None
+    text = buf[pos:min(end, pos + 41)]
+    return (BAD, "element not an object", text if len(text) <= 40 else text[:36] + " ...")
 
 
 def _decode_one(buf: str, pos: int):
@@ -238,7 +258,7 @@ def _exact_pass(path, chunks, buf, pos, at_eof):
         if pos < len(buf) and buf[pos].isspace():
             pos = _WS.match(buf, pos).end()
             continue
-        if not buf.startswith("{", pos):
+        if pos >= len(buf) or buf[pos] not in _VALUE_START:
             if pos >= len(buf) and not at_eof:
                 nxt = next(chunks, None)
                 at_eof = nxt is None
@@ -259,8 +279,7 @@ def _exact_pass(path, chunks, buf, pos, at_eof):
             else:
                 buf, pos = buf[pos:] + nxt, 0
                 continue
-        tup = _too_deep(buf, pos) if obj is _DEEP else \
-            decoded_tuple(obj) if isinstance(obj, dict) and obj.get("ph") != "M" else None
+        tup = _too_deep(buf, pos) if obj is _DEEP else _element_tuple(obj, buf, pos, end)
         if tup is not None:
             yield tup
         pos = _WS.match(buf, end).end()

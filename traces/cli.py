@@ -19,10 +19,11 @@ import sys
 from instrumentation import stages as S
 from instrumentation.config import parse_bool
 from traces.runs import csv_cell, group_by_run
-from traces.diff import diff_columns, diff_headline, diff_rows, diff_values, format_diff, noise_note
+from traces.diff import baseline_problem, diff_columns, diff_headline, diff_rows, diff_values, format_diff, noise_note
 from traces.findings import findings, format_findings
 from traces.format import csv_rows, format_headline, format_kernels, format_overview, format_table
 from traces.load import LoadedSet, load, read_trace
+from traces.console import out as _out, say as _say
 from traces.report import SCHEMA_VERSION, Report, build_report
 from traces.records import row_from_dict
 from instrumentation.table import Column, render
@@ -89,9 +90,9 @@ def _baseline_rows(path: str, prefix: str, problems: tuple[list, list], args):
             try:
                 with open(path, encoding="utf-8") as f:
                     doc = json.load(f, parse_constant=_reject_constant)
-                if isinstance(doc, dict) and "runs" in doc and "stages" not in doc:
-                    errors.append(f"{path}: --diff baseline is a report of {len(doc['runs'])} runs; save one run's "
-                                  "report (summarise its run directory) as the baseline")
+                problem = baseline_problem(doc)
+                if problem is not None:
+                    errors.append(f"{path}: --diff baseline {problem}")
                     return None
                 return [row_from_dict(d) for d in doc["stages"]]
             except Exception as exc:  # noqa: BLE001 - any flaw of the saved report (RecursionError too)
@@ -197,7 +198,7 @@ def run(args) -> int:
 
     problem = plot_problem(args.plot) if args.plot else None
     if problem:  # before any trace is read: not after the whole report has printed
-        print(f"error: {problem}", file=sys.stderr)
+        _say("error", problem)
         return 2
     loaded = load(args.paths, _source(args))
     runs = group_by_run(loaded)
@@ -219,9 +220,9 @@ def run(args) -> int:
         if before is not None:
             report.diff = diff_rows(before, report.stages)
     for w in warnings:
-        print(f"warning: {w}", file=sys.stderr)
+        _say("warning", w)
     if report is not None:
-        sys.stdout.write(_render(report, args))
+        _out(_render(report, args))
         try:
             if args.plot:
                 plot_report(report, args.plot, by_step=args.by_step, before=before)
@@ -230,7 +231,7 @@ def run(args) -> int:
         except OutputError as exc:
             errors.append(str(exc))
     for e in errors:
-        print(f"error: {e}", file=sys.stderr)
+        _say("error", e)
     return 2 if errors or report is None else 0
 
 
@@ -238,13 +239,13 @@ def _run_each(args, loaded, runs) -> int:
     """Inputs of several runs: each run's report under its name, its steps numbered on their own."""
     errors = [str(e) for e in loaded.errors]
     for w in loaded.warnings:
-        print(f"warning: {w}", file=sys.stderr)
+        _say("warning", w)
     names = ", ".join(r.name or "(no run)" for r in runs)
     single = [flag for flag, value in (("--diff", args.diff), ("--plot", args.plot),
                                        ("--tensorboard", args.tensorboard)) if value]
     if single:
-        print(f"error: {', '.join(args.paths)}: the inputs hold {len(runs)} runs ({names}); {', '.join(single)} "
-              "takes one run: pass its run directory", file=sys.stderr)
+        _say("error", f"{', '.join(args.paths)}: the inputs hold {len(runs)} runs ({names}); {', '.join(single)} "
+                      "takes one run: pass its run directory")
         return 2
     options = dict(prefix=args.prefix, kernels=args.kernels, steps=args.by_step)
     docs, texts, ok = [], [], 0
@@ -255,7 +256,7 @@ def _run_each(args, loaded, runs) -> int:
             continue
         ok += 1
         for w in report.warnings:
-            print(f"warning: {run.label}: {w}", file=sys.stderr)
+            _say("warning", f"{run.label}: {w}")
         if args.format == "json":
             docs.append({"run": run.name, "run_id": run.run_id, **report.to_dict(args.by_rank, args.by_step)})
         elif args.format == "csv":  # one table: a leading run column
@@ -265,12 +266,12 @@ def _run_each(args, loaded, runs) -> int:
             heading = f"## {run.label}" if args.format == "markdown" else f"=== {run.label} ==="
             texts.append([heading, "", _render(report, args)])
     if args.format == "json":
-        sys.stdout.write(json.dumps(finite({"schema_version": SCHEMA_VERSION, "runs": docs}), indent=2,
+        _out(json.dumps(finite({"schema_version": SCHEMA_VERSION, "runs": docs}), indent=2,
                                     allow_nan=False) + "\n")
     else:
-        sys.stdout.write("\n".join(line for part in texts for line in part) + ("\n" if texts else ""))
+        _out("\n".join(line for part in texts for line in part) + ("\n" if texts else ""))
     for e in errors:
-        print(f"error: {e}", file=sys.stderr)
+        _say("error", e)
     return 2 if errors or not ok else 0
 
 
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
     try:
         show_traceback = parse_bool(os.environ.get("OPSD_TRACEBACK", "") or "0", "OPSD_TRACEBACK")
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _say("error", exc)
         return 2
     try:
         return run(args)
@@ -288,8 +289,7 @@ def main(argv=None) -> int:
         return 130
     except Exception as exc:  # a bug must still not print a traceback at users: one line, exit 2
         inputs = ", ".join(args.paths) + (f" (--diff {args.diff})" if args.diff else "")
-        print(f"error: {inputs}: internal error {type(exc).__name__}: {exc} "
-              f"(set OPSD_TRACEBACK=1 for details)", file=sys.stderr)
+        _say("error", f"{inputs}: internal error {type(exc).__name__}: {exc} (set OPSD_TRACEBACK=1 for details)")
         if show_traceback:
             raise
         return 2

@@ -15,9 +15,29 @@ from __future__ import annotations
 import math
 
 from traces.records import StageRow, row_from_dict  # noqa: F401  (row_from_dict: part of this API)
+from traces.report import SCHEMA_VERSION
 from instrumentation.table import Column, fixed, percent, render
 
 STEP_NAME = "opsd/step"
+#: Schema versions of a saved report that ``--diff`` reads.
+READ_SCHEMAS = tuple(range(1, SCHEMA_VERSION + 1))
+
+
+def baseline_problem(doc) -> str | None:
+    """Why a saved JSON report cannot be a ``--diff`` baseline (the end of a line that names its file), or None."""
+    if not isinstance(doc, dict):
+        return "is not a JSON object"
+    if "runs" in doc and "stages" not in doc:
+        runs = doc["runs"]
+        return (f"is a report of {len(runs) if isinstance(runs, list) else 'several'} runs; save one run's report "
+                "(summarise its run directory) as the baseline")
+    version = doc.get("schema_version")
+    if type(version) is not int or version not in READ_SCHEMAS:
+        return f"has schema_version {version!r}; this opsd-summarize reads {', '.join(map(str, READ_SCHEMAS))}"
+    stages = doc.get("stages")
+    if not isinstance(stages, list):
+        return "holds no stages (" + ("no 'stages' list" if stages is None else "'stages' is not a list") + ")"
+    return None if stages else "holds no stages (an empty 'stages' list)"
 
 
 def _change(before: float | None, after: float | None) -> dict:

@@ -18,8 +18,9 @@ Tuple layouts (first element is the kind):
   (:data:`SYNC_CALLS`: ``cudaStreamSynchronize``, ``cudaDeviceSynchronize`` ...).
 - ``(BAD, reason, example)``: an event the source skipped (:mod:`traces.bad`).
 
-:func:`collect` also skips (as bad events) tuples with a non-finite time, a negative duration or
-fields of the wrong type: such values never reach a total.
+:func:`collect` also skips (as bad events) tuples with a non-finite time, a negative duration, negative
+allocator bytes or fields of the wrong type: such values never reach a total. Range and GPU op names are
+made printable (:mod:`traces.names`) once, as they are kept.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Protocol
 
 from traces.bad import BAD, BadEvents, example, time_reason
+from traces.names import printable
 
 RANGE, LAUNCH, GPU, MEMORY, SPAN, META, SYNC = range(7)
 assert BAD == 7
@@ -169,7 +171,7 @@ class _Collector:
     def range_(self, ev) -> None:
         _, name, pid, tid, start, dur = ev
         if self.timed(ev, start, dur):
-            self.data.ranges.append((name, pid, tid, start, start + dur))
+            self.data.ranges.append((printable(name), pid, tid, start, start + dur))
             self.extend(start, start + dur)
 
     def gpu(self, ev) -> None:
@@ -179,7 +181,7 @@ class _Collector:
         name_id = self._name_ids.get(name)
         if name_id is None:
             name_id = self._name_ids[name] = len(d.names)
-            d.names.append(name)
+            d.names.append(printable(name))
         d.gpu_correlation.append(ev[1])
         d.gpu_start_us.append(ev[2])
         d.gpu_end_us.append(ev[2] + ev[3])
@@ -196,6 +198,9 @@ class _Collector:
     def memory(self, ev) -> None:
         _, pid, ts, dev_type, dev_id, alloc, reserved = ev
         if not self.timed(ev, ts):
+            return
+        if alloc < 0 or reserved < 0:
+            self.reject(ev, f"negative Total {'Allocated' if alloc < 0 else 'Reserved'}")
             return
         samples = self.data.memory.get((pid, dev_type, dev_id))
         if samples is None:
@@ -245,7 +250,7 @@ def collect(path: str, events: Iterable[tuple]) -> TraceData:
                 name_id = names.get(name)
                 if name_id is None:
                     name_id = names[name] = len(d.names)
-                    d.names.append(name)
+                    d.names.append(printable(name))
                 g_corr(corr), g_stream(stream if stream is not None else -1), g_start(ts), g_end(end)
                 g_name(name_id)
                 lo, hi = (ts if ts < lo else lo), (end if end > hi else hi)

@@ -5,7 +5,9 @@ SQLite header (named explicitly: directories expand to Chrome traces only), else
 Rank of a file: its ``distributedInfo.rank``; else a ``rank{R}`` prefix of the file name; else the
 file's index in the sorted input list. Several files of one rank (profiler windows) are merged;
 ranges found in two files of one rank of one run (:mod:`traces.runs`) with identical name, thread and times are
-true duplicates: they are counted once and reported as a warning naming both files.
+true duplicates: they are counted once and reported as a warning naming both files. Within one file, a range
+repeated exactly or nested in a range of the same name on its thread is counted once too (:mod:`traces.repeats`),
+with one warning line naming the stage and the rank.
 
 Failures stay with their file: a file that cannot be read (for whatever reason) is an error naming
 it, and the others are still read; bad events are skipped and counted (one warning line per file).
@@ -25,6 +27,7 @@ from instrumentation.config import PARTIAL_SUFFIX
 from traces.chrome import read_chrome_trace
 from traces.events import EventSource, TraceData, TraceError, collect
 from traces.nsys import is_sqlite_file, read_nsys_sqlite
+from traces.repeats import describe, drop_repeats
 from traces.runs import by_run_dir
 
 TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
@@ -129,6 +132,9 @@ def load(paths: list[str], source: EventSource = read_trace) -> LoadedSet:
         data.rank = rank_of(data, index)
         if data.bad.total:
             result.warnings.append(f"{path}: {data.bad.describe()}")
+        data.ranges, repeated, nested = drop_repeats(data.ranges)
+        if repeated or nested:
+            result.warnings.append(f"{path}: {describe(data.rank, repeated, nested)}")
         result.files.append(data)
     for run in by_run_dir(result.files, lambda data: data.path).values():  # two runs never duplicate each other
         result.warnings.extend(drop_duplicates(run))

@@ -16,6 +16,7 @@ import os
 from typing import Optional
 
 from instrumentation.runmarker import MARKER_NAME, read_marker
+from traces.names import printable
 
 #: Folders above a trace file searched for a run marker.
 MAX_DEPTH = 4
@@ -26,7 +27,7 @@ class Run:
     """One run's name (its directory's), id (its marker's) and files."""
 
     name: Optional[str]
-    """The run directory's name; None for files outside any run directory."""
+    """The run directory's name (printable: :mod:`traces.names`); None for files outside any run directory."""
     run_id: Optional[str]
     files: object
     """The run's files (a ``traces.load.LoadedSet``)."""
@@ -74,6 +75,7 @@ def group_by_run(loaded) -> list[Run]:
     runs = []
     for folder in sorted(by_dir, key=lambda f: (f is None, f or "")):
         marker = read_marker(folder, wait_s=0.0) if folder else None
-        runs.append(Run(None if folder is None else os.path.basename(folder), marker.run_id if marker else None,
+        runs.append(Run(None if folder is None else printable(os.path.basename(folder)),
+                        printable(marker.run_id) if marker else None,
                         dataclasses.replace(loaded, files=by_dir[folder], errors=[], warnings=[])))
     return runs

@@ -31,7 +31,8 @@ from rollout.model.lora import LoraFuser
 from rollout.ops.expand import expand_prompts
 from rollout.ops.sampling import sampler_fn
 from rollout.plan import routes
-from rollout.plan.layout import PromptLayout, check_gather
+from rollout.plan.calibration import check_readable
+from rollout.plan.layout import PromptLayout, check_gather, check_prefill_limit, resolve_num_slots
 from rollout.plan.memory import GIB, Budget, CallMemory, SlotPlan, slots_within_budget
 from rollout.plan.routes import RouteChoice
 
@@ -64,6 +65,9 @@ class Runner:
         self.config = config
         self.module = compat.unwrap_model(engine)
         self.model = compat.causal_lm(self.module)
+        if getattr(self.model, "config", None) is None:
+            raise ValueError(f"engine: the model ({type(self.model).__name__}) has no HF `config`; the rollout needs "
+                             "a transformers causal LM (or a DeepSpeed engine / peft model around one)")
         compat.check_supported(self.model)
         self.is_zero3 = zero.is_zero3(engine)
         if config.route != routes.ORDINARY:
@@ -75,6 +79,8 @@ class Runner:
         tokens = config.kernels.prefill_graph_tokens
         self.prefill_graphs = PrefillGraphs(tokens) if tokens else None
         self._cost_model = None
+        if isinstance(config.routing.cost_model, str):  # read now; its metadata is checked against the first call's
+            check_readable(config.routing.cost_model)
         self._lora_fuser = None
 
     @property
@@ -98,6 +104,10 @@ class Runner:
                 eos_ids: tuple[int, ...]) -> Prepared:
         """The call's decode path and KV budget (a call that cannot fit is refused before any allocation), then its
         prompts expanded to one row per sample (``ids``/``mask``: ``[B, T_p]`` on the device, checked)."""
+        if self.config.route != routes.ORDINARY:  # a prompt's samples share slots; no chunked prefill
+            resolve_num_slots(sampling.continuous_batch_size, layout.num_prompts * sampling.n_samples_per_prompt,
+                              sampling.n_samples_per_prompt)
+            check_prefill_limit(layout, self.config.routing.max_prefill_tokens)
         device = self.device
         decode = choose_decode(self.config, self.model, self.is_zero3, device)
         fit = self._slots_within_budget(layout, sampling, decode, device)

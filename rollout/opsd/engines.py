@@ -7,12 +7,13 @@ imports it (``DS_ACCELERATOR`` is read at import).
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from typing import Optional
 
 import torch
+
+from rollout.opsd.preflight import read_deepspeed_config
 
 #: DeepSpeed's CPU shared-memory comm op: its first use JIT-builds C++ for ~60 s; gloo is used instead.
 SHM_COMM_OP_NAME = "deepspeed_shm_comm"
@@ -59,8 +60,7 @@ def deepspeed_config(path: Optional[str], zero_stage: Optional[int], rows_per_st
     """The DeepSpeed config: the file's at ``path`` (None: a built-in ZeRO-0 one, bf16 on CUDA), with
     ``zero_stage`` (``--zero-stage``) applied unless None."""
     if path is not None:
-        with open(path) as handle:
-            config = json.load(handle)
+        config = read_deepspeed_config(path)
     else:
         config = {"zero_optimization": {"stage": 0}, "bf16": {"enabled": cuda}, "gradient_clipping": 1.0,
                   "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,

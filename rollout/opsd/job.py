@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from rollout.checks import is_int, require
-from rollout.config import RolloutConfig
+from rollout.config import MAX_SEED, RolloutConfig
 
 #: ``--teacher self``: the student distils from itself.
 SELF_TEACHER = "self"
 #: The embedded models used when ``--student`` / ``--teacher`` are left out (their shape names).
 DEFAULT_STUDENT, DEFAULT_TEACHER = "tiny-qwen2", "tiny-llama"
+#: Most prompts a run draws (``steps x batch_size``): each one's length is drawn before step 0 (8 bytes each).
+MAX_PROMPTS = 2**25
 
 
 def _is_count(value, least: int) -> bool:
@@ -49,12 +51,14 @@ class JobConfig:
     sampling_temperature: float = 1.0
     """Rollout sampling temperature (<= 0: greedy)."""
     steps: int = 6
-    """Training steps."""
+    """Training steps (``steps x batch_size`` at most ``MAX_PROMPTS``, 2**25); each step's prompts are built when it
+    starts."""
     lr: Optional[float] = None
     """AdamW learning rate (ignored when the DeepSpeed config defines an optimizer); None: the
     student's default (1e-5 for ``smollm2-135m``, 5e-3 for the random models)."""
     seed: int = 0
-    """Seed of the models, prompts and sampling (each rank and step derives its own)."""
+    """Seed of the models, prompts and sampling, in ``[0, 2**32)`` (each rank and step derives its own sampling seed
+    in that range: ``rollout.job.step_seed``)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """How the rollout runs: one ``RolloutConfig``, handed whole to the step's ``Rollout``. Its common settings
     have flags of their own (``--route``, ``--gather``, ``--keep-cache``, ``--max-cache-gib``), the others come
@@ -75,6 +79,14 @@ class JobConfig:
         for name in ("batch_size", "samples_per_prompt", "max_new_tokens", "prompt_len", "steps"):
             value = getattr(self, name)
             require(_is_count(value, 1), name, f"must be an int >= 1; got {value!r}")
+        require(self.steps * self.batch_size <= MAX_PROMPTS, "steps",
+                f"--steps x --batch-size = {self.steps * self.batch_size} prompts exceed {MAX_PROMPTS} (2**25), "
+                "the most a run draws")
+        require(is_int(self.seed) and 0 <= self.seed < MAX_SEED, "seed",
+                f"must be an int in [0, 2**32); got {self.seed!r}")
+        require(isinstance(self.sampling_temperature, (int, float)) and not isinstance(self.sampling_temperature, bool)
+                and math.isfinite(self.sampling_temperature), "sampling_temperature",
+                f"must be a finite number (<= 0: greedy); got {self.sampling_temperature!r}")
         require(self.zero_stage in (None, 0, 1, 2, 3), "zero_stage", f"must be 0, 1, 2 or 3; got {self.zero_stage!r}")
         require(self.lora is None or _is_count(self.lora, 1), "lora", f"must be a LoRA rank >= 1; got {self.lora!r}")
         require(self.lr is None or (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0),

@@ -200,11 +200,16 @@ def teacher_placement(teacher) -> dict:
 
 
 def write_json(path: str, doc: dict) -> None:
-    """Write ``doc`` to ``path`` atomically (a reader never sees half a file)."""
+    """Write ``doc`` to ``path`` atomically (a reader never sees half a file; a failed write leaves no
+    ``*.tmpPID`` file)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as handle:
-        json.dump(doc, handle, indent=2, allow_nan=True)
-        handle.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as handle:
+            json.dump(doc, handle, indent=2, allow_nan=True)
+            handle.write("\n")
+        os.replace(tmp, path)
+    finally:  # a failed write leaves no temporary file behind
+        if os.path.exists(tmp):
+            os.remove(tmp)

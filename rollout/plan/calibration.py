@@ -142,6 +142,15 @@ def read_calibration(path) -> dict:
     return record
 
 
+def check_readable(path: str) -> None:
+    """``ValueError`` naming ``routing.cost_model`` unless ``path`` reads as a calibration file (one small JSON)."""
+    try:
+        read_calibration(path)
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"routing.cost_model: cannot read {path!r} as a calibration file "
+                         f"({type(exc).__name__}: {exc})") from None
+
+
 def _mismatches(saved: dict, current: dict, prefix: str = "") -> Iterable[tuple[str, object, object]]:
     for key in sorted(set(saved) | set(current)):
         have, want = saved.get(key), current.get(key)

@@ -93,7 +93,7 @@ def check_prefill_limit(layout: PromptLayout, max_prefill_tokens: Optional[int])
     """Every prompt must fit one prefill forward (there is no chunked prefill)."""
     longest = max(layout.spans)
     if max_prefill_tokens is not None and longest > max_prefill_tokens:
-        raise ValueError(f"max_prefill_tokens: a prompt of {longest} tokens exceeds the prefill limit "
+        raise ValueError(f"routing.max_prefill_tokens: a prompt of {longest} tokens exceeds the prefill limit "
                          f"{max_prefill_tokens} (there is no chunked prefill)")
 
 

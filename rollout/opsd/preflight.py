@@ -1,0 +1,215 @@
+"""The main job's checks before anything is built (``scripts/train_opsd.py``): the flags against the models'
+configs (context, vocabulary, ZeRO-3 gathering), the DeepSpeed config, the ``--json-out`` path, and the memory the
+models, their training state and the smallest rollout need against what the device or the host has available.
+
+Models are described by a few numbers of their HF configs (:class:`ModelFacts`), never instantiated. Every refusal is
+a one-line ``ValueError`` naming the flag; ``rollout.job.check_job`` gathers the inputs and runs them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from rollout.checks import is_int
+from rollout.plan.layout import check_gather
+from rollout.plan.memory import GIB, MemoryNeed, row_overhead_bytes
+
+#: Bytes per trained parameter of AdamW's two float32 moments, and of the float32 master copy under bf16/fp16.
+ADAM_STATE_BYTES, MASTER_BYTES = 8, 4
+#: The DeepSpeed batch settings, each a positive int when given.
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the checks need of one model, read from its HF config."""
+
+    name: str
+    num_params: Optional[int]
+    """Parameters of a Llama-family geometry (biases and norms aside: a lower bound); None for other configs."""
+    vocab_size: int
+    context: Optional[int]
+    """``max_position_embeddings`` (None: unknown)."""
+    column_elems: int
+    """Key and value elements one token keeps in the KV cache, over all layers (0: unknown)."""
+
+    @classmethod
+    def of(cls, name: str, config) -> "ModelFacts":
+        get = lambda key: getattr(config, key, None)  # noqa: E731
+        hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
+        if not all(is_int(v) and v > 0 for v in (hidden, heads, layers, get("intermediate_size"), get("vocab_size"))):
+            return cls(name, None, int(get("vocab_size") or 0), get("max_position_embeddings"), 0)
+        head_dim = get("head_dim") or hidden // heads
+        kv_heads = get("num_key_value_heads") or heads
+        attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+        layer = attention + 3 * hidden * get("intermediate_size")
+        embeddings = get("vocab_size") * hidden * (1 if get("tie_word_embeddings") else 2)
+        return cls(name, embeddings + layers * layer, get("vocab_size"), get("max_position_embeddings"),
+                   2 * layers * kv_heads * head_dim)
+
+
+# ---- the DeepSpeed config and the report path ---------------------------------------------------------------------
+def read_deepspeed_config(path: str) -> dict:
+    """The JSON object of ``--deepspeed-config``; ValueError naming the flag and the file otherwise."""
+    try:
+        with open(path) as handle:
+            config = json.load(handle)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--deepspeed-config {path}: not valid JSON ({exc})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--deepspeed-config {path}: cannot be read ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--deepspeed-config {path}: must hold a JSON object; got {type(config).__name__}")
+    return config
+
+
+def check_deepspeed_config(config: dict, path: Optional[str], world: int) -> None:
+    """What DeepSpeed would refuse only after the models are built: the ZeRO stage, two precisions at once, batch
+    settings that do not multiply up (``train_batch_size = micro x accumulation x ranks``), an optimizer without a
+    type."""
+    where = f"--deepspeed-config {path}" if path else "the built-in DeepSpeed config"
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"{where}: zero_optimization.stage must be 0, 1, 2 or 3; got {stage!r}")
+    enabled = [key for key in ("bf16", "fp16") if isinstance(config.get(key), dict) and config[key].get("enabled")]
+    if len(enabled) == 2:
+        raise ValueError(f"{where}: bf16 and fp16 are both enabled; enable at most one")
+    batch = {key: config[key] for key in BATCH_KEYS if key in config}
+    for key, value in batch.items():
+        if not (is_int(value) and value >= 1):
+            raise ValueError(f"{where}: {key} must be an int >= 1; got {value!r}")
+    total, micro = batch.get("train_batch_size"), batch.get("train_micro_batch_size_per_gpu")
+    accumulation = batch.get("gradient_accumulation_steps")
+    if total is not None and micro is not None and accumulation is not None and total != micro * accumulation * world:
+        raise ValueError(f"{where}: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "
+                         f"gradient_accumulation_steps {accumulation} x {world} rank(s)")
+    if total is not None and total % ((micro or accumulation or 1) * world):
+        raise ValueError(f"{where}: train_batch_size {total} is not a multiple of "
+                         f"{'train_micro_batch_size_per_gpu' if micro else 'gradient_accumulation_steps'} "
+                         f"{micro or accumulation or 1} x {world} rank(s)")
+    optimizer = config.get("optimizer")
+    if optimizer is not None and not (isinstance(optimizer, dict) and isinstance(optimizer.get("type"), str)):
+        raise ValueError(f"{where}: optimizer must be an object with a 'type'; got {optimizer!r}")
+
+
+def check_json_out(path: Optional[str]) -> None:
+    """``--json-out`` must name a file in a directory this process can create or write (checked now: the report
+    is written after the last step)."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"--json-out {path}: is a directory; name a file")
+    existing = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--json-out {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--json-out {path}: the directory {existing} is not writable")
+
+
+# ---- the models against the flags ---------------------------------------------------------------------------------
+def check_models(job, opsd, student: ModelFacts, teacher: ModelFacts, zero_stage: int, synthetic: bool) -> None:
+    """Context, vocabulary and gathering: what the step and its rollout refuse once the models are built."""
+    context = job.rollout.max_context or student.context
+    prompt = job.prompt_len if synthetic else 0
+    if context is not None and prompt + job.max_new_tokens > context:
+        what = f"--prompt-len {prompt} + --max-new-tokens {job.max_new_tokens} = {prompt + job.max_new_tokens}" \
+            if synthetic else f"--max-new-tokens {job.max_new_tokens}"
+        raise ValueError(f"{what} exceeds the student's context of {context} tokens "
+                         f"({'max_context' if job.rollout.max_context else 'max_position_embeddings'} of "
+                         f"{student.name})")
+    shared = min(student.vocab_size, teacher.vocab_size)
+    if opsd.teacher_top_k is not None and shared and opsd.teacher_top_k > shared:
+        raise ValueError(f"--teacher-top-k: {opsd.teacher_top_k} exceeds the shared vocabulary size {shared} "
+                         f"({student.name}, {teacher.name})")
+    try:
+        check_gather(job.rollout.route, job.rollout.gather, zero_stage == 3)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
+
+
+# ---- memory -------------------------------------------------------------------------------------------------------
+def model_bytes(job, student: ModelFacts, teacher: Optional[ModelFacts], dtype_bytes: int, zero_stage: int,
+                world: int, cuda: bool) -> tuple[int, str]:
+    """``(bytes, what)``: a lower bound of the memory a rank's device holds for the models and the student's
+    training state (gradients, AdamW moments, a float32 master copy under bf16/fp16), ZeRO partitioning counted.
+    An offloaded teacher (``--teacher-offload 1``) leaves the GPU, not the host."""
+    params = student.num_params or 0
+    trained = 0 if job.lora is not None else params
+    parts = {"student": params * dtype_bytes // (world if zero_stage == 3 else 1),
+             "its gradients": trained * dtype_bytes // (world if zero_stage >= 2 else 1),
+             "AdamW state": trained * (ADAM_STATE_BYTES + (MASTER_BYTES if dtype_bytes != 4 else 0))
+             // (world if zero_stage >= 1 else 1)}
+    if teacher is not None and not (job.teacher_offload and cuda):
+        parts["teacher"] = (teacher.num_params or 0) * dtype_bytes
+    what = ", ".join(f"{name} {value / GIB:.3g} GiB" for name, value in parts.items() if value)
+    return sum(parts.values()), f"{student.name}: {params:.3g} parameters x {dtype_bytes} B; {what}"
+
+
+def rollout_need(job, student: ModelFacts, dtype_bytes: int, synthetic: bool) -> MemoryNeed:
+    """The smallest KV cache (with its per-row buffers) the first rollout can run with: every row at once on the
+    ordinary route, one prompt's samples on the others; each row at its shortest prompt."""
+    rows = job.samples_per_prompt * (job.batch_size if job.rollout.route == "ordinary" else 1)
+    columns = (max(1, job.prompt_len // 2) if synthetic else 1) + job.max_new_tokens
+    return MemoryNeed(rows, columns, student.column_elems * dtype_bytes,
+                      row_overhead_bytes(student.vocab_size, job.max_new_tokens, columns))
+
+
+def check_memory(job, models: tuple[int, str], need: MemoryNeed, available: Optional[int], where: str) -> None:
+    """Refuse the models, or the samples, that cannot fit ``available`` bytes (or ``--max-cache-gib``)."""
+    model_need, what = models
+    samples = f"--samples-per-prompt {job.samples_per_prompt}"
+    cap = job.rollout.max_cache_gib
+    if cap is not None and need.cache_bytes > cap * GIB:
+        raise ValueError(f"{samples}: the rollout needs a KV cache of at least {need.rows} rows x {need.columns} "
+                         f"columns = {need.cache_bytes / GIB:.3g} GiB, over --max-cache-gib {cap:g}; use fewer "
+                         "samples, --route continuous or a larger --max-cache-gib")
+    if available is None:
+        return
+    if model_need > available:
+        raise ValueError(f"--student/--teacher: the models need at least {model_need / GIB:.3g} GiB ({what}) but "
+                         f"{where} has {available / GIB:.3g} GiB available; use smaller models, bf16 "
+                         "(--deepspeed-config), --lora, --teacher-offload 1 or ZeRO over more ranks")
+    if model_need + need.total_bytes > available:
+        raise ValueError(f"{samples}: the models ({model_need / GIB:.3g} GiB) and the smallest rollout "
+                         f"({need.rows} rows x {need.columns} columns: {need.total_bytes / GIB:.3g} GiB) need more "
+                         f"than the {available / GIB:.3g} GiB {where} has available; use fewer samples, "
+                         "--route continuous, or shorter --max-new-tokens")
+
+
+def available_bytes(device_type: str) -> Optional[int]:
+    """Memory this rank may use: the free memory of its GPU, or its share of the host's available memory (the
+    cgroup's limit counted) among the ranks of this node. None when it cannot be read."""
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0]
+    limits = [_meminfo_available(), _cgroup_available()]
+    limits = [value for value in limits if value is not None]
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return min(limits) // max(local_ranks, 1) if limits else None
+
+
+def _meminfo_available() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_available() -> Optional[int]:
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as current:
+            text = limit.read().strip()
+            return None if text == "max" else int(text) - int(current.read())
+    except (OSError, ValueError):
+        return None
