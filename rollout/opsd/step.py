@@ -115,12 +115,11 @@ class OPSDStep:
         self._student_model, self._teacher_model = student_model, teacher_model
         self.train_path, self.train_path_reason = self._choose_path(student_model, teacher_model)
         self.teacher_path = "padded"
+        self.student_path, self.student_path_reason = self._student_path()
         if self.train_path == "packed":
             device = next(teacher_model.parameters()).device
             fast = self.config.fast_teacher and fast_passes.fast_parts(teacher_model, device) is not None
             self.teacher_path = "fast" if fast else "hf"
-        self.student_path, self.student_path_reason = self._student_path()
-        if self.train_path == "packed":
             self.row_cost = sizing.packed_row_cost(student_model, teacher_model, self.config.loss_chunk_size)
         else:
             self.row_cost = sizing.row_cost(student_model, teacher_model, self.config.cache_config(),
