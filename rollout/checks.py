@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from numbers import Integral
 
 
 def is_int(value) -> bool:
     """An integer that is not a bool (``True`` is an ``int`` in Python, never a count here)."""
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def require(condition: bool, field: str, message: str) -> None:

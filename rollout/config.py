@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import Mapping, Optional
 
-from rollout.checks import is_int, require
+from rollout.checks import is_int, is_number, require
 
 ROUTES = ("ordinary", "continuous", "auto")
 #: Seeds key the sampling noise through 32-bit hashes: larger ones would alias smaller ones.
@@ -66,13 +65,13 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         require(is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
                  f"must be a positive int; got {self.max_new_tokens!r}")
-        require(_is_number(self.temperature) and math.isfinite(self.temperature),
+        require(is_number(self.temperature),
                  "temperature", f"must be a finite number; got {self.temperature!r}")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             warnings.warn(f"temperature: {self.temperature!r} is below the floor {MIN_TEMPERATURE} (logits / "
                           f"temperature would overflow float32); raised to {MIN_TEMPERATURE}", stacklevel=3)
             object.__setattr__(self, "temperature", MIN_TEMPERATURE)
-        require(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
+        require(is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
                  f"must be in (0, 1]; got {self.top_p!r}")
         require(is_int(self.top_k), "top_k", f"must be an int (<= 0 disables); got {self.top_k!r}")
         require(is_int(self.n_samples_per_prompt) and self.n_samples_per_prompt >= 1,
@@ -80,7 +79,7 @@ class SamplingConfig:
         require(self.continuous_batch_size is None
                  or (is_int(self.continuous_batch_size) and self.continuous_batch_size >= 1),
                  "continuous_batch_size", f"must be None or an int >= 1; got {self.continuous_batch_size!r}")
-        require(_is_number(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+        require(is_number(self.repetition_penalty)
                  and self.repetition_penalty > 0, "repetition_penalty",
                  f"must be a finite number > 0; got {self.repetition_penalty!r}")
         require(self.seed is None or (is_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed",
@@ -248,7 +247,7 @@ class RolloutConfig:
         require(self.route in ROUTES, "route", f"must be one of {ROUTES}; got {self.route!r}")
         require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
         _require_bools(self, "", ("keep_cache", "fuse_lora"))
-        require(self.max_cache_gib is None or (_is_number(self.max_cache_gib)
+        require(self.max_cache_gib is None or (is_number(self.max_cache_gib)
                                                 and 0 < self.max_cache_gib < MAX_CACHE_GIB),
                 "max_cache_gib", f"must be None or a finite number > 0 and < 2**30; got {self.max_cache_gib!r}")
         require(self.max_context is None or (is_int(self.max_context) and self.max_context > 0),
@@ -323,11 +322,6 @@ def _moved_hint(name: str) -> str:
     if name in REMOVED:
         return f"; it was removed in 0.2: {REMOVED[name]}"
     return ""
-
-
-def _is_number(value) -> bool:
-    """An int or a float that is not a bool (``True`` is an ``int`` in Python, never a number here)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _require_bools(record, section: str, names: tuple[str, ...]) -> None:

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
-from rollout.checks import is_int, require
+from rollout.checks import is_int, is_number, require
 from rollout.opsd.logit_cache import LOCATIONS, LogitCacheConfig
 from rollout.opsd.breakdown import StepBreakdown
 from rollout.opsd.losses import DEFAULT_CHUNK_SIZE
 from rollout.opsd.micro_batches import AUTO
 from rollout.request import RolloutBatch
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_count(value) -> bool:
@@ -87,8 +82,8 @@ class OPSDConfig:
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
         require(self.train_path in TRAIN_PATHS, "train_path",
                 f"must be one of {TRAIN_PATHS}; got {self.train_path!r}")
-        require(_is_number(self.beta) and 0.0 <= self.beta <= 1.0, "beta", f"must be in [0, 1]; got {self.beta!r}")
-        require(_is_number(self.temperature) and self.temperature > 0, "temperature",
+        require(is_number(self.beta) and 0.0 <= self.beta <= 1.0, "beta", f"must be in [0, 1]; got {self.beta!r}")
+        require(is_number(self.temperature) and self.temperature > 0, "temperature",
                  f"must be a finite number > 0; got {self.temperature!r}")
         require(self.teacher_top_k is None or _is_count(self.teacher_top_k), "teacher_top_k",
                  f"must be None or an int >= 1; got {self.teacher_top_k!r}")
@@ -102,7 +97,7 @@ class OPSDConfig:
             value = getattr(self, name)
             require(value is None or value == AUTO or _is_count(value), name,
                      f"must be 'auto', None or an int >= 1; got {value!r}")
-        require(self.max_micro_batch_gib is None or (_is_number(self.max_micro_batch_gib)
+        require(self.max_micro_batch_gib is None or (is_number(self.max_micro_batch_gib)
                                                      and self.max_micro_batch_gib > 0), "max_micro_batch_gib",
                  f"must be None or a finite number > 0; got {self.max_micro_batch_gib!r}")
 

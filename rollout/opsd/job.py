@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from rollout.checks import is_int, require
+from rollout.checks import is_int, is_number, require
 from rollout.config import MAX_SEED, RolloutConfig
 
 #: ``--teacher self``: the student distils from itself.
@@ -84,16 +84,13 @@ class JobConfig:
                 "the most a run draws")
         require(is_int(self.seed) and 0 <= self.seed < MAX_SEED, "seed",
                 f"must be an int in [0, 2**32); got {self.seed!r}")
-        require(isinstance(self.sampling_temperature, (int, float)) and not isinstance(self.sampling_temperature, bool)
-                and math.isfinite(self.sampling_temperature), "sampling_temperature",
+        require(is_number(self.sampling_temperature), "sampling_temperature",
                 f"must be a finite number (<= 0: greedy); got {self.sampling_temperature!r}")
         require(self.zero_stage in (None, 0, 1, 2, 3), "zero_stage", f"must be 0, 1, 2 or 3; got {self.zero_stage!r}")
         require(self.lora is None or _is_count(self.lora, 1), "lora", f"must be a LoRA rank >= 1; got {self.lora!r}")
         require(self.lr is None or (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0),
                 "lr", f"must be a finite number > 0; got {self.lr!r}")
-        require(self.peak_tflops is None or (isinstance(self.peak_tflops, (int, float))
-                                             and not isinstance(self.peak_tflops, bool)
-                                             and math.isfinite(self.peak_tflops) and self.peak_tflops > 0),
+        require(self.peak_tflops is None or (is_number(self.peak_tflops) and self.peak_tflops > 0),
                 "peak_tflops", f"must be a finite number > 0; got {self.peak_tflops!r}")
         require(_is_count(self.print_every, 0), "print_every", f"must be an int >= 0; got {self.print_every!r}")
         require(self.teacher_offload in (0, 1) and not isinstance(self.teacher_offload, bool), "teacher_offload",
