@@ -130,7 +130,8 @@ def print_profile(prof) -> None:
 
 # ---- main ---------------------------------------------------------------------------------------
 def train(step, job: JobConfig, rank: int, device, memory: Optional[PeakMemory] = None):
-    """The training loop inside a profiler session; returns ``(step results, session)``.
+    """The training loop inside a profiler session; returns ``(step results, session)``, the results without their
+    rollout batches (``StepResult.batch`` None: a step's device tensors are released when the next step starts).
 
     ``memory`` (optional) reads the device's peak allocation after every step.
     """
@@ -150,7 +151,7 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional[PeakMemory] 
             prof.log_step(index, loss=result.loss, tokens_per_s=result.rollout_tokens_per_s, step_ms=result.step_ms,
                           mfu=step_mfu)
             prof.step()
-            results.append(result)
+            results.append(dataclasses.replace(result, batch=None))  # its tensors would live for the whole run
             bar.update()
             bar.write(f"[{index + 1}/{job.steps}] step {index}  loss {result.loss:.6f}  tokens "
                       f"{result.num_response_tokens}  rollout {result.rollout_tokens_per_s:.0f} tok/s  step "

@@ -353,6 +353,21 @@ def test_rollout_flags_reach_the_rollout_config_the_step_uses(train_opsd, monkey
     assert (config.route, config.keep_cache, config.kernels.compile) == ("auto", False, True)  # the rest: defaults
 
 
+def test_the_main_loop_keeps_no_step_tensors(train_opsd, monkeypatch):
+    """A long run must not hold every step's rollout batch (device tensors) until the end: the records ``train``
+    returns hold no tensor, and still carry what the report reads."""
+    job, opsd_config = train_opsd.parse_args(["--steps", "2", "--max-new-tokens", "4"])
+    monkeypatch.setattr(job_lib, "make_student_engine", lambda model, config, **kwargs: model)
+    monkeypatch.setattr(job_lib, "OPSDStep", lambda student, *args, **kwargs: OPSDStep(
+        student, *args, optimizer=torch.optim.SGD(student.parameters(), lr=0.1), **kwargs))
+    step = job_lib.build_step(job, opsd_config, torch.device("cpu"))
+    results, _ = train_opsd.train(step, job, 0, torch.device("cpu"))
+    assert len(results) == 2
+    for result in results:
+        assert not any(isinstance(value, torch.Tensor) or hasattr(value, "input_ids") for value in vars(result).values())
+        assert result.batch is None and result.loss > 0 and result.num_response_tokens > 0 and result.breakdown
+
+
 def no_model(*args, **kwargs):
     raise AssertionError("a model was built (or the process group started) before the flags were checked")
 

@@ -122,7 +122,8 @@ class StepResult:
     """Response tokens (mask 1, padding excluded) generated per second of rollout wall time."""
     rollout_profile: Optional[dict]
     """``Rollout.get_last_profile()`` of this step's rollout (None when profiling is off)."""
-    batch: RolloutBatch
-    """The rollout the step trained on (prompt + response ids and masks)."""
+    batch: Optional[RolloutBatch]
+    """The rollout the step trained on (prompt + response ids and masks); None in the records the main job keeps
+    (``scripts/train_opsd.py``'s ``train``: a step's tensors must not live for the whole run)."""
     breakdown: StepBreakdown
     """Per-phase host and GPU times, peak memory per phase, and the micro-batching of the step."""
