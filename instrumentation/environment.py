@@ -8,6 +8,8 @@ value raises a one-line ``ValueError`` naming the variable and the values it acc
   name, e.g. the typo ``OPSD_PROFILE_STEP``, is refused with the known names);
 * ``OPSD_TRACEBACK`` (``opsd-summarize``: show tracebacks) and ``OPSD_REQUIRE_REAL_MODEL`` (tests):
   a boolean; ``OPSD_WORKER_RESULT`` and ``OPSD_NVTX_LOG_DIR`` (test harness paths): any text;
+* ``OPSD_PEAK_TFLOPS`` / ``OPSD_PEAK_TBPS`` (the rates work records are divided by,
+  :mod:`instrumentation.rates`): a finite number > 0;
 * with a file-writing mode (``1``, ``timers``) and an explicit ``OPSD_PROFILE_RUN_NAME``, on rank 0
   (env ``RANK`` unset or 0) and while ``torch.distributed`` is not initialised: the run directory
   must not belong to another run already (:mod:`instrumentation.runmarker`). Once it is
@@ -25,7 +27,7 @@ import os
 import sys
 from typing import Mapping, Optional
 
-from instrumentation import runmarker
+from instrumentation import rates, runmarker
 from instrumentation.config import ENV_VARS, ProfileConfig, parse_bool
 
 PROFILE_PREFIX = "OPSD_PROFILE"
@@ -47,6 +49,7 @@ def _check_others(environ: Mapping[str, str]) -> None:
         raw = environ.get(var, "")
         if is_bool and raw.strip():
             parse_bool(raw, var)
+    rates.check_rates(environ)
 
 
 def _distributed() -> bool:

@@ -18,7 +18,9 @@ With ``OPSD_PROFILE=1``, on the selected ranks, the session
   ``<run_dir>/rank{R}.<time_ns>.pt.trace.json.gz``, atomically (:mod:`instrumentation.export`);
 * times every stage of the recorded steps and writes TensorBoard scalars per recorded step under
   ``<run_dir>/rank{R}/`` (tags in :mod:`instrumentation.scalars`), and keeps a live per-stage table
-  (:meth:`ProfilerSession.stage_rows`).
+  (:meth:`ProfilerSession.stage_rows`);
+* writes the work of each recorded step (FLOPs, bytes, rows, tokens per training phase, and the device's peak
+  rates) to ``<run_dir>/rank{R}.work.jsonl`` (:mod:`instrumentation.worklog`), where ``opsd-summarize`` reads it.
 
 With ``OPSD_PROFILE=timers`` (the always-on light mode) it times the stages of every step (every
 ``OPSD_PROFILE_EVERY``-th) with CUDA events, never making the host wait for them
@@ -44,7 +46,7 @@ import time
 from numbers import Real
 from typing import Optional
 
-from instrumentation import runfiles, state
+from instrumentation import rates, runfiles, state, worklog
 from instrumentation.collect import StageTable, format_stage_rows, summarize
 from instrumentation.config import ProfileConfig
 from instrumentation.environment import check_environment
@@ -116,6 +118,8 @@ class ProfilerSession:
         self._traces: Optional[TraceWindows] = None
         self._scalars = ScalarWriter(None)
         self._pending: Optional[PendingSteps] = None
+        self._work: Optional[worklog.WorkLog] = None
+        """The run's work sidecar (:mod:`instrumentation.worklog`); None when nothing is written."""
         self._previous_config: Optional[ProfileConfig] = None
         self._swapped_config = False
 
@@ -142,6 +146,8 @@ class ProfilerSession:
             self._scalars = ScalarWriter(self.scalars_dir)
             if config.timing:
                 self._traces = TraceWindows.start(config, self.run_dir, self.rank)
+            self._work = worklog.WorkLog(worklog.work_path(self.run_dir, self.rank), self.rank,
+                                         *rates.device_rates(os.environ, rates.device_name()))
         if config.light:
             self._pending = PendingSteps(HUB.backend)
         self._begin_step()
@@ -216,8 +222,10 @@ class ProfilerSession:
         if self.config.times_step(self.current_step):
             self._sink = _StepSink(allows_reset=self.config.timing, coalesce_runs=self.config.light)
             HUB.add_sink(self._sink)
+            worklog.RECORDER.begin(self._work, self.current_step)
 
     def _end_step(self) -> None:
+        worklog.RECORDER.end()
         sink, self._sink = self._sink, None
         if sink is None:
             return

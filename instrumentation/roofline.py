@@ -126,9 +126,24 @@ def forward_flops(row_lens: Sequence[int], geo: ModelGeometry, head_positions: i
     return dense + 2 * geo.lm_head_params * head_positions
 
 
+def pass_bytes(geo: ModelGeometry, passes: int = 1) -> int:
+    """Bytes a training pass must move: every weight read ``passes`` times (activations are not counted)."""
+    return passes * geo.weight_bytes
+
+
+def optimizer_bytes(trainable_params: int) -> int:
+    """Bytes an AdamW step moves over ``trainable_params`` parameters (:data:`ADAMW_BYTES_PER_PARAM` each)."""
+    return ADAMW_BYTES_PER_PARAM * trainable_params
+
+
+def work_roofline_s(flops: float, num_bytes: float, rates: Rates) -> float:
+    """max(``num_bytes`` / copy rate, ``flops`` / GEMM rate): the least time of any work."""
+    return max(num_bytes / rates.copy_bytes_s, flops / rates.gemm_flops_s)
+
+
 def pass_roofline_s(flops: float, geo: ModelGeometry, rates: Rates, passes: int = 1) -> float:
     """max(weights read ``passes`` times / copy rate, ``flops`` / GEMM rate): one training pass or several."""
-    return max(passes * geo.weight_bytes / rates.copy_bytes_s, flops / rates.gemm_flops_s)
+    return work_roofline_s(flops, pass_bytes(geo, passes), rates)
 
 
 @dataclass(frozen=True)
@@ -154,4 +169,4 @@ def training_roofline(student_rows: Sequence[int], teacher_rows: Sequence[int], 
     """:class:`TrainingRoofline` of rows of ``student_rows`` / ``teacher_rows`` real tokens (prompt + response)."""
     teacher_s = pass_roofline_s(forward_flops(teacher_rows, teacher, loss_positions), teacher, rates)
     student_s = pass_roofline_s(3 * forward_flops(student_rows, student, loss_positions), student, rates, passes=3)
-    return TrainingRoofline(teacher_s, student_s, ADAMW_BYTES_PER_PARAM * trainable_params / rates.copy_bytes_s)
+    return TrainingRoofline(teacher_s, student_s, optimizer_bytes(trainable_params) / rates.copy_bytes_s)

@@ -39,7 +39,7 @@ def test_json_schema_round_trip(tmp_path, capsys):
     code, out, err = run_cli(capsys, [str(tmp_path), "--format", "json", "--by-rank", "--by-step"])
     assert code == 0 and err == ""
     doc = json.loads(out)
-    assert doc["schema_version"] == 3 and sorted(doc["sources"]) == sorted(paths)
+    assert doc["schema_version"] == 4 and sorted(doc["sources"]) == sorted(paths)
     assert doc["ranks"] == [0, 1]
     stage = {s["name"]: s for s in doc["stages"]}
     assert set(stage[STEP]) == {"name", "parent", "count", "cpu_ms", "gpu_ms", "gpu_span_ms", "self_ms",

@@ -49,15 +49,33 @@ def format_overview(rows: list[StageRow], fmt: str = "table") -> str:
     if comm:
         columns += [Column("comm_ms", "comm ms", _MS), Column("comm_overlap", "comm overlap", _PCT)]
     columns.append(Column("peak_allocated_mib", "peak MiB", _MIB))
+    if any(r.work is not None for r in rows):  # the roofline's columns only where rates were known
+        roofline = any(r.work is not None and r.work.roofline_ms is not None for r in rows)
+        columns += WORK_COLUMNS if roofline else WORK_COLUMNS[:2]
     out = []
     for r in rows:
         values = {"name": _label(r, fmt), "count": r.count, "cpu_ms": r.cpu_ms.total, "share": r.share,
                   "gpu_ms": r.gpu_ms.total if r.gpu_ms else None, "gpu_share": r.gpu.share,
                   "launches": r.gpu.launches, "sync_ms": r.gpu.sync_ms, "bound": r.gpu.bound,
                   "comm_ms": r.gpu.comm_ms, "comm_overlap": r.gpu.comm_overlap,
-                  "peak_allocated_mib": r.peak_allocated_mib}
+                  "peak_allocated_mib": r.peak_allocated_mib, **work_values(r)}
         out.append(_scope_values(r, scope) + [values[c.key] for c in columns[len(scope):]])
     return render(columns, out, fmt)
+
+
+#: The overview's work columns (runs with a work sidecar): per step, :class:`traces.work.WorkFigures`.
+WORK_COLUMNS = [Column("work_gflop", "GFLOP/step", _MS), Column("work_mb", "MB/step", _MS),
+                Column("roofline_ms", "roofline ms/step", _MS), Column("x_roofline", "× roofline", fixed(2)),
+                Column("limit", "limit", left=True)]
+
+
+def work_values(row: StageRow) -> dict:
+    """The work columns' values of ``row`` (all None without work)."""
+    w = row.work
+    if w is None:
+        return dict.fromkeys(("work_gflop", "work_mb", "roofline_ms", "x_roofline", "limit"))
+    return {"work_gflop": w.flops / 1e9, "work_mb": w.bytes / 1e6, "roofline_ms": w.roofline_ms,
+            "x_roofline": w.x_roofline, "limit": w.limit}
 
 
 def _detail_columns(rows: list[StageRow]) -> list[Column]:
@@ -92,9 +110,18 @@ CSV_KEYS = ("rank", "step", "name", "parent", "count", *(f"{p}_{k}_ms" for p in 
             "step_cpu_mean_ms", "step_cpu_sd_ms", "step_gpu_mean_ms", "step_gpu_sd_ms")
 
 
+#: CSV columns added when a row has work (a run with a work sidecar).
+CSV_WORK_KEYS = ("work_flops", "work_bytes", "roofline_ms", "x_roofline", "limit")
+
+
 def csv_rows(rows: list[StageRow]) -> tuple[list[Column], list[list]]:
     """Columns and values of the CSV form of ``rows`` (one line per row)."""
-    return [Column(k, k) for k in CSV_KEYS], [[_flat(r).get(k) for k in CSV_KEYS] for r in rows]
+    keys = CSV_KEYS + (CSV_WORK_KEYS if any(r.work is not None for r in rows) else ())
+    flat = lambda r: {**_flat(r), **({} if r.work is None else {"work_flops": r.work.flops, "work_bytes": r.work.bytes,
+                                                                 "roofline_ms": r.work.roofline_ms,
+                                                                 "x_roofline": r.work.x_roofline,
+                                                                 "limit": r.work.limit})}
+    return [Column(k, k) for k in keys], [[flat(r).get(k) for k in keys] for r in rows]
 
 
 def format_table(rows: list[StageRow], fmt: str = "table") -> str:

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from traces.names import printable
+from traces.work import WorkFigures
 
 BOUNDS = ("host", "gpu", "sync", "mixed")
 
@@ -186,6 +187,8 @@ class StageRow:
     #: Top kernels and the slowest call (only when asked for, ``--kernels N``).
     kernels: tuple[KernelRow, ...] | None = None
     slowest: SlowestCall | None = None
+    #: FLOPs, bytes and roofline per step (merged rows of a run with a work sidecar: :mod:`traces.work`).
+    work: WorkFigures | None = None
 
     def __post_init__(self):
         if self.count < 0:
@@ -213,6 +216,8 @@ class StageRow:
         if self.kernels is not None:
             out["kernels"] = [k.to_dict() for k in self.kernels]
             out["slowest"] = self.slowest.to_dict() if self.slowest else None
+        if self.work is not None:
+            out["work"] = self.work.to_dict()
         return out
 
 
@@ -237,7 +242,7 @@ def _check_figures(d: dict) -> None:
 
 
 def row_from_dict(d: dict) -> StageRow:
-    """A :class:`StageRow` from its JSON form (a ``stages`` entry of a saved report, schema 1 to 3; names made
+    """A :class:`StageRow` from its JSON form (a ``stages`` entry of a saved report, schema 1 to 4; names made
     printable as :mod:`traces.names` does for traces)."""
     try:
         _check_figures(d)
@@ -250,6 +255,20 @@ def row_from_dict(d: dict) -> StageRow:
                         self_ms=d.get("self_ms"), share=d.get("share"),
                         peak_allocated_mib=d.get("peak_allocated_mib"),
                         peak_reserved_mib=d.get("peak_reserved_mib"), gpu=figures,
-                        parent=None if parent is None else printable(str(parent)), per_step=StepSpread(**spread) if spread else None)
+                        parent=None if parent is None else printable(str(parent)), per_step=StepSpread(**spread) if spread else None,
+                        work=_work_from_dict(d.get("work")))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"stage entry {d.get('name', '?')!r} is not a report row ({exc})") from None
+
+
+def _work_from_dict(d) -> WorkFigures | None:
+    """The ``work`` object of a schema-4 row (None when absent)."""
+    if d is None:
+        return None
+    for key in ("flops", "bytes", "roofline_ms", "x_roofline"):
+        v = d.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+            raise ValueError(f"work.{key}: {v!r} is not a finite number >= 0")
+    if d.get("limit") not in (None, "memory", "compute"):
+        raise ValueError(f"work.limit: {d.get('limit')!r} is not 'memory' or 'compute'")
+    return WorkFigures(d["flops"], d["bytes"], d.get("roofline_ms"), d.get("x_roofline"), d.get("limit"))

@@ -21,8 +21,9 @@ from traces.headline import Headline, headline
 from traces.host import SyncWaits
 from traces.load import LoadedSet
 from traces.records import GpuFigures, StageRow, Stats, StepSpread
+from traces.work import read_work, stage_work
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 STEP_NAME = S.range_name(S.STEP)
 _ORDER = {S.range_name(s): i for i, s in enumerate(S.ALL_STAGES)}
 _MIB = float(1 << 20)
@@ -47,7 +48,7 @@ class Report:
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self, by_rank: bool = False, by_step: bool = False) -> dict:
-        """The JSON document (``schema_version`` 3; the CLI adds ``findings``)."""
+        """The JSON document (``schema_version`` 4; the CLI adds ``findings``)."""
         out = {"schema_version": SCHEMA_VERSION, "sources": self.sources, "ranks": self.ranks,
                "headline": self.headline.to_dict() if self.headline else None,
                "stages": [r.to_dict() for r in self.stages]}
@@ -214,6 +215,17 @@ def _with_spreads(rows: list[StageRow], spreads: dict[str, StepSpread]) -> list[
     return [replace(r, per_step=spreads.get(r.name)) for r in rows]
 
 
+def _with_work(rows: list[StageRow], instances: list[StageInstance], report: Report) -> list[StageRow]:
+    """``rows`` with the work of the run's sidecars (:mod:`traces.work`) over its steps; unchanged without."""
+    pairs = {(i.rank, i.step) for i in instances if i.name == STEP_NAME and i.step is not None}
+    lines = read_work(report.sources, report.warnings) if pairs else []
+    if not lines:
+        return rows
+    gpu = {r.name: r.per_step.gpu_mean_ms for r in rows if r.per_step is not None}
+    work = stage_work(lines, pairs, gpu)
+    return [replace(r, work=work.get(r.name)) for r in rows]
+
+
 def _spread(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
@@ -244,6 +256,7 @@ def build_report(loaded: LoadedSet, prefix: str, kernels: int = 0, steps: bool =
     report = Report(sources=[f.data.path for f in files], ranks=ranks,
                     stages=_with_spreads(rows, _step_spreads(instances)),
                     warnings=list(loaded.warnings))
+    report.stages = _with_work(report.stages, instances, report)
     for rank, mine in by_rank.items():
         rank_rows = build_rows([i for f in mine for i in f.instances], span[rank], kernels, rank=rank)
         if rank_rows:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from instrumentation.roofline import ModelGeometry
+from instrumentation.geometry import model_geometry, weight_bytes  # noqa: F401  (the suite's names)
 from rollout.testing import shaped_model, tiny_model
 
 MODELS = ("tiny", "3b")
@@ -54,29 +54,6 @@ def build_model(name: str, dtype: torch.dtype, device: str):
     if name == "tiny":
         return tiny_model("qwen2", seed=0, dtype=dtype, device=device, max_position_embeddings=16384)
     return shaped_model("qwen25-3b", seed=0, dtype=dtype, device=device)
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the full weights (under ZeRO-3 a parameter's local tensor is a partition: ``ds_numel`` is its full
-    size), tied weights counted once."""
-    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
-
-
-def model_geometry(model) -> ModelGeometry:
-    """The roofline's figures of an HF decoder (:class:`instrumentation.roofline.ModelGeometry`)."""
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    element = next(model.parameters()).element_size()
-    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    nonembedding = total - embed.numel() - (0 if head is embed else head.numel())
-    return ModelGeometry(
-        weight_bytes=weight_bytes(model),
-        kv_bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element,
-        nonembedding_params=nonembedding, lm_head_params=head.numel(),
-        attn_flops_per_key=4 * cfg.num_hidden_layers * heads * head_dim)
 
 
 def left_padded(lengths: list[int], vocab: int, device: str, token: Optional[int] = None, seed: int = 0):

@@ -53,6 +53,7 @@ from typing import Optional
 import torch
 
 from instrumentation import stage, stages
+from instrumentation.worklog import recorder as work_recorder
 from rollout.checks import require
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.engine import Rollout
@@ -198,6 +199,7 @@ class OPSDStep:
         check_figures(figures, self.teacher_vocab_size)
         plan = agree(plan, max(f.num_micro_batches for f in figures), max(f.num_teacher_forwards for f in figures))
         loss = self._train(inputs, plan, rank_weight(figures, local), timer)
+        work_recorder().training(self._student_model, self._teacher_model, inputs.stats, plan.order)  # off: no-op
         largest = max(stop - start for start, stop in plan.groups)
         is_packed = self.train_path == "packed"
         tokens = max(inputs.stats.tokens(plan.rows(span), is_packed) for span in plan.groups)
