@@ -94,7 +94,8 @@ def _job_argv(cell: Cell, args) -> list:
               for item in (flag, name)]  # empty: the embedded tiny models
     return [*models, "--batch-size", str(cell.batch_size),
             "--samples-per-prompt", str(cell.samples), "--max-new-tokens", str(cell.max_new_tokens),
-            "--prompt-len", str(cell.prompt_len), "--steps", str(args.steps + 1), "--seed", str(args.seed)]
+            "--prompt-len", str(cell.prompt_len), "--steps", str(args.steps + 1), "--seed", str(args.seed),
+            *(("--deepspeed-config", args.deepspeed_config) if args.deepspeed_config else ())]
 
 
 def _lengths(batch) -> tuple[list, list]:
@@ -351,6 +352,8 @@ def main(argv=None) -> None:
     parser.add_argument("--check", action="store_true", help="compare the paths' loss and gradients first")
     parser.add_argument("--kernels", action="store_true", help="profile one packed training pass's kernels first")
     parser.add_argument("--check-tokens", type=int, default=256, help="prompt and response budget of --check")
+    parser.add_argument("--deepspeed-config", default=None,
+                        help="the student engine's DeepSpeed config (the main job's flag; default: its built-in one)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
