@@ -1,6 +1,8 @@
 """Device clocks and allocator peaks for the stage timers: :class:`CpuBackend` and :class:`CudaBackend`.
 
 :func:`detect_backend` picks one (CUDA when available); torch is imported only when it is called.
+:data:`STEP_PEAKS` keeps a timed step's allocator peaks across the resets made inside it (the stage timers'
+per-frame resets in mode ``1``, ``rollout.opsd.breakdown.PhaseTimer``'s per-phase resets).
 """
 
 from __future__ import annotations
@@ -20,6 +22,41 @@ class TimerBackend(Protocol):
     def release(self, marks) -> None: ...
     def max_allocated_bytes(self) -> Optional[int]: ...
     def reset_peak(self) -> None: ...
+
+
+class StepPeaks:
+    """The allocator's peaks (allocated, reserved bytes) since :meth:`begin`, across the resets made meanwhile.
+
+    ``CudaBackend.reset_peak`` folds the peaks reached so far into it before resetting while it is active, so
+    :meth:`end` returns the step's peak although the phases reset the counter. Host-side reads only (the caching
+    allocator's statistics, no device sync).
+    """
+
+    def __init__(self):
+        self.active = False
+        self.allocated = self.reserved = 0
+
+    def begin(self, backend) -> None:
+        self.active = False
+        backend.reset_peak()
+        self.allocated = self.reserved = 0
+        self.active = True
+
+    def fold(self, allocated: Optional[int], reserved: Optional[int]) -> None:
+        self.allocated = max(self.allocated, allocated or 0)
+        self.reserved = max(self.reserved, reserved or 0)
+
+    def end(self, backend) -> tuple[int, Optional[int]]:
+        """``(peak allocated, peak reserved or None)`` since :meth:`begin`; stops folding."""
+        read = getattr(backend, "peak_bytes", None)
+        allocated, reserved = read() if read is not None else (backend.max_allocated_bytes(), None)
+        self.fold(allocated, reserved)
+        self.active = False
+        return self.allocated, (self.reserved if reserved is not None else None)
+
+
+#: The process's step peaks (one profiler session times steps at a time).
+STEP_PEAKS = StepPeaks()
 
 
 class CpuBackend:
@@ -101,7 +138,19 @@ class CudaBackend:
                 self._raw_stats = None
         return self._torch.cuda.max_memory_allocated()
 
+    def peak_bytes(self) -> tuple[int, int]:
+        """``(peak allocated, peak reserved)`` bytes since the last reset (one statistics read)."""
+        if self._raw_stats is not None:
+            try:
+                stats = self._raw_stats(self._device())
+                return stats["allocated_bytes"]["all"]["peak"], stats["reserved_bytes"]["all"]["peak"]
+            except (KeyError, TypeError, RuntimeError):
+                self._raw_stats = None
+        return self._torch.cuda.max_memory_allocated(), self._torch.cuda.max_memory_reserved()
+
     def reset_peak(self):
+        if STEP_PEAKS.active:  # a timed step's peak survives the resets made inside it
+            STEP_PEAKS.fold(*self.peak_bytes())
         if self._raw_reset is not None:
             try:
                 return self._raw_reset(self._device())

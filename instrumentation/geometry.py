@@ -7,6 +7,7 @@ Shared by the benchmarks (``benchmarks.harness.models`` re-exports it) and the O
 from __future__ import annotations
 
 from instrumentation.roofline import ModelGeometry
+from instrumentation.work import Head
 
 
 def weight_bytes(model) -> int:
@@ -36,3 +37,11 @@ def model_geometry(model) -> ModelGeometry:
         kv_bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element,
         nonembedding_params=nonembedding, lm_head_params=head.numel(),
         attn_flops_per_key=4 * cfg.num_hidden_layers * heads * head_dim)
+
+
+def head(model) -> Head:
+    """The output head of an HF decoder (:class:`instrumentation.work.Head`): ``[V, H]``, its element bytes, whether
+    it trains."""
+    weight = model.get_output_embeddings().weight
+    vocab, hidden = (int(x) for x in getattr(weight, "ds_shape", weight.shape))
+    return Head(vocab, hidden, weight.element_size(), bool(weight.requires_grad))

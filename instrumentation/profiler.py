@@ -19,16 +19,18 @@ With ``OPSD_PROFILE=1``, on the selected ranks, the session
 * times every stage of the recorded steps and writes TensorBoard scalars per recorded step under
   ``<run_dir>/rank{R}/`` (tags in :mod:`instrumentation.scalars`), and keeps a live per-stage table
   (:meth:`ProfilerSession.stage_rows`);
-* writes the work of each recorded step (FLOPs, bytes, rows, tokens per training phase, and the device's peak
-  rates) to ``<run_dir>/rank{R}.work.jsonl`` (:mod:`instrumentation.worklog`), where ``opsd-summarize`` reads it.
+* writes the work of each recorded step (FLOPs, bytes, rows, tokens per rollout and training stage, and the
+  device's peak rates: the user's, else measured once per session on the GPU, else the data sheet's) to
+  ``<run_dir>/rank{R}.work.jsonl`` (:mod:`instrumentation.worklog`), where ``opsd-summarize`` reads it.
 
 With ``OPSD_PROFILE=timers`` (the always-on light mode) it times the stages of every step (every
 ``OPSD_PROFILE_EVERY``-th) with CUDA events, never making the host wait for them
 (:mod:`instrumentation.light`), one event pair per run of consecutive calls of a stage, and writes the same scalars every step; no torch.profiler.
 
-In both modes ``log_step`` writes the loop's own scalars (``train/<name>``) every step. Off, in
-``nvtx`` mode and on unselected ranks the session does nothing but count steps (``log_step`` only
-checks its arguments). Any failure of the machinery gives one warning per cause and the loop goes
+In both modes a timed step gets its own figures (MFU with ``prof.note_step_flops``, GPU busy, peak memory), the run
+a layout and hparams (``prof.log_hparams``): :mod:`instrumentation.stepscalars`. ``log_step`` writes the loop's
+own scalars (``train/<name>``) every step. Off, in ``nvtx`` mode and on unselected ranks the session does nothing
+but count steps (``log_step`` only checks its arguments). Any failure of the machinery gives one warning per cause and the loop goes
 on. Call ``prof.step()`` outside the ``opsd/step`` range.
 
 Before anything starts, ``opsd_profiler()`` runs :func:`instrumentation.check_environment` (a bad
@@ -53,6 +55,7 @@ from instrumentation.environment import check_environment
 from instrumentation.export import TRACE_SUFFIX
 from instrumentation.light import PendingSteps
 from instrumentation.scalars import ScalarWriter
+from instrumentation.steplog import StepLog
 from instrumentation.timers import HUB
 from instrumentation.tracing import TraceWindows
 
@@ -68,6 +71,7 @@ class _StepSink:
         self.coalesce_runs = coalesce_runs
         self.records: list = []
         self.t0 = time.perf_counter()
+        self.flops: Optional[float] = None  # prof.note_step_flops
 
     def add(self, record) -> None:
         self.records.append(record)
@@ -122,6 +126,7 @@ class ProfilerSession:
         """The run's work sidecar (:mod:`instrumentation.worklog`); None when nothing is written."""
         self._previous_config: Optional[ProfileConfig] = None
         self._swapped_config = False
+        self._steps = StepLog(self._scalars)  # the timed steps' own figures (instrumentation.steplog)
 
     # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> "ProfilerSession":
@@ -144,10 +149,12 @@ class ProfilerSession:
         if self.run_dir is not None:
             self.scalars_dir = os.path.join(self.run_dir, f"rank{self.rank}")
             self._scalars = ScalarWriter(self.scalars_dir)
+            self._steps = StepLog.of_session(self._scalars, config, self.rank, self.world_size, os.environ)
             if config.timing:
                 self._traces = TraceWindows.start(config, self.run_dir, self.rank)
-            self._work = worklog.WorkLog(worklog.work_path(self.run_dir, self.rank), self.rank,
-                                         *rates.device_rates(os.environ, rates.device_name()))
+            self._work = worklog.WorkLog(worklog.work_path(self.run_dir, self.rank), self.rank,  # probe: once a run
+                                         rates.resolve_rates(os.environ, rates.device_name(),
+                                                             rates.probe_rates(os.environ)))
         if config.light:
             self._pending = PendingSteps(HUB.backend)
         self._begin_step()
@@ -175,6 +182,19 @@ class ProfilerSession:
         if self.selected:
             self._scalars.train(self.current_step if step is None else step,
                                 {k: float(v) if v is not None else None for k, v in scalars.items()})
+
+    def note_step_flops(self, flops) -> None:
+        """The current step's model FLOPs (``instrumentation.mfu.opsd_step_flops``, as ``train/mfu``) for its
+        ``opsd/step_mfu``; call it before ``prof.step()``. ``ValueError`` unless None or a finite number >= 0."""
+        if flops is not None and (isinstance(flops, bool) or not isinstance(flops, Real) or not 0 <= flops < 1e300):
+            raise ValueError(f"flops must be a finite number >= 0; got {flops!r}")
+        if self._sink is not None and flops is not None:
+            self._sink.flops = float(flops)
+
+    def log_hparams(self, **values) -> None:
+        """Add the loop's settings (e.g. its flags) to the run's hparams; call it before the first step."""
+        check_scalars(None, {name: None for name in values})
+        self._steps.add_hparams(values)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
@@ -222,6 +242,7 @@ class ProfilerSession:
         if self.config.times_step(self.current_step):
             self._sink = _StepSink(allows_reset=self.config.timing, coalesce_runs=self.config.light)
             HUB.add_sink(self._sink)
+            self._steps.begin(HUB.backend)
             worklog.RECORDER.begin(self._work, self.current_step)
 
     def _end_step(self) -> None:
@@ -232,6 +253,7 @@ class ProfilerSession:
         HUB.flush()  # the run still held (e.g. the last decode calls) belongs to this step
         HUB.remove_sink(sink)
         wall_ms = (time.perf_counter() - sink.t0) * 1e3
+        self._steps.end(self.current_step, sink.records, sink.flops, HUB.backend)
         if not sink.records:
             return
         if self._pending is not None:
@@ -260,8 +282,9 @@ class ProfilerSession:
 
     def _add_step(self, step: int, summary: dict, wall_ms: float) -> None:
         self.recorded_steps.append(step)
-        self._table.add_step(summary, wall_ms, warmup=step == 0 and self._table.warmup.num_steps == 0)
-        self._scalars.stages(step, summary, HUB.backend.has_device_clock, flush=self.config.timing)
+        warmup = step == 0 and self._table.warmup.num_steps == 0
+        self._table.add_step(summary, wall_ms, warmup=warmup)
+        self._steps.write(step, summary, wall_ms, warmup, HUB.backend.has_device_clock, self.config.timing)
 
 
 def opsd_profiler(config: Optional[ProfileConfig] = None, rank: Optional[int] = None,

@@ -17,7 +17,7 @@ the measured figures (a 6.17 GB read at 4.25 TB/s: 1.45 ms).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,9 @@ def decode_step_floor_s(geo: ModelGeometry, live_tokens: int, rates: Rates) -> f
     return (geo.weight_bytes + geo.kv_bytes_per_token * live_tokens) / rates.copy_bytes_s
 
 
-def decode_roofline_s(prompt_lens: Sequence[int], response_lens: Sequence[int], geo: ModelGeometry,
-                      rates: Rates) -> float:
-    """Sum over decode steps t = 1 .. max(L) - 1 of max(bytes_t / copy rate, flops_t / GEMM rate).
+def decode_steps(prompt_lens: Sequence[int], response_lens: Sequence[int],
+                 geo: ModelGeometry) -> Iterator[tuple[float, float, int]]:
+    """``(bytes_t, flops_t, live rows)`` of every decode step t = 1 .. max(L) - 1.
 
     Row r (real prompt tokens P_r, realised response length L_r) is live at step t iff L_r > t (the first
     response token comes from the prefill's logits; step t produces token t + 1); its current length is
@@ -75,34 +75,39 @@ def decode_roofline_s(prompt_lens: Sequence[int], response_lens: Sequence[int], 
     if len(prompt_lens) != len(response_lens):
         raise ValueError(f"prompt_lens/response_lens: lengths differ ({len(prompt_lens)} vs {len(response_lens)})")
     if not response_lens:
-        return 0.0
+        return
     order = sorted(range(len(response_lens)), key=lambda i: response_lens[i])
     lens = [response_lens[i] for i in order]
     prompts = [prompt_lens[i] for i in order]
     dense = 2 * (geo.nonembedding_params + geo.lm_head_params)
     live, live_prompt, first = len(lens), sum(prompts), 0
-    total = 0.0
     for t in range(1, lens[-1]):
         while first < len(lens) and lens[first] <= t:  # rows that ended before step t leave
             live -= 1
             live_prompt -= prompts[first]
             first += 1
         context = live_prompt + live * t
-        step_bytes = geo.weight_bytes + geo.kv_bytes_per_token * context
-        step_flops = live * dense + geo.attn_flops_per_key * context
-        total += max(step_bytes / rates.copy_bytes_s, step_flops / rates.gemm_flops_s)
-    return total
+        yield geo.weight_bytes + geo.kv_bytes_per_token * context, live * dense + geo.attn_flops_per_key * context, live
+
+
+def decode_roofline_s(prompt_lens: Sequence[int], response_lens: Sequence[int], geo: ModelGeometry,
+                      rates: Rates) -> float:
+    """Sum over decode steps (:func:`decode_steps`) of max(bytes_t / copy rate, flops_t / GEMM rate)."""
+    return sum(max(step_bytes / rates.copy_bytes_s, step_flops / rates.gemm_flops_s)
+               for step_bytes, step_flops, _ in decode_steps(prompt_lens, response_lens, geo))
+
+
+def prefill_flops(unique_prompt_lens: Sequence[int], geo: ModelGeometry) -> float:
+    """FLOPs of the prefill of the unique prompts (each once, not once per sample): sum over prompts of
+    [2 * nonembedding_params * P + 2 * lm_head_params (one logits row per prompt) + attn_flops_per_key * P (P + 1) / 2
+    (causal: query i attends i keys)]."""
+    return sum(2 * geo.nonembedding_params * p + 2 * geo.lm_head_params + geo.attn_flops_per_key * p * (p + 1) / 2
+               for p in unique_prompt_lens)
 
 
 def prefill_roofline_s(unique_prompt_lens: Sequence[int], geo: ModelGeometry, rates: Rates) -> float:
-    """max(weight_bytes / copy rate, FLOPs / GEMM rate) over the unique prompts (each once, not once per sample).
-
-    FLOPs = sum over prompts of [2 * nonembedding_params * P + 2 * lm_head_params (one logits row per prompt)
-    + attn_flops_per_key * P * (P + 1) / 2 (causal: query i attends i keys)].
-    """
-    flops = sum(2 * geo.nonembedding_params * p + 2 * geo.lm_head_params + geo.attn_flops_per_key * p * (p + 1) / 2
-                for p in unique_prompt_lens)
-    return max(geo.weight_bytes / rates.copy_bytes_s, flops / rates.gemm_flops_s)
+    """max(weight_bytes / copy rate, :func:`prefill_flops` / GEMM rate)."""
+    return max(geo.weight_bytes / rates.copy_bytes_s, prefill_flops(unique_prompt_lens, geo) / rates.gemm_flops_s)
 
 
 def call_roofline_s(unique_prompt_lens: Sequence[int], n: int, response_lens: Sequence[int], geo: ModelGeometry,

@@ -10,7 +10,13 @@ Tags (the same as ``opsd-summarize --tensorboard`` writes from traces; x = the t
 * ``opsd/<stage>/peak_allocated_mib``: peak of the CUDA caching allocator during the stage (recorded
   steps of mode ``1`` only);
 * ``train/<name>``: what the loop passes to ``prof.log_step`` (``loss``, ``tokens_per_s``,
-  ``step_ms``, ``mfu`` ...).
+  ``step_ms``, ``mfu`` ...);
+* the step's own figures, ``opsd/step_mfu``, ``opsd/step_gpu_busy``, ``opsd/step_peak_allocated_mib``,
+  ``opsd/step_peak_reserved_mib`` and ``opsd/<stage>/x_roofline`` (:mod:`instrumentation.stepscalars`).
+
+The warm-up step's ``opsd/`` scalars go under ``warmup/`` (:mod:`instrumentation.stepscalars`). Once per run the
+writer adds a custom-scalars layout (:func:`instrumentation.stepscalars.layout`) and the run's config as hparams,
+both into the same event file (no extra run directory, unlike ``SummaryWriter.add_hparams``).
 
 A writer that cannot be created or written gives one warning and is dropped; training goes on.
 
@@ -67,12 +73,15 @@ class ScalarWriter:
         values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in tagged]
         writer._get_file_writer().add_summary(Summary(value=values), step)
 
-    def stages(self, step: int, summary: dict, has_device_clock: bool, flush: bool = True) -> None:
-        """Per-stage scalars of one step from ``collect.summarize`` output."""
+    def stages(self, step: int, summary: dict, has_device_clock: bool, flush: bool = True,
+               prefix: str = "") -> None:
+        """Per-stage scalars of one step from ``collect.summarize`` output (tags after ``prefix``)."""
+        head = prefix
+
         def write(writer) -> None:
             tagged = []
             for name, entry in summary.items():
-                prefix = stages.range_name(name) + "/"
+                prefix = head + stages.range_name(name) + "/"
                 tagged.append((prefix + "cpu_ms", entry["host_ms"]))
                 if has_device_clock:
                     tagged.append((prefix + "gpu_ms", entry["device_ms"]))
@@ -91,6 +100,26 @@ class ScalarWriter:
                                             if value is not None])
 
         self._guarded(write)
+
+    def values(self, step: int, tagged: list) -> None:
+        """``(tag, value)`` scalars of one step as they are (one event)."""
+        self._guarded(lambda writer: self._write_step(writer, step, tagged))
+
+    def layout_and_hparams(self, layout: dict, hparams: dict, metrics) -> None:
+        """The custom-scalars ``layout`` and the run's ``hparams`` (with ``metrics``, tags, as the hparams table's
+        columns), written into this writer's own event file."""
+        def write(writer) -> None:
+            from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+            writer.add_custom_scalars(layout)
+            for summary in hparams_summaries(hparams, dict.fromkeys(metrics, 0.0)):  # experiment, session start/end
+                writer._get_file_writer().add_summary(summary)
+
+        self._guarded(write)
+
+    def flush(self) -> None:
+        """Hand what is queued to the disk now (mode ``1``: its few recorded steps show at once)."""
+        self._guarded(lambda writer: writer.flush())
 
     def close(self) -> None:
         writer, self._writer = self._writer, None

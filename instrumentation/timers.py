@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from instrumentation import stages, state
-from instrumentation.backends import CpuBackend, CudaBackend, TimerBackend, detect_backend  # noqa: F401
+from instrumentation.backends import STEP_PEAKS, CpuBackend, CudaBackend, TimerBackend, detect_backend  # noqa: F401
 
 BYTES_PER_MIB = 1024 * 1024
 
@@ -49,6 +49,8 @@ class StageRecord:
     """Peak allocated bytes during the call(s), or None when memory was not tracked."""
     resolved_device_ms: Optional[float] = None
     calls: int = 1  # the stage calls it stands for (> 1: a coalesced run; host_ms is their sum)
+    parent: Optional[str] = None
+    """The stage of the innermost timed frame open around it (None at the top): a run's calls share it."""
 
     def device_ms(self, backend: TimerBackend) -> float:
         """Device time (resolving the events once); host time when there are no events."""
@@ -192,7 +194,8 @@ class StageTimers:
                 backend.release((previous,))
             return run
         events = None if end_event is None else (frame.start_event, end_event)
-        record = StageRecord(frame.stage, host_ms, events, peak)
+        parent = self.frames[-1].stage if self.frames else None
+        record = StageRecord(frame.stage, host_ms, events, peak, parent=parent)
         if self.coalesce and frame.sinks is self._sink_tuple:
             self._held = record
             return record
@@ -202,8 +205,9 @@ class StageTimers:
         return record
 
     def reset(self) -> None:
-        """Drop every sink, frame and held run (tests)."""
+        """Drop every sink, frame and held run, and stop folding step peaks (tests)."""
         self.__init__(self._backend)
+        STEP_PEAKS.active = False
 
 
 def _rank() -> str:

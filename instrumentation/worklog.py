@@ -1,13 +1,19 @@
 """The work sidecar of a run: ``<run_dir>/rank{R}.work.jsonl``, one JSON line per (step, stage) (no torch).
 
-The OPSD step hands its phases' work to :func:`recorder` at the end of its training part; a profiler session
-(``opsd_profiler``, modes ``1`` and ``timers``, on the selected ranks) opens a :class:`WorkLog` with its run
-directory and, for each timed step, points the recorder at it. A line::
+The OPSD step hands the rollout's work to :func:`recorder` after the rollout (prompt and realised response
+lengths: ``prefill``, ``decode``) and its training's at the end of its training part (``teacher_forward``,
+``logit_cache``, ``student_forward``, ``loss``, ``backward``, ``optimizer_step``; formulas in
+:mod:`instrumentation.work`); a profiler session (``opsd_profiler``, modes ``1`` and ``timers``, on the selected
+ranks) opens a :class:`WorkLog` with its run directory and, for each timed step, points the recorder at it. A line::
 
-    {"step": 1, "rank": 0, "stage": "backward", "rows": 16, "tokens": 1536, "flops": 2.1e9, "bytes": 1.8e6,
-     "peak_flops_s": 9.894e14, "copy_bytes_s": 4.8e12}
+    {"step": 1, "rank": 0, "stage": "decode", "rows": 16, "tokens": 1008, "flops": 2.1e9, "bytes": 1.8e8,
+     "peak_flops_s": 7.5e14, "copy_bytes_s": 4.2e12, "roofline_s": 4.4e-5,
+     "peak_flops_source": "measured", "copy_bytes_source": "env"}
 
-(the rates :mod:`instrumentation.rates` resolved, null when unknown). Off (``OPSD_PROFILE`` unset, ``0`` or
+The rates are those :func:`instrumentation.rates.resolve_rates` gave (null when unknown) and where each came from
+(``env``, ``measured``, ``datasheet``, null). ``roofline_s``, written when both rates are known, is the stage's
+exact least time: the sum over its records of their own (decode's: a sum over its steps), else
+max(bytes / copy bytes/s, flops / peak FLOP/s). Off (``OPSD_PROFILE`` unset, ``0`` or
 ``nvtx``) :func:`recorder` is one shared do-nothing object, picked when the config is set; on, the recorder
 returns at once while no step is timed. Failures give one ``ProfilingWarning`` and training goes on.
 """
@@ -19,8 +25,10 @@ import os
 from typing import Optional
 
 from instrumentation import state
-from instrumentation.geometry import model_geometry, trainable_params
-from instrumentation.work import StageWork, training_work
+from instrumentation.geometry import head, model_geometry, trainable_params
+from instrumentation.rates import DeviceRates
+from instrumentation.roofline import Rates, work_roofline_s
+from instrumentation.work import WORK_STAGES, StageWork, cache_bytes, distill_work, rollout_work, training_work
 
 WORK_SUFFIX = ".work.jsonl"
 
@@ -33,13 +41,19 @@ def work_path(run_dir: str, rank: int) -> str:
 class WorkLog:
     """Appends a rank's work lines to its sidecar, with the rates to divide by."""
 
-    def __init__(self, path: str, rank: int, peak_flops_s: Optional[float], copy_bytes_s: Optional[float]):
+    def __init__(self, path: str, rank: int, rates: DeviceRates):
         self.path, self.rank = path, rank
-        self.rates = {"peak_flops_s": peak_flops_s, "copy_bytes_s": copy_bytes_s}
+        self.fields = {"peak_flops_s": rates.peak_flops_s, "copy_bytes_s": rates.copy_bytes_s}
+        self.sources = {"peak_flops_source": rates.peak_flops_source, "copy_bytes_source": rates.copy_bytes_source}
+        known = rates.peak_flops_s is not None and rates.copy_bytes_s is not None
+        self.rates: Optional[Rates] = Rates(rates.copy_bytes_s, rates.peak_flops_s) if known else None
+        """Both rates, None unless both are known."""
 
     def write(self, step: int, works: list) -> None:
         lines = [json.dumps({"step": step, "rank": self.rank, "stage": w.stage, "rows": w.rows, "tokens": w.tokens,
-                             "flops": w.flops, "bytes": w.bytes, **self.rates}) + "\n" for w in works]
+                             "flops": w.flops, "bytes": w.bytes, **self.fields,
+                             **({} if w.roofline_s is None else {"roofline_s": w.roofline_s}), **self.sources}) + "\n"
+                 for w in _summed(works, self.rates)]
         try:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.writelines(lines)
@@ -52,7 +66,10 @@ class _NoWork:
 
     __slots__ = ()
 
-    def training(self, student_model, teacher_model, stats, order) -> None:
+    def rollout(self, model, prompt_mask, attention_mask, samples_per_prompt) -> None:
+        return None
+
+    def training(self, student_model, teacher_model, stats, order, config=None, packed=False) -> None:
         return None
 
 
@@ -70,16 +87,35 @@ class WorkRecorder:
     def end(self) -> None:
         log, works, self.log, self.works = self.log, self.works, None, []
         if log is not None and works:
-            log.write(self.step, _summed(works))
+            log.write(self.step, works)
 
-    def training(self, student_model, teacher_model, stats, order) -> None:
-        """The training phases of one step: ``stats`` (``RowStats``) of the batch, ``order`` its processed rows."""
+    def rollout(self, model, prompt_mask, attention_mask, samples_per_prompt: int) -> None:
+        """The rollout of one step: ``prompt_mask`` ``[B, T_p]`` of the prompts, ``attention_mask`` ``[B*n, T_p + T_r]``
+        of the rollout's rows (row i: sample i % n of prompt i // n); one host read of their lengths."""
+        if self.log is None:
+            return
+        try:
+            prompt_lens = [int(n) for n in (prompt_mask != 0).sum(dim=1).tolist()]
+            response_lens = [int(n) for n in (attention_mask[:, prompt_mask.shape[1]:] != 0).sum(dim=1).tolist()]
+            rows = [prompt_lens[i // samples_per_prompt] for i in range(len(response_lens))]
+            self.works += rollout_work(rows, samples_per_prompt, response_lens, model_geometry(model), self.log.rates)
+        except Exception as exc:  # noqa: BLE001 - profiling never breaks training
+            state.warn_once("work", f"opsd work records disabled for a step: {exc!r}")
+
+    def training(self, student_model, teacher_model, stats, order, config=None, packed: bool = False) -> None:
+        """The training phases of one step: ``stats`` (``RowStats``) of the batch, ``order`` its processed rows,
+        ``config`` the step's ``OPSDConfig`` (its cache; None: no cache or loss records), ``packed``: the packed
+        path's (heads in the loss)."""
         if self.log is None:
             return
         try:  # the geometry is read again each recorded step (no reference to the models is kept)
-            self.works += training_work(*_row_tokens(stats, order), sum(stats.num_positions[r] for r in order),
-                                        model_geometry(student_model), model_geometry(teacher_model),
-                                        trainable_params(student_model))
+            positions = sum(stats.num_positions[r] for r in order)
+            self.works += training_work(*_row_tokens(stats, order), positions, model_geometry(student_model),
+                                        model_geometry(teacher_model), trainable_params(student_model), packed)
+            if config is not None:
+                student, teacher, cache = head(student_model), head(teacher_model), config.cache_config()
+                stored = cache_bytes(positions, student, teacher, packed, cache.dtype.itemsize, cache.top_k)
+                self.works += distill_work(len(order), positions, student, teacher, packed, stored)
         except Exception as exc:  # noqa: BLE001 - profiling never breaks training
             state.warn_once("work", f"opsd work records disabled for a step: {exc!r}")
 
@@ -92,14 +128,18 @@ def _row_tokens(stats, order) -> tuple[list, list]:
     return student, [n + shift(r) for n, r in zip(student, order)]
 
 
-def _summed(works: list) -> list:
-    """One record per stage (a step that records the same stage twice adds them up)."""
+def _summed(works: list, rates: Optional[Rates]) -> list:
+    """One record per stage (a step that records the same stage twice adds them up), with its exact
+    ``roofline_s`` when ``rates`` are known (the sum of its records' own, or of their max(bytes, flops) terms)."""
     out: dict[str, StageWork] = {}
     for w in works:
+        own = w.roofline_s if w.roofline_s is not None or rates is None else work_roofline_s(w.flops, w.bytes, rates)
         old = out.get(w.stage)
-        out[w.stage] = w if old is None else StageWork(w.stage, old.rows + w.rows, old.tokens + w.tokens,
-                                                      old.flops + w.flops, old.bytes + w.bytes)
-    return list(out.values())
+        out[w.stage] = StageWork(w.stage, w.rows, w.tokens, w.flops, w.bytes, own) if old is None else \
+            StageWork(w.stage, old.rows + w.rows, old.tokens + w.tokens, old.flops + w.flops, old.bytes + w.bytes,
+                      None if own is None or old.roofline_s is None else old.roofline_s + own)
+    order = {stage: i for i, stage in enumerate(WORK_STAGES)}
+    return sorted(out.values(), key=lambda w: order.get(w.stage, len(order)))  # the step's order
 
 
 NO_WORK = _NoWork()

@@ -141,13 +141,17 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional[PeakMemory] 
     bar, results = ProgressBar(job.steps, enabled=rank == 0), []
     flops = StepFlops(step, device, job.peak_tflops)
     with opsd_profiler() as prof:
+        prof.log_hparams(**{f.name: getattr(job, f.name) for f in dataclasses.fields(job) if f.name != "rollout"})
         for index in range(job.steps):
             questions, ids, mask, extra = inputs(index)
             seed = step_seed(job.seed, rank, index)  # distinct samples per rank and step
             result = step.step(ids, mask, dataclasses.replace(sampling, seed=seed), **extra)
             if memory is not None:
                 memory.after_step(result)
-            step_mfu = flops.mfu(mask, extra, job.samples_per_prompt, result)
+            step_flops = flops.flops(mask, extra, job.samples_per_prompt, result) \
+                if flops.peak is not None or prof.selected else None
+            prof.note_step_flops(step_flops)  # the session's opsd/step_mfu (docs/profiling.md)
+            step_mfu = flops.mfu(mask, extra, job.samples_per_prompt, result, step_flops)
             prof.log_step(index, loss=result.loss, tokens_per_s=result.rollout_tokens_per_s, step_ms=result.step_ms,
                           mfu=step_mfu)
             prof.step()
@@ -166,8 +170,17 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional[PeakMemory] 
     return results, prof
 
 
+def export_peak_rates(job: JobConfig, environ=os.environ) -> None:
+    """``--peak-tflops`` / ``--peak-tbps`` set ``OPSD_PEAK_TFLOPS`` / ``OPSD_PEAK_TBPS`` (a flag wins over the
+    variable), the rates the profiler's work rooflines divide by (``instrumentation.rates``)."""
+    for value, var in ((job.peak_tflops, "OPSD_PEAK_TFLOPS"), (job.peak_tbps, "OPSD_PEAK_TBPS")):
+        if value is not None:
+            environ[var] = repr(float(value))
+
+
 def main(argv=None) -> None:
     job, opsd_config = parse_args(argv)
+    export_peak_rates(job)
     try:  # every OPSD_* variable, a run name already taken, the flags against the models, the DeepSpeed config and
         check_environment()  # the memory estimate, before any model is built
         check_job(job, opsd_config)

@@ -13,3 +13,15 @@ def clean_profiling_env(monkeypatch):
     reset_for_tests()
     yield
     reset_for_tests()
+
+
+class RecordingSink:
+    """A stage-timer sink that keeps every record (coalescing runs, no resets): what a live table would see."""
+
+    allows_reset, coalesce_runs = False, True
+
+    def __init__(self):
+        self.records = []
+
+    def add(self, record):
+        self.records.append(record)

@@ -44,8 +44,8 @@ def test_json_schema_round_trip(tmp_path, capsys):
     stage = {s["name"]: s for s in doc["stages"]}
     assert set(stage[STEP]) == {"name", "parent", "count", "cpu_ms", "gpu_ms", "gpu_span_ms", "self_ms",
                                 "share", "gpu_share", "launches", "sync_ms", "wait_ms", "bound",
-                                "comm_ms", "comm_overlap", "peak_allocated_mib", "peak_reserved_mib",
-                                "per_step"}
+                                "comm_ms", "comm_overlap", "idle_ms", "host_op_ms", "peak_allocated_mib",
+                                "peak_reserved_mib", "per_step"}
     assert set(doc["headline"]) == {"stage", "wall_ms", "gpu_busy_pct", "gpu_busy_ms", "idle"}
     assert doc["headline"]["stage"] == STEP and doc["headline"]["wall_ms"] == pytest.approx(2 * 1.5)
     assert set(doc["per_rank"]["1"]) == {"headline", "stages"}

@@ -62,3 +62,29 @@ def test_small_stages_fold_into_one_bar_and_the_title_has_the_headline(tmp_path)
     png = tmp_path / "p.png"
     assert main([path, "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_title_carries_the_x_roofline_of_the_stages_with_work_and_small_stages_fold_into_other(tmp_path):
+    """Issue 33: with work records the headline adds each stage's x roofline (largest first) and their sum's
+    (GPU ms over roofline ms, weighted by roofline ms); the folded bar is labelled "other"."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from traces.load import load
+    from traces.plot import FOLD_SHARE, _title, fold, folded_label, plot_report, roofline_line
+    from traces.records import WorkFigures
+    from traces.report import build_report
+    path = str(Path(__file__).parent / "data" / "traces" / "h200_opsd_3b_graphs.pt.trace.json.gz")
+    report = build_report(load([path]), S.PREFIX)
+    assert roofline_line(report.stages) is None  # a trace without work records: the title as before
+    work = {S.range_name(S.BACKWARD): WorkFigures(1e12, 1e9, 10.0, 4.0, "compute"),
+            S.range_name(S.TEACHER_FORWARD): WorkFigures(5e11, 1e9, 30.0, 2.0, "compute")}
+    report.stages = [replace(r, work=work.get(r.name)) for r in report.stages]
+    assert roofline_line(report.stages) == "x roofline 2.5 over 2 stages (backward 4.0, teacher_forward 2.0)"
+    assert _title(report, False) == ("opsd/step: 776 ms per step, GPU busy 55.4%\n"
+                                     "x roofline 2.5 over 2 stages (backward 4.0, teacher_forward 2.0)")
+    _, folded = fold(report.stages, 1)
+    assert folded_label(folded) == f"other: 10 stages < {FOLD_SHARE:.0%} each"
+    png = tmp_path / "roofline.png"
+    plot_report(report, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

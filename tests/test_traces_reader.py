@@ -8,7 +8,7 @@ import pytest
 import traces.chrome as chrome
 import traces.textfile as textfile
 from traces.bad import BAD
-from traces.events import GPU, LAUNCH, MEMORY, RANGE, SYNC, TraceError
+from traces.events import GPU, LAUNCH, MEMORY, OP, RANGE, SYNC, TraceError
 from traces.synth import SynthConfig, annotation, gpu_op, launch, memory, sync, write_events, \
     write_synthetic_trace
 
@@ -20,6 +20,8 @@ def reference_tuples(doc: dict) -> list[tuple]:
         cat, args = e.get("cat"), e.get("args") or {}
         if cat == "user_annotation":
             out.append((RANGE, e["name"], e["pid"], e["tid"], e["ts"], e["dur"]))
+        elif cat == "cpu_op":
+            out.append((OP, e["name"], e["pid"], e["tid"], e["ts"], e["dur"]))
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             out.append((GPU, args["correlation"], e["ts"], e["dur"], args["device"], e["name"],
                         args.get("stream", -1)))
@@ -34,7 +36,7 @@ def reference_tuples(doc: dict) -> list[tuple]:
 
 
 def read(path):
-    return [t for t in chrome.read_chrome_trace(path) if t[0] in (RANGE, GPU, LAUNCH, MEMORY, SYNC)]
+    return [t for t in chrome.read_chrome_trace(path) if t[0] in (RANGE, GPU, LAUNCH, MEMORY, SYNC, OP)]
 
 
 @pytest.mark.parametrize("chunk_chars", [1 << 23, 997])

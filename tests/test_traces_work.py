@@ -7,7 +7,7 @@ import pytest
 from instrumentation import stages as S
 from traces.cli import main
 from traces.diff import baseline_problem
-from traces.records import row_from_dict
+from traces.saved import row_from_dict
 from traces.synth import annotation, gpu_op, launch, profiler_step, write_events
 
 STEP, BACKWARD, OPTIMIZER = (S.range_name(s) for s in (S.STEP, S.BACKWARD, S.OPTIMIZER_STEP))
@@ -119,3 +119,16 @@ def test_a_saved_report_with_work_is_a_diff_baseline(tmp_path, capsys):
     assert code == 0 and err == "" and "diff" in out
     with pytest.raises(ValueError, match="work.limit"):
         row_from_dict({**doc["stages"][1], "work": {"flops": 1.0, "bytes": 1.0, "limit": "fast"}})
+
+
+def test_an_exact_roofline_on_a_line_is_preferred_to_the_max_of_its_totals(tmp_path, capsys):
+    """Decode's roofline is a sum over its steps: the line carries it (4 ms here, not max(0.5, 1) ms)."""
+    trace(tmp_path / "run")
+    lines = [{**x, "roofline_s": 0.004} if x["stage"] == "backward" else x for x in step_lines()]
+    sidecar(tmp_path / "run", lines + [json.dumps({**lines[0], "roofline_s": -1.0}) + "\n"])
+    code, out, err = summarize(capsys, str(tmp_path / "run"), "--format", "json")
+    rows = {r["name"]: r for r in json.loads(out)["stages"]}
+    assert code == 0 and "1 bad work line skipped (line 5: roofline_s" in err
+    assert rows[BACKWARD]["work"]["roofline_ms"] == pytest.approx(4.0)
+    assert rows[BACKWARD]["work"]["x_roofline"] == pytest.approx(0.5)
+    assert rows[OPTIMIZER]["work"]["roofline_ms"] == pytest.approx(2.0)  # a line without it: from its totals

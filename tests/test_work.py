@@ -1,5 +1,6 @@
 """Work records of the training phases (instrumentation/work.py, worklog.py, rates.py) against FlopCounterMode and
-a hand count of the shapes; the work sidecar; the peak-rate variables."""
+a hand count of the shapes; the work sidecar; the peak rates and their sources. The rollout's, the loss's and the
+cache's records: tests/test_work_stages.py."""
 
 import json
 
@@ -11,8 +12,8 @@ import instrumentation
 from instrumentation import stages as S
 from instrumentation.environment import check_environment
 from instrumentation.geometry import model_geometry, trainable_params
-from instrumentation.rates import device_rates
-from instrumentation.roofline import ADAMW_BYTES_PER_PARAM
+from instrumentation.rates import DeviceRates, device_rates, probe_rates, resolve_rates
+from instrumentation.roofline import ADAMW_BYTES_PER_PARAM, Rates, work_roofline_s
 from instrumentation.work import StageWork, training_work
 from instrumentation.worklog import NO_WORK, RECORDER, WorkLog, recorder
 from rollout.opsd.micro_batches import RowStats
@@ -94,7 +95,7 @@ def _stats(num_tokens, prompt_lens, teacher_prompt_lens, column=8, teacher_colum
 def test_the_recorder_writes_one_line_per_stage_of_the_timed_step(tmp_path, qwen, llama):
     stats = _stats([10, 7, 5], [4, 3, 2], [6, 3, 2])  # row 0's teacher prompt is 2 tokens longer
     path = str(tmp_path / "rank0.work.jsonl")
-    RECORDER.begin(WorkLog(path, 0, 1e15, 2e12), 3)
+    RECORDER.begin(WorkLog(path, 0, DeviceRates(1e15, 2e12, "env", "measured")), 3)
     RECORDER.training(qwen, llama, stats, (0, 2))  # row 1 has no loss position: not processed
     RECORDER.end()
     RECORDER.training(qwen, llama, stats, (0, 2))  # no step timed: nothing recorded
@@ -106,6 +107,17 @@ def test_the_recorder_writes_one_line_per_stage_of_the_timed_step(tmp_path, qwen
         assert (line["step"], line["rank"], line["rows"], line["tokens"], line["flops"], line["bytes"]) == \
             (3, 0, w.rows, w.tokens, w.flops, w.bytes)
         assert (line["peak_flops_s"], line["copy_bytes_s"]) == (1e15, 2e12)
+        assert (line["peak_flops_source"], line["copy_bytes_source"]) == ("env", "measured")
+        assert line["roofline_s"] == pytest.approx(work_roofline_s(w.flops, w.bytes, Rates(2e12, 1e15)))
+
+
+def test_without_rates_lines_carry_no_roofline(tmp_path, qwen, llama):
+    path = tmp_path / "rank0.work.jsonl"
+    RECORDER.begin(WorkLog(str(path), 0, DeviceRates(None, 2e12, None, "env")), 1)
+    RECORDER.training(qwen, llama, _stats([10], [4], [4]), (0,))
+    RECORDER.end()
+    lines = [json.loads(x) for x in open(path)]
+    assert lines and all("roofline_s" not in x and x["peak_flops_source"] is None for x in lines)
 
 
 @pytest.mark.parametrize("mode, on", [("0", False), ("nvtx", False), ("1", True), ("timers", True)])
@@ -134,9 +146,50 @@ def test_device_rates(environ, name, expected):
     assert device_rates(environ, name) == pytest.approx(expected)
 
 
+MEASURED = Rates(copy_bytes_s=4.2e12, gemm_flops_s=7.5e14)
+
+
+@pytest.mark.parametrize("environ, name, measured, expected", [
+    ({}, "cpu", None, DeviceRates(None, None, None, None)),
+    ({}, "NVIDIA H200", None, DeviceRates(989.4e12, 4.8e12, "datasheet", "datasheet")),
+    ({}, "NVIDIA H200", MEASURED, DeviceRates(7.5e14, 4.2e12, "measured", "measured")),
+    ({}, "a GPU of no data sheet", MEASURED, DeviceRates(7.5e14, 4.2e12, "measured", "measured")),
+    ({"OPSD_PEAK_TBPS": "3"}, "NVIDIA H200", MEASURED, DeviceRates(7.5e14, 3e12, "measured", "env")),
+    ({"OPSD_PEAK_TFLOPS": "100"}, "cpu", None, DeviceRates(100e12, None, "env", None)),
+])
+def test_each_rate_records_its_source_the_user_first_then_measured_then_the_data_sheet(environ, name, measured,
+                                                                                        expected):
+    assert resolve_rates(environ, name, measured) == expected
+
+
+def test_the_probe_on_the_cpu_measures_nothing_and_touches_no_cuda(monkeypatch):
+    def touched(*args, **kwargs):
+        raise AssertionError("CUDA touched")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("Event", "synchronize", "current_device", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, touched)
+    assert probe_rates({}) is None
+
+
+def test_the_probe_measures_nothing_when_the_user_set_both_rates(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: (_ for _ in ()).throw(AssertionError("probed")))
+    assert probe_rates({"OPSD_PEAK_TFLOPS": "100", "OPSD_PEAK_TBPS": "2"}) is None
+
+
+def test_a_failed_probe_warns_once_and_gives_no_rates(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cuda:0")
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no device")))
+    with pytest.warns(instrumentation.ProfilingWarning, match="could not measure"):
+        assert probe_rates({}) is None
+    instrumentation.reset_for_tests()
+
+
 def test_a_recorder_failure_warns_and_records_nothing(tmp_path):
     path = tmp_path / "rank0.work.jsonl"
-    RECORDER.begin(WorkLog(str(path), 0, None, None), 1)
+    RECORDER.begin(WorkLog(str(path), 0, DeviceRates(None, None)), 1)
     with pytest.warns(instrumentation.ProfilingWarning, match="work records"):
         RECORDER.training(object(), object(), _stats([4], [2], [2]), (0,))  # not models: no geometry
     RECORDER.end()

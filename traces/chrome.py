@@ -31,7 +31,7 @@ _decoder = json.JSONDecoder()
 _scan_once = _decoder.scan_once
 #: Categories the report keeps, found by one regex over a chunk (``[memory]`` by name).
 _KEEP_CAT = re.compile(r'"cat":\s*"(?:kernel|gpu_memcpy|gpu_memset|cuda_runtime|cuda_driver|'
-                       r'user_annotation|Trace)"')
+                       r'user_annotation|cpu_op|Trace)"')
 
 
 def read_chrome_trace(path: str) -> Iterator[tuple]:

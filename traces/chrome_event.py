@@ -12,7 +12,7 @@ import re
 from typing import Iterator
 
 from traces.bad import BAD, BadEvent, example, integer, number
-from traces.events import GPU, LAUNCH, MEMORY, META, RANGE, SPAN, SYNC, SYNC_CALLS, is_sync_call
+from traces.events import GPU, LAUNCH, MEMORY, META, OP, RANGE, SPAN, SYNC, SYNC_CALLS, is_sync_call
 
 _GPU_CATS = frozenset(("kernel", "gpu_memcpy", "gpu_memset"))
 _LAUNCH_CATS = frozenset(("cuda_runtime", "cuda_driver"))
@@ -29,6 +29,11 @@ def event_tuple(ev: dict):
         if ev.get("ph") == "X":
             return (RANGE, _name(ev), integer(ev["pid"], "pid"), integer(ev["tid"], "tid"),
                     number(ev["ts"], "ts"), number(ev["dur"], "dur"))
+        return None
+    if cat == "cpu_op":
+        if ev.get("ph") == "X":
+            return (OP, _name(ev), integer(ev["pid"], "pid"), integer(ev["tid"], "tid"), number(ev["ts"], "ts"),
+                    number(ev["dur"], "dur"))
         return None
     if cat in _GPU_CATS:
         args = _args(ev)
@@ -115,9 +120,9 @@ def _int_arg(buf: str, key: str, lo: int):
 
 
 _NUM = r"(-?[\d.]+(?:[eE][-+]?\d+)?)"
-#: Kineto's exact layout of launches and GPU ops, up to the start of their args.
+#: Kineto's exact layout of operators, launches and GPU ops, up to the start of their args.
 _KINETO_OP = re.compile(
-    r'\{\s*"ph":\s*"X",\s*"cat":\s*"(kernel|gpu_memcpy|gpu_memset|cuda_runtime|cuda_driver)",'
+    r'\{\s*"ph":\s*"X",\s*"cat":\s*"(kernel|gpu_memcpy|gpu_memset|cuda_runtime|cuda_driver|cpu_op)",'
     r'\s*"name":\s*"([^"\\]*+(?:\\.[^"\\]*+)*+)",\s*"pid":\s*(-?\d+),\s*"tid":\s*(-?\d+),'
     r'\s*"ts":\s*' + _NUM + r',\s*"dur":\s*' + _NUM + r'\s*,\s*"args":\s*\{')
 #: Kineto's exact layout of allocator samples, up to the device fields.
@@ -143,6 +148,8 @@ def _fast_tuple(buf: str, s: int):
         cat, name, pid, tid, ts, dur = m.groups()
         if "\\" in name:
             name = json.loads('"' + name + '"')
+        if cat == "cpu_op":
+            return (OP, name, int(pid), int(tid), float(ts), float(dur))
         if cat[0] == "c" and name in SYNC_CALLS:
             return (SYNC, int(pid), int(tid), float(ts), float(dur))
         if cat[0] == "c":

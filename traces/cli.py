@@ -20,12 +20,12 @@ from instrumentation import stages as S
 from instrumentation.config import parse_bool
 from traces.runs import csv_cell, group_by_run
 from traces.diff import baseline_problem, diff_columns, diff_headline, diff_rows, diff_values, format_diff, noise_note
-from traces.findings import findings, format_findings
+from traces.findings import format_findings, report_findings
 from traces.format import csv_rows, format_headline, format_kernels, format_overview, format_table
 from traces.load import LoadedSet, load, read_trace
 from traces.console import out as _out, say as _say
 from traces.report import SCHEMA_VERSION, Report, build_report
-from traces.records import row_from_dict
+from traces.saved import row_from_dict
 from instrumentation.table import Column, render
 
 FORMATS = ("table", "markdown", "json", "csv")
@@ -161,13 +161,13 @@ def _csv(report: Report, args) -> str:
 
 def _render(report: Report, args) -> str:
     if args.format == "json":
-        doc = {**report.to_dict(args.by_rank, args.by_step), "findings": [f.to_dict() for f in findings(report.stages)]}
+        doc = {**report.to_dict(args.by_rank, args.by_step), "findings": [f.to_dict() for f in report_findings(report)]}
         return json.dumps(finite(doc), indent=2, allow_nan=False) + "\n"
     if args.format == "csv":
         return _csv(report, args)
     fmt = args.format
     parts = [f"ranks: {report.ranks}  files: {len(report.sources)}\n", format_headline(report.headline),
-             format_findings(findings(report.stages)), "\n", format_overview(report.stages, fmt)]
+             format_findings(report_findings(report)), "\n", format_overview(report.stages, fmt)]
     if args.kernels:
         parts += ["\ntop kernels per stage (inclusive of nested stages)\n", format_kernels(report.stages, fmt)]
     parts += ["\ndetails (ms)\n", format_table(report.stages, fmt)]

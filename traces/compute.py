@@ -66,6 +66,10 @@ class StageInstance:
     i0: int = 0
     i1: int = 0
     file_start_us: float = 0.0
+    #: Device idle inside its CPU range (None without GPU activity), and its process's time in host operators
+    #: there (None without ``cpu_op`` events); set by :func:`traces.report.build_report`.
+    gpu_idle_us: float | None = None
+    host_op_us: float | None = None
 
     @property
     def cpu_us(self) -> float:

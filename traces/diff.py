@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 
-from traces.records import StageRow, row_from_dict  # noqa: F401  (row_from_dict: part of this API)
+from traces.records import StageRow
+from traces.saved import row_from_dict  # noqa: F401  (part of this API)
 from traces.report import SCHEMA_VERSION
 from instrumentation.table import Column, fixed, percent, render
 

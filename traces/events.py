@@ -17,6 +17,9 @@ Tuple layouts (first element is the kind):
 - ``(SYNC, pid, tid, start_us, dur_us)``: a host call that blocks until GPU work has finished
   (:data:`SYNC_CALLS`: ``cudaStreamSynchronize``, ``cudaDeviceSynchronize`` ...).
 - ``(BAD, reason, example)``: an event the source skipped (:mod:`traces.bad`).
+- ``(OP, name, pid, tid, start_us, dur_us)``: a host operator call (a ``cpu_op`` complete event, ``aten::mm``);
+  kept in bounded form (:class:`traces.operators.OpCalls`: per name a count and a histogram of host times, the
+  long calls in full, the union of the calls' time per process).
 
 :func:`collect` also skips (as bad events) tuples with a non-finite time, a negative duration, negative
 allocator bytes or fields of the wrong type: such values never reach a total. Range and GPU op names are
@@ -31,9 +34,11 @@ from typing import Iterable, Iterator, Protocol
 
 from traces.bad import BAD, BadEvents, example, time_reason
 from traces.names import printable
+from traces.operators import OpCalls
 
 RANGE, LAUNCH, GPU, MEMORY, SPAN, META, SYNC = range(7)
 assert BAD == 7
+OP = 8
 _INF = float("inf")
 
 #: ``device_type`` of CUDA memory samples (c10's DeviceType enum); 0 is CPU.
@@ -115,6 +120,8 @@ class TraceData:
     span_end_us: float = float("-inf")
     bad: BadEvents = field(default_factory=BadEvents)
     """Events skipped by the source or by :func:`collect`, by reason."""
+    ops: OpCalls = field(default_factory=OpCalls)
+    """Host operator calls (``cpu_op``), bounded (:class:`traces.operators.OpCalls`); empty for sources without."""
 
     @property
     def span_us(self) -> float:
@@ -150,8 +157,8 @@ class _Collector:
         self.realign()
         try:
             kind = ev[0]
-            name = ev[1] if kind == RANGE else ev[5] if kind == GPU else _KIND_NAMES.get(kind)
-            ts = ev[4] if kind == RANGE else ev[3] if kind in (LAUNCH, SYNC) else ev[2]
+            name = ev[1] if kind in (RANGE, OP) else ev[5] if kind == GPU else _KIND_NAMES.get(kind)
+            ts = ev[4] if kind in (RANGE, OP) else ev[3] if kind in (LAUNCH, SYNC) else ev[2]
         except (TypeError, IndexError, KeyError):
             name = ts = None
         self.data.bad.add(reason, example(name, ts))
@@ -220,6 +227,13 @@ class _Collector:
     def bad(self, ev) -> None:
         self.data.bad.add(str(ev[1]), str(ev[2]) if len(ev) > 2 else "")
 
+    def op(self, ev) -> None:
+        _, name, pid, tid, start, dur = ev
+        if not isinstance(name, str):
+            raise TypeError("operator name not a string")
+        if self.timed(ev, start, dur):
+            self.data.ops.add(name, pid, tid, start, dur)
+
 
 _KIND_NAMES = {LAUNCH: "launch", SYNC: "sync call", MEMORY: "[memory]", SPAN: "span"}
 #: Errors of a tuple whose fields have the wrong types (caught per event; the file goes on).
@@ -233,7 +247,7 @@ def collect(path: str, events: Iterable[tuple]) -> TraceData:
     c = _Collector(path)
     d, names = c.data, c._name_ids
     handlers = {RANGE: c.range_, SYNC: c.sync, MEMORY: c.memory, SPAN: c.span, META: c.meta,
-                BAD: c.bad, GPU: c.gpu}
+                BAD: c.bad, GPU: c.gpu, OP: c.op}
     g_corr, g_start, g_end = d.gpu_correlation.append, d.gpu_start_us.append, d.gpu_end_us.append
     g_name, g_stream = d.gpu_name.append, d.gpu_stream.append
     l_pid, l_ts, l_corr = d.launch_pid.append, d.launch_ts_us.append, d.launch_correlation.append

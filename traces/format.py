@@ -37,15 +37,21 @@ def _scope_values(row: StageRow, columns: list[Column]) -> list:
 
 
 def format_overview(rows: list[StageRow], fmt: str = "table") -> str:
-    """The stage tree with CPU and GPU time and shares, launches, sync waits and the verdict."""
+    """The stage tree with CPU and GPU time and shares, GPU idle, launches, sync waits and the verdict: per step
+    (the mean over the recorded steps, and the median step when there are several) where the rows have step
+    figures, else totals over the trace."""
     _check(fmt)
     scope = _scope_columns(rows)
     comm = any(r.gpu.comm_ms for r in rows)
-    columns = scope + [
-        Column("name", "stage", left=True), Column("count", "count"),
-        Column("cpu_ms", "cpu ms", _MS), Column("share", "cpu share", _PCT),
-        Column("gpu_ms", "gpu ms", _MS), Column("gpu_share", "gpu share", _PCT),
-        Column("launches", "launches"), Column("sync_ms", "sync ms", _MS), Column("bound", "bound", left=True)]
+    stepped = any(r.per_step is not None for r in rows)
+    p50 = stepped and any(r.per_step is not None and r.per_step.n > 1 for r in rows)
+    columns = scope + [Column("name", "stage", left=True), Column("count", "count"), Column("cpu_ms", "cpu ms", _MS)]
+    columns += [Column("cpu_p50", "cpu p50", _MS)] if p50 else []
+    columns += [Column("share", "cpu share", _PCT), Column("gpu_ms", "gpu ms", _MS)]
+    columns += [Column("gpu_p50", "gpu p50", _MS)] if p50 else []
+    columns += [Column("gpu_share", "gpu share", _PCT), Column("idle_ms", "idle ms", _MS),
+                Column("launches", "launches", _launches if stepped else str),
+                Column("sync_ms", "sync ms", _MS), Column("bound", "bound", left=True)]
     if comm:
         columns += [Column("comm_ms", "comm ms", _MS), Column("comm_overlap", "comm overlap", _PCT)]
     columns.append(Column("peak_allocated_mib", "peak MiB", _MIB))
@@ -54,13 +60,39 @@ def format_overview(rows: list[StageRow], fmt: str = "table") -> str:
         columns += WORK_COLUMNS if roofline else WORK_COLUMNS[:2]
     out = []
     for r in rows:
-        values = {"name": _label(r, fmt), "count": r.count, "cpu_ms": r.cpu_ms.total, "share": r.share,
-                  "gpu_ms": r.gpu_ms.total if r.gpu_ms else None, "gpu_share": r.gpu.share,
-                  "launches": r.gpu.launches, "sync_ms": r.gpu.sync_ms, "bound": r.gpu.bound,
-                  "comm_ms": r.gpu.comm_ms, "comm_overlap": r.gpu.comm_overlap,
-                  "peak_allocated_mib": r.peak_allocated_mib, **work_values(r)}
+        values = {"name": _label(r, fmt), "count": r.count, "share": r.share, "gpu_share": r.gpu.share,
+                  "bound": r.gpu.bound, "comm_overlap": r.gpu.comm_overlap,
+                  "peak_allocated_mib": r.peak_allocated_mib, **_time_values(r, stepped), **work_values(r)}
         out.append(_scope_values(r, scope) + [values[c.key] for c in columns[len(scope):]])
-    return render(columns, out, fmt)
+    return render(columns, out, fmt, _overview_title(rows, stepped, p50) if fmt != "csv" else None)
+
+
+def _overview_title(rows: list[StageRow], stepped: bool, p50: bool) -> str:
+    if not stepped:
+        return "stages (totals over the trace: it has no step ranges; count: ranges in all)"
+    n = max(r.per_step.n for r in rows if r.per_step is not None)
+    median = "; cpu/gpu p50: the median step" if p50 else ""
+    return f"stages (ms, launches per step: mean over {n:,} recorded step{'s' if n != 1 else ''}{median}; count: ranges in all)"
+
+
+def _launches(value) -> str:
+    """Launches per step: whole numbers as such, fractions (an average over steps) with one decimal."""
+    return f"{value:.0f}" if float(value).is_integer() else f"{value:.1f}"
+
+
+def _time_values(row: StageRow, stepped: bool) -> dict:
+    """The overview's times of ``row``: per step (its :class:`StepSpread`; totals over its steps for the counts
+    and waits) when ``stepped``, else totals; None where it has none."""
+    g, spread = row.gpu, row.per_step
+    if not stepped:
+        return {"cpu_ms": row.cpu_ms.total, "gpu_ms": row.gpu_ms.total if row.gpu_ms else None,
+                "idle_ms": g.idle_ms, "launches": g.launches, "sync_ms": g.sync_ms, "comm_ms": g.comm_ms}
+    if spread is None:
+        return dict.fromkeys(("cpu_ms", "cpu_p50", "gpu_ms", "gpu_p50", "idle_ms", "launches", "sync_ms", "comm_ms"))
+    per = lambda v: v / spread.n if v is not None else None
+    return {"cpu_ms": spread.cpu_mean_ms, "cpu_p50": spread.cpu_p50_ms, "gpu_ms": spread.gpu_mean_ms,
+            "gpu_p50": spread.gpu_p50_ms, "idle_ms": spread.idle_mean_ms, "launches": per(g.launches),
+            "sync_ms": per(g.sync_ms), "comm_ms": per(g.comm_ms)}
 
 
 #: The overview's work columns (runs with a work sidecar): per step, :class:`traces.work.WorkFigures`.
@@ -99,15 +131,17 @@ def _flat(row: StageRow, fmt: str = "csv") -> dict:
     d.update(row.gpu.to_dict())
     spread = row.per_step
     d.update({f"step_{k}": getattr(spread, k) if spread else None
-              for k in ("n", "cpu_mean_ms", "cpu_sd_ms", "gpu_mean_ms", "gpu_sd_ms")})
+              for k in ("n", "cpu_mean_ms", "cpu_sd_ms", "gpu_mean_ms", "gpu_sd_ms", "cpu_p50_ms", "gpu_p50_ms",
+                        "idle_mean_ms")})
     return d
 
 
 #: CSV columns: every scalar of a row (docs/traces.md lists them).
 CSV_KEYS = ("rank", "step", "name", "parent", "count", *(f"{p}_{k}_ms" for p in ("cpu", "gpu") for k in _STATS),
             "gpu_span_ms", "self_ms", "share", "gpu_share", "launches", "sync_ms", "wait_ms", "bound",
-            "comm_ms", "comm_overlap", "peak_allocated_mib", "peak_reserved_mib", "step_n",
-            "step_cpu_mean_ms", "step_cpu_sd_ms", "step_gpu_mean_ms", "step_gpu_sd_ms")
+            "comm_ms", "comm_overlap", "idle_ms", "host_op_ms", "peak_allocated_mib", "peak_reserved_mib", "step_n",
+            "step_cpu_mean_ms", "step_cpu_sd_ms", "step_gpu_mean_ms", "step_gpu_sd_ms", "step_cpu_p50_ms",
+            "step_gpu_p50_ms", "step_idle_mean_ms")
 
 
 #: CSV columns added when a row has work (a run with a work sidecar).

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from traces.events import MEMORY_OP_PREFIXES, TraceData
+from traces.intervals import merge, union_length
 
 #: Kinds of GPU op.
 COMPUTE, MEMORY, COMM = 0, 1, 2
@@ -26,6 +27,16 @@ COMPUTE, MEMORY, COMM = 0, 1, 2
 def is_comm_kernel(name: str) -> bool:
     """Whether a GPU op is a communication (NCCL) kernel."""
     return "nccl" in name.lower()
+
+
+#: Name parts of matrix-multiply kernels (cuBLAS / cuBLASLt / CUTLASS / nvjet / Triton matmuls).
+GEMM_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "matmul", "wgmma", "s16816", "s1688", "cublas")
+
+
+def is_gemm_kernel(name: str) -> bool:
+    """Whether a kernel is a matrix multiply, by the name parts of the GEMM libraries (:data:`GEMM_MARKS`)."""
+    lower = name.lower()
+    return any(mark in lower for mark in GEMM_MARKS)
 
 
 def is_memory_op(name: str) -> bool:
@@ -73,8 +84,31 @@ class GpuOps:
         order = np.argsort(start, kind="stable")
         #: every op of the file (matched or not) by start: (start, end, launch time or nan)
         self.device = (start[order], end[order], launch_us[order])
+        self._busy = None
         if len(start):
             self._index_by_pid(data, launch_us, launch_pid, start, end)
+
+    def busy_between(self, lo: float, hi: float) -> float:
+        """How long any GPU op of the file (the device) ran inside ``[lo, hi]`` (O(log n) after the first call)."""
+        if self._busy is None:
+            from traces.operators import Coverage
+
+            self._busy = Coverage(*merge(self.device[0], self.device[1]))
+        return self._busy.between(lo, hi)
+
+    def idle_between(self, lo: float, hi: float) -> float:
+        """How long the device ran no GPU op inside ``[lo, hi]``."""
+        return max(0.0, (hi - lo) - self.busy_between(lo, hi)) if hi > lo else 0.0
+
+    def launched_between(self, pid: int, lo: float, hi: float) -> tuple[float, int]:
+        """(busy us, launches) of the GPU work ``pid`` launched inside the CPU window ``[lo, hi]``."""
+        ops = self.by_pid.get(pid)
+        if ops is None:
+            return 0.0, 0
+        i0, i1 = ops.window(lo, hi)
+        if i1 <= i0:
+            return 0.0, 0
+        return union_length(ops.start_us[i0:i1], ops.end_us[i0:i1]), ops.launches(i0, i1)
 
     def _index_by_pid(self, data, launch_us, launch_pid, start, end) -> None:
         matched = ~np.isnan(launch_us)

@@ -6,7 +6,9 @@ step) pairs) when the trace has step ranges, else totals. With several ranks, a 
 spans the per-rank minimum to maximum (the value label sits at the whisker's end). With ``--diff``, each bar has a pale twin above it: the
 baseline. Right panel (several ranks, or ``--by-step``): a heat map of CPU ms per stage and rank (or
 step), each cell labelled and shaded from the stage's smallest (white) to its largest value (dark), so
-the straggler of each stage stands out. Colours come from
+the straggler of each stage stands out. The title carries the headline: the root stage's ms per step, GPU busy,
+and the x roofline of the stages with work records (:func:`roofline_line`); stages under :data:`FOLD_SHARE` of
+the step are folded into one grey bar, "other". Colours come from
 ``instrumentation.stages.STAGE_COLORS`` (one per stage, as in Nsight Systems); other names get
 colours of matplotlib's ``tab20``.
 """
@@ -109,6 +111,18 @@ def fold(rows: list[StageRow], steps: int | None) -> tuple[list[StageRow], list[
     return shown, folded
 
 
+def roofline_line(rows: list[StageRow]) -> str | None:
+    """The stages' x roofline (GPU ms over roofline ms, from the run's work records), largest first, and that
+    of their sum; None when no stage has one."""
+    with_x = sorted((r for r in rows if r.work is not None and r.work.x_roofline is not None),
+                    key=lambda r: -r.work.x_roofline)
+    if not with_x:
+        return None
+    total = sum(r.work.x_roofline * r.work.roofline_ms for r in with_x) / sum(r.work.roofline_ms for r in with_x)
+    parts = ", ".join(f"{r.name.rsplit('/', 1)[-1]} {r.work.x_roofline:.1f}" for r in with_x)
+    return f"x roofline {total:.1f} over {len(with_x)} stages ({parts})"
+
+
 def _title(report: Report, several: bool) -> str:
     head, title = report.headline, "per-stage CPU and GPU time"
     if head is not None and head.num_ranges:
@@ -117,7 +131,14 @@ def _title(report: Report, several: bool) -> str:
             title = title.replace("per range", "per step")
         if head.gpu_busy_pct is not None:
             title += f", GPU busy {head.gpu_busy_pct:.1f}%"
-    return title + (" (whiskers: min-max over ranks)" if several else "")
+    title += " (whiskers: min-max over ranks)" if several else ""
+    rooflines = roofline_line(report.stages)
+    return title if rooflines is None else title + "\n" + rooflines
+
+
+def folded_label(folded: list[StageRow]) -> str:
+    """The label of the one bar of the folded stages."""
+    return f"other: {len(folded)} stages < {FOLD_SHARE:.0%} each"
 
 
 def _bars(ax, report: Report, before: list[StageRow] | None) -> None:
@@ -144,7 +165,7 @@ def _bars(ax, report: Report, before: list[StageRow] | None) -> None:
         _bar(ax, y - _BAR / 2, sum(c for c, _ in values), _FOLDED_COLOR)
         gpus = [g for _, g in values if g is not None]
         _bar(ax, y + _BAR / 2, sum(gpus) if gpus else None, _FOLDED_COLOR, hatch="///", alpha=0.55)
-        labels.append(f"{len(folded)} stages < {FOLD_SHARE:.0%} each")
+        labels.append(folded_label(folded))
     _tree_labels(ax, [2 * i for i in range(len(labels))], labels)
     ax.invert_yaxis()
     unit = "ms per step" if steps or any(r.per_step for r in report.stages) else "ms (total)"

@@ -3,8 +3,8 @@
 :class:`StageRow` is the one row type of every per-stage table of the project: the trace report,
 the demo's live-timer table and the benchmarks build rows with :meth:`StageRow.from_samples` and
 print them with :func:`traces.format.format_table`. Rows serialise to the JSON schema of
-``docs/traces.md`` (:meth:`StageRow.to_dict`) and back (:func:`row_from_dict`, which also reads
-schema version 1). Their public import path is :mod:`traces.rows`, which also names the table.
+``docs/traces.md`` (:meth:`StageRow.to_dict`) and back (:func:`traces.saved.row_from_dict`, which
+also reads schema version 1). Their public import path is :mod:`traces.rows`, which also names the table.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from traces.names import printable
 from traces.work import WorkFigures
 
-BOUNDS = ("host", "gpu", "sync", "mixed")
+#: Verdicts of a stage (docs/traces.md, *Verdict*): ``memory`` / ``compute`` refine ``gpu`` where the stage's work is
+#: known; ``idle`` is a ``host`` stage whose host runs no operator most of the time either.
+BOUNDS = ("host", "gpu", "sync", "mixed", "memory", "compute", "idle")
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -66,21 +67,29 @@ class StepSpread:
     """Sample standard deviation over the pairs (None for a single pair)."""
     gpu_mean_ms: float | None = None
     gpu_sd_ms: float | None = None
+    cpu_p50_ms: float | None = None
+    """Median over the pairs (the middle step); None in reports of schema < 4."""
+    gpu_p50_ms: float | None = None
+    idle_mean_ms: float | None = None
+    """GPU idle inside its ranges per pair (:attr:`GpuFigures.idle_ms`); None without GPU activity."""
 
     def __post_init__(self):
         if self.n < 1:
             raise ValueError(f"n must be >= 1; got {self.n}")
 
     @classmethod
-    def of(cls, cpu_ms: list[float], gpu_ms: list[float] | None) -> "StepSpread":
-        """From per-pair totals (``gpu_ms`` None on a CPU trace)."""
+    def of(cls, cpu_ms: list[float], gpu_ms: list[float] | None, idle_ms: list[float] | None = None) -> "StepSpread":
+        """From per-pair totals (``gpu_ms`` / ``idle_ms`` None on a CPU trace)."""
         mean_sd = lambda v: (math.fsum(v) / len(v), _sd(v))
         gpu = mean_sd(gpu_ms) if gpu_ms else (None, None)
-        return cls(len(cpu_ms), *mean_sd(cpu_ms), *gpu)
+        p50 = lambda v: percentile(sorted(v), 0.5) if v else None
+        idle = math.fsum(idle_ms) / len(idle_ms) if idle_ms else None
+        return cls(len(cpu_ms), *mean_sd(cpu_ms), *gpu, p50(cpu_ms), p50(gpu_ms), idle)
 
     def to_dict(self) -> dict:
         return {"n": self.n, "cpu_mean_ms": self.cpu_mean_ms, "cpu_sd_ms": self.cpu_sd_ms,
-                "gpu_mean_ms": self.gpu_mean_ms, "gpu_sd_ms": self.gpu_sd_ms}
+                "gpu_mean_ms": self.gpu_mean_ms, "gpu_sd_ms": self.gpu_sd_ms, "cpu_p50_ms": self.cpu_p50_ms,
+                "gpu_p50_ms": self.gpu_p50_ms, "idle_mean_ms": self.idle_mean_ms}
 
 
 def _sd(values: list[float]) -> float | None:
@@ -132,11 +141,15 @@ class GpuFigures:
     wait_ms: float | None = None
     """Host time in syncs inside its CPU ranges (whatever work they waited for)."""
     bound: str | None = None
-    """``host``, ``gpu`` or ``sync`` (rule in docs/traces.md)."""
+    """One of :data:`BOUNDS` (rule in docs/traces.md)."""
     comm_ms: float | None = None
     """Union of its communication (NCCL) kernels."""
     comm_overlap: float | None = None
     """Fraction (0-1) of ``comm_ms`` overlapped by its computation kernels; None without comm."""
+    idle_ms: float | None = None
+    """Time inside its CPU ranges when the GPU (the device: any op of the file) ran nothing, summed over ranges."""
+    host_op_ms: float | None = None
+    """Time inside its CPU ranges when its process ran a host operator (``cpu_op``); None without operators."""
 
     def __post_init__(self):
         if self.bound is not None and self.bound not in BOUNDS:
@@ -149,7 +162,7 @@ class GpuFigures:
     def to_dict(self) -> dict:
         return {"gpu_share": self.share, "launches": self.launches, "sync_ms": self.sync_ms,
                 "wait_ms": self.wait_ms, "bound": self.bound, "comm_ms": self.comm_ms,
-                "comm_overlap": self.comm_overlap}
+                "comm_overlap": self.comm_overlap, "idle_ms": self.idle_ms, "host_op_ms": self.host_op_ms}
 
 
 @dataclass(frozen=True)
@@ -221,54 +234,31 @@ class StageRow:
         return out
 
 
-#: Figures of a saved row that are never negative (``self_ms`` may be, by rounding: finite only).
-_NON_NEGATIVE = ("count", "cpu_ms", "gpu_ms", "gpu_span_ms", "share", "peak_allocated_mib", "peak_reserved_mib",
-                 "gpu_share", "launches", "sync_ms", "wait_ms", "comm_ms", "comm_overlap", "per_step")
+@dataclass(frozen=True)
+class SlowOperator:
+    """A host operator with slow calls in one stage (:mod:`traces.operators`): merged over the report's files."""
 
+    name: str
+    """The operator (``aten::_cudnn_attention_forward``)."""
+    stage: str | None
+    """The innermost stage whose range holds its slow calls (None: outside every stage)."""
+    calls: int
+    """All its calls in the report's files (any stage)."""
+    slow_calls: int
+    host_ms: float
+    """Mean host time of a slow call (its duration minus sync waits)."""
+    median_ms: float
+    """Its median host time per call over all calls (histogram bins ~4% apart)."""
+    gpu_ms: float
+    """Mean busy time of the GPU work a slow call launched."""
+    launches: float
+    """Mean launches of a slow call."""
+    excess_ms: float
+    """Summed over its slow calls: host time above the reference (median or GPU time), at most the GPU's idle time."""
+    rule: str
+    """``median`` or ``gpu``: which reference most of the excess is measured from."""
 
-def _check_figures(d: dict) -> None:
-    """``ValueError`` naming the first figure of a saved row that is not a finite number (>= 0 where it must be)."""
-    for key in _NON_NEGATIVE + ("self_ms",):
-        value = d.get(key)
-        items = value.items() if isinstance(value, dict) and key in ("cpu_ms", "gpu_ms", "per_step") else \
-            [(None, value)]
-        for sub, v in items:
-            if v is None:
-                continue
-            low = 0.0 if key in _NON_NEGATIVE else -math.inf
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < low:
-                what = "a finite number >= 0" if low == 0.0 else "a finite number"
-                raise ValueError(f"{key}{'.' + str(sub) if sub else ''}: {v!r} is not {what}")
-
-
-def row_from_dict(d: dict) -> StageRow:
-    """A :class:`StageRow` from its JSON form (a ``stages`` entry of a saved report, schema 1 to 4; names made
-    printable as :mod:`traces.names` does for traces)."""
-    try:
-        _check_figures(d)
-        gpu, spread = d.get("gpu_ms"), d.get("per_step")
-        figures = GpuFigures(d.get("gpu_share"), d.get("launches"), d.get("sync_ms"), d.get("wait_ms"),
-                             d.get("bound"), d.get("comm_ms"), d.get("comm_overlap"))
-        parent = d.get("parent")
-        return StageRow(name=printable(str(d["name"])), count=int(d["count"]), cpu_ms=Stats(**d["cpu_ms"]),
-                        gpu_ms=Stats(**gpu) if gpu else None, gpu_span_ms=d.get("gpu_span_ms"),
-                        self_ms=d.get("self_ms"), share=d.get("share"),
-                        peak_allocated_mib=d.get("peak_allocated_mib"),
-                        peak_reserved_mib=d.get("peak_reserved_mib"), gpu=figures,
-                        parent=None if parent is None else printable(str(parent)), per_step=StepSpread(**spread) if spread else None,
-                        work=_work_from_dict(d.get("work")))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"stage entry {d.get('name', '?')!r} is not a report row ({exc})") from None
-
-
-def _work_from_dict(d) -> WorkFigures | None:
-    """The ``work`` object of a schema-4 row (None when absent)."""
-    if d is None:
-        return None
-    for key in ("flops", "bytes", "roofline_ms", "x_roofline"):
-        v = d.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
-            raise ValueError(f"work.{key}: {v!r} is not a finite number >= 0")
-    if d.get("limit") not in (None, "memory", "compute"):
-        raise ValueError(f"work.limit: {d.get('limit')!r} is not 'memory' or 'compute'")
-    return WorkFigures(d["flops"], d["bytes"], d.get("roofline_ms"), d.get("x_roofline"), d.get("limit"))
+    def to_dict(self) -> dict:
+        return {"name": self.name, "stage": self.stage, "calls": self.calls, "slow_calls": self.slow_calls,
+                "host_ms": self.host_ms, "median_ms": self.median_ms, "gpu_ms": self.gpu_ms,
+                "launches": self.launches, "excess_ms": self.excess_ms, "rule": self.rule}

@@ -9,18 +9,19 @@ GPU activity. The straggler of a stage is the rank with the largest CPU total fo
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from instrumentation import stages as S
 from traces.compute import StageInstance, assign_steps, file_instances, profiler_steps
-from traces.figures import bound, group_gpu, slowest_call, top_kernels
+from traces.figures import GPU_FRACTION, HOST_FRACTION, bound, group_gpu, slowest_call, top_kernels
 from traces.gpu import GpuOps
 from traces.headline import Headline, headline
 from traces.host import SyncWaits
 from traces.load import LoadedSet
-from traces.records import GpuFigures, StageRow, Stats, StepSpread
+from traces.operators import SlowCall, host_cover, slow_calls, slow_operators
+from traces.spreads import step_spreads, stragglers, with_spreads
+from traces.records import GpuFigures, KernelRow, SlowOperator, StageRow, Stats
 from traces.work import read_work, stage_work
 
 SCHEMA_VERSION = 4
@@ -46,12 +47,17 @@ class Report:
     rank_spread: dict[str, dict] = field(default_factory=dict)
     diff: list[dict] | None = None
     warnings: list[str] = field(default_factory=list)
+    #: Host operators with slow calls (:mod:`traces.operators`), largest excess first.
+    operators: list[SlowOperator] = field(default_factory=list)
+    #: Every kernel name of the stages that findings may need (GPU-bound with work), most GPU time first.
+    stage_kernels: dict[str, tuple[KernelRow, ...]] = field(default_factory=dict)
 
     def to_dict(self, by_rank: bool = False, by_step: bool = False) -> dict:
         """The JSON document (``schema_version`` 4; the CLI adds ``findings``)."""
         out = {"schema_version": SCHEMA_VERSION, "sources": self.sources, "ranks": self.ranks,
                "headline": self.headline.to_dict() if self.headline else None,
-               "stages": [r.to_dict() for r in self.stages]}
+               "stages": [r.to_dict() for r in self.stages],
+               "slow_operators": [o.to_dict() for o in self.operators]}
         if by_rank:
             out["per_rank"] = {str(k): {"headline": _dict_or_none(self.rank_headline.get(k)),
                                         "stages": [r.to_dict() for r in v]}
@@ -98,12 +104,28 @@ def _gpu_figures(group: list[StageInstance], root_busy: float | None) -> GpuFigu
     if group[0].gpu_busy_us is None:
         return GpuFigures()
     g = group_gpu(group)
+    idle = sum(i.gpu_idle_us or 0.0 for i in group)
+    host_ops = [i.host_op_us for i in group if i.host_op_us is not None]
+    host_op = sum(host_ops) if host_ops else None
     return GpuFigures(
         share=min(1.0, g.busy_us / root_busy) if root_busy else None,
         launches=sum(i.launches or 0 for i in group),
         sync_ms=sum(i.sync_us or 0.0 for i in group) / 1e3, wait_ms=g.wait_us / 1e3,
-        bound=bound(g.busy_us, g.wait_us, g.window_us), comm_ms=g.comm_us / 1e3,
-        comm_overlap=min(1.0, g.overlap_us / g.comm_us) if g.comm_us > 0 else None)
+        bound=idle_bound(bound(g.busy_us, g.wait_us, g.window_us), idle, host_op, g.window_us),
+        comm_ms=g.comm_us / 1e3,
+        comm_overlap=min(1.0, g.overlap_us / g.comm_us) if g.comm_us > 0 else None,
+        idle_ms=idle / 1e3, host_op_ms=host_op / 1e3 if host_op is not None else None)
+
+
+def idle_bound(verdict: str, idle_us: float, host_op_us: float | None, window_us: float) -> str:
+    """``idle`` for a ``host`` verdict when the device idles more than 60% of the window and the host runs
+    operators less than 40% of it (neither side works: Python, I/O, or a wait outside the trace); else
+    ``verdict``. Without operator events (older traces, nsys exports) never ``idle``."""
+    if verdict != "host" or host_op_us is None or window_us <= 0:
+        return verdict
+    if idle_us > GPU_FRACTION * window_us and host_op_us < HOST_FRACTION * window_us:
+        return "idle"
+    return verdict
 
 
 def _row(name: str, group: list[StageInstance], context: dict, row_fields: dict) -> StageRow:
@@ -165,12 +187,13 @@ def build_rows(instances: list[StageInstance], span_us: float, kernels: int = 0,
 
 @dataclass
 class _File:
-    """One file's data with its GPU index, host waits and stage instances."""
+    """One file's data with its GPU index, host waits, stage instances and slow operator calls."""
 
     data: object
     gpu: GpuOps
     waits: SyncWaits
     instances: list[StageInstance]
+    slow: list[SlowCall]
 
 
 def _read(loaded: LoadedSet, prefix: str) -> list[_File]:
@@ -178,7 +201,15 @@ def _read(loaded: LoadedSet, prefix: str) -> list[_File]:
     for data in loaded.files:
         gpu = GpuOps(data)
         waits = SyncWaits(data, gpu)
-        out.append(_File(data, gpu, waits, file_instances(data, data.rank, prefix, gpu, waits)))
+        instances = file_instances(data, data.rank, prefix, gpu, waits)
+        cover = host_cover(data.ops) if len(data.ops) else None
+        for inst in instances:
+            if gpu.available:
+                inst.gpu_idle_us = gpu.idle_between(inst.start_us, inst.end_us)
+            if cover is not None:
+                c = cover.get(inst.pid)
+                inst.host_op_us = c.between(inst.start_us, inst.end_us) if c is not None else 0.0
+        out.append(_File(data, gpu, waits, instances, slow_calls(data.ops, gpu, waits)))
     return out
 
 
@@ -192,29 +223,6 @@ def _rank_headline(files: list[_File]) -> Headline | None:
     return headline(root, windows, any(f.gpu.available for f in files))
 
 
-def _step_spreads(instances: list[StageInstance]) -> dict[str, StepSpread]:
-    """Per stage: its totals per (rank, step) pair over every pair that has a step range."""
-    pairs = sorted({(i.rank, i.step) for i in instances if i.name == STEP_NAME and i.step is not None})
-    if not pairs:
-        return {}
-    cpu: dict[tuple, float] = {}
-    gpu: dict[tuple, float] = {}
-    has_gpu = any(i.gpu_busy_us is not None for i in instances)
-    for inst in instances:
-        if inst.step is not None:
-            key = (inst.name, inst.rank, inst.step)
-            cpu[key] = cpu.get(key, 0.0) + inst.cpu_us / 1e3
-            gpu[key] = gpu.get(key, 0.0) + (inst.gpu_busy_us or 0.0) / 1e3
-    names = {k[0] for k in cpu}
-    return {n: StepSpread.of([cpu.get((n, *p), 0.0) for p in pairs],
-                             [gpu.get((n, *p), 0.0) for p in pairs] if has_gpu else None)
-            for n in names}
-
-
-def _with_spreads(rows: list[StageRow], spreads: dict[str, StepSpread]) -> list[StageRow]:
-    return [replace(r, per_step=spreads.get(r.name)) for r in rows]
-
-
 def _with_work(rows: list[StageRow], instances: list[StageInstance], report: Report) -> list[StageRow]:
     """``rows`` with the work of the run's sidecars (:mod:`traces.work`) over its steps; unchanged without."""
     pairs = {(i.rank, i.step) for i in instances if i.name == STEP_NAME and i.step is not None}
@@ -223,22 +231,14 @@ def _with_work(rows: list[StageRow], instances: list[StageInstance], report: Rep
         return rows
     gpu = {r.name: r.per_step.gpu_mean_ms for r in rows if r.per_step is not None}
     work = stage_work(lines, pairs, gpu)
-    return [replace(r, work=work.get(r.name)) for r in rows]
+    return [work_bound(replace(r, work=work.get(r.name))) for r in rows]
 
 
-def _spread(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
-def _stragglers(report: Report) -> None:
-    for row in report.stages:
-        totals = {rank: r.cpu_ms.total for rank, rows in report.per_rank.items()
-                  for r in rows if r.name == row.name}
-        gpu_totals = [r.gpu_ms.total for rows in report.per_rank.values() for r in rows
-                      if r.name == row.name and r.gpu_ms is not None]
-        report.straggler[row.name] = max(totals, key=lambda k: (totals[k], -k))
-        report.rank_spread[row.name] = {"cpu_total_ms": _spread(list(totals.values())),
-                                        "gpu_total_ms": _spread(gpu_totals) if gpu_totals else None}
+def work_bound(row: StageRow) -> StageRow:
+    """A ``gpu`` verdict refined to its work's limit (``memory`` or ``compute``) when the row has one."""
+    if row.gpu.bound == "gpu" and row.work is not None and row.work.limit is not None:
+        return replace(row, gpu=replace(row.gpu, bound=row.work.limit))
+    return row
 
 
 def build_report(loaded: LoadedSet, prefix: str, kernels: int = 0, steps: bool = True) -> Report:
@@ -254,20 +254,23 @@ def build_report(loaded: LoadedSet, prefix: str, kernels: int = 0, steps: bool =
     span = {rank: sum(f.data.span_us for f in mine) for rank, mine in by_rank.items()}
     rows = build_rows(instances, sum(span.values()), kernels)
     report = Report(sources=[f.data.path for f in files], ranks=ranks,
-                    stages=_with_spreads(rows, _step_spreads(instances)),
+                    stages=with_spreads(rows, step_spreads(instances)),
                     warnings=list(loaded.warnings))
     report.stages = _with_work(report.stages, instances, report)
+    report.operators = slow_operators([(f.slow, f.instances, f.data.ops) for f in files])
+    report.stage_kernels = _stage_kernels(report.stages, instances)
     for rank, mine in by_rank.items():
-        rank_rows = build_rows([i for f in mine for i in f.instances], span[rank], kernels, rank=rank)
+        rank_instances = [i for f in mine for i in f.instances]
+        rank_rows = build_rows(rank_instances, span[rank], kernels, rank=rank)
         if rank_rows:
-            report.per_rank[rank] = rank_rows
+            report.per_rank[rank] = with_spreads(rank_rows, step_spreads(rank_instances))
         head = _rank_headline(mine)
         if head is not None:
             report.rank_headline[rank] = head
     report.headline = Headline.total(list(report.rank_headline.values()))
     if steps:
         _per_step(report, instances)
-    _stragglers(report)
+    stragglers(report)
     return report
 
 
@@ -279,6 +282,13 @@ def _per_step(report: Report, instances: list[StageInstance]) -> None:
             by_step.setdefault(inst.step, []).append(inst)
             by_rank_step.setdefault((inst.rank, inst.step), []).append(inst)
     for k in sorted(by_step):
-        report.per_step[k] = build_rows(by_step[k], 0.0, step=k)
+        report.per_step[k] = with_spreads(build_rows(by_step[k], 0.0, step=k), step_spreads(by_step[k]))
     for (rank, k) in sorted(by_rank_step):
         report.per_rank_step[(rank, k)] = build_rows(by_rank_step[(rank, k)], 0.0, rank=rank, step=k)
+
+
+def _stage_kernels(rows: list[StageRow], instances: list[StageInstance]) -> dict[str, tuple[KernelRow, ...]]:
+    """Every kernel name (most GPU time first) of the rows the findings set against their roofline."""
+    wanted = {r.name for r in rows if r.work is not None and r.work.roofline_ms and r.gpu.bound in
+              ("gpu", "memory", "compute")}
+    return {name: top_kernels([i for i in instances if i.name == name], 1 << 30) for name in wanted}

@@ -9,7 +9,8 @@ no numpy), and nothing it imports imports it back.
 from __future__ import annotations
 
 from traces.records import (BOUNDS, GpuFigures, KernelRow, SlowestCall, StageRow, Stats,  # noqa: F401
-                            StepSpread, percentile, row_from_dict)
+                            StepSpread, percentile)
+from traces.saved import row_from_dict  # noqa: F401
 
 
 def __getattr__(name: str):

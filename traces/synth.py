@@ -237,3 +237,9 @@ def memory(ts: float, allocated: int, reserved: int = 0, pid: int = 1, device_ty
             "tid": 1, "ts": ts, "args": {"Total Reserved": reserved, "Total Allocated": allocated,
                                           "Bytes": 0, "Device Id": device_id,
                                           "Device Type": device_type}}
+
+
+def cpu_op(name: str, ts: float, dur: float, pid: int = 1, tid: int = 1) -> dict:
+    """A host operator call (a ``cpu_op`` complete event, as torch.profiler writes ``aten::mm``)."""
+    return {"ph": "X", "cat": "cpu_op", "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur,
+            "args": {"External id": 1, "Record function id": 0}}

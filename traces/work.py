@@ -4,8 +4,9 @@
 stage, a negative or non-finite number) is skipped, with one warning per file naming it. :func:`stage_work` sets
 each stage's work over the (rank, step) pairs of the trace against the recorded peak rates: per step,
 ``roofline ms = max(bytes / copy bytes/s, flops / peak FLOP/s)`` summed over the stage's lines and divided by the
-number of pairs; ``limit`` is ``memory`` or ``compute``, whichever term is the larger in all. A trace without
-sidecars gets no work (its report is unchanged).
+number of pairs, where a line's exact ``roofline_s`` (decode's: a sum over its steps, written when the run knew its
+rates) is preferred to that max (older lines have none); ``limit`` is ``memory`` or ``compute``, whichever term is
+the larger in all. A trace without sidecars gets no work (its report is unchanged).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class WorkLine:
     bytes: float
     peak_flops_s: Optional[float]
     copy_bytes_s: Optional[float]
+    roofline_s: Optional[float] = None
+    """The line's exact least time (seconds) at the run's rates; None: max(bytes / copy, flops / peak)."""
 
 
 @dataclass(frozen=True)
@@ -71,16 +74,16 @@ def parse_line(text: str) -> WorkLine:
     for key in _COUNTS:
         if isinstance(d.get(key), bool) or not isinstance(d.get(key), int) or d[key] < 0:
             raise ValueError(f"{key}: {d.get(key)!r} is not an int >= 0")
-    for key in ("flops", "bytes") + _RATES:
+    for key in ("flops", "bytes") + _RATES + ("roofline_s",):
         value = d.get(key)
-        optional = key in _RATES and value is None
+        optional = key in _RATES + ("roofline_s",) and value is None
         if not optional and (isinstance(value, bool) or not isinstance(value, (int, float))
                              or not math.isfinite(value) or value < 0 or (key in _RATES and value == 0)):
             raise ValueError(f"{key}: {value!r} is not a finite number >= 0")
     if d.get("stage") not in S.ALL_STAGES:
         raise ValueError(f"stage: {d.get('stage')!r} is not a stage")
     return WorkLine(d["rank"], d["step"], S.range_name(d["stage"]), float(d["flops"]), float(d["bytes"]),
-                    d.get("peak_flops_s"), d.get("copy_bytes_s"))
+                    d.get("peak_flops_s"), d.get("copy_bytes_s"), d.get("roofline_s"))
 
 
 def read_file(path: str, warnings: list[str]) -> list[WorkLine]:
@@ -126,7 +129,8 @@ def _figures(lines: list[WorkLine], num_pairs: int, gpu_ms: Optional[float]) -> 
         return WorkFigures(flops, num_bytes)
     memory_s = sum(x.bytes / x.copy_bytes_s for x in lines)
     compute_s = sum(x.flops / x.peak_flops_s for x in lines)
-    roofline_ms = sum(work_roofline_s(x.flops, x.bytes, Rates(x.copy_bytes_s, x.peak_flops_s))
+    roofline_ms = sum(x.roofline_s if x.roofline_s is not None else
+                      work_roofline_s(x.flops, x.bytes, Rates(x.copy_bytes_s, x.peak_flops_s))
                       for x in lines) * 1e3 / num_pairs
     x_roofline = gpu_ms / roofline_ms if gpu_ms is not None and roofline_ms > 0 else None
     return WorkFigures(flops, num_bytes, roofline_ms, x_roofline, "memory" if memory_s >= compute_s else "compute")

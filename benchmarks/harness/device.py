@@ -1,6 +1,7 @@
 """Device measurements shared by the benchmarks: the rates the rooflines divide by, CUDA-graph replay timing.
 
-The roofline formulas are in :mod:`instrumentation.roofline` (no torch); what they divide by is measured here.
+The roofline formulas are in :mod:`instrumentation.roofline` (no torch); what they divide by is measured here, on
+CUDA with :func:`instrumentation.rates.measure_cuda_rates` (the profiler's per-run probe, at larger sizes).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import statistics
 import torch
 
 from benchmarks.harness.rounds import Timer
+from instrumentation.rates import event_ms, measure_cuda_rates
 from instrumentation.roofline import Rates
 
 #: Bytes of the device copy that measures the copy rate on CUDA (1 GiB), and elements of the GEMM side.
@@ -22,22 +24,6 @@ CPU_GEMM_SIZE = 512
 
 def is_cuda(device) -> bool:
     return str(device).startswith("cuda")
-
-
-def event_ms(fn, iters: int, warmup: int = 3) -> list[float]:
-    """Milliseconds of ``iters`` calls of ``fn`` on the current CUDA stream, each between two CUDA events (after
-    ``warmup`` untimed calls)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def capture(fn) -> "torch.cuda.CUDAGraph":
@@ -57,16 +43,7 @@ def measure_rates(device: str, dtype: torch.dtype) -> Rates:
     """The copy rate (bytes read + written per second) and the GEMM rate in ``dtype``: on CUDA a 1 GiB device copy
     and an 8192^3 matmul (medians of 10 after 3 warm-ups, CUDA events); on a CPU small stand-ins (wall clock)."""
     if is_cuda(device):
-        x = torch.empty(CUDA_COPY_BYTES, dtype=torch.uint8, device=device)
-        y = torch.empty_like(x)
-        copy_s = statistics.median(event_ms(lambda: y.copy_(x), 10)) / 1e3
-        del x, y
-        a = torch.randn(CUDA_GEMM_SIZE, CUDA_GEMM_SIZE, device=device, dtype=dtype)
-        b = torch.randn_like(a)
-        gemm_s = statistics.median(event_ms(lambda: a @ b, 10)) / 1e3
-        del a, b
-        torch.cuda.empty_cache()  # later memory decisions read the free memory
-        return Rates(2 * CUDA_COPY_BYTES / copy_s, 2 * CUDA_GEMM_SIZE ** 3 / gemm_s)
+        return measure_cuda_rates(device, dtype, CUDA_COPY_BYTES, CUDA_GEMM_SIZE, iters=10)
     timer = Timer(device)
     x = torch.empty(CPU_COPY_FLOATS, dtype=torch.float32)
     y = torch.empty_like(x)

@@ -70,7 +70,11 @@ class JobConfig:
     """Where rank 0 writes the run's JSON report (every rank's figures); None writes none."""
     peak_tflops: Optional[float] = None
     """The device's peak FLOP/s (TFLOP/s) that MFU divides by; None: the data-sheet figure of a listed GPU
-    (``instrumentation.mfu.PEAK_TFLOPS``), no MFU elsewhere (the CPU included)."""
+    (``instrumentation.mfu.PEAK_TFLOPS``), no MFU elsewhere (the CPU included). Given, it also sets
+    ``OPSD_PEAK_TFLOPS`` for the profiler's work rooflines (``instrumentation.rates``)."""
+    peak_tbps: Optional[float] = None
+    """The device's copy rate (TB/s, bytes read + written) the profiler's work rooflines divide by: sets
+    ``OPSD_PEAK_TBPS`` (``instrumentation.rates``); None: measured on the GPU, else a listed GPU's data sheet."""
     print_every: int = 2
     """Print the first two rollout rows decoded at step 1 and every this many steps after it, and at
     the last step (tokenizers that decode only, e.g. ``smollm2-135m``); 0 prints none."""
@@ -92,6 +96,8 @@ class JobConfig:
                 "lr", f"must be a finite number > 0; got {self.lr!r}")
         require(self.peak_tflops is None or (is_number(self.peak_tflops) and self.peak_tflops > 0),
                 "peak_tflops", f"must be a finite number > 0; got {self.peak_tflops!r}")
+        require(self.peak_tbps is None or (is_number(self.peak_tbps) and self.peak_tbps > 0),
+                "peak_tbps", f"must be a finite number > 0; got {self.peak_tbps!r}")
         require(_is_count(self.print_every, 0), "print_every", f"must be an int >= 0; got {self.print_every!r}")
         require(self.teacher_offload in (0, 1) and not isinstance(self.teacher_offload, bool), "teacher_offload",
                 f"must be 0 or 1; got {self.teacher_offload!r}")

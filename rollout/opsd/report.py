@@ -33,17 +33,24 @@ class StepFlops:
         else:
             self.peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
-    def mfu(self, mask, extra: dict, samples: int, result) -> Optional[float]:
-        """None without a peak: off CUDA or on a GPU not in the table, unless ``peak_tflops`` was given (no host
-        sync then)."""
-        if self.peak is None:
-            return None
-        from instrumentation.mfu import mfu, opsd_step_flops
+    def flops(self, mask, extra: dict, samples: int, result) -> float:
+        """Model FLOPs of the step (``instrumentation.mfu.opsd_step_flops``); reading the prompt masks is a host
+        sync, after the step (whose own last sync has left the GPU idle)."""
+        from instrumentation.mfu import opsd_step_flops
 
         prompt_tokens = int(mask.sum()) * samples
         teacher_mask = extra.get("teacher_prompt_attention_mask") if extra else None
         teacher_tokens = int(teacher_mask.sum()) * samples if teacher_mask is not None else None
-        flops = opsd_step_flops(self.student, self.teacher, prompt_tokens, result.num_response_tokens, teacher_tokens)
+        return opsd_step_flops(self.student, self.teacher, prompt_tokens, result.num_response_tokens, teacher_tokens)
+
+    def mfu(self, mask, extra: dict, samples: int, result, flops: Optional[float] = None) -> Optional[float]:
+        """None without a peak: off CUDA or on a GPU not in the table, unless ``peak_tflops`` was given (no host
+        sync then); ``flops``: :meth:`flops` when already computed."""
+        if self.peak is None:
+            return None
+        from instrumentation.mfu import mfu
+
+        flops = self.flops(mask, extra, samples, result) if flops is None else flops
         return mfu(flops, result.step_ms / 1e3, self.peak)
 
 

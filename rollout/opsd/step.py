@@ -167,6 +167,8 @@ class OPSDStep:
                 batch = self.rollout.generate(request, sampling)
                 num_tokens = int(batch.attention_mask[:, request.prompt_len:].sum())  # a sync: the rollout is done
             rollout_s = time.perf_counter() - start
+            work_recorder().rollout(self._student_model, request.prompt_attention_mask, batch.attention_mask,
+                                    sampling.n_samples_per_prompt)  # off: no-op
             loss, _, breakdown = self._distill(batch, teacher_prompts, timer)
         return StepResult(loss, num_tokens, (time.perf_counter() - start) * 1e3, rollout_s * 1e3,
                           num_tokens / rollout_s if rollout_s > 0 else 0.0, self.rollout.get_last_profile(), batch,
@@ -199,7 +201,8 @@ class OPSDStep:
         check_figures(figures, self.teacher_vocab_size)
         plan = agree(plan, max(f.num_micro_batches for f in figures), max(f.num_teacher_forwards for f in figures))
         loss = self._train(inputs, plan, rank_weight(figures, local), timer)
-        work_recorder().training(self._student_model, self._teacher_model, inputs.stats, plan.order)  # off: no-op
+        work_recorder().training(self._student_model, self._teacher_model, inputs.stats, plan.order, config,
+                                 self.train_path == "packed")  # off: no-op
         largest = max(stop - start for start, stop in plan.groups)
         is_packed = self.train_path == "packed"
         tokens = max(inputs.stats.tokens(plan.rows(span), is_packed) for span in plan.groups)
