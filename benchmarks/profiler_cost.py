@@ -65,39 +65,36 @@ class OpsdWorkload:
 
     def __init__(self, train_args: list[str], num_steps: int, fixed_work: bool = False):
         from rollout import SamplingConfig
-        from rollout.job import build_step, make_prompts, parse_args
+        from rollout.job import StepInputs, build_step, parse_args
         from rollout.opsd.engines import init_distributed
 
         args = parse_args(train_args + ["--steps", str(num_steps)])
         job = self.job = args.job
         self.rank, _, self.device = init_distributed()
         self.step = build_step(job, args.opsd, self.device)
-        self.vocab = min(self.step.student_vocab_size, self.step.teacher_vocab_size)
-        self.ids, self.mask = make_prompts(job, self.step.rollout.tokenizer, self.vocab, self.rank, self.device)
+        self.inputs, self.first = StepInputs(job, self.step, self.rank, self.device), None
         self.sampling = SamplingConfig(max_new_tokens=job.max_new_tokens, temperature=job.sampling_temperature,
                                        n_samples_per_prompt=job.samples_per_prompt)
         self.params = _num_params(getattr(self.step, "student", None)), _num_params(getattr(self.step, "teacher", None))
         self.fixed_work = fixed_work
 
+    def _inputs(self, index: int):
+        """The main job's inputs of step ``index`` (drawn in order); with ``fixed_work`` step 0's every time."""
+        if self.fixed_work:  # the same prompts and sampling seed every step: same shapes, no recompiles
+            self.first = self.first or self.inputs(0)
+            return 0, self.first
+        return index, self.inputs(index)
+
     def run(self, index: int) -> dict:
         import dataclasses
 
         from instrumentation.mfu import mfu, opsd_step_flops, peak_flops
-        from rollout.job import self_teacher_prompts
-        from rollout.opsd.job import SELF_TEACHER
+        from rollout.job import step_seed
 
-        job = self.job
-        if self.fixed_work:  # the same prompts and sampling seed every step: same shapes, no recompiles
-            index = 0
-        rows = slice(index * job.batch_size, (index + 1) * job.batch_size)
-        extra = {}
-        if job.teacher == SELF_TEACHER:
-            extra = dict(zip(("teacher_prompt_ids", "teacher_prompt_attention_mask"),
-                             self_teacher_prompts(self.ids[rows], self.mask[rows], self.vocab, job.seed)))
-        seed = job.seed * 100_003 + self.rank * 1009 + index
-        result = self.step.step(self.ids[rows], self.mask[rows], dataclasses.replace(self.sampling, seed=seed),
-                                **extra)
-        prompt_tokens = int(self.mask[rows].sum()) * job.samples_per_prompt
+        index, (_, ids, mask, extra) = self._inputs(index)
+        result = self.step.step(ids, mask, dataclasses.replace(self.sampling, seed=step_seed(self.job.seed, self.rank,
+                                                                                              index)), **extra)
+        prompt_tokens = int(mask.sum()) * self.job.samples_per_prompt
         flops = None
         if None not in self.params:
             flops = opsd_step_flops(self.params[0], self.params[1], prompt_tokens, result.num_response_tokens)

@@ -48,7 +48,7 @@ import time
 from numbers import Real
 from typing import Optional
 
-from instrumentation import rates, runfiles, state, worklog
+from instrumentation import probe, rates, runfiles, state, worklog
 from instrumentation.collect import StageTable, format_stage_rows, summarize
 from instrumentation.config import ProfileConfig
 from instrumentation.environment import check_environment
@@ -154,7 +154,7 @@ class ProfilerSession:
                 self._traces = TraceWindows.start(config, self.run_dir, self.rank)
             self._work = worklog.WorkLog(worklog.work_path(self.run_dir, self.rank), self.rank,  # probe: once a run
                                          rates.resolve_rates(os.environ, rates.device_name(),
-                                                             rates.probe_rates(os.environ)))
+                                                             probe.probe_rates(os.environ)))
         if config.light:
             self._pending = PendingSteps(HUB.backend)
         self._begin_step()

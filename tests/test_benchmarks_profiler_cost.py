@@ -1,6 +1,7 @@
 """benchmarks.profiler_cost on the CPU stand-in workload: it runs, writes its result file, and its
 statistics are right (the GPU figures come from the lead's H200 runs)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,11 +37,12 @@ def test_paired_cost_and_ratio():
     assert noisy["ucb95_t"] > noisy["relative"]
 
 
-def run(*args, tmp_path):
+def run(*args, tmp_path, workload="synthetic", job=()):
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.profiler_cost", *args, "--workload", "synthetic",
-                           "--output-dir", str(tmp_path / "traces"), "--json-out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.profiler_cost", *args, "--workload", workload,
+                           "--output-dir", str(tmp_path / "traces"), "--json-out", str(out), *job],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = results.read(str(out))
     assert doc.schema == 1 and doc.meta["command"][:4] == ["python", "-m", "benchmarks.profiler_cost", args[0]]
@@ -51,6 +53,15 @@ def test_light_measure_runs(tmp_path):
     stdout, result = run("light", "--pairs", "3", "--warmup", "1", tmp_path=tmp_path)
     assert result["pairs"] == 3 and result["order"] == ["on", "off", "off", "on", "on", "off"]
     assert "95% upper bound" in stdout and (Path(result["scalars_dir"]).exists())
+
+
+def test_light_measure_runs_the_main_jobs_step(tmp_path):
+    """The OPSD workload builds the main job's step and inputs (the embedded tiny models on the CPU): it broke
+    silently once when the job's prompt helpers moved."""
+    _, result = run("light", "--pairs", "2", "--warmup", "1", "--fixed-work", tmp_path=tmp_path, workload="opsd",
+                    job=("--", "--batch-size", "1", "--samples-per-prompt", "2", "--max-new-tokens", "4",
+                         "--prompt-len", "8"))
+    assert result["pairs"] == 2 and result["workload"] == "opsd"
 
 
 def test_linger_measure_runs(tmp_path):

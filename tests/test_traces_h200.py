@@ -35,7 +35,12 @@ def union(intervals) -> float:
 
 @pytest.fixture(scope="module")
 def raw():
-    with gzip.open(TRACE, "rt") as f:
+    return read_raw(TRACE)
+
+
+def read_raw(trace: Path) -> dict:
+    """The trace's events indexed by plain Python: opsd ranges, launches by correlation, GPU ops, syncs."""
+    with gzip.open(trace, "rt") as f:
         events = json.load(f)["traceEvents"]
     ranges = defaultdict(list)
     for e in events:
@@ -86,21 +91,21 @@ def test_headline_busy_against_a_plain_union(raw, report):
     assert head["gpu_busy_ms"] + sum(idle.values()) == pytest.approx(head["wall_ms"])
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore:.*inplace")
-def test_headline_against_hta_idle_time_breakdown(raw, report, tmp_path, monkeypatch):
+def check_against_hta(trace: Path, raw, head: dict, tmp_path, monkeypatch, busy_us: float = 0.1) -> None:
+    """The headline of a one-step trace against HTA: busy time (within ``busy_us``), and the idle split (host
+    waits, other)."""
     pytest.importorskip("hta", reason="holistictraceanalysis is not installed (test-only, optional)")
     from tests.test_clients import hta_figures
 
     # HTA rounds every event inward to whole microseconds by default (ceil start, floor end), which
     # on ~60k kernels of 1-5 us takes ~60 ms off the busy time; compare at the trace's resolution
     monkeypatch.setenv("HTA_DISABLE_NS_ROUNDING", "1")
-    os.symlink(TRACE, tmp_path / TRACE.name)
+    os.symlink(trace, tmp_path / trace.name)
     hta = hta_figures(tmp_path)
     (step,) = raw["ranges"]["opsd/step"]
     _, lo, hi = step
     assert all(lo <= e["ts"] and e["ts"] + e["dur"] <= hi for e in raw["gpu"])  # all GPU work inside
-    head = report[0]["headline"]
-    assert head["gpu_busy_ms"] * 1e3 == pytest.approx(hta["busy_us"], abs=0.1)
+    assert head["gpu_busy_ms"] * 1e3 == pytest.approx(hta["busy_us"], abs=busy_us)
     assert hta["streams"] == 1  # one stream: HTA's per-stream idle time is the device's
     before_first = min(e["ts"] for e in raw["gpu"]) - lo
     after_last = hi - max(e["ts"] + e["dur"] for e in raw["gpu"])
@@ -108,6 +113,11 @@ def test_headline_against_hta_idle_time_breakdown(raw, report, tmp_path, monkeyp
     assert (idle["host_launch_ms"] + idle["host_sync_ms"]) * 1e3 == pytest.approx(
         hta["host_wait"] + before_first + after_last, abs=2.0)
     assert idle["other_ms"] * 1e3 == pytest.approx(hta.get("kernel_wait", 0.0) + hta.get("other", 0.0), abs=2.0)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore:.*inplace")
+def test_headline_against_hta_idle_time_breakdown(raw, report, tmp_path, monkeypatch):
+    check_against_hta(TRACE, raw, report[0]["headline"], tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["opsd/prefill", "opsd/decode", "opsd/optimizer_step", "opsd/rollout"])

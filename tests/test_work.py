@@ -12,7 +12,8 @@ import instrumentation
 from instrumentation import stages as S
 from instrumentation.environment import check_environment
 from instrumentation.geometry import model_geometry, trainable_params
-from instrumentation.rates import DeviceRates, device_rates, probe_rates, resolve_rates
+from instrumentation.probe import probe_rates
+from instrumentation.rates import DeviceRates, device_rates, resolve_rates
 from instrumentation.roofline import ADAMW_BYTES_PER_PARAM, Rates, work_roofline_s
 from instrumentation.work import StageWork, training_work
 from instrumentation.worklog import NO_WORK, RECORDER, WorkLog, recorder

@@ -1,7 +1,7 @@
 """Device measurements shared by the benchmarks: the rates the rooflines divide by, CUDA-graph replay timing.
 
 The roofline formulas are in :mod:`instrumentation.roofline` (no torch); what they divide by is measured here, on
-CUDA with :func:`instrumentation.rates.measure_cuda_rates` (the profiler's per-run probe, at larger sizes).
+CUDA with :func:`instrumentation.probe.measure_cuda_rates` (the profiler's per-run probe, at larger sizes).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import statistics
 import torch
 
 from benchmarks.harness.rounds import Timer
-from instrumentation.rates import event_ms, measure_cuda_rates
+from instrumentation.probe import event_ms, measure_cuda_rates
 from instrumentation.roofline import Rates
 
 #: Bytes of the device copy that measures the copy rate on CUDA (1 GiB), and elements of the GEMM side.
