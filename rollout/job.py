@@ -187,7 +187,8 @@ def model_config(name: Optional[str], arch: str):
 
 def check_job(job: JobConfig, opsd_config, world: Optional[int] = None) -> None:
     """Everything the job can check before it builds anything (:mod:`rollout.opsd.preflight`): the DeepSpeed
-    config, ``--json-out``, the flags against the models' configs, and the memory estimate of the models against
+    config, ``--json-out``, the flags against the models' configs (the teacher's context too: with ``--teacher self``
+    its prompts are ``SELF_CONTEXT_LEN`` tokens longer), and the memory estimate of the models against
     the device's (or the host's) available memory. ValueError naming the flag."""
     world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -205,7 +206,8 @@ def check_job(job: JobConfig, opsd_config, world: Optional[int] = None) -> None:
         teacher = preflight.ModelFacts.of(job.teacher or DEFAULT_TEACHER, teacher_config) if teacher_config else None
     stage = config["zero_optimization"].get("stage", 0)
     synthetic = job.student != REAL_MODEL
-    preflight.check_models(job, opsd_config, student, teacher or student, stage, synthetic)
+    self_context = SELF_CONTEXT_LEN if job.teacher == SELF_TEACHER and synthetic else 0
+    preflight.check_models(job, opsd_config, student, teacher or student, stage, synthetic, self_context)
     dtype_bytes = model_dtype(config).itemsize
     cuda = device_type == "cuda"
     preflight.check_memory(job, preflight.model_bytes(job, student, teacher, dtype_bytes, stage, world, cuda),

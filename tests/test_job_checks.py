@@ -89,6 +89,48 @@ def test_model_dependent_flags_are_checked_before_building(monkeypatch, argv, me
     assert re.search(message, _refusal(argv, monkeypatch))
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--teacher", "self", "--max-new-tokens", "490"],  # the student's 16 + 490 = 506 fits; the teacher's 514 does not
+     r"^error: --prompt-len 16 \+ --teacher self's context 8 \+ --max-new-tokens 490 = 514 exceeds the teacher's "
+     r"context of 512 tokens \(--teacher self: max_position_embeddings of tiny-qwen2\)$"),
+    (["--teacher", "self", "--prompt-len", "500", "--max-new-tokens", "5"],
+     r"^error: --prompt-len 500 \+ --teacher self's context 8 \+ --max-new-tokens 5 = 513 exceeds the teacher's"),
+    (["--teacher", "self", "--rollout", "max_context=100", "--max-new-tokens", "80"],
+     r"^error: --prompt-len 16 \+ --teacher self's context 8 \+ --max-new-tokens 80 = 104 exceeds the teacher's "
+     r"context of 100 tokens \(--teacher self: max_context of tiny-qwen2\)$"),
+])
+def test_the_self_teachers_longer_prompts_must_fit_the_context(monkeypatch, argv, message):
+    assert re.search(message, _refusal(argv, monkeypatch))
+
+
+def _short_teacher(tmp_path, context):
+    from transformers import LlamaConfig
+
+    from rollout.testing import TINY_SHAPES
+
+    LlamaConfig(**{**TINY_SHAPES["llama"], "max_position_embeddings": context}).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_a_teacher_with_a_shorter_context_than_the_students_is_refused(monkeypatch, tmp_path):
+    teacher = _short_teacher(tmp_path, 64)
+    message = _refusal(["--teacher", teacher, "--max-new-tokens", "60"], monkeypatch)
+    assert message == (f"error: --prompt-len 16 + --max-new-tokens 60 = 76 exceeds the teacher's context of 64 tokens "
+                       f"(max_position_embeddings of {teacher})")
+
+
+@pytest.mark.parametrize("argv", [["--teacher", "self", "--max-new-tokens", "488"],  # 16 + 8 + 488 = 512
+                                  ["--teacher", "self", "--prompt-len", "488", "--max-new-tokens", "16"]])
+def test_teacher_contexts_that_fit_pass(argv):
+    args = job_lib.parse_args(argv)
+    assert job_lib.check_job(args.job, args.opsd) is None
+
+
+def test_a_short_teacher_within_its_context_passes(tmp_path):
+    args = job_lib.parse_args(["--teacher", _short_teacher(tmp_path, 64), "--max-new-tokens", "48"])
+    assert job_lib.check_job(args.job, args.opsd) is None
+
+
 @pytest.mark.parametrize("content, message", [
     ("{nope", r"^error: --deepspeed-config .*ds.json: not valid JSON \(.*line 1 column 2"),
     ("[1, 2]", r"^error: --deepspeed-config .*ds.json: must hold a JSON object; got list"),

@@ -113,16 +113,34 @@ def check_json_out(path: Optional[str]) -> None:
 
 
 # ---- the models against the flags ---------------------------------------------------------------------------------
-def check_models(job, opsd, student: ModelFacts, teacher: ModelFacts, zero_stage: int, synthetic: bool) -> None:
-    """Context, vocabulary and gathering: what the step and its rollout refuse once the models are built."""
+def check_context(terms: list[tuple[str, int]], context: Optional[int], whose: str, source: str) -> None:
+    """Refuse sequences longer than ``context`` tokens (None: unknown, nothing checked): ``terms`` are their parts,
+    ``(flag, tokens)``, summed; ``whose`` and ``source`` say whose context it is and where it was read. The message
+    names every flag and number: ``--prompt-len 16 + --max-new-tokens 600 = 616 exceeds the student's context of 512
+    tokens (max_position_embeddings of tiny-qwen2)``."""
+    total = sum(tokens for _, tokens in terms)
+    if context is None or total <= context:
+        return
+    what = " + ".join(f"{flag} {tokens}" for flag, tokens in terms) + (f" = {total}" if len(terms) > 1 else "")
+    raise ValueError(f"{what} exceeds {whose} context of {context} tokens ({source})")
+
+
+def check_models(job, opsd, student: ModelFacts, teacher: ModelFacts, zero_stage: int, synthetic: bool,
+                 self_context: int = 0) -> None:
+    """Context, vocabulary and gathering: what the step and its rollout refuse once the models are built, and the
+    teacher's context, which nothing checks later (a teacher scoring past its context gives wrong numbers silently).
+    ``teacher`` is ``student`` when the student is its own teacher (``--teacher self``: its prompts are
+    ``self_context`` tokens longer) or the teacher's config cannot be read."""
     context = job.rollout.max_context or student.context
-    prompt = job.prompt_len if synthetic else 0
-    if context is not None and prompt + job.max_new_tokens > context:
-        what = f"--prompt-len {prompt} + --max-new-tokens {job.max_new_tokens} = {prompt + job.max_new_tokens}" \
-            if synthetic else f"--max-new-tokens {job.max_new_tokens}"
-        raise ValueError(f"{what} exceeds the student's context of {context} tokens "
-                         f"({'max_context' if job.rollout.max_context else 'max_position_embeddings'} of "
-                         f"{student.name})")
+    source = f"{'max_context' if job.rollout.max_context else 'max_position_embeddings'} of {student.name}"
+    prompt = [("--prompt-len", job.prompt_len)] if synthetic else []
+    response = [("--max-new-tokens", job.max_new_tokens)]
+    check_context(prompt + response, context, "the student's", source)
+    if self_context:
+        check_context(prompt + [("--teacher self's context", self_context)] + response, context, "the teacher's",
+                      f"--teacher self: {source}")
+    elif teacher is not student:
+        check_context(prompt + response, teacher.context, "the teacher's", f"max_position_embeddings of {teacher.name}")
     shared = min(student.vocab_size, teacher.vocab_size)
     if opsd.teacher_top_k is not None and shared and opsd.teacher_top_k > shared:
         raise ValueError(f"--teacher-top-k: {opsd.teacher_top_k} exceeds the shared vocabulary size {shared} "
@@ -155,9 +173,14 @@ def rollout_need(job, student: ModelFacts, dtype_bytes: int, synthetic: bool) ->
     """The smallest KV cache (with its per-row buffers) the first rollout can run with: every row at once on the
     ordinary route, one prompt's samples on the others; each row at its shortest prompt."""
     rows = job.samples_per_prompt * (job.batch_size if job.rollout.route == "ordinary" else 1)
-    columns = (max(1, job.prompt_len // 2) if synthetic else 1) + job.max_new_tokens
-    return MemoryNeed(rows, columns, student.column_elems * dtype_bytes,
-                      row_overhead_bytes(student.vocab_size, job.max_new_tokens, columns))
+    return cache_need(rows, max(1, job.prompt_len // 2) if synthetic else 1, job.max_new_tokens, student, dtype_bytes)
+
+
+def cache_need(rows: int, prompt_len: int, max_new_tokens: int, model: ModelFacts, dtype_bytes: int) -> MemoryNeed:
+    """The KV cache of ``rows`` rows of ``prompt_len + max_new_tokens`` columns, with their per-row buffers."""
+    columns = prompt_len + max_new_tokens
+    return MemoryNeed(rows, columns, model.column_elems * dtype_bytes,
+                      row_overhead_bytes(model.vocab_size, max_new_tokens, columns))
 
 
 def check_memory(job, models: tuple[int, str], need: MemoryNeed, available: Optional[int], where: str) -> None:
