@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from typing import Optional
 
 from instrumentation import state
@@ -98,7 +99,7 @@ class WorkRecorder:
             prompt_lens = [int(n) for n in (prompt_mask != 0).sum(dim=1).tolist()]
             response_lens = [int(n) for n in (attention_mask[:, prompt_mask.shape[1]:] != 0).sum(dim=1).tolist()]
             rows = [prompt_lens[i // samples_per_prompt] for i in range(len(response_lens))]
-            self.works += rollout_work(rows, samples_per_prompt, response_lens, model_geometry(model), self.log.rates)
+            self.works += rollout_work(rows, samples_per_prompt, response_lens, _geometry(model), self.log.rates)
         except Exception as exc:  # noqa: BLE001 - profiling never breaks training
             state.warn_once("work", f"opsd work records disabled for a step: {exc!r}")
 
@@ -108,16 +109,34 @@ class WorkRecorder:
         path's (heads in the loss)."""
         if self.log is None:
             return
-        try:  # the geometry is read again each recorded step (no reference to the models is kept)
+        try:  # the geometry is read on a model's first recorded step (no strong reference to the models is kept)
             positions = sum(stats.num_positions[r] for r in order)
-            self.works += training_work(*_row_tokens(stats, order), positions, model_geometry(student_model),
-                                        model_geometry(teacher_model), trainable_params(student_model), packed)
+            self.works += training_work(*_row_tokens(stats, order), positions, _geometry(student_model),
+                                        _geometry(teacher_model), trainable_params(student_model), packed)
             if config is not None:
                 student, teacher, cache = head(student_model), head(teacher_model), config.cache_config()
                 stored = cache_bytes(positions, student, teacher, packed, cache.dtype.itemsize, cache.top_k)
                 self.works += distill_work(len(order), positions, student, teacher, packed, stored)
         except Exception as exc:  # noqa: BLE001 - profiling never breaks training
             state.warn_once("work", f"opsd work records disabled for a step: {exc!r}")
+
+
+_GEOMETRY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""Each model's geometry, read once (its shape does not change while it trains); no reference to a model is kept."""
+
+
+def _geometry(model):
+    """``model_geometry(model)``, read on the first recorded step of ``model`` only (three passes over its
+    parameters otherwise every step)."""
+    try:
+        return _GEOMETRY[model]
+    except (KeyError, TypeError):
+        geo = model_geometry(model)
+        try:
+            _GEOMETRY[model] = geo
+        except TypeError:  # not weak-referenceable: read every step
+            pass
+        return geo
 
 
 def _row_tokens(stats, order) -> tuple[list, list]:

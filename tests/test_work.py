@@ -112,6 +112,22 @@ def test_the_recorder_writes_one_line_per_stage_of_the_timed_step(tmp_path, qwen
         assert line["roofline_s"] == pytest.approx(work_roofline_s(w.flops, w.bytes, Rates(2e12, 1e15)))
 
 
+def test_a_models_geometry_is_read_on_its_first_recorded_step_only(tmp_path, qwen, llama, monkeypatch):
+    from instrumentation import worklog
+
+    calls = []
+    monkeypatch.setattr(worklog, "model_geometry", lambda model: calls.append(model) or model_geometry(model))
+    monkeypatch.setattr(worklog, "_GEOMETRY", worklog.weakref.WeakKeyDictionary())
+    path = tmp_path / "rank0.work.jsonl"
+    for step in (1, 2, 3):
+        RECORDER.begin(WorkLog(str(path), 0, DeviceRates(None, None)), step)
+        RECORDER.training(qwen, llama, _stats([10], [4], [4]), (0,))
+        RECORDER.end()
+    assert calls == [qwen, llama]  # not once per step
+    lines = [json.loads(x) for x in open(path)]
+    assert len({(x["stage"], x["flops"], x["bytes"]) for x in lines}) == len(lines) // 3  # the same work each step
+
+
 def test_without_rates_lines_carry_no_roofline(tmp_path, qwen, llama):
     path = tmp_path / "rank0.work.jsonl"
     RECORDER.begin(WorkLog(str(path), 0, DeviceRates(None, 2e12, None, "env")), 1)
