@@ -246,14 +246,14 @@ class ProfilerSession:
             worklog.RECORDER.begin(self._work, self.current_step)
 
     def _end_step(self) -> None:
-        worklog.RECORDER.end()
+        works = worklog.RECORDER.end()  # written to the sidecar; kept for the step's x roofline scalars
         sink, self._sink = self._sink, None
         if sink is None:
             return
         HUB.flush()  # the run still held (e.g. the last decode calls) belongs to this step
         HUB.remove_sink(sink)
         wall_ms = (time.perf_counter() - sink.t0) * 1e3
-        self._steps.end(self.current_step, sink.records, sink.flops, HUB.backend)
+        self._steps.end(self.current_step, sink.records, sink.flops, HUB.backend, works)
         if not sink.records:
             return
         if self._pending is not None:

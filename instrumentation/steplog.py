@@ -49,8 +49,9 @@ class StepLog:
             except Exception as exc:  # noqa: BLE001 - profiling never breaks training
                 state.warn_once("step-peaks", f"opsd step peak memory disabled: {exc!r}")
 
-    def end(self, step: int, records: list, flops: Optional[float], backend) -> None:
-        """Keep what step ``step``'s scalars need (its peaks are read now; ``records``: its ``StageRecord``)."""
+    def end(self, step: int, records: list, flops: Optional[float], backend, works=()) -> None:
+        """Keep what step ``step``'s scalars need (its peaks are read now; ``records``: its ``StageRecord``;
+        ``works``: its ``StageWork``, one per stage, from :mod:`instrumentation.worklog`)."""
         peaks = (None, None)
         if STEP_PEAKS.active:
             try:
@@ -59,7 +60,8 @@ class StepLog:
                 STEP_PEAKS.active = False
                 state.warn_once("step-peaks", f"opsd step peak memory disabled: {exc!r}")
         if records:
-            self._facts[step] = stepscalars.StepFacts(stepscalars.top_level_stages(records), flops, *peaks)
+            self._facts[step] = stepscalars.StepFacts(stepscalars.top_level_stages(records), flops, *peaks,
+                                                      works=list(works))
 
     def write(self, step: int, summary: dict, wall_ms: float, warmup: bool, has_clock: bool, flush: bool) -> None:
         """Step ``step``'s scalars, once its device times are resolved (``summary``: ``collect.summarize``)."""

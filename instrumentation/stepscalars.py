@@ -15,8 +15,10 @@ Written by a profiler session (modes ``timers`` and ``1``) next to the per-stage
   work in front of it, and so the host time outside any stage. Absent without a device clock (the CPU);
 * ``opsd/step_peak_allocated_mib`` / ``opsd/step_peak_reserved_mib``: the caching allocator's peaks during the
   step (:data:`instrumentation.backends.STEP_PEAKS`: kept across the per-phase resets); CUDA only;
-* ``opsd/<stage>/x_roofline``: the stage's GPU ms over its roofline ms (``max(flops / peak FLOP/s, bytes /
-  copy bytes/s)``), for the stages whose work the step hands over in :attr:`StepFacts.works`.
+* ``opsd/<stage>/x_roofline``: the stage's GPU ms over its roofline ms, for the stages with a work record
+  (:mod:`instrumentation.worklog`: prefill, decode, teacher and student passes, loss, logit cache, backward,
+  optimizer; the same ``roofline_s`` as the work sidecar that ``summarize_trace.py`` reads, else ``max(flops /
+  peak FLOP/s, bytes / copy bytes/s)``). Absent without a device clock or without both rates.
 
 The warm-up step (the session's first timed step when it is step 0: captures, compilation, kernels built per
 shape, as in the live table) has every ``opsd/`` tag under ``warmup/`` (``warmup/opsd/step_mfu``), so the
@@ -49,7 +51,7 @@ class StepFacts:
     peak_allocated_bytes: Optional[int] = None
     peak_reserved_bytes: Optional[int] = None
     works: list = field(default_factory=list)
-    """The step's ``instrumentation.work.StageWork`` records (hook for x roofline; empty: none written)."""
+    """The step's ``instrumentation.work.StageWork`` records, one per stage (empty: no x roofline scalars)."""
 
 
 def top_level_stages(records) -> frozenset:
@@ -82,12 +84,17 @@ def step_figures(summary: Mapping[str, dict], wall_ms: float, facts: StepFacts, 
 
 def x_roofline(summary: Mapping[str, dict], works, peak_flops_s: Optional[float],
                copy_bytes_s: Optional[float]) -> dict[str, float]:
-    """``{stage: GPU ms / roofline ms}`` of the stages with work (none without both rates)."""
-    if not peak_flops_s or not copy_bytes_s:
-        return {}
+    """``{stage: GPU ms / roofline ms}`` of the stages with work: a record's own exact ``roofline_s`` (the work
+    sidecar's, at the run's rates; decode's is a sum over its steps), else ``max(flops / peak FLOP/s, bytes /
+    copy bytes/s)`` (none without both rates)."""
     out = {}
     for work in works:
-        roofline_ms = max(work.flops / peak_flops_s, work.bytes / copy_bytes_s) * 1e3
+        if work.roofline_s is not None:
+            roofline_ms = work.roofline_s * 1e3
+        elif peak_flops_s and copy_bytes_s:
+            roofline_ms = max(work.flops / peak_flops_s, work.bytes / copy_bytes_s) * 1e3
+        else:
+            continue
         entry = summary.get(work.stage)
         if entry is not None and roofline_ms > 0:
             out[work.stage] = entry["device_ms"] / roofline_ms

@@ -50,16 +50,19 @@ class WorkLog:
         self.rates: Optional[Rates] = Rates(rates.copy_bytes_s, rates.peak_flops_s) if known else None
         """Both rates, None unless both are known."""
 
-    def write(self, step: int, works: list) -> None:
+    def write(self, step: int, works: list) -> list:
+        """Append step ``step``'s records (one per stage, see :func:`_summed`) and return them."""
+        summed = _summed(works, self.rates)
         lines = [json.dumps({"step": step, "rank": self.rank, "stage": w.stage, "rows": w.rows, "tokens": w.tokens,
                              "flops": w.flops, "bytes": w.bytes, **self.fields,
                              **({} if w.roofline_s is None else {"roofline_s": w.roofline_s}), **self.sources}) + "\n"
-                 for w in _summed(works, self.rates)]
+                 for w in summed]
         try:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.writelines(lines)
         except OSError as exc:
             state.warn_once("work-log", f"could not write the work sidecar {self.path}: {exc!r}")
+        return summed
 
 
 class _NoWork:
@@ -85,10 +88,17 @@ class WorkRecorder:
     def begin(self, log: Optional[WorkLog], step: int) -> None:
         self.log, self.step, self.works = log, step, []
 
-    def end(self) -> None:
+    def end(self) -> list:
+        """Write the timed step's records; return them (one per stage, with the exact ``roofline_s`` when the
+        rates are known) for its timers-mode scalars; ``[]`` when nothing was recorded."""
         log, works, self.log, self.works = self.log, self.works, None, []
-        if log is not None and works:
-            log.write(self.step, works)
+        if log is None or not works:
+            return []
+        try:
+            return log.write(self.step, works)
+        except Exception as exc:  # noqa: BLE001 - profiling never breaks training
+            state.warn_once("work", f"opsd work records disabled for a step: {exc!r}")
+            return []
 
     def rollout(self, model, prompt_mask, attention_mask, samples_per_prompt: int) -> None:
         """The rollout of one step: ``prompt_mask`` ``[B, T_p]`` of the prompts, ``attention_mask`` ``[B*n, T_p + T_r]``

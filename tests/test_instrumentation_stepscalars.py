@@ -3,6 +3,7 @@ warm-up step apart, the custom-scalars layout and the hparams, in the run's one 
 
 import glob
 import os
+import time
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from instrumentation.timers import HUB, StageRecord, StageTimers
 from instrumentation.work import StageWork
 from tests.profiling_env import RecordingSink, clean_profiling_env  # noqa: F401  (autouse fixture)
 from tests.test_instrumentation_profiler import _scalars
+from tests.test_opsd_step import load_train_opsd, tiny_step
 
 MIB = 1024 * 1024
 
@@ -201,22 +203,11 @@ def test_cuda_backend_folds_the_step_peak_before_each_reset():
 def test_the_main_job_hands_its_step_flops_to_the_session(tmp_path, monkeypatch):
     """The tiny OPSD job in timers mode: opsd/step_mfu from the FLOPs of train/mfu (one implementation) over the
     session's peak (OPSD_PEAK_TFLOPS), the job's flags as hparams."""
-    from rollout import job as job_lib
-    from rollout.opsd import OPSDStep
-    from tests.test_opsd_step import SCRIPT
-
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_train_opsd_stepscalars", SCRIPT)
-    train_opsd = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_opsd)
+    train_opsd = load_train_opsd("_train_opsd_stepscalars")
     monkeypatch.setenv("OPSD_PEAK_TFLOPS", "1e-3")
     configure(_config(tmp_path))
     job, opsd_config = train_opsd.parse_args(["--steps", "3", "--max-new-tokens", "4", "--peak-tflops", "1e-3"])
-    monkeypatch.setattr(job_lib, "make_student_engine", lambda model, config, **kwargs: model)
-    monkeypatch.setattr(job_lib, "OPSDStep", lambda student, *args, **kwargs: OPSDStep(
-        student, *args, optimizer=torch.optim.SGD(student.parameters(), lr=0.1), **kwargs))
-    step = job_lib.build_step(job, opsd_config, torch.device("cpu"))
+    step = tiny_step(job, opsd_config, monkeypatch)
     results, prof = train_opsd.train(step, job, 0, torch.device("cpu"))
     scalars = _scalars(prof.scalars_dir)
     assert [s for s, _ in scalars["opsd/step_mfu"]] == [1, 2] and [s for s, _ in scalars["warmup/opsd/step_mfu"]] == [0]
@@ -227,3 +218,48 @@ def test_the_main_job_hands_its_step_flops_to_the_session(tmp_path, monkeypatch)
         assert value == pytest.approx(flops / (step_ms[index] / 1e3 * 1e9), rel=1e-3)
     values = _plugin_values(prof.scalars_dir)
     assert b"max_new_tokens" in values["_hparams_/session_start_info"].metadata.plugin_data.content
+
+
+class HostClock(FakeGpu):
+    """A device clock that is the host's (the CPU has none), no allocator: lets the main job's timers-mode scalars
+    that need a clock (GPU ms, x roofline) be checked on the CPU."""
+
+    tracks_memory = False
+
+    def mark(self):
+        return time.perf_counter() * 1e3
+
+
+def test_timers_mode_writes_each_phases_x_roofline_from_the_steps_work_records(tmp_path, monkeypatch):
+    """The tiny OPSD job in timers mode with both rates set: opsd/<stage>/x_roofline for every stage with a work
+    record, equal to the stage's GPU ms over the roofline_s of the work sidecar (the figure summarize_trace.py
+    divides by); the warm-up step apart."""
+    import json
+
+    from instrumentation.work import WORK_STAGES
+
+    train_opsd = load_train_opsd("_train_opsd_stepscalars")
+    monkeypatch.setattr(HUB, "_backend", HostClock())
+    monkeypatch.setenv("OPSD_PEAK_TFLOPS", "1e-3")
+    monkeypatch.setenv("OPSD_PEAK_TBPS", "1e-4")
+    configure(_config(tmp_path))
+    job, opsd_config = train_opsd.parse_args(["--steps", "3", "--max-new-tokens", "4"])
+    step = tiny_step(job, opsd_config, monkeypatch)
+    _, prof = train_opsd.train(step, job, 0, torch.device("cpu"))
+    scalars = _scalars(prof.scalars_dir)
+    with open(os.path.join(os.path.dirname(prof.scalars_dir), "rank0.work.jsonl"), encoding="utf-8") as f:
+        sidecar = {(w["step"], w["stage"]): w for w in map(json.loads, f)}
+    assert {stage for _, stage in sidecar} >= {stages.DECODE, stages.TEACHER_FORWARD, stages.STUDENT_FORWARD,
+                                               stages.BACKWARD, stages.OPTIMIZER_STEP}
+    checked = 0
+    for stage_name in WORK_STAGES:
+        tag = f"opsd/{stage_name}/x_roofline"
+        if f"opsd/{stage_name}/gpu_ms" not in scalars:
+            continue
+        assert [s for s, _ in scalars[tag]] == [1, 2] and [s for s, _ in scalars["warmup/" + tag]] == [0]
+        gpu_ms = dict(scalars[f"opsd/{stage_name}/gpu_ms"])
+        for index, value in scalars[tag]:
+            expected = gpu_ms[index] / (sidecar[(index, stage_name)]["roofline_s"] * 1e3)
+            assert value == pytest.approx(expected, rel=1e-4)
+            checked += 1
+    assert checked >= 2 * 5

@@ -330,23 +330,32 @@ def test_script_rejects_a_bad_flag_naming_the_field():
 
 
 # ---- the main job's flags, in-process ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def train_opsd():
-    """``scripts/train_opsd.py`` as a module: its ``main`` and ``parse_args`` in this process."""
-    spec = importlib.util.spec_from_file_location("_train_opsd_under_test", SCRIPT)
+def tiny_step(job, opsd_config, monkeypatch):
+    """The main job's step on the CPU: a plain student module with an SGD optimizer instead of a DeepSpeed engine
+    (no process group here)."""
+    monkeypatch.setattr(job_lib, "make_student_engine", lambda model, config, **kwargs: model)
+    monkeypatch.setattr(job_lib, "OPSDStep", lambda student, *args, **kwargs: OPSDStep(
+        student, *args, optimizer=torch.optim.SGD(student.parameters(), lr=0.1), **kwargs))
+    return job_lib.build_step(job, opsd_config, torch.device("cpu"))
+
+
+def load_train_opsd(name: str = "_train_opsd_under_test"):
+    """``scripts/train_opsd.py`` as a module named ``name``: its ``main`` and ``parse_args`` in this process."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+@pytest.fixture(scope="module")
+def train_opsd():
+    return load_train_opsd()
+
+
 def test_rollout_flags_reach_the_rollout_config_the_step_uses(train_opsd, monkeypatch):
     job, opsd_config = train_opsd.parse_args(["--rollout", "kernels.cuda_graphs=False", "--route", "auto",
                                               "--keep-cache", "0", "--rollout", "routing.eos_check_interval=2"])
-    # a plain student module with an SGD optimizer instead of a DeepSpeed engine (no process group here)
-    monkeypatch.setattr(job_lib, "make_student_engine", lambda model, config, **kwargs: model)
-    monkeypatch.setattr(job_lib, "OPSDStep", lambda student, *args, **kwargs: OPSDStep(
-        student, *args, optimizer=torch.optim.SGD(student.parameters(), lr=0.1), **kwargs))
-    step = job_lib.build_step(job, opsd_config, torch.device("cpu"))
+    step = tiny_step(job, opsd_config, monkeypatch)
     config = step.rollout.config
     assert config is job.rollout
     assert config.kernels.cuda_graphs is False and config.routing.eos_check_interval == 2
@@ -357,10 +366,7 @@ def test_the_main_loop_keeps_no_step_tensors(train_opsd, monkeypatch):
     """A long run must not hold every step's rollout batch (device tensors) until the end: the records ``train``
     returns hold no tensor, and still carry what the report reads."""
     job, opsd_config = train_opsd.parse_args(["--steps", "2", "--max-new-tokens", "4"])
-    monkeypatch.setattr(job_lib, "make_student_engine", lambda model, config, **kwargs: model)
-    monkeypatch.setattr(job_lib, "OPSDStep", lambda student, *args, **kwargs: OPSDStep(
-        student, *args, optimizer=torch.optim.SGD(student.parameters(), lr=0.1), **kwargs))
-    step = job_lib.build_step(job, opsd_config, torch.device("cpu"))
+    step = tiny_step(job, opsd_config, monkeypatch)
     results, _ = train_opsd.train(step, job, 0, torch.device("cpu"))
     assert len(results) == 2
     for result in results:

@@ -2,7 +2,6 @@
 FlopCounterMode and a hand count of the shapes; a profiled tiny OPSD step writes every stage's line; the rates'
 flags of the main job."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -23,9 +22,9 @@ from rollout.opsd.fused_loss import fused_jsd_loss
 from rollout.opsd.losses import generalized_jsd_loss
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 from tests.profiling_env import clean_profiling_env  # noqa: F401  (autouse fixture)
+from tests.test_opsd_step import load_train_opsd
 
 R, P, N = 3, 12, 40  # rows, prompt tokens a row, loss positions
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_opsd.py"
 
 
 def _count(fn) -> int:
@@ -152,10 +151,7 @@ def test_a_profiled_opsd_step_writes_every_stage(tmp_path, monkeypatch, train_pa
 
 @pytest.fixture(scope="module")
 def train_opsd():
-    spec = importlib.util.spec_from_file_location("_train_opsd_work_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_train_opsd("_train_opsd_work_under_test")
 
 
 def test_the_peak_flags_set_the_rate_variables(train_opsd):
