@@ -119,10 +119,11 @@ class WorkRecorder:
         path's (heads in the loss)."""
         if self.log is None:
             return
-        try:  # the geometry is read on a model's first recorded step (no strong reference to the models is kept)
+        try:  # geometry and trainable count are read on a model's first recorded step (no reference is kept)
             positions = sum(stats.num_positions[r] for r in order)
             self.works += training_work(*_row_tokens(stats, order), positions, _geometry(student_model),
-                                        _geometry(teacher_model), trainable_params(student_model), packed)
+                                        _geometry(teacher_model), _once(_TRAINABLE, student_model, trainable_params),
+                                        packed)
             if config is not None:
                 student, teacher, cache = head(student_model), head(teacher_model), config.cache_config()
                 stored = cache_bytes(positions, student, teacher, packed, cache.dtype.itemsize, cache.top_k)
@@ -133,20 +134,28 @@ class WorkRecorder:
 
 _GEOMETRY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 """Each model's geometry, read once (its shape does not change while it trains); no reference to a model is kept."""
+_TRAINABLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""Each student's trainable parameter count, read once (a parameter frozen or unfrozen after its first recorded
+step is not seen by the optimizer's record)."""
+
+
+def _once(table, model, read):
+    """``read(model)``, kept in ``table`` for the model's later steps (a pass over a 3B model's 434 parameter
+    tensors costs ~0.5 ms of host time; every step paid several)."""
+    try:
+        return table[model]
+    except (KeyError, TypeError):
+        value = read(model)
+        try:
+            table[model] = value
+        except TypeError:  # not weak-referenceable: read every step
+            pass
+        return value
 
 
 def _geometry(model):
-    """``model_geometry(model)``, read on the first recorded step of ``model`` only (three passes over its
-    parameters otherwise every step)."""
-    try:
-        return _GEOMETRY[model]
-    except (KeyError, TypeError):
-        geo = model_geometry(model)
-        try:
-            _GEOMETRY[model] = geo
-        except TypeError:  # not weak-referenceable: read every step
-            pass
-        return geo
+    """``model_geometry(model)``, read on the first recorded step of ``model`` only."""
+    return _once(_GEOMETRY, model, model_geometry)
 
 
 def _row_tokens(stats, order) -> tuple[list, list]:

@@ -114,6 +114,9 @@ class PromptStream:
 #: Built by :func:`shaped_model` from a config, nothing downloaded.
 MODEL_SHAPES = {
     "tiny-qwen2": ("qwen2", TINY_SHAPES["qwen2"]),
+    # the 3B's module tree (36 layers, 434 parameter tensors) at tiny width: host-side costs that grow with the
+    # number of modules or parameters (benchmarks.profiler_cost host) show on the CPU
+    "tiny-qwen2-deep": ("qwen2", {**TINY_SHAPES["qwen2"], "num_hidden_layers": 36, "tie_word_embeddings": True}),
     "tiny-llama": ("llama", TINY_SHAPES["llama"]),
     "qwen25-3b": ("qwen2", QWEN25_3B_SHAPE),
     "qwen25-7b": ("qwen2", QWEN25_7B_SHAPE),

@@ -90,7 +90,7 @@ def test_train_flags_accept_shape_names_gather_and_offload(train_opsd):
 
 
 @pytest.mark.parametrize("argv, flag_field, words", [
-    (["--student", "qwen25-14b"], "student:", ["qwen25-3b", "qwen25-7b", "tiny-llama", "tiny-qwen2"]),
+    (["--student", "qwen25-14b"], "student:", ["qwen25-3b", "qwen25-7b", "tiny-llama", "tiny-qwen2", "tiny-qwen2-deep"]),
     (["--teacher", "tiny-qwen3"], "teacher:", ["'self'", "qwen25-3b"]),
     (["--student", "qwen25-3b", "--teacher", "tiny-llama"], "teacher:", ["151936", "512"]),
     (["--gather", "sometimes"], "gather:", ["per_forward"]),

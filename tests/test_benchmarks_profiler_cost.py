@@ -64,6 +64,42 @@ def test_light_measure_runs_the_main_jobs_step(tmp_path):
     assert result["pairs"] == 2 and result["workload"] == "opsd"
 
 
+def test_host_measure_times_every_entry_point_in_both_arms(tmp_path):
+    """The host measure on the main job's step: every entry point has a time in both arms; in ``reread`` the
+    work records read the models again (time inside them), and the wrappers are gone afterwards."""
+    _, result = run("host", "--steps", "4", "--warmup", "1", "--fixed-work", tmp_path=tmp_path, workload="opsd",
+                    job=("--", "--batch-size", "1", "--samples-per-prompt", "2", "--max-new-tokens", "4",
+                         "--prompt-len", "8"))
+    labels = {label for label, _, _ in profiler_cost.HOST_ENTRY_POINTS} | {"step (wall)"}
+    for arm in profiler_cost.HOST_ARMS:
+        medians = result["median_ms"][arm]
+        assert set(medians) == labels and len(result["ms"][arm]["step (wall)"]) == 2
+        assert medians["work record: training"] > 0 and medians["stage() enter + exit"] > 0
+        assert 0 < profiler_cost.on_path_ms(medians) < medians["step (wall)"]
+
+
+def test_entry_timer_counts_the_outermost_call_and_restores(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(profiler_cost.time, "perf_counter", lambda: clock[0])
+
+    class Owner:
+        def f(self, n):  # each body takes one second of the fake clock
+            clock[0] += 1.0
+            return self.f(n - 1) + 1 if n else 0
+
+    obj = Owner()
+    timer = profiler_cost.EntryTimer()
+    timer.wrap(Owner, "f", "f")
+    assert obj.f(3) == 3
+    assert timer.totals == {"f": 4000.0}  # four bodies once, not 4 + 3 + 2 + 1 seconds
+    timer.restore()
+    assert Owner.__dict__["f"].__qualname__.endswith("Owner.f")
+    timer.wrap(obj, "f", "bound")  # an object's method: shadowed, then removed
+    assert "f" in vars(obj) and obj.f(1) == 1 and timer.totals["bound"] == 2000.0
+    timer.restore()
+    assert "f" not in vars(obj)
+
+
 def test_linger_measure_runs(tmp_path):
     stdout, result = run("linger", "--steps", "9", "--window", "3-4", tmp_path=tmp_path)
     assert result["window"] == [3, 4] and len(result["step_ms"]) == 13 and len(result["traces"]) == 2
