@@ -17,6 +17,10 @@ and bound to a module global; ``stage()`` itself never tests the mode:
   events, exactly like ``record_function``'s.
 * Nothing is emitted while ``torch.compile`` traces (``torch.compiler.is_compiling()``) or while the
   current CUDA stream is capturing a graph.
+* A stage opened inside itself on the same thread (a loop wrapped in ``stage(STEP)`` around ``OPSDStep.step``,
+  which opens ``opsd/step`` itself) emits nothing: no second NVTX range (Nsight Systems' ``nvtx_sum`` would count
+  it twice), no second annotation, no second timer frame; one ``ProfilingWarning`` per stage names it and the
+  rank, in every enabled mode (``nvtx`` included).
 
 If the ``nvtx`` package is missing or unusable, one warning is issued and NVTX ranges are skipped;
 when it is present but no tool (Nsight Systems) is attached, NVTX calls are skipped as well.
@@ -25,13 +29,14 @@ when it is present but no tool (Nsight Systems) is attached, NVTX calls are skip
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
 from instrumentation import stages, state
 from instrumentation.config import MODE_OFF, ProfileConfig
 from instrumentation.noop import NOOP, NOOP_RANGE  # noqa: F401  (NOOP_RANGE: the former name)
-from instrumentation.timers import HUB
+from instrumentation.timers import HUB, warn_nested
 
 try:  # the bindings torch.profiler itself uses: ~4x cheaper than the record_function ops
     from torch.autograd import _profiler_enabled
@@ -86,21 +91,44 @@ def _close_frame(frame) -> None:
         state.warn_once("timers", f"opsd stage timers disabled for a call: {exc!r}")
 
 
+_THREAD = threading.local()
+
+
+def _open_counts() -> dict:
+    """stage -> how many of its ranges are open on this thread."""
+    try:
+        return _THREAD.counts
+    except AttributeError:
+        _THREAD.counts = {}
+        return _THREAD.counts
+
+
 class _Range:
     """One stage call in an enabled mode (see the module docstring)."""
 
-    __slots__ = ("_spec", "_rf", "_frame", "_open")
+    __slots__ = ("_spec", "_rf", "_frame", "_open", "_nested")
 
     def __init__(self, spec: _Spec):
         self._spec = spec
         self._rf = self._frame = None
-        self._open = False
+        self._open = self._nested = False
 
     def __enter__(self) -> None:
         spec = self._spec
         if spec.skip():
             return None
-        spec.push()
+        counts = _open_counts()
+        if counts.get(spec.stage):  # inside itself: counted once, as the outer call
+            counts[spec.stage] += 1
+            self._nested = True
+            warn_nested(spec.stage)
+            return None
+        counts[spec.stage] = 1
+        try:
+            spec.push()
+        except BaseException:
+            counts[spec.stage] = 0
+            raise
         self._open = True
         try:
             if _profiler_enabled():
@@ -113,7 +141,10 @@ class _Range:
         return None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if self._open:
+        if self._nested:
+            self._nested = False
+            _open_counts()[self._spec.stage] -= 1
+        elif self._open:
             self._close()
         return False
 
@@ -127,6 +158,7 @@ class _Range:
                 if self._rf is not None:
                     _rf_exit(self._rf)
             finally:
+                _open_counts()[self._spec.stage] = 0
                 self._spec.pop()
 
 

@@ -162,10 +162,7 @@ class StageTimers:
         if stage in self._nested_warned:
             return
         self._nested_warned.add(stage)
-        name = stages.range_name(stage)
-        state.warn_once(f"nested {stage}", f"stage {name} opened inside {name} (rank {_rank()}): the inner call is "
-                                           "not timed (counted once, as the outer call); wrap a stage once "
-                                           "(OPSDStep.step opens opsd/step itself: docs/profiling.md)")
+        warn_nested(stage)
 
     def close(self, frame: _Frame) -> StageRecord:
         """Close ``frame`` and hand its record to the sinks that were open at its start and still are
@@ -208,6 +205,14 @@ class StageTimers:
         """Drop every sink, frame and held run, and stop folding step peaks (tests)."""
         self.__init__(self._backend)
         STEP_PEAKS.active = False
+
+
+def warn_nested(stage: str) -> None:
+    """One warning per stage (and process) that ``stage`` was opened inside itself."""
+    name = stages.range_name(stage)
+    state.warn_once(f"nested {stage}", f"stage {name} opened inside {name} (rank {_rank()}): the inner call is "
+                                       "not timed (counted once, as the outer call); wrap a stage once "
+                                       "(OPSDStep.step opens opsd/step itself: docs/profiling.md)")
 
 
 def _rank() -> str:

@@ -94,6 +94,27 @@ def test_exception_inside_a_stage_closes_every_range(fake_nvtx, mode):
         assert collector is None
 
 
+@pytest.mark.parametrize("mode", ["nvtx", "1", "timers"])
+def test_a_stage_opened_inside_itself_emits_one_range_and_one_warning(fake_nvtx, mode, monkeypatch):
+    """The docs' loop wrapped in stage(STEP) around OPSDStep.step (which opens opsd/step itself): one NVTX range a
+    step (Nsight Systems' nvtx_sum counted the inner one too), one annotation, one warning naming stage and rank, in
+    every mode; a later, separate opsd/step is emitted again."""
+    monkeypatch.setenv("RANK", "2")
+    configure(ProfileConfig(mode=mode))
+    with pytest.warns(ProfilingWarning) as caught:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(2):
+                with stage(stages.STEP):
+                    with stage(stages.STEP):
+                        with stage(stages.ROLLOUT):
+                            pass
+    assert fake_nvtx["opsd"].calls == [_push("step"), _push("rollout"), ("pop",), ("pop",)] * 2
+    assert sorted(_user_annotations(prof)) == ["opsd/rollout"] * 2 + ["opsd/step"] * 2
+    messages = [str(w.message) for w in caught if "opened inside" in str(w.message)]
+    assert len(messages) == 1 and messages[0].startswith("stage opsd/step opened inside opsd/step (rank 2)")
+    assert not any(ranges._open_counts().values())  # every range closed on this thread
+
+
 def test_record_function_only_while_a_profiler_is_enabled(fake_nvtx, monkeypatch):
     entered = []
     real_enter = ranges._rf_enter
