@@ -24,7 +24,7 @@ from rollout.opsd.flags import JobArgs, parse_job
 from rollout.opsd.job import DEFAULT_STUDENT, DEFAULT_TEACHER, SELF_TEACHER, JobConfig, ModelNames
 #: The real chat model of :mod:`rollout.real_model` (a name, like the shape names).
 from rollout.real_model import SMOLLM2_NAME as REAL_MODEL
-from rollout.real_model import TEACHER_SYSTEM_PROMPT, chat_prompts, load_smollm2, questions_for
+from rollout.real_model import TEACHER_SYSTEM_PROMPT, chat_prompts, header_config, load_smollm2, questions_for
 from rollout.testing import (MODEL_SHAPES, PromptStream as RowStream, TinyTokenizer, shape_config, shaped_model,
                              tiny_config, tiny_model)
 
@@ -171,14 +171,14 @@ class StepInputs:
 
 # ---- checks before anything is built --------------------------------------------------------------
 def model_config(name: Optional[str], arch: str):
-    """The HF config of a ``--student``/``--teacher`` name without its weights; None where only loading the model
-    reads it (the real model) or it cannot be read (the load then says why)."""
+    """The HF config of a ``--student``/``--teacher`` name without its weights (the real model's numbers from its
+    GGUF header); None where it cannot be read (the load then says why)."""
     if name is None:
         return tiny_config(arch)
     if name in MODEL_SHAPES:
         return shape_config(name)
     if name == REAL_MODEL:
-        return None
+        return header_config()
     try:
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError):

