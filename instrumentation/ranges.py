@@ -29,7 +29,7 @@ when it is present but no tool (Nsight Systems) is attached, NVTX calls are skip
 from __future__ import annotations
 
 import functools
-import threading
+from threading import get_ident as _thread_id
 
 import torch
 
@@ -67,13 +67,15 @@ def _noop() -> None:
 
 
 class _Spec:
-    """Everything a range of one stage needs, resolved once at install time."""
+    """Everything a range of one stage needs, resolved once at install time; and which thread has the stage open,
+    how deep (``owner``, ``depth``: a stage opened inside itself on that thread emits nothing)."""
 
-    __slots__ = ("stage", "name", "push", "pop", "skip", "timing")
+    __slots__ = ("stage", "name", "push", "pop", "skip", "timing", "owner", "depth")
 
     def __init__(self, stage, push, pop, skip, timing):
         self.stage, self.name = stage, stages.range_name(stage)
         self.push, self.pop, self.skip, self.timing = push, pop, skip, timing
+        self.owner, self.depth = None, 0
 
 
 def _open_frame(stage: str):
@@ -91,43 +93,32 @@ def _close_frame(frame) -> None:
         state.warn_once("timers", f"opsd stage timers disabled for a call: {exc!r}")
 
 
-_THREAD = threading.local()
-
-
-def _open_counts() -> dict:
-    """stage -> how many of its ranges are open on this thread."""
-    try:
-        return _THREAD.counts
-    except AttributeError:
-        _THREAD.counts = {}
-        return _THREAD.counts
-
-
 class _Range:
     """One stage call in an enabled mode (see the module docstring)."""
 
-    __slots__ = ("_spec", "_rf", "_frame", "_open", "_nested")
+    __slots__ = ("_spec", "_rf", "_frame", "_open", "_nested", "_owns")
 
     def __init__(self, spec: _Spec):
         self._spec = spec
         self._rf = self._frame = None
-        self._open = self._nested = False
+        self._open = self._nested = self._owns = False
 
     def __enter__(self) -> None:
         spec = self._spec
         if spec.skip():
             return None
-        counts = _open_counts()
-        if counts.get(spec.stage):  # inside itself: counted once, as the outer call
-            counts[spec.stage] += 1
-            self._nested = True
-            warn_nested(spec.stage)
-            return None
-        counts[spec.stage] = 1
+        if spec.depth:
+            if spec.owner == _thread_id():  # inside itself on this thread: counted once, as the outer call
+                spec.depth += 1
+                self._nested = True
+                warn_nested(spec.stage)
+                return None
+        else:  # the outermost call (another thread's concurrent call of an open stage is emitted, untracked)
+            spec.owner, spec.depth, self._owns = _thread_id(), 1, True
         try:
             spec.push()
         except BaseException:
-            counts[spec.stage] = 0
+            self._release()
             raise
         self._open = True
         try:
@@ -143,10 +134,15 @@ class _Range:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self._nested:
             self._nested = False
-            _open_counts()[self._spec.stage] -= 1
+            self._spec.depth -= 1
         elif self._open:
             self._close()
         return False
+
+    def _release(self) -> None:
+        if self._owns:
+            self._owns = False
+            self._spec.owner, self._spec.depth = None, 0
 
     def _close(self) -> None:
         self._open = False
@@ -158,8 +154,10 @@ class _Range:
                 if self._rf is not None:
                     _rf_exit(self._rf)
             finally:
-                _open_counts()[self._spec.stage] = 0
-                self._spec.pop()
+                spec = self._spec
+                if self._owns:
+                    self._owns, spec.owner, spec.depth = False, None, 0
+                spec.pop()
 
 
 def _nvtx_domain():

@@ -112,7 +112,35 @@ def test_a_stage_opened_inside_itself_emits_one_range_and_one_warning(fake_nvtx,
     assert sorted(_user_annotations(prof)) == ["opsd/rollout"] * 2 + ["opsd/step"] * 2
     messages = [str(w.message) for w in caught if "opened inside" in str(w.message)]
     assert len(messages) == 1 and messages[0].startswith("stage opsd/step opened inside opsd/step (rank 2)")
-    assert not any(ranges._open_counts().values())  # every range closed on this thread
+    assert fake_nvtx["opsd"].calls[-1] == ("pop",)
+    with stage(stages.STEP):  # every range closed: a new outermost call is emitted
+        pass
+    assert fake_nvtx["opsd"].calls[-2:] == [_push("step"), ("pop",)]
+
+
+def test_another_threads_call_of_an_open_stage_is_emitted(fake_nvtx):
+    """Only a stage open on the same thread counts as nested: a second thread's call is its own range."""
+    import threading
+
+    configure(ProfileConfig(mode="nvtx"))
+    inner_done = threading.Event()
+
+    def other():
+        with stage(stages.GATHER):
+            pass
+        inner_done.set()
+
+    with stage(stages.GATHER):
+        worker = threading.Thread(target=other)
+        worker.start()
+        assert inner_done.wait(10)
+        worker.join(10)
+    assert fake_nvtx["opsd"].calls == [_push("gather"), _push("gather"), ("pop",), ("pop",)]
+    with pytest.warns(ProfilingWarning, match="stage opsd/gather opened inside opsd/gather"):
+        with stage(stages.GATHER):
+            with stage(stages.GATHER):  # still nested on this thread afterwards
+                pass
+    assert fake_nvtx["opsd"].calls[-2:] == [_push("gather"), ("pop",)]
 
 
 def test_record_function_only_while_a_profiler_is_enabled(fake_nvtx, monkeypatch):
