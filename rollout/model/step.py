@@ -92,9 +92,12 @@ class StepFns:
     kernel of :mod:`rollout.ops.rotary_write`); it takes precedence over ``attention_inputs_qkv_write``."""
 
 
-def compile_piece(fn, mode: str | None = None):
+def compile_piece(fn, mode: str | None = None, options: dict | None = None):
     """``fn`` compiled as every piece of the step is: one graph, shapes dynamic after a second size, no
-    inductor CUDA graphs (ours wrap the whole step). ``mode``: ``RolloutConfig.kernels.compile_mode``."""
+    inductor CUDA graphs (ours wrap the whole step). ``mode``: ``RolloutConfig.kernels.compile_mode``; ``options``:
+    inductor settings instead of a mode (torch takes one or the other)."""
+    if options:
+        return torch.compile(fn, dynamic=None, fullgraph=True, options=options)
     return torch.compile(fn, dynamic=None, fullgraph=True, mode=mode)
 
 

@@ -73,11 +73,35 @@ def _train_attention_output_and_mlp(*args, **kwargs):
     return attention_output_and_mlp(*args, **kwargs)
 
 
+#: Inductor's mix-order reduction (the RMSNorm backward's row and column sums in one kernel) decides by the token
+#: count whether to fuse and guards on it (``2560 <= T <= 4095``, ``4096 <= T`` at the 3B's width: ``T * H >= 5 * 2**20``,
+#: ``T >= 4096``), so micro-batches of other sizes recompiled both pieces, forward and backward, 0.5-1 s each, in the
+#: first two steps at RL scale. Non-strict mode skips those size checks: one dynamic graph for every count.
+TRAIN_INDUCTOR_OPTIONS = {"triton.mix_order_reduction_non_strict_mode": True}
+
+
+def train_compile_options() -> dict:
+    """:data:`TRAIN_INDUCTOR_OPTIONS` that this torch's inductor knows (an unknown one fails ``torch.compile``)."""
+    try:
+        from torch._inductor import config
+    except ImportError:  # pragma: no cover - torch without inductor
+        return {}
+    known = {}
+    for key, value in TRAIN_INDUCTOR_OPTIONS.items():
+        section, _, name = key.rpartition(".")
+        holder = getattr(config, section, None) if section else config
+        if holder is not None and hasattr(holder, name):
+            known[key] = value
+    return known
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_train_fns() -> StepFns:
-    """The student's pieces ``torch.compile``d (forward and backward), apart from the rollout's."""
-    return StepFns(attention_inputs=compile_piece(_train_attention_inputs),
-                   attention_output_and_mlp=compile_piece(_train_attention_output_and_mlp))
+    """The student's pieces ``torch.compile``d (forward and backward), apart from the rollout's, with
+    :func:`train_compile_options`."""
+    options = train_compile_options()
+    return StepFns(attention_inputs=compile_piece(_train_attention_inputs, options=options),
+                   attention_output_and_mlp=compile_piece(_train_attention_output_and_mlp, options=options))
 
 
 def student_unsupported_reason(causal_lm: torch.nn.Module) -> Optional[str]:
