@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from benchmarks.harness.cli import int_at_least
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.models import add_model_args, load_model
 from benchmarks.harness.rounds import Rounds, Timer, run_rounds
@@ -220,17 +221,17 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="measure", required=True)
     p = sub.add_parser("stage", help="the per-call cost of stage() in each mode")
-    p.add_argument("--calls", type=int, default=20_000, help="stage() calls per repeat")
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--inside-calls", type=int, default=2_000,
+    p.add_argument("--calls", type=int_at_least(1), default=20_000, help="stage() calls per repeat")
+    p.add_argument("--repeats", type=int_at_least(1), default=15)
+    p.add_argument("--inside-calls", type=int_at_least(1), default=2_000,
                    help="calls per repeat inside the recorded step (each one is a trace event)")
     p = sub.add_parser("rollout", help="the instrumentation's cost on rollout end to end")
     add_model_args(p, dtype=False)
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int_at_least(1), default=30)
+    p.add_argument("--batch-size", type=int_at_least(1), default=4)
+    p.add_argument("--samples", type=int_at_least(1), default=4)
+    p.add_argument("--prompt-len", type=int_at_least(1), default=128)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=32)
     args = parser.parse_args(argv)
     print(header(run_meta("overhead", argv, getattr(args, "device", "cuda" if torch.cuda.is_available() else "cpu"))))
     return run_stage(args) if args.measure == "stage" else run_rollout(args)

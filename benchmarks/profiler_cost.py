@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from benchmarks.harness import results
+from benchmarks.harness.cli import int_at_least
 from benchmarks.harness.meta import run_meta
 from benchmarks.harness.rounds import Timer, round_order
 from benchmarks.harness.table import markdown_table
@@ -427,10 +428,8 @@ def _graph_before_profiling():
 
 
 def measure_linger(args) -> dict:
-    first = parse_int_list(args.window, "--window")
+    first = parse_int_list(args.window, "--window")  # checked by parse_args
     a, b = first[0], first[-1]
-    if not (3 <= a and b + 4 <= args.steps):  # step 0 warms up, step a-1 is the profiler's warm-up
-        raise SystemExit("--window must start at step >= 3 and end at least 4 steps before --steps")
     if args.teardown_cupti is not None:
         os.environ["OPSD_PROFILE_TEARDOWN_CUPTI"] = str(args.teardown_cupti)
     second = (args.steps, args.steps + 1)
@@ -523,15 +522,16 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("measure", choices=("light", "linger", "host"))
     p.add_argument("--workload", choices=("opsd", "synthetic"), default="opsd")
-    p.add_argument("--pairs", type=int, default=60, help="light: on/off pairs (>= 50 for the report)")
-    p.add_argument("--warmup", type=int, default=6, help="light: steps before the pairs (on)")
-    p.add_argument("--steps", type=int, default=60,
+    p.add_argument("--pairs", type=int_at_least(2), default=60, help="light: on/off pairs (>= 50 for the report)")
+    p.add_argument("--warmup", type=int_at_least(0), default=6, help="light: steps before the pairs (on)")
+    p.add_argument("--steps", type=int_at_least(2), default=60,
                    help="linger: steps before the second window; host: timed steps (both arms)")
     p.add_argument("--window", default="24-26",
                    help="linger: the early recorded window, 'A-B' (late enough for the steps before it to be "
                         "steady: on the H200 a 3B OPSD step drifted up ~25%% within its first ten steps)")
     p.add_argument("--teardown-cupti", type=int, choices=(0, 1), default=None)
-    p.add_argument("--processes", type=int, default=0, help="linger: K child processes, teardown 0/1 alternating")
+    p.add_argument("--processes", type=int_at_least(0), default=0,
+                   help="linger: K child processes, teardown 0/1 alternating")
     p.add_argument("--fixed-work", action="store_true",
                    help="opsd: every step reuses step 0's prompts and sampling seed (fixed shapes and lengths, "
                         "so the step's own variation does not swamp a small cost)")
@@ -542,6 +542,14 @@ def parse_args(argv=None):
     p.add_argument("--json-out", default=None, help="write the result file here (one row: the measurement)")
     args, rest = p.parse_known_args(argv)
     args.train_args = [x for x in rest if x != "--"]
+    if args.measure == "linger":
+        try:
+            window = parse_int_list(args.window, "--window")
+        except ValueError as exc:
+            p.error(str(exc))
+        if not (3 <= window[0] and window[-1] + 4 <= args.steps):  # step 0 warms up, a-1 is the profiler's warm-up
+            p.error(f"--window {args.window} must start at step >= 3 and end at least 4 steps before --steps "
+                    f"({args.steps})")
     return args
 
 

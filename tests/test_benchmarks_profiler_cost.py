@@ -123,3 +123,31 @@ def test_before_drift_flags_a_workload_still_warming_up():
         with contextlib.redirect_stdout(out):
             b.print_linger({**rising, "before_drift": drift})
         assert ("WARNING: the steps before the window drifted" in out.getvalue()) is warned
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["host", "--steps", "1"], "argument --steps: must be an int >= 2; got '1'"),  # one arm would have no step
+    (["light", "--pairs", "1"], "argument --pairs: must be an int >= 2; got '1'"),  # no spread from one pair
+    (["light", "--warmup", "-1"], "argument --warmup: must be an int >= 0; got '-1'"),
+    (["light", "--pairs", "x"], "argument --pairs: must be an int >= 2; got 'x'"),
+    (["linger", "--steps", "10", "--window", "3-2"], "--window='3-2' is not valid"),
+    (["linger", "--steps", "6", "--window", "3-4"], "--window 3-4 must start at step >= 3 and end at least 4 steps"),
+])
+def test_bad_counts_and_windows_are_refused_naming_the_flag(capsys, argv, message):
+    """They raised tracebacks (KeyError, TypeError, ValueError) after building the workload."""
+    with pytest.raises(SystemExit) as info:
+        profiler_cost.parse_args(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["stage", "--calls", "0"], "argument --calls: must be an int >= 1; got '0'"),  # divided by it
+    (["stage", "--repeats", "0"], "argument --repeats: must be an int >= 1; got '0'"),
+    (["rollout", "--batch-size", "0"], "argument --batch-size: must be an int >= 1; got '0'"),
+])
+def test_the_overhead_benchmark_refuses_counts_below_one(capsys, argv, message):
+    from benchmarks import overhead
+
+    with pytest.raises(SystemExit) as info:
+        overhead.main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
