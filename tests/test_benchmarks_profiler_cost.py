@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import profiler_cost
+from benchmarks import profiler_cost, profiler_host
 from benchmarks.harness import results
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,17 +70,17 @@ def test_host_measure_times_every_entry_point_in_both_arms(tmp_path):
     _, result = run("host", "--steps", "4", "--warmup", "1", "--fixed-work", tmp_path=tmp_path, workload="opsd",
                     job=("--", "--batch-size", "1", "--samples-per-prompt", "2", "--max-new-tokens", "4",
                          "--prompt-len", "8"))
-    labels = {label for label, _, _ in profiler_cost.HOST_ENTRY_POINTS} | {"step (wall)"}
-    for arm in profiler_cost.HOST_ARMS:
+    labels = {label for label, _, _ in profiler_host.HOST_ENTRY_POINTS} | {"step (wall)"}
+    for arm in profiler_host.HOST_ARMS:
         medians = result["median_ms"][arm]
         assert set(medians) == labels and len(result["ms"][arm]["step (wall)"]) == 2
         assert medians["work record: training"] > 0 and medians["stage() enter + exit"] > 0
-        assert 0 < profiler_cost.on_path_ms(medians) < medians["step (wall)"]
+        assert 0 < profiler_host.on_path_ms(medians) < medians["step (wall)"]
 
 
 def test_entry_timer_counts_the_outermost_call_and_restores(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr(profiler_cost.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(profiler_host.time, "perf_counter", lambda: clock[0])
 
     class Owner:
         def f(self, n):  # each body takes one second of the fake clock
@@ -88,7 +88,7 @@ def test_entry_timer_counts_the_outermost_call_and_restores(monkeypatch):
             return self.f(n - 1) + 1 if n else 0
 
     obj = Owner()
-    timer = profiler_cost.EntryTimer()
+    timer = profiler_host.EntryTimer()
     timer.wrap(Owner, "f", "f")
     assert obj.f(3) == 3
     assert timer.totals == {"f": 4000.0}  # four bodies once, not 4 + 3 + 2 + 1 seconds

@@ -8,7 +8,16 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from rollout.model.gguf_header import read_metadata  # noqa: E402
+from rollout.model.gguf_header import ARRAY, SCALAR_FORMATS, STRING, read_metadata  # noqa: E402
+
+
+def test_the_value_types_are_ggufs():
+    T = gguf.GGUFValueType
+    assert (STRING, ARRAY) == (T.STRING, T.ARRAY)
+    sizes = {T.UINT8: 1, T.INT8: 1, T.UINT16: 2, T.INT16: 2, T.UINT32: 4, T.INT32: 4, T.FLOAT32: 4, T.BOOL: 1,
+             T.UINT64: 8, T.INT64: 8, T.FLOAT64: 8}
+    assert {int(t): struct.calcsize(SCALAR_FORMATS[int(t)]) for t in sizes} == {int(t): n for t, n in sizes.items()}
+    assert set(SCALAR_FORMATS) | {STRING, ARRAY} == {int(t) for t in T}
 
 
 def _write(path, arch="llama"):

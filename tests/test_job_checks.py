@@ -84,6 +84,9 @@ def test_lazy_prompts_equal_the_prompts_drawn_at_once():
     (["--teacher-top-k", "513"], r"^error: --teacher-top-k: 513 exceeds the shared vocabulary size 512"),
     (["--zero-stage", "3", "--gather", "per_forward", "--route", "continuous"],
      r"^error: --gather: route='continuous' under ZeRO-3 needs gather='once'"),
+    # a rank past every LoRA weight's smaller side: 10**20 raised an overflow traceback after the model was built
+    (["--lora", "65"], r"^error: --lora: rank 65 exceeds the student's hidden size 64 \(tiny-qwen2; "),
+    (["--lora", str(10**20)], r"^error: --lora: rank 100000000000000000000 exceeds the student's hidden size 64"),
 ])
 def test_model_dependent_flags_are_checked_before_building(monkeypatch, argv, message):
     assert re.search(message, _refusal(argv, monkeypatch))

@@ -1,4 +1,4 @@
-"""The metadata of a GGUF file, read from its header only (pure file I/O; the value types are the ``gguf`` package's).
+"""The metadata of a GGUF file, read from its header only (pure file I/O, standard library only).
 
 transformers reads a GGUF's config through ``gguf.GGUFReader``, which maps every tensor's description as well:
 about 4 s for the 93 MB SmolLM2 file on a 2-core host. The checks before a job builds its models need a handful of
@@ -6,7 +6,8 @@ numbers (context length, widths, vocabulary), which come first in the file: :fun
 pairs in order and stops once it has the keys asked for (a few milliseconds). Layout (GGUF v2 and v3): ``b"GGUF"``,
 ``uint32`` version, ``uint64`` tensor count, ``uint64`` key-value count, then per pair a string key (``uint64``
 length + UTF-8 bytes), a ``uint32`` value type and the value (an array: ``uint32`` element type, ``uint64`` count,
-the elements). Little-endian files only (the byte order GGUF writers use by default).
+the elements). Little-endian files only (the byte order GGUF writers use by default). The value types are the
+format's (``gguf.GGUFValueType`` numbers them the same way; tests/test_gguf_header.py checks it).
 """
 
 from __future__ import annotations
@@ -20,19 +21,15 @@ VERSIONS = (2, 3)
 MAX_STRING_BYTES = 1 << 24
 
 
-def _formats() -> dict:
-    """GGUF value type -> struct format of its fixed-size scalars (``gguf.GGUFValueType``'s numbering)."""
-    from gguf import GGUFValueType as T
-
-    return {T.UINT8: "<B", T.INT8: "<b", T.UINT16: "<H", T.INT16: "<h", T.UINT32: "<I", T.INT32: "<i",
-            T.FLOAT32: "<f", T.BOOL: "<?", T.UINT64: "<Q", T.INT64: "<q", T.FLOAT64: "<d"}
+#: GGUF value type -> struct format of its fixed-size scalars (the format's numbering; 8 = string, 9 = array).
+SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                  12: "<d"}
+STRING, ARRAY = 8, 9
 
 
 class _Reader:
     def __init__(self, f: BinaryIO, path: str):
-        from gguf import GGUFValueType
-
-        self.f, self.path, self.types, self.formats = f, path, GGUFValueType, _formats()
+        self.f, self.path = f, path
 
     def take(self, fmt: str):
         size = struct.calcsize(fmt)
@@ -50,22 +47,21 @@ class _Reader:
             raise ValueError(f"{self.path}: not a GGUF file (it ends inside its header)")
         return data.decode("utf-8", errors="replace")
 
-    def value_type(self):
+    def value_type(self) -> int:
         code = self.take("<I")
-        try:
-            return self.types(code)
-        except ValueError:
-            raise ValueError(f"{self.path}: not a GGUF file (value type {code} in its header)") from None
+        if code not in SCALAR_FORMATS and code not in (STRING, ARRAY):
+            raise ValueError(f"{self.path}: not a GGUF file (value type {code} in its header)")
+        return code
 
     def value(self, kind, keep: bool):
         """The value of type ``kind``; arrays are skipped (None) unless ``keep``."""
-        if kind == self.types.STRING:
+        if kind == STRING:
             return self.string()
-        if kind != self.types.ARRAY:
-            return self.take(self.formats[kind])
+        if kind != ARRAY:
+            return self.take(SCALAR_FORMATS[kind])
         element, count = self.value_type(), self.take("<Q")
-        if not keep and element in self.formats:  # fixed-size elements: one seek
-            self.f.seek(count * struct.calcsize(self.formats[element]), 1)
+        if not keep and element in SCALAR_FORMATS:  # fixed-size elements: one seek
+            self.f.seek(count * struct.calcsize(SCALAR_FORMATS[element]), 1)
             return None
         items = [self.value(element, keep) for _ in range(count)]
         return items if keep else None

@@ -35,20 +35,23 @@ class ModelFacts:
     """``max_position_embeddings`` (None: unknown)."""
     column_elems: int
     """Key and value elements one token keeps in the KV cache, over all layers (0: unknown)."""
+    hidden: Optional[int] = None
+    """``hidden_size`` (None: unknown)."""
 
     @classmethod
     def of(cls, name: str, config) -> "ModelFacts":
         get = lambda key: getattr(config, key, None)  # noqa: E731
         hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
         if not all(is_int(v) and v > 0 for v in (hidden, heads, layers, get("intermediate_size"), get("vocab_size"))):
-            return cls(name, None, int(get("vocab_size") or 0), get("max_position_embeddings"), 0)
+            return cls(name, None, int(get("vocab_size") or 0), get("max_position_embeddings"), 0,
+                       hidden if is_int(hidden) and hidden > 0 else None)
         head_dim = get("head_dim") or hidden // heads
         kv_heads = get("num_key_value_heads") or heads
         attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
         layer = attention + 3 * hidden * get("intermediate_size")
         embeddings = get("vocab_size") * hidden * (1 if get("tie_word_embeddings") else 2)
         return cls(name, embeddings + layers * layer, get("vocab_size"), get("max_position_embeddings"),
-                   2 * layers * kv_heads * head_dim)
+                   2 * layers * kv_heads * head_dim, hidden)
 
 
 # ---- the DeepSpeed config and the report path ---------------------------------------------------------------------
@@ -141,6 +144,9 @@ def check_models(job, opsd, student: ModelFacts, teacher: ModelFacts, zero_stage
                       f"--teacher self: {source}")
     elif teacher is not student:
         check_context(prompt + response, teacher.context, "the teacher's", f"max_position_embeddings of {teacher.name}")
+    if job.lora is not None and student.hidden is not None and job.lora > student.hidden:
+        raise ValueError(f"--lora: rank {job.lora} exceeds the student's hidden size {student.hidden} ({student.name}; "
+                         "a LoRA update's rank is at most its weight's smaller side, which is at most the hidden size)")
     shared = min(student.vocab_size, teacher.vocab_size)
     if opsd.teacher_top_k is not None and shared and opsd.teacher_top_k > shared:
         raise ValueError(f"--teacher-top-k: {opsd.teacher_top_k} exceeds the shared vocabulary size {shared} "
