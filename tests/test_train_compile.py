@@ -12,22 +12,29 @@ from rollout.opsd import fast_passes, packed
 from rollout.testing import tiny_model
 
 
-def test_the_train_options_are_the_ones_this_inductor_knows(monkeypatch):
+def test_the_train_options_are_the_first_choice_this_inductor_knows(monkeypatch):
     from torch._inductor import config
 
-    assert config.triton.mix_order_reduction_non_strict_mode is False  # the default the pieces change
-    assert fast_passes.train_compile_options() == {"triton.mix_order_reduction_non_strict_mode": True}
-    monkeypatch.setattr(fast_passes, "TRAIN_INDUCTOR_OPTIONS", {"triton.no_such_option": True, "no_such": 1,
-                                                                "triton.mix_order_reduction_non_strict_mode": True})
-    assert fast_passes.train_compile_options() == {"triton.mix_order_reduction_non_strict_mode": True}
+    if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):  # torch 2.13 here
+        assert config.triton.mix_order_reduction_non_strict_mode is False  # the default the pieces change
+        assert fast_passes.train_compile_options() == {"triton.mix_order_reduction_non_strict_mode": True}
+    else:  # an older inductor: the fusion off where it has one
+        assert fast_passes.train_compile_options() in ({"triton.mix_order_reduction": False}, {})
     torch.compile(lambda x: x + 1, options=fast_passes.train_compile_options())  # accepted (an unknown one raises)
     with pytest.raises(RuntimeError, match="no_such_option"):
         torch.compile(lambda x: x + 1, options={"triton.no_such_option": True})
+    # a torch whose inductor lacks non-strict mode turns the fusion off; one without either changes nothing
+    monkeypatch.setattr(fast_passes, "TRAIN_INDUCTOR_CHOICES", ({"triton.no_such_option": True},
+                                                                {"triton.mix_order_reduction": False}))
+    assert fast_passes.train_compile_options() == {"triton.mix_order_reduction": False}
+    monkeypatch.setattr(fast_passes, "TRAIN_INDUCTOR_CHOICES", ({"triton.no_such_option": True}, {"no_such": 1}))
+    assert fast_passes.train_compile_options() == {}
 
 
 def test_the_students_pieces_compile_with_them_and_the_rollouts_do_not(monkeypatch):
-    calls = []
+    calls, chosen = [], {"triton.mix_order_reduction": False}
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    monkeypatch.setattr(fast_passes, "train_compile_options", lambda: dict(chosen))
     fast_passes.compiled_train_fns.cache_clear()
     step_lib.compiled_step_fns.cache_clear()
     try:
@@ -38,8 +45,7 @@ def test_the_students_pieces_compile_with_them_and_the_rollouts_do_not(monkeypat
     finally:
         fast_passes.compiled_train_fns.cache_clear()
         step_lib.compiled_step_fns.cache_clear()
-    assert len(train) == 2 and all(k["options"] == {"triton.mix_order_reduction_non_strict_mode": True}
-                                   and "mode" not in k and k["dynamic"] is None for k in train)
+    assert len(train) == 2 and all(k == {"dynamic": None, "fullgraph": True, "options": chosen} for k in train)
     assert rollout and all("options" not in k and k["mode"] is None for k in rollout)
 
 

@@ -76,23 +76,26 @@ def _train_attention_output_and_mlp(*args, **kwargs):
 #: Inductor's mix-order reduction (the RMSNorm backward's row and column sums in one kernel) decides by the token
 #: count whether to fuse and guards on it (``2560 <= T <= 4095``, ``4096 <= T`` at the 3B's width: ``T * H >= 5 * 2**20``,
 #: ``T >= 4096``), so micro-batches of other sizes recompiled both pieces, forward and backward, 0.5-1 s each, in the
-#: first two steps at RL scale. Non-strict mode skips those size checks: one dynamic graph for every count.
-TRAIN_INDUCTOR_OPTIONS = {"triton.mix_order_reduction_non_strict_mode": True}
+#: first two steps at RL scale. The first setting this torch's inductor knows is used: non-strict mode skips those size
+#: checks (one dynamic graph for every count); else the fusion is off (one more read of each norm's input in
+#: backward); a torch without the mix-order reduction has no such guards.
+TRAIN_INDUCTOR_CHOICES = ({"triton.mix_order_reduction_non_strict_mode": True}, {"triton.mix_order_reduction": False})
+
+
+def _knows(config, key: str) -> bool:
+    section, _, name = key.rpartition(".")
+    holder = getattr(config, section, None) if section else config
+    return holder is not None and hasattr(holder, name)
 
 
 def train_compile_options() -> dict:
-    """:data:`TRAIN_INDUCTOR_OPTIONS` that this torch's inductor knows (an unknown one fails ``torch.compile``)."""
+    """The first of :data:`TRAIN_INDUCTOR_CHOICES` whose settings this torch's inductor knows (an unknown one fails
+    ``torch.compile``); ``{}`` when none."""
     try:
         from torch._inductor import config
     except ImportError:  # pragma: no cover - torch without inductor
         return {}
-    known = {}
-    for key, value in TRAIN_INDUCTOR_OPTIONS.items():
-        section, _, name = key.rpartition(".")
-        holder = getattr(config, section, None) if section else config
-        if holder is not None and hasattr(holder, name):
-            known[key] = value
-    return known
+    return next((dict(choice) for choice in TRAIN_INDUCTOR_CHOICES if all(_knows(config, k) for k in choice)), {})
 
 
 @functools.lru_cache(maxsize=None)
