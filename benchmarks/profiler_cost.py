@@ -411,7 +411,7 @@ def parse_args(argv=None):
                    help="opsd: every step reuses step 0's prompts and sampling seed (fixed shapes and lengths, "
                         "so the step's own variation does not swamp a small cost)")
     p.add_argument("--gc-freeze", action="store_true",
-                   help="light: gc.collect() + gc.freeze() after the warm-up (the model's objects leave the "
+                   help="light, host: gc.collect() + gc.freeze() after the warm-up (the model's objects leave the "
                         "collector's generations, as training loops that freeze after setup do)")
     p.add_argument("--output-dir", default=None, help="where traces and scalars go (default: a temp dir)")
     p.add_argument("--json-out", default=None, help="write the result file here (one row: the measurement)")

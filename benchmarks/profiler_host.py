@@ -5,6 +5,7 @@ step by step."""
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import tempfile
@@ -93,6 +94,9 @@ def measure_host(args, workload, device: str) -> dict:
         configure(config)
         with opsd_profiler(config) as prof:
             for index in range(total):
+                if index == args.warmup and args.gc_freeze:  # as the light measure: no collections of the model's
+                    gc.collect()                             # objects inside a timed step
+                    gc.freeze()
                 arm = HOST_ARMS[index % 2]
                 worklog._GEOMETRY, trainable = tables[arm]  # reread: every record reads them again, as before
                 if trainable is not None:
@@ -116,6 +120,7 @@ def measure_host(args, workload, device: str) -> dict:
         configure(ProfileConfig(mode="0"))
     medians = {arm: {label: statistics.median(v) for label, v in cells.items()} for arm, cells in rows.items()}
     result = {"measure": "host", "workload": args.workload, "fixed_work": args.fixed_work, "device": device,
+              "gc_freeze": args.gc_freeze,
               "steps": args.steps, "warmup": args.warmup, "median_ms": medians, "ms": rows}
     print_host(result)
     return result
@@ -129,7 +134,8 @@ def on_path_ms(medians: dict) -> float:
 
 def print_host(r: dict) -> None:
     arms = list(r["median_ms"])
-    print(f"host time of the on path (OPSD_PROFILE=timers + log_step), {r['workload']} on {r['device']}, "
+    frozen = ", gc frozen" if r.get("gc_freeze") else ""
+    print(f"host time of the on path (OPSD_PROFILE=timers + log_step), {r['workload']}{frozen} on {r['device']}, "
           f"median of {r['steps'] // len(arms)} steps per arm (alternating) after {r['warmup']}")
     labels = list(next(iter(r["median_ms"].values())))
     table = [[label] + [f"{r['median_ms'][arm][label]:.3f}" for arm in arms] for label in labels]

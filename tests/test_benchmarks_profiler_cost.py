@@ -67,9 +67,11 @@ def test_light_measure_runs_the_main_jobs_step(tmp_path):
 def test_host_measure_times_every_entry_point_in_both_arms(tmp_path):
     """The host measure on the main job's step: every entry point has a time in both arms; in ``reread`` the
     work records read the models again (time inside them), and the wrappers are gone afterwards."""
-    _, result = run("host", "--steps", "4", "--warmup", "1", "--fixed-work", tmp_path=tmp_path, workload="opsd",
+    _, result = run("host", "--steps", "4", "--warmup", "1", "--fixed-work", "--gc-freeze", tmp_path=tmp_path,
+                    workload="opsd",
                     job=("--", "--batch-size", "1", "--samples-per-prompt", "2", "--max-new-tokens", "4",
                          "--prompt-len", "8"))
+    assert result["gc_freeze"] is True
     labels = {label for label, _, _ in profiler_host.HOST_ENTRY_POINTS} | {"step (wall)"}
     for arm in profiler_host.HOST_ARMS:
         medians = result["median_ms"][arm]
