@@ -88,8 +88,7 @@ def measure_host(args, workload, device: str) -> dict:
     for label, owner, attribute in HOST_ENTRY_POINTS:
         timer.wrap(_resolve_owner(owner), attribute, label)
     rows: dict[str, dict[str, list[float]]] = {arm: {} for arm in HOST_ARMS}
-    tables = {"shipped": (worklog._GEOMETRY, getattr(worklog, "_TRAINABLE", None)),
-              "reread": (_Forgetful(), _Forgetful())}
+    tables = {"shipped": (worklog._GEOMETRY, worklog._TRAINABLE), "reread": (_Forgetful(), _Forgetful())}
     try:
         configure(config)
         with opsd_profiler(config) as prof:
@@ -98,9 +97,7 @@ def measure_host(args, workload, device: str) -> dict:
                     gc.collect()                             # objects inside a timed step
                     gc.freeze()
                 arm = HOST_ARMS[index % 2]
-                worklog._GEOMETRY, trainable = tables[arm]  # reread: every record reads them again, as before
-                if trainable is not None:
-                    worklog._TRAINABLE = trainable
+                worklog._GEOMETRY, worklog._TRAINABLE = tables[arm]  # reread: every record reads them again
                 timer.totals = {}
                 t0 = time.perf_counter()
                 figures = workload.run(index)
@@ -114,9 +111,7 @@ def measure_host(args, workload, device: str) -> dict:
                         cells.setdefault(label, []).append(timer.totals.get(label, 0.0))
     finally:
         timer.restore()
-        worklog._GEOMETRY = tables["shipped"][0]
-        if tables["shipped"][1] is not None:
-            worklog._TRAINABLE = tables["shipped"][1]
+        worklog._GEOMETRY, worklog._TRAINABLE = tables["shipped"]
         configure(ProfileConfig(mode="0"))
     medians = {arm: {label: statistics.median(v) for label, v in cells.items()} for arm, cells in rows.items()}
     result = {"measure": "host", "workload": args.workload, "fixed_work": args.fixed_work, "device": device,

@@ -33,6 +33,7 @@ from typing import Mapping, Optional
 
 from instrumentation import stages
 from instrumentation.mfu import mfu
+from instrumentation.roofline import Rates, work_roofline_s
 
 STEP_PREFIX = stages.PREFIX + "step_"
 #: Tag prefix of the warm-up step's scalars.
@@ -92,7 +93,7 @@ def x_roofline(summary: Mapping[str, dict], works, peak_flops_s: Optional[float]
         if work.roofline_s is not None:
             roofline_ms = work.roofline_s * 1e3
         elif peak_flops_s and copy_bytes_s:
-            roofline_ms = max(work.flops / peak_flops_s, work.bytes / copy_bytes_s) * 1e3
+            roofline_ms = work_roofline_s(work.flops, work.bytes, Rates(copy_bytes_s, peak_flops_s)) * 1e3
         else:
             continue
         entry = summary.get(work.stage)

@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 
 from instrumentation import stages as S
 from instrumentation.roofline import (ModelGeometry, Rates, decode_steps, forward_flops, optimizer_bytes, pass_bytes,
-                                      prefill_flops)
+                                      prefill_flops, work_roofline_s)
 
 #: Stages that get work records.
 WORK_STAGES = (S.PREFILL, S.DECODE, S.TEACHER_FORWARD, S.LOGIT_CACHE, S.STUDENT_FORWARD, S.LOSS, S.BACKWARD,
@@ -105,7 +105,7 @@ def rollout_work(prompt_lens: Sequence[int], samples_per_prompt: int, response_l
     for step_bytes, step_flops, live in decode_steps(prompt_lens, response_lens, geo):
         flops, num_bytes, tokens = flops + step_flops, num_bytes + step_bytes, tokens + live
         if rates is not None:
-            roofline_s += max(step_bytes / rates.copy_bytes_s, step_flops / rates.gemm_flops_s)
+            roofline_s += work_roofline_s(step_flops, step_bytes, rates)
     decode = StageWork(S.DECODE, len(response_lens), tokens, flops, num_bytes,
                        roofline_s if rates is not None else None)
     return prefill, decode

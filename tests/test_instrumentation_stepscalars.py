@@ -247,7 +247,7 @@ def test_timers_mode_writes_each_phases_x_roofline_from_the_steps_work_records(t
     step = tiny_step(job, opsd_config, monkeypatch)
     _, prof = train_opsd.train(step, job, 0, torch.device("cpu"))
     scalars = _scalars(prof.scalars_dir)
-    with open(os.path.join(os.path.dirname(prof.scalars_dir), "rank0.work.jsonl"), encoding="utf-8") as f:
+    with open(os.path.join(prof.run_dir, "rank0.work.jsonl"), encoding="utf-8") as f:
         sidecar = {(w["step"], w["stage"]): w for w in map(json.loads, f)}
     assert {stage for _, stage in sidecar} >= {stages.DECODE, stages.TEACHER_FORWARD, stages.STUDENT_FORWARD,
                                                stages.BACKWARD, stages.OPTIMIZER_STEP}
