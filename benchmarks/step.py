@@ -3,8 +3,12 @@
 Cells (the main job's random-model shapes; prompts of ``prompt_len / 2 .. prompt_len`` real tokens):
 
   uniform    64 prompts x 4 samples x 1024 tokens, prompt_len 256 (issue 32's RL command)
+  longtail   64 x 4, budget 1024, prompt_len 256, response lengths long-tailed (log-normal, sigma 1, mean ~200,
+             clipped to the budget), drawn per round from the seed and enforced by the rollout as each row's
+             own budget (``RolloutRequest.row_max_new_tokens``; an EOS row's scale would change as training moves it)
   wide2048   64 x 4 x 2048, prompt_len 256 (memory: does it run)
   small      4 x 4 x 64, prompt_len 64 (the small step of the regressions check)
+  longtail-small  4 x 4, budget 64, mean ~16, prompt_len 64 (the long-tail cell's machinery at the small step's size)
 
 Each cell builds its student engine and teacher once, then an ``OPSDStep`` per path (``OPSDConfig.train_path``:
 ``padded``, HF's forward over padded micro-batches with a logit cache, as at 9e62fec; ``packed``) on the same
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 import sys
 import time
@@ -51,10 +56,24 @@ class Cell:
     samples: int
     max_new_tokens: int
     prompt_len: int
+    mean_length: Optional[int] = None
+    """Long-tailed response lengths of about this mean, each row's own budget (None: the sampling's budget)."""
 
 
-CELLS = {cell.name: cell for cell in (Cell("uniform", 64, 4, 1024, 256), Cell("wide2048", 64, 4, 2048, 256),
-                                      Cell("small", 4, 4, 64, 64))}
+CELLS = {cell.name: cell for cell in (Cell("uniform", 64, 4, 1024, 256), Cell("longtail", 64, 4, 1024, 256, 200),
+                                      Cell("wide2048", 64, 4, 2048, 256), Cell("small", 4, 4, 64, 64),
+                                      Cell("longtail-small", 4, 4, 64, 64, 16))}
+#: The spread of the long-tailed lengths (log-normal sigma): p50 ~0.6x the mean, p99 ~6x.
+LONGTAIL_SIGMA = 1.0
+
+
+def longtail_lengths(rows: int, budget: int, mean: float, seed: int) -> torch.Tensor:
+    """``[rows]`` int64 response lengths, log-normal with ``mean`` before clipping to ``[1, budget]`` (the
+    clipping lowers the realised mean a little), from ``seed`` alone."""
+    gen = torch.Generator().manual_seed(seed)
+    mu = math.log(mean) - LONGTAIL_SIGMA ** 2 / 2
+    draws = torch.exp(mu + LONGTAIL_SIGMA * torch.randn(rows, generator=gen, dtype=torch.float64))
+    return draws.round().clamp(1, budget).long()
 #: The suite's paths: ``OPSDConfig`` settings by name (``--paths``).
 PATHS = {"padded": dict(train_path="padded"),
          "packed": dict(train_path="packed"),
@@ -152,10 +171,13 @@ def run_cell(cell: Cell, args, rates: Rates, device, rows: list) -> None:
     inputs = StepInputs(job, base, 0, device)
     figures = _figures(base, rates, device)
     for index in range(-1, args.steps):
+        _, ids, mask, extra = inputs(index + 1)  # one draw per round (the stream is read in order): every path's
+        sampling = SamplingConfig(max_new_tokens=cell.max_new_tokens, n_samples_per_prompt=cell.samples,
+                                  temperature=1.0, seed=args.seed + index + 1)
+        if cell.mean_length is not None:  # and the same lengths
+            extra = dict(extra, row_max_new_tokens=longtail_lengths(
+                ids.shape[0] * cell.samples, cell.max_new_tokens, cell.mean_length, args.seed * 1000 + index + 1))
         for path in (args.paths if index < 0 else round_order(list(args.paths), index)):
-            _, ids, mask, extra = inputs(index + 1)
-            sampling = SamplingConfig(max_new_tokens=cell.max_new_tokens, n_samples_per_prompt=cell.samples,
-                                      temperature=1.0, seed=args.seed + index + 1)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             began = time.perf_counter()

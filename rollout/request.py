@@ -32,6 +32,12 @@ class RolloutRequest:
     """``[B, T_p]`` token ids, left-padded."""
     prompt_attention_mask: torch.Tensor
     """``[B, T_p]``, 1 on real prompt tokens, 0 on padding. Every row needs at least one 1."""
+    row_max_new_tokens: Optional[torch.Tensor] = None
+    """``[B*n]`` integers, each output row's own token budget in ``1..SamplingConfig.max_new_tokens`` (row ``i``
+    is sample ``i % n`` of prompt ``i // n``): a row stops there as at the budget (finish reason ``budget``
+    unless an EOS came first) and stops costing decode steps. None: every row's budget is ``max_new_tokens``.
+    For workloads whose response lengths are set in advance (length-controlled training, benchmarks that
+    replay a length distribution)."""
 
     def __post_init__(self) -> None:
         ids, mask = self.prompt_ids, self.prompt_attention_mask
@@ -51,6 +57,27 @@ class RolloutRequest:
         for name, tensor in (("prompt_ids", ids), ("prompt_attention_mask", mask)):
             if tensor.device.type == "meta":
                 raise ValueError(f"{name}: is on the meta device (no data); pass a tensor with values")
+        budgets = self.row_max_new_tokens
+        if budgets is not None and (not isinstance(budgets, torch.Tensor) or budgets.dim() != 1
+                                    or budgets.dtype.is_floating_point or budgets.dtype.is_complex
+                                    or budgets.dtype == torch.bool or budgets.device.type == "meta"):
+            raise ValueError(f"row_max_new_tokens: must be None or a 1-D integer tensor [B*n] with values; got "
+                             f"{_shape(budgets)}{'' if not isinstance(budgets, torch.Tensor) else f' {budgets.dtype}'}")
+
+    def row_budgets(self, num_samples: int, max_new_tokens: int) -> Optional[tuple[int, ...]]:
+        """``row_max_new_tokens`` on the host, checked against the call's ``n`` and budget (one host read)."""
+        if self.row_max_new_tokens is None:
+            return None
+        rows = self.batch_size * num_samples
+        if self.row_max_new_tokens.shape[0] != rows:
+            raise ValueError(f"row_max_new_tokens: needs one budget per output row (B*n = {self.batch_size}*"
+                             f"{num_samples} = {rows}); got {self.row_max_new_tokens.shape[0]}")
+        values = tuple(self.row_max_new_tokens.tolist())
+        bad = [v for v in values if not 1 <= v <= max_new_tokens]
+        if bad:
+            raise ValueError(f"row_max_new_tokens: every budget must be in [1, max_new_tokens={max_new_tokens}]; "
+                             f"got {bad[0]} ({len(bad)} outside)")
+        return values
 
     @property
     def batch_size(self) -> int:
@@ -73,7 +100,8 @@ class RolloutBatch:
     """``[B*n]`` int64, all equal to ``T_p``."""
     finish_reasons: Optional[torch.Tensor] = None
     """``[B*n]`` int8, with ``SamplingConfig(return_finish_reasons=True)``: ``FINISH_EOS`` (the row ended
-    with an EOS token) or ``FINISH_BUDGET`` (it reached ``max_new_tokens``); None otherwise."""
+    with an EOS token) or ``FINISH_BUDGET`` (it reached its budget: ``max_new_tokens``, or its own
+    ``RolloutRequest.row_max_new_tokens``); None otherwise."""
     logprobs: Optional[torch.Tensor] = None
     """``[B*n, T_r]`` float32, with ``SamplingConfig(return_logprobs=True)``: each response token's
     log-probability under the distribution it was drawn from (0 where the response mask is 0)."""

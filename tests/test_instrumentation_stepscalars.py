@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from instrumentation import ProfileConfig, configure, stage, stages
-from instrumentation.backends import STEP_PEAKS, CudaBackend
+from instrumentation.backends import STEP_PEAKS, CpuBackend, CudaBackend
 from instrumentation.profiler import opsd_profiler
 from instrumentation.stepscalars import StepFacts, layout, step_figures, top_level_stages, x_roofline
 from instrumentation.timers import HUB, StageRecord, StageTimers
@@ -93,7 +93,10 @@ def test_timers_mode_writes_mfu_gpu_busy_and_peaks_per_step_and_the_warmup_apart
     assert not STEP_PEAKS.active
 
 
-def test_no_flops_or_no_peak_writes_no_mfu(tmp_path):
+def test_no_flops_or_no_peak_writes_no_mfu(tmp_path, monkeypatch):
+    # the CPU's case on any machine: host timers only, and a device with no data-sheet peak
+    monkeypatch.setattr(HUB, "_backend", CpuBackend())
+    monkeypatch.setattr("instrumentation.rates.device_name", lambda: "cpu")
     configure(_config(tmp_path))
     with opsd_profiler() as prof:
         for _ in range(2):
@@ -115,10 +118,11 @@ def _plugin_values(scalars_dir):
             if v.metadata.plugin_data.plugin_name in ("custom_scalars", "hparams")}
 
 
-def test_the_run_gets_a_custom_scalars_layout_and_its_config_as_hparams_in_its_own_run(tmp_path):
+def test_the_run_gets_a_custom_scalars_layout_and_its_config_as_hparams_in_its_own_run(tmp_path, monkeypatch):
     from tensorboard.plugins.custom_scalar import layout_pb2
     from tensorboard.plugins.hparams import plugin_data_pb2
 
+    monkeypatch.setattr("instrumentation.rates.device_name", lambda: "cpu")  # the CPU's case on any machine
     configure(_config(tmp_path))
     with opsd_profiler() as prof:
         prof.log_hparams(batch_size=4, lr=None, student="qwen25-3b")

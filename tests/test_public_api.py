@@ -32,7 +32,7 @@ FIELDS = {
                      "decode_attention", "fused_kv_write", "blas_library", "fuse_qkv", "fuse_gate_up",
                      "rotary_kernel", "skinny_rows", "shared_prefix_rows"],
     "SamplerConfig": ["fused", "chunk_tokens"],
-    "RolloutRequest": ["prompt_ids", "prompt_attention_mask"],
+    "RolloutRequest": ["prompt_ids", "prompt_attention_mask", "row_max_new_tokens"],  # ours after DeepSpeed's
     "RolloutBatch": ["input_ids", "attention_mask", "response_start_idx", "finish_reasons", "logprobs"],
 }
 

@@ -52,6 +52,23 @@ class EosIds:
 
 
 @dataclass(frozen=True)
+class RowBudgets:
+    """Each output row's own token budget (``RolloutRequest.row_max_new_tokens``), by sample id."""
+
+    values: tuple[int, ...]
+    """``[B*n]`` on the host (the continuous route's scheduler retires on them)."""
+    tensor: torch.Tensor
+    """The same, int64 on the model's device (the ordinary route's finished flags)."""
+
+    @classmethod
+    def on(cls, values, device) -> Optional["RowBudgets"]:
+        if values is None:
+            return None
+        values = tuple(int(v) for v in values)
+        return cls(values, torch.tensor(values, dtype=torch.long, device=torch.device(device)))
+
+
+@dataclass(frozen=True)
 class Generation:
     """What a route executor returns: raw tokens and what came with them."""
 
@@ -92,6 +109,8 @@ class CallContext:
     late_eos_count: bool = True
     """Ordinary route, static buffers: a check reads the previous check's count
     (``RolloutConfig.routing.late_eos_count``)."""
+    row_budgets: Optional[RowBudgets] = None
+    """Each row's own budget (``RolloutRequest.row_max_new_tokens``); None: ``sampling.max_new_tokens`` for all."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingConfig):
@@ -102,6 +121,11 @@ class CallContext:
             raise ValueError(f"eos: must be an EosIds; got {type(self.eos).__name__}")
         if self.sampler is None:
             object.__setattr__(self, "sampler", sampler_fn(self.sampling, compiled=False))
+
+    @property
+    def has_stops(self) -> bool:
+        """Whether a row can end before the budget (EOS ids or rows' own budgets): the routes check for it."""
+        return self.eos.tensor is not None or self.row_budgets is not None
 
     @property
     def with_logprobs(self) -> bool:

@@ -20,7 +20,7 @@ from rollout.cache.pool import CachePool, free_device_bytes
 from rollout.cache.static import cache_shape
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.executors import blas
-from rollout.executors.context import CallContext, EosIds, Executor, Generation, Prompts, RouteCall
+from rollout.executors.context import CallContext, EosIds, Executor, Generation, Prompts, RouteCall, RowBudgets
 from rollout.executors.continuous.executor import ContinuousExecutor
 from rollout.executors.decode import DecodeChoice, FastStep, choose_decode
 from rollout.executors.ordinary.executor import OrdinaryExecutor
@@ -50,6 +50,8 @@ class Prepared:
     eos_ids: tuple[int, ...]
     """The tokenizer's end-of-sequence ids (empty: rows run to the budget)."""
     device: torch.device
+    row_budgets: Optional[tuple[int, ...]] = None
+    """Each output row's own budget (``RolloutRequest.row_max_new_tokens``, checked), None: the sampling's."""
 
     @property
     def slots(self) -> Optional[int]:
@@ -101,7 +103,7 @@ class Runner:
 
     # ---- one call ---------------------------------------------------------------------------------
     def prepare(self, ids: torch.Tensor, mask: torch.Tensor, layout: PromptLayout, sampling: SamplingConfig,
-                eos_ids: tuple[int, ...]) -> Prepared:
+                eos_ids: tuple[int, ...], row_budgets: Optional[tuple[int, ...]] = None) -> Prepared:
         """The call's decode path and KV budget (a call that cannot fit is refused before any allocation), then its
         prompts expanded to one row per sample (``ids``/``mask``: ``[B, T_p]`` on the device, checked)."""
         if self.config.route != routes.ORDINARY:  # a prompt's samples share slots; no chunked prefill
@@ -114,7 +116,7 @@ class Runner:
         with stage(stages.EXPAND):
             expanded_ids, expanded_mask = expand_prompts(ids, mask, sampling.n_samples_per_prompt)
         prompts = Prompts(ids, mask, expanded_ids, expanded_mask, layout)
-        return Prepared(decode, fit, prompts, sampling, eos_ids, device)
+        return Prepared(decode, fit, prompts, sampling, eos_ids, device, row_budgets)
 
     def run(self, prepared: Prepared, plan: RouteChoice) -> Generation:
         """The planned route over the prepared prompts, with the weights ready for generation around it."""
@@ -174,7 +176,8 @@ class Runner:
                            eos_check_interval=routes.eos_check_interval(config.routing.eos_check_interval, route),
                            stage=stage, busy=self._busy, fast=parts,
                            fast_prefill=prefill_parts if decode.prefill_path != "hf" else None,
-                           sampler=sampler, prefill_graphs=graphs, late_eos_count=config.routing.late_eos_count)
+                           sampler=sampler, prefill_graphs=graphs, late_eos_count=config.routing.late_eos_count,
+                           row_budgets=RowBudgets.on(prepared.row_budgets, device))
 
     def _prefill_graphs_for(self, decode: DecodeChoice) -> Optional[PrefillGraphs]:
         """The captured prefill passes where this call can run them (``kernels.prefill_graph_tokens`` set, the

@@ -19,20 +19,25 @@ def eos_tensor(eos_token_ids: tuple[int, ...], device: torch.device) -> torch.Te
     return torch.tensor(eos_token_ids, dtype=torch.long, device=device) if eos_token_ids else None
 
 
-def response_lengths(generated: torch.Tensor, eos_ids: torch.Tensor | None) -> torch.Tensor:
-    """``lengths [N]``: position of the first EOS + 1 (the EOS is kept), or the full width."""
+def response_lengths(generated: torch.Tensor, eos_ids: torch.Tensor | None,
+                     budgets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``lengths [N]``: position of the first EOS + 1 (the EOS is kept), or the full width; at most the row's
+    own budget (``budgets [N]``, ``RolloutRequest.row_max_new_tokens``) where given."""
     num_rows, width = generated.shape
     if eos_ids is None or width == 0:
-        return torch.full((num_rows,), width, dtype=torch.long, device=generated.device)
-    is_eos = torch.isin(generated, eos_ids)  # [N, S]
-    first = is_eos.int().argmax(dim=1)
-    return torch.where(is_eos.any(dim=1), first + 1, width)
+        lengths = torch.full((num_rows,), width, dtype=torch.long, device=generated.device)
+    else:
+        is_eos = torch.isin(generated, eos_ids)  # [N, S]
+        first = is_eos.int().argmax(dim=1)
+        lengths = torch.where(is_eos.any(dim=1), first + 1, width)
+    return lengths if budgets is None else torch.minimum(lengths, budgets.to(lengths.device, torch.long))
 
 
-def response_mask(generated: torch.Tensor, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+def response_mask(generated: torch.Tensor, eos_token_ids: tuple[int, ...],
+                  budgets: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``mask [N, T_r]`` bool from positions: True up to and including each row's first EOS, ``T_r``
     the longest response. One host sync (the output width)."""
-    lengths = response_lengths(generated, eos_tensor(eos_token_ids, generated.device))
+    lengths = response_lengths(generated, eos_tensor(eos_token_ids, generated.device), budgets)
     width = int(lengths.max()) if lengths.numel() else 0  # the one host sync
     cols = torch.arange(width, device=generated.device)
     return cols[None, :] < lengths[:, None]  # [N, T_r]
@@ -50,13 +55,19 @@ def assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generated: tor
                         **(extras or {}))
 
 
-def finish_reasons(generated: torch.Tensor, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """``[N]`` int8: ``FINISH_EOS`` where the row holds an EOS token, else ``FINISH_BUDGET`` (a row without
-    EOS ran to ``max_new_tokens``: every route stops early only when all rows have ended)."""
+def finish_reasons(generated: torch.Tensor, eos_token_ids: tuple[int, ...],
+                   budgets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[N]`` int8: ``FINISH_EOS`` where the row holds an EOS token (within its own budget, ``budgets [N]``,
+    where given), else ``FINISH_BUDGET`` (a row without EOS ran to its budget: every route stops early only
+    when all rows have ended)."""
     eos = eos_tensor(eos_token_ids, generated.device)
     if eos is None:
         return torch.full((generated.shape[0],), FINISH_BUDGET, dtype=torch.int8, device=generated.device)
-    return torch.isin(generated, eos).any(dim=1).to(torch.int8) * (FINISH_EOS - FINISH_BUDGET) + FINISH_BUDGET
+    is_eos = torch.isin(generated, eos)
+    if budgets is not None:
+        cols = torch.arange(generated.shape[1], device=generated.device)
+        is_eos &= cols[None, :] < budgets.to(generated.device, torch.long)[:, None]
+    return is_eos.any(dim=1).to(torch.int8) * (FINISH_EOS - FINISH_BUDGET) + FINISH_BUDGET
 
 
 def masked_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

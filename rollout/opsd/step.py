@@ -152,15 +152,17 @@ class OPSDStep:
     # ---- public -----------------------------------------------------------------------------
     def step(self, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor, sampling: SamplingConfig, *,
              teacher_prompt_ids: Optional[torch.Tensor] = None,
-             teacher_prompt_attention_mask: Optional[torch.Tensor] = None) -> StepResult:
+             teacher_prompt_attention_mask: Optional[torch.Tensor] = None,
+             row_max_new_tokens: Optional[torch.Tensor] = None) -> StepResult:
         """Rollout on ``[B, T_p]`` left-padded prompts, then distil on it (one optimizer step).
 
         ``teacher_prompt_*`` (``[B, T_t]``, left-padded, one per prompt) replace the prompts in the
-        teacher's input; the response is the rollout's.
+        teacher's input; the response is the rollout's. ``row_max_new_tokens`` (``[B*n]``): each response's own
+        budget (``RolloutRequest.row_max_new_tokens``).
         """
         start, timer = time.perf_counter(), PhaseTimer()
         with stage(stages.STEP):
-            request = RolloutRequest(prompt_ids, prompt_attention_mask)
+            request = RolloutRequest(prompt_ids, prompt_attention_mask, row_max_new_tokens=row_max_new_tokens)
             teacher_prompts = expanded_teacher_prompts(teacher_prompt_ids, teacher_prompt_attention_mask,
                                                        request.batch_size, sampling.n_samples_per_prompt)
             with timer.phase(stages.ROLLOUT, opens_range=False):  # the rollout opens its own range

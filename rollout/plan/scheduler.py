@@ -4,7 +4,8 @@ The scheduler owns which request sample lives in which row of the aligned KV cac
 always the contiguous prefix ``[0, num_live)``. Requests wait in a FIFO queue; a request with
 ``num_samples = n`` is admitted whole into ``n`` consecutive free rows (so one shared prefill can be
 copied into them), and only when the request at the head of the queue fits (strict FIFO: nothing
-overtakes it). Each sample retires on its own at EOS or when it reaches its token budget.
+overtakes it). Each sample retires on its own at EOS or when it reaches its token budget (one per request,
+or one per sample).
 
 Loop contract: every ``step`` call means "each row that was live after the previous update has
 produced exactly one more token", the first token of a newly admitted row coming from its
@@ -161,11 +162,12 @@ class ContinuousScheduler:
 
     def rows(self) -> tuple[RowState, ...]:
         """The occupant of each live row ``[0, num_live)``."""
-        return tuple(RowState(rid, s, g, self._budgets[rid]) for rid, s, g in self._rows)
+        return tuple(RowState(rid, s, g, self._budgets[rid][s]) for rid, s, g in self._rows)
 
     def submit(self, request_id: Hashable, prompt_length: int, num_samples: int = 1,
-               max_new_tokens: Optional[int] = None) -> None:
-        """Queue a request (FIFO). Its id must not belong to a request that is still pending or live."""
+               max_new_tokens: Optional[int | Sequence[int]] = None) -> None:
+        """Queue a request (FIFO). Its id must not belong to a request that is still pending or live.
+        ``max_new_tokens``: None (the config's), one budget for every sample, or one per sample."""
         if request_id in self._samples_left:
             raise ValueError(f"request_id: {request_id!r} is already pending or live")
         if not is_int(prompt_length) or prompt_length <= 0:
@@ -174,9 +176,11 @@ class ContinuousScheduler:
             raise ValueError(f"num_samples: must be an int in [1, num_slots={self.config.num_slots}]; "
                              f"got {num_samples!r}")
         budget = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if not is_int(budget) or budget < 1:
-            raise ValueError(f"max_new_tokens: must be None or an int >= 1; got {max_new_tokens!r}")
-        self._budgets[request_id] = budget
+        budgets = tuple(budget) if isinstance(budget, (list, tuple)) else (budget,) * num_samples
+        if len(budgets) != num_samples or not all(is_int(b) and b >= 1 for b in budgets):
+            raise ValueError(f"max_new_tokens: must be None, an int >= 1 or one such int per sample ({num_samples}); "
+                             f"got {max_new_tokens!r}")
+        self._budgets[request_id] = budgets
         self._samples_left[request_id] = num_samples
         self._pending.append(Admission(request_id, prompt_length, -1, num_samples))
 
@@ -187,7 +191,7 @@ class ContinuousScheduler:
         retired, gone, completed = [], [], []
         for row, (state, ended) in enumerate(zip(self._rows, eos)):
             state[2] += 1
-            out_of_budget = state[2] >= self._budgets[state[0]]
+            out_of_budget = state[2] >= self._budgets[state[0]][state[1]]
             gone.append(bool(ended) or out_of_budget)
             if gone[-1]:
                 retired.append(Retirement(row, state[0], state[1], state[2],

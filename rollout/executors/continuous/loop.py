@@ -153,8 +153,9 @@ def _loop(run: RunState, num_slots: int) -> None:
     sampling, interval = run.ctx.sampling, run.ctx.eos_check_interval
     scheduler = ContinuousScheduler(SchedulerConfig(num_slots=num_slots, max_new_tokens=sampling.max_new_tokens,
                                                     min_free_slots=refill_threshold(num_slots, run.num_samples)))
+    budgets, n = run.ctx.row_budgets, run.num_samples
     for prompt, span in enumerate(run.layout.spans):
-        scheduler.submit(prompt, span, run.num_samples)
+        scheduler.submit(prompt, span, n, None if budgets is None else budgets.values[prompt * n:(prompt + 1) * n])
     run.cache.reset(front=run.suffix_max[0])
     flags: tuple | list = ()
     while True:

@@ -37,6 +37,7 @@ class DecodeBuffers:
         self.generated = torch.zeros((max_rows, max_new_tokens), **long)
         self.logprobs = torch.zeros((max_rows, max_new_tokens), dtype=torch.float32, device=device)
         self.finished = torch.zeros(max_rows, dtype=torch.bool, device=device)
+        self.budgets = torch.full((max_rows,), max_new_tokens, **long)  # by sample id (read, never written by a step)
         self.seen = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)
 
     def fits(self, rows: int, capacity: int, max_new_tokens: int, vocab_size: int, device) -> bool:
@@ -44,10 +45,12 @@ class DecodeBuffers:
         return rows <= max_rows and capacity <= cap and max_new_tokens <= max_new and vocab == vocab_size \
             and dev == torch.device(device)
 
-    def reset(self, prompt_mask: torch.Tensor, seed: int, sample_ids: torch.Tensor, use_seen: bool) -> None:
+    def reset(self, prompt_mask: torch.Tensor, seed: int, sample_ids: torch.Tensor, use_seen: bool,
+              budgets: Optional[torch.Tensor] = None) -> None:
         """Start a call: validity from the prompt mask, the seed, each row's sample id (the padding rows of
         the batch bucket get ids past the real ones, so their tokens land in rows nobody reads), no real
-        row finished (the padding rows count as finished: they are never waited for)."""
+        row finished (the padding rows count as finished: they are never waited for), the rows' own budgets
+        by sample id (``[N]``; None: none)."""
         num_rows, prompt_len = prompt_mask.shape
         self.valid.fill_(True)
         self.valid[:num_rows, :prompt_len] = prompt_mask.bool()
@@ -57,6 +60,9 @@ class DecodeBuffers:
         self.rows.copy_(torch.arange(self.rows.shape[0], device=self.rows.device))
         self.rows[:num_rows] = sample_ids
         self.generated.zero_()
+        self.budgets.fill_(self.generated.shape[1])
+        if budgets is not None:
+            self.budgets[:budgets.shape[0]] = budgets
         if use_seen:
             self.seen.zero_()
 
@@ -95,7 +101,7 @@ class DecodeBuffers:
 
 def decode_step(parts: StepParts, cache, bufs: DecodeBuffers, shape: tuple[int, int], sampler: Sampler,
                 eos_ids: Optional[torch.Tensor], *, has_seen: bool, with_logprobs: bool = False,
-                samples: int = 1) -> None:
+                samples: int = 1, budgets: bool = False) -> None:
     """The captured work of one step over ``shape = (batch bucket, length bucket)``: logits, token choice,
     and every buffer update (no host sync). The attention reads no column past the current one (masked for
     every row) and, where :func:`shares_prefix`, each prompt's columns once for its ``samples`` rows."""
@@ -117,5 +123,7 @@ def decode_step(parts: StepParts, cache, bufs: DecodeBuffers, shape: tuple[int, 
     bufs.step.add_(1)
     if eos_ids is not None:
         bufs.finished[:bucket] |= torch.isin(tokens, eos_ids)
+    if budgets:  # each row's own budget (by sample id) reached with this token
+        bufs.finished[:bucket] |= bufs.budgets.index_select(0, rows) <= bufs.step
     if has_seen:
         bufs.seen[:bucket].scatter_(1, tokens[:, None], True)

@@ -81,8 +81,9 @@ class OrdinaryExecutor:
         bufs, has_seen = self.buffers, sampling.repetition_penalty != 1.0
         parts = self.fast_step.parts(device, mirrored=True)
         use_graphs = choice.path == "graph"
+        budgets = ctx.row_budgets is not None
         key = (sampling_key(sampling), ctx.eos.ids, has_seen, cache.key_storage.data_ptr(),
-               tuple(cache.key_storage.shape), parts.weights.signature(), samples)
+               tuple(cache.key_storage.shape), parts.weights.signature(), samples, budgets)
         eos = self.eos_tensors.setdefault(ctx.eos.ids, ctx.eos.tensor) if use_graphs else ctx.eos.tensor
 
         def step(live_len: int, rows: int) -> str:
@@ -90,7 +91,7 @@ class OrdinaryExecutor:
 
             def work():
                 decode_step(parts, cache, bufs, shape, ctx.sampler, eos, has_seen=has_seen,
-                            with_logprobs=ctx.with_logprobs, samples=samples)
+                            with_logprobs=ctx.with_logprobs, samples=samples, budgets=budgets)
 
             if not use_graphs:
                 work()

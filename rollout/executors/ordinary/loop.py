@@ -85,7 +85,8 @@ def init_state(ctx: CallContext, ids, mask, capacity: int, buffers: Optional[Dec
             seed=torch.full((), draw_seed(sampling), dtype=torch.long, device=device), rows=sample_ids,
             logprobs=torch.zeros((num_rows, sampling.max_new_tokens), device=device) if ctx.with_logprobs else None)
     else:
-        buffers.reset(mask, draw_seed(sampling), sample_ids, use_seen)
+        buffers.reset(mask, draw_seed(sampling), sample_ids, use_seen,
+                      None if ctx.row_budgets is None else ctx.row_budgets.tensor)
         state = DecodeState(valid=buffers.valid[:num_rows, :capacity], next_pos=mask.long().sum(dim=1),
                             generated=buffers.generated, finished=buffers.finished[:num_rows],
                             seen=buffers.seen[:num_rows] if use_seen else None, seed=buffers.seed,
@@ -106,6 +107,8 @@ def _emit(ctx: CallContext, state: DecodeState, logits: torch.Tensor) -> torch.T
         state.seen.scatter_(1, tokens[:, None], True)
     if ctx.eos.tensor is not None:
         state.finished |= torch.isin(tokens, ctx.eos.tensor)
+    if ctx.row_budgets is not None:  # the row's own budget reached with this token
+        state.finished |= ctx.row_budgets.tensor.index_select(0, state.rows) <= state.num_steps + 1
     state.num_steps += 1
     return tokens
 
@@ -195,7 +198,7 @@ def generate_ordinary(ctx: CallContext, cache: StaticKVCache, batch: PromptBatch
 
 def _hf_decode_loop(ctx: CallContext, cache, tokens, state: DecodeState, prompt_len: int) -> None:
     while state.num_steps < ctx.sampling.max_new_tokens:
-        if ctx.eos.tensor is not None and state.num_steps % ctx.eos_check_interval == 0:
+        if ctx.has_stops and state.num_steps % ctx.eos_check_interval == 0:
             state.stats.decode.host_syncs += 1
             if not ctx.busy(not bool(state.finished.all())):
                 break
@@ -218,7 +221,7 @@ def _static_decode_loop(ctx: CallContext, cache, state: DecodeState, static: Sta
     num_live = state.rows.shape[0]
     bucket = batch_bucket(num_live)
     finished = static.buffers.finished
-    counts = LaggedReads(finished.device) if ctx.eos.tensor is not None else None
+    counts = LaggedReads(finished.device) if ctx.has_stops else None
     while state.num_steps < ctx.sampling.max_new_tokens:
         if counts is not None and state.num_steps % ctx.eos_check_interval == 0:
             counts.post(finished[:bucket].sum(), (state.num_steps, bucket))  # finished rows, padding included
