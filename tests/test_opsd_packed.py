@@ -341,3 +341,32 @@ def test_a_teacher_with_an_unfused_adapter_runs_hf_forward_packed():
     ids, mask = random_prompts(2, 8, min_len=3, vocab_size=100, pad_token_id=0, seed=3)
     result = step.step(ids, mask, SAMPLING)
     assert result.breakdown.teacher_path == "hf" and result.loss > 0
+
+
+def test_the_fused_loss_runs_as_the_heads_own_forward_with_its_hooks_and_the_same_gradient():
+    """ZeRO-3 gathers a module's weights in its forward hooks: :func:`packed.through_head` calls the loss through the
+    head module (hooks run, the result and the head's gradient equal the direct call's, the module is left as it was)."""
+    model = tiny_model("qwen2", seed=3)
+    hidden = torch.randn(7, model.config.hidden_size, requires_grad=True)
+    teacher_hidden = torch.randn(7, model.config.hidden_size)
+    teacher_head = torch.randn_like(model.lm_head.weight)
+    calls = []
+    handle = model.lm_head.register_forward_pre_hook(lambda module, args: calls.append(len(args)))
+
+    def loss_of(head, hidden_in):
+        return fused_jsd_loss(hidden_in, head, teacher_hidden, teacher_head, 0.5, 1.0, chunk_size=3)
+
+    direct = loss_of(model.lm_head.weight, hidden)
+    direct.backward()
+    expected_head, expected_hidden = model.lm_head.weight.grad.clone(), hidden.grad.clone()
+    model.lm_head.weight.grad, hidden.grad = None, None
+    through = packed.through_head(model, loss_of, hidden)
+    through.backward()
+    handle.remove()
+    assert calls == [1] and torch.equal(through, direct)
+    assert torch.equal(model.lm_head.weight.grad, expected_head) and torch.equal(hidden.grad, expected_hidden)
+    assert "forward" not in model.lm_head.__dict__  # the class's forward again
+    x = torch.randn(2, model.config.hidden_size)
+    assert torch.equal(model.lm_head(x), x @ model.lm_head.weight.T)
+    with packed.gathered(model.lm_head.weight):  # not partitioned: nothing to gather
+        assert not packed.is_partitioned(model.lm_head.weight)

@@ -62,7 +62,8 @@ class OPSDConfig:
     positions and the loss applies both heads chunk by chunk: :mod:`rollout.opsd.packed`,
     :mod:`rollout.opsd.fused_loss`), ``"padded"`` (HF's forward over ``[rows, columns]`` with a mask, logits
     and a logit cache), or ``"auto"``: packed where it is supported (a Llama/Qwen2/Qwen3/Mistral-type model
-    with a bias-free linear head, no ZeRO-3 partitioning, no top-k cache), padded otherwise. The step reports
+    with a bias-free linear head, no top-k cache; ZeRO-3 included: the fused loss calls the student's head through its
+    module, so its weight is gathered there), padded otherwise. The step reports
     the path it took (``StepBreakdown.train_path``)."""
 
     fast_teacher: bool = True
@@ -74,8 +75,9 @@ class OPSDConfig:
     fast_student: bool = True
     """On the packed path, run the student's forward (and so its backward) through the same pieces over its
     parameters, with autograd (:func:`rollout.opsd.fast_passes.student_decoder`; compiled forward and backward on
-    CUDA); False, or a model they do not cover (an unfused LoRA adapter, activation checkpointing, attention
-    dropout), runs HF's forward with the packed attention. ``StepBreakdown.student_path`` says which ran."""
+    CUDA); False, or a model they do not cover (an unfused LoRA adapter, ZeRO-3 partitioning, activation
+    checkpointing, attention dropout), runs HF's forward with the packed attention. ``StepBreakdown.student_path``
+    says which ran."""
 
     def __post_init__(self) -> None:
         for name in ("fast_teacher", "fast_student"):

@@ -152,8 +152,6 @@ def unsupported_reason(causal_lm: torch.nn.Module) -> Optional[str]:
         return "the head is not a bias-free torch.nn.Linear (e.g. an adapter on lm_head)"
     if not isinstance(getattr(causal_lm, getattr(causal_lm, "base_model_prefix", ""), None), torch.nn.Module):
         return "no decoder stack under base_model_prefix"
-    if any(hasattr(param, "ds_id") for param in causal_lm.parameters()):
-        return "ZeRO-3 partitioned parameters (the head is read outside the module's forward)"
     return None
 
 
@@ -209,8 +207,44 @@ def decoder_of(causal_lm: torch.nn.Module) -> torch.nn.Module:
 
 
 def head_weight(causal_lm: torch.nn.Module) -> torch.Tensor:
-    """The head's ``[V, H]`` weight (the parameter itself: its gradient accumulates as usual)."""
+    """The head's ``[V, H]`` weight (the parameter itself: its gradient accumulates as usual). Under ZeRO-3 it is
+    a partition: read it inside :func:`through_head` (the student's) or :func:`gathered` (a frozen teacher's)."""
     return causal_lm.lm_head.weight
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a ZeRO-3 partitioned parameter (DeepSpeed marks them with ``ds_id``)."""
+    return hasattr(param, "ds_id")
+
+
+@contextlib.contextmanager
+def gathered(param: torch.Tensor) -> Iterator[None]:
+    """``param`` whole for reading inside the block, gathered where ZeRO-3 partitions it (no-op otherwise). For a
+    frozen weight only: nothing written inside is kept."""
+    if not is_partitioned(param):
+        yield
+        return
+    import deepspeed  # only where DeepSpeed made the partition
+
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+        yield
+
+
+def through_head(causal_lm: torch.nn.Module, fn, *inputs: torch.Tensor):
+    """``fn(head weight, *inputs)`` run as the head module's own forward: the module's hooks run around it, so under
+    ZeRO-3 the weight is gathered for the call and again for its backward, and its gradient is reduced into the
+    partition as after the head's own forward (the fused loss reads the head outside HF's forward). Elsewhere it is
+    ``fn(weight, *inputs)`` with the module's other hooks."""
+    head = causal_lm.lm_head
+    own = head.__dict__.get("forward")  # a forward another library set on the instance, restored after
+    head.forward = lambda *args: fn(head.weight, *args)
+    try:
+        return head(*inputs)
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
 
 
 def loss_hidden(model, causal_lm: torch.nn.Module, rows: PackedRows) -> torch.Tensor:

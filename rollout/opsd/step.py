@@ -279,9 +279,16 @@ class OPSDStep:
                     hidden = packed.loss_hidden(self._trainer, model, rows)  # [N, H]
             with run.timer.phase(stages.LOSS):
                 values, _ = stream.take(span, hidden.device)
-                loss = fused_jsd_loss(hidden, packed.head_weight(model), values,
-                                      packed.head_weight(self._teacher_model), config.beta, config.temperature,
-                                      chunk_size=config.loss_chunk_size, divisor=inputs.num_positions)
+                teacher_head = packed.head_weight(self._teacher_model)
+                shared = teacher_head is packed.head_weight(model)  # self-distillation: one (maybe partitioned) head
+
+                def loss_of(head, hidden_in, teacher_in):  # the student's head as its module's forward (ZeRO-3
+                    return fused_jsd_loss(hidden_in, head, teacher_in, head if shared else teacher_head,  # gathers it)
+                                          config.beta, config.temperature, chunk_size=config.loss_chunk_size,
+                                          divisor=inputs.num_positions)
+
+                with contextlib.nullcontext() if shared else packed.gathered(teacher_head):
+                    loss = packed.through_head(model, loss_of, hidden, values)
                 del values, hidden
                 stream.release(span)
             with run.timer.phase(stages.BACKWARD):
