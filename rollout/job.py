@@ -24,7 +24,8 @@ from rollout.opsd.flags import JobArgs, parse_job
 from rollout.opsd.job import DEFAULT_STUDENT, DEFAULT_TEACHER, SELF_TEACHER, JobConfig, ModelNames
 #: The real chat model of :mod:`rollout.real_model` (a name, like the shape names).
 from rollout.real_model import SMOLLM2_NAME as REAL_MODEL
-from rollout.real_model import TEACHER_SYSTEM_PROMPT, chat_prompts, header_config, load_smollm2, questions_for
+from rollout.real_model import (CHAT_PROMPT_MARGIN, TEACHER_SYSTEM_PROMPT, chat_prompts, header_config,
+                                longest_chat_prompts, load_smollm2, questions_for)
 from rollout.testing import (MODEL_SHAPES, PromptStream as RowStream, TinyTokenizer, shape_config, shaped_model,
                              tiny_config, tiny_model)
 
@@ -207,7 +208,11 @@ def check_job(job: JobConfig, opsd_config, world: Optional[int] = None) -> None:
     stage = config["zero_optimization"].get("stage", 0)
     synthetic = job.student != REAL_MODEL
     self_context = SELF_CONTEXT_LEN if job.teacher == SELF_TEACHER and synthetic else 0
-    preflight.check_models(job, opsd_config, student, teacher or student, stage, synthetic, self_context)
+    context = job.rollout.max_context or student.context
+    chat = None  # the real model's prompts, counted where a budget comes near the context (the tokenizer alone)
+    if not synthetic and context is not None and job.max_new_tokens + CHAT_PROMPT_MARGIN > context:
+        chat = longest_chat_prompts()
+    preflight.check_models(job, opsd_config, student, teacher or student, stage, synthetic, self_context, chat)
     dtype_bytes = model_dtype(config).itemsize
     cuda = device_type == "cuda"
     preflight.check_memory(job, preflight.model_bytes(job, student, teacher, dtype_bytes, stage, world, cuda),

@@ -117,13 +117,39 @@ def _pristine_model(dtype: torch.dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _tokenizer(eos_token_id: int, pad_token_id: int):
-    """The GGUF's tokenizer, its EOS and pad set to the model config's ids (transformers 5.17 reads
-    the GGUF's EOS as ``<|im_start|>`` and no pad), and no BPE-destructive clean-up on decode."""
+def _gguf_tokenizer():
+    """The GGUF's tokenizer as transformers reads it, once per process (~10 s on a CPU)."""
     from transformers import AutoTokenizer
 
     path = gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=GGUF_FILE, local_files_only=True)
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=GGUF_FILE, local_files_only=True)
+
+
+#: The chat prompts of :data:`QUESTIONS` are far shorter than this (a test holds it): the main job tokenizes them
+#: before loading the model only when a response budget comes within this many tokens of the context.
+CHAT_PROMPT_MARGIN = 1024
+
+
+def longest_chat_prompts() -> Optional[tuple[int, int]]:
+    """Token counts of the longest chat prompt the main job builds from :data:`QUESTIONS`: the student's and the
+    teacher's (under :data:`TEACHER_SYSTEM_PROMPT`), from the tokenizer alone (the model is not loaded; the tokenizer
+    is the one loading then reuses). None when the packages or the file are missing (loading then says why)."""
+    try:
+        tokenizer = _gguf_tokenizer()
+    except (ImportError, OSError, ValueError):
+        return None
+
+    def longest(system: Optional[str]) -> int:
+        return max(len(tokenizer.apply_chat_template(chat_messages(q, system), add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)) for q in QUESTIONS)
+    return longest(None), longest(TEACHER_SYSTEM_PROMPT)
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer(eos_token_id: int, pad_token_id: int):
+    """The GGUF's tokenizer, its EOS and pad set to the model config's ids (transformers 5.17 reads
+    the GGUF's EOS as ``<|im_start|>`` and no pad), and no BPE-destructive clean-up on decode."""
+    tokenizer = _gguf_tokenizer()  # one object per process: the chat-prompt lengths do not depend on these settings
     tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_token_id)
     tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad_token_id)
     tokenizer.clean_up_tokenization_spaces = False

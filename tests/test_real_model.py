@@ -270,9 +270,9 @@ def test_the_header_config_equals_the_loaded_models(smollm2):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--max-new-tokens", "9000"],
-     r"^error: --max-new-tokens 9000 exceeds the student's context of 8192 tokens \(max_position_embeddings of "
-     r"smollm2-135m\)$"),
+    (["--max-new-tokens", "9000"],  # with its longest chat prompt (counted near the context)
+     r"^error: the longest chat prompt \d+ \+ --max-new-tokens 9000 = \d+ exceeds the student's context of 8192 "
+     r"tokens \(max_position_embeddings of smollm2-135m\)$"),
     (["--teacher-top-k", "50000"], r"^error: --teacher-top-k: 50000 exceeds the shared vocabulary size 49152"),
 ])
 def test_the_real_models_flags_are_checked_before_it_is_loaded(smollm2, monkeypatch, argv, message):
@@ -282,3 +282,29 @@ def test_the_real_models_flags_are_checked_before_it_is_loaded(smollm2, monkeypa
     from tests.test_job_checks import _refusal
 
     assert re.search(message, _refusal(["--student", real_model.SMOLLM2_NAME, "--teacher", "self", *argv], monkeypatch))
+
+
+def test_the_longest_chat_prompts_are_counted_from_the_tokenizer_alone(smollm2):
+    _, tokenizer = smollm2
+    student, teacher = real_model.longest_chat_prompts()
+    widths = [real_model.chat_prompts(tokenizer, list(real_model.QUESTIONS), system=system)[0].shape[1]
+              for system in (None, real_model.TEACHER_SYSTEM_PROMPT)]
+    assert (student, teacher) == tuple(widths)  # left-padded to the longest: the prompts the main job builds
+    assert 0 < student < teacher < real_model.CHAT_PROMPT_MARGIN  # the margin under which the job skips counting
+
+
+@pytest.mark.parametrize("new_tokens, flag", [(8192 - 20, "the longest chat prompt"),
+                                              (8192 - 50, "the teacher's longest chat prompt")])
+def test_a_budget_the_chat_prompts_push_past_the_context_is_refused_before_loading(smollm2, monkeypatch, new_tokens,
+                                                                                    flag):
+    from rollout import job as job_lib
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the configuration was checked")
+
+    monkeypatch.setattr(real_model, "_pristine_model", no_load)
+    args = job_lib.parse_args(["--student", "smollm2-135m", "--teacher", "self", "--max-new-tokens", str(new_tokens)])
+    with pytest.raises(ValueError, match=rf"^{flag} \d+ \+ --max-new-tokens {new_tokens} = \d+ exceeds the "):
+        job_lib.check_job(args.job, args.opsd)
+    fits = job_lib.parse_args(["--student", "smollm2-135m", "--teacher", "self", "--max-new-tokens", "8000"])
+    assert job_lib.check_job(fits.job, fits.opsd) is None

@@ -129,16 +129,23 @@ def check_context(terms: list[tuple[str, int]], context: Optional[int], whose: s
 
 
 def check_models(job, opsd, student: ModelFacts, teacher: ModelFacts, zero_stage: int, synthetic: bool,
-                 self_context: int = 0) -> None:
+                 self_context: int = 0, chat: Optional[tuple[int, int]] = None) -> None:
     """Context, vocabulary and gathering: what the step and its rollout refuse once the models are built, and the
     teacher's context, which nothing checks later (a teacher scoring past its context gives wrong numbers silently).
     ``teacher`` is ``student`` when the student is its own teacher (``--teacher self``: its prompts are
-    ``self_context`` tokens longer) or the teacher's config cannot be read."""
+    ``self_context`` tokens longer) or the teacher's config cannot be read. ``chat``: the real model's longest chat
+    prompts (student's, teacher's; :func:`rollout.real_model.longest_chat_prompts`), where they were counted."""
     context = job.rollout.max_context or student.context
     source = f"{'max_context' if job.rollout.max_context else 'max_position_embeddings'} of {student.name}"
     prompt = [("--prompt-len", job.prompt_len)] if synthetic else []
     response = [("--max-new-tokens", job.max_new_tokens)]
+    if not synthetic and chat is not None:
+        prompt = [("the longest chat prompt", chat[0])]
     check_context(prompt + response, context, "the student's", source)
+    if not synthetic and chat is not None:  # the teacher's prompts open with its system prompt
+        teacher_context = context if teacher is student else teacher.context
+        check_context([("the teacher's longest chat prompt", chat[1])] + response, teacher_context, "the teacher's",
+                      source if teacher is student else f"max_position_embeddings of {teacher.name}")
     if self_context:
         check_context(prompt + [("--teacher self's context", self_context)] + response, context, "the teacher's",
                       f"--teacher self: {source}")
