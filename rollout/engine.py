@@ -19,6 +19,7 @@ import torch
 
 from instrumentation import collect_stages, stage, stages
 from rollout.config import RolloutConfig, SamplingConfig
+from rollout.executors.context import RowBudgets
 from rollout.executors.runner import Runner
 from rollout.ops.inputs import checked_layout
 from rollout.ops.postprocess import assemble, finish_reasons, masked_logprobs, response_mask
@@ -147,19 +148,21 @@ class Rollout:
     # ---- the call, stage by stage ----------------------------------------------------------------
     def _generate(self, request: RolloutRequest, sampling: SamplingConfig) -> tuple[RolloutBatch, CallStats]:
         device = self.runner.device
-        budgets = request.row_budgets(sampling.n_samples_per_prompt, sampling.max_new_tokens)  # checked first
+        budgets = RowBudgets.on(request.row_budgets(sampling.n_samples_per_prompt, sampling.max_new_tokens),
+                                device)  # checked first
         ids = request.prompt_ids.to(device, non_blocking=True)
         mask = request.prompt_attention_mask.to(device, non_blocking=True)
         layout = checked_layout(ids, mask, self.model.config.vocab_size, sampling.max_new_tokens,
                                 self.runner.context_limit)
-        prepared = self.runner.prepare(ids, mask, layout, sampling, self.eos_token_ids, budgets)  # refuses what cannot fit
+        prepared = self.runner.prepare(ids, mask, layout, sampling, self.eos_token_ids,
+                                       budgets)  # refuses what cannot fit
         with stage(stages.PLAN):
             plan = routes.choose_route(self.config.route, layout, sampling.n_samples_per_prompt, prepared.slots,
                                        self.runner.cost_model, self.config.routing.max_prefill_tokens,
                                        prepared.decode.prefill_path)
         result = self.runner.run(prepared, plan)
         generated = result.tokens
-        cap = None if budgets is None else request.row_max_new_tokens.to(device=device, dtype=torch.long)
+        cap = None if budgets is None else budgets.tensor
         with stage(stages.MASK_BUILD):
             responses = response_mask(generated, self.eos_token_ids, cap)
         with stage(stages.POSTPROCESS):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.config import SamplingConfig
+from rollout.model import zero
 from rollout.ops import jsd, masks
 from rollout.opsd import OPSDConfig, OPSDStep, fast_passes, packed, sizing
 from rollout.opsd.fused_loss import fused_jsd_loss
@@ -345,7 +346,8 @@ def test_a_teacher_with_an_unfused_adapter_runs_hf_forward_packed():
 
 def test_the_fused_loss_runs_as_the_heads_own_forward_with_its_hooks_and_the_same_gradient():
     """ZeRO-3 gathers a module's weights in its forward hooks: :func:`packed.through_head` calls the loss through the
-    head module (hooks run, the result and the head's gradient equal the direct call's, the module is left as it was)."""
+    head module (hooks run, the result and the head's gradient equal the direct call's, the module is left as it
+    was)."""
     model = tiny_model("qwen2", seed=3)
     hidden = torch.randn(7, model.config.hidden_size, requires_grad=True)
     teacher_hidden = torch.randn(7, model.config.hidden_size)
@@ -368,5 +370,5 @@ def test_the_fused_loss_runs_as_the_heads_own_forward_with_its_hooks_and_the_sam
     assert "forward" not in model.lm_head.__dict__  # the class's forward again
     x = torch.randn(2, model.config.hidden_size)
     assert torch.equal(model.lm_head(x), x @ model.lm_head.weight.T)
-    with packed.gathered(model.lm_head.weight):  # not partitioned: nothing to gather
-        assert not packed.is_partitioned(model.lm_head.weight)
+    with zero.gathered(model.lm_head, "once"):  # not partitioned: nothing to gather (the teacher head's case)
+        assert not zero.is_zero3(model.lm_head)

@@ -50,7 +50,7 @@ class Prepared:
     eos_ids: tuple[int, ...]
     """The tokenizer's end-of-sequence ids (empty: rows run to the budget)."""
     device: torch.device
-    row_budgets: Optional[tuple[int, ...]] = None
+    row_budgets: Optional[RowBudgets] = None
     """Each output row's own budget (``RolloutRequest.row_max_new_tokens``, checked), None: the sampling's."""
 
     @property
@@ -103,7 +103,7 @@ class Runner:
 
     # ---- one call ---------------------------------------------------------------------------------
     def prepare(self, ids: torch.Tensor, mask: torch.Tensor, layout: PromptLayout, sampling: SamplingConfig,
-                eos_ids: tuple[int, ...], row_budgets: Optional[tuple[int, ...]] = None) -> Prepared:
+                eos_ids: tuple[int, ...], row_budgets: Optional[RowBudgets] = None) -> Prepared:
         """The call's decode path and KV budget (a call that cannot fit is refused before any allocation), then its
         prompts expanded to one row per sample (``ids``/``mask``: ``[B, T_p]`` on the device, checked)."""
         if self.config.route != routes.ORDINARY:  # a prompt's samples share slots; no chunked prefill
@@ -177,7 +177,7 @@ class Runner:
                            stage=stage, busy=self._busy, fast=parts,
                            fast_prefill=prefill_parts if decode.prefill_path != "hf" else None,
                            sampler=sampler, prefill_graphs=graphs, late_eos_count=config.routing.late_eos_count,
-                           row_budgets=RowBudgets.on(prepared.row_budgets, device))
+                           row_budgets=prepared.row_budgets)
 
     def _prefill_graphs_for(self, decode: DecodeChoice) -> Optional[PrefillGraphs]:
         """The captured prefill passes where this call can run them (``kernels.prefill_graph_tokens`` set, the

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from rollout.model.pieces import attention_inputs, attention_output_and_mlp
 from rollout.model.step import (StepFns, StepParts, compile_piece, compiled_step_fns, layer_output, layer_qkv,
                                 rotary, spec_and_weights, unsupported_reason)
-from rollout.opsd.packed import PackedRows, decoder_of, is_partitioned, varlen_causal_attention
+from rollout.model.zero import is_zero3
+from rollout.opsd.packed import PackedRows, decoder_of, varlen_causal_attention
 from rollout.opsd.sizing import is_checkpointing
 from rollout.ops.norm import rms_norm
 
@@ -38,7 +39,7 @@ from rollout.ops.norm import rms_norm
 def fast_parts(causal_lm: torch.nn.Module, device: torch.device) -> Optional[StepParts]:
     """The teacher's pieces over ``causal_lm``'s weights (plain views; compiled on CUDA, one graph for every
     layer), or None where they do not cover the model exactly (its type, an unfused LoRA adapter, ZeRO-3)."""
-    if unsupported_reason(causal_lm) is not None or any(is_partitioned(p) for p in causal_lm.parameters()):
+    if unsupported_reason(causal_lm) is not None or is_zero3(causal_lm):
         return None
     spec, weights = spec_and_weights(causal_lm)
     return StepParts(spec, weights, compiled_step_fns() if device.type == "cuda" else StepFns())
@@ -110,7 +111,7 @@ def compiled_train_fns() -> StepFns:
 def student_unsupported_reason(causal_lm: torch.nn.Module) -> Optional[str]:
     """Why the student's packed pass cannot run through the pieces (None: it can)."""
     reason = unsupported_reason(causal_lm)
-    if reason is None and any(is_partitioned(p) for p in causal_lm.parameters()):
+    if reason is None and is_zero3(causal_lm):
         reason = "ZeRO-3 partitioned parameters (the pieces read every weight outside the modules' forwards)"
     if reason is None and is_checkpointing(causal_lm):
         reason = "activation checkpointing is on (HF's layers recompute in backward)"

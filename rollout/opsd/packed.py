@@ -208,26 +208,9 @@ def decoder_of(causal_lm: torch.nn.Module) -> torch.nn.Module:
 
 def head_weight(causal_lm: torch.nn.Module) -> torch.Tensor:
     """The head's ``[V, H]`` weight (the parameter itself: its gradient accumulates as usual). Under ZeRO-3 it is
-    a partition: read it inside :func:`through_head` (the student's) or :func:`gathered` (a frozen teacher's)."""
+    a partition: read it inside :func:`through_head` (the student's) or ``rollout.model.zero.gathered(head, "once")``
+    (a frozen teacher's)."""
     return causal_lm.lm_head.weight
-
-
-def is_partitioned(param: torch.Tensor) -> bool:
-    """Whether ``param`` is a ZeRO-3 partitioned parameter (DeepSpeed marks them with ``ds_id``)."""
-    return hasattr(param, "ds_id")
-
-
-@contextlib.contextmanager
-def gathered(param: torch.Tensor) -> Iterator[None]:
-    """``param`` whole for reading inside the block, gathered where ZeRO-3 partitions it (no-op otherwise). For a
-    frozen weight only: nothing written inside is kept."""
-    if not is_partitioned(param):
-        yield
-        return
-    import deepspeed  # only where DeepSpeed made the partition
-
-    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-        yield
 
 
 def through_head(causal_lm: torch.nn.Module, fn, *inputs: torch.Tensor):

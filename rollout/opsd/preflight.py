@@ -139,10 +139,11 @@ def check_models(job, opsd, student: ModelFacts, teacher: ModelFacts, zero_stage
     source = f"{'max_context' if job.rollout.max_context else 'max_position_embeddings'} of {student.name}"
     prompt = [("--prompt-len", job.prompt_len)] if synthetic else []
     response = [("--max-new-tokens", job.max_new_tokens)]
-    if not synthetic and chat is not None:
+    counted = not synthetic and chat is not None
+    if counted:
         prompt = [("the longest chat prompt", chat[0])]
     check_context(prompt + response, context, "the student's", source)
-    if not synthetic and chat is not None:  # the teacher's prompts open with its system prompt
+    if counted:  # the teacher's prompts open with its system prompt
         teacher_context = context if teacher is student else teacher.context
         check_context([("the teacher's longest chat prompt", chat[1])] + response, teacher_context, "the teacher's",
                       source if teacher is student else f"max_position_embeddings of {teacher.name}")

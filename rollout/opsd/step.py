@@ -57,7 +57,7 @@ from instrumentation.worklog import recorder as work_recorder
 from rollout.checks import require
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.engine import Rollout
-from rollout.model import compat
+from rollout.model import compat, zero
 from rollout.opsd import fast_passes, packed, sizing
 from rollout.opsd.breakdown import PhaseTimer
 from rollout.opsd.config import OPSDConfig, StepResult
@@ -287,7 +287,7 @@ class OPSDStep:
                                           config.beta, config.temperature, chunk_size=config.loss_chunk_size,
                                           divisor=inputs.num_positions)
 
-                with contextlib.nullcontext() if shared else packed.gathered(teacher_head):
+                with contextlib.nullcontext() if shared else zero.gathered(self._teacher_model.lm_head, "once"):
                     loss = packed.through_head(model, loss_of, hidden, values)
                 del values, hidden
                 stream.release(span)
