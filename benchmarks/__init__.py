@@ -8,6 +8,9 @@ files, tables). Each runs as ``python -m benchmarks.<name> --help``.
 | ``benchmarks.smoke000`` | seed 000's smoke matrix (run by ``benchmarks.suites``) | ``scripts/bench_smoke000.py`` |
 | ``benchmarks.decode_step`` | the decode step's pieces: attention, sampler, step variants, GEMMs, skinny kernel, prefill | ``scripts/profile_decode_step.py`` |
 | ``benchmarks.sampler`` | the token sampler, before and after the sort-free nucleus, the fused kernels | ``scripts/bench_sampler.py`` |
+| ``benchmarks.jsd`` | the fused loss's JSD kernel per chunk: against its PyTorch reference, other trees' kernels, launch parameters | new (issue 32) |
+| ``benchmarks.optimizer`` | the optimizer step per DeepSpeed wrapper (ZeRO-0, ZeRO-1, float32 accumulation) | new (issue 32) |
+| ``benchmarks.step`` | the whole OPSD step per phase against its roofline: uniform, long-tail and wide cells | new (issue 32) |
 | ``benchmarks.postprocess`` | post-processing: reference loop, upstream-style, batched | ``scripts/bench_postprocess.py`` |
 | ``benchmarks.planner`` | the prefill planner and the route decision (CPU) | ``scripts/bench_planner.py`` |
 | ``benchmarks.keep_cache`` | what ``keep_cache`` adds to a training step's peak memory | ``scripts/bench_keep_cache.py`` |

@@ -208,7 +208,7 @@ def check_job(job: JobConfig, opsd_config, world: Optional[int] = None) -> None:
     stage = config["zero_optimization"].get("stage", 0)
     synthetic = job.student != REAL_MODEL
     self_context = SELF_CONTEXT_LEN if job.teacher == SELF_TEACHER and synthetic else 0
-    context = job.rollout.max_context or student.context
+    context, _ = preflight.student_context(job, student)
     chat = None  # the real model's prompts, counted where a budget comes near the context (the tokenizer alone)
     if not synthetic and context is not None and job.max_new_tokens + CHAT_PROMPT_MARGIN > context:
         chat = longest_chat_prompts()

@@ -189,8 +189,8 @@ def test_the_table_printer():
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------------
-BENCHMARKS = ["ab", "call_memory", "decode_step", "keep_cache", "multigpu", "overhead", "planner", "postprocess",
-              "profiler_cost", "rl", "sampler", "step", "suites", "trace_summary"]
+BENCHMARKS = ["ab", "call_memory", "decode_step", "jsd", "keep_cache", "multigpu", "optimizer", "overhead", "planner",
+              "postprocess", "profiler_cost", "rl", "sampler", "step", "suites", "trace_summary"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)

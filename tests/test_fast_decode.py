@@ -119,8 +119,8 @@ def test_failed_graph_capture_falls_back_to_eager_with_the_reason(route, monkeyp
         RolloutRequest(ids, mask), sampling)
     real_choose = decode.choose_decode
 
-    def pretend_cuda(config, model, is_zero3, device):  # graphs chosen as on a GPU
-        choice = real_choose(config, model, is_zero3, device)
+    def pretend_cuda(config, model, is_zero3, device, fused=()):  # graphs chosen as on a GPU
+        choice = real_choose(config, model, is_zero3, device, fused)
         return decode.DecodeChoice("graph", None, choice.prefill_path)
     from rollout.executors import runner as engine
     monkeypatch.setattr(engine, "choose_decode", pretend_cuda)

@@ -26,7 +26,7 @@ def graph_path_on_cpu(monkeypatch):
     """The graph decode path on the CPU: ``replay`` runs the step (no capture) and reports a graph step;
     every ``decode_step`` call's EOS tensor is recorded."""
     monkeypatch.setattr(runner_module, "choose_decode",
-                        lambda config, model, is_zero3, device: DecodeChoice("graph", None, "packed"))
+                        lambda config, model, is_zero3, device, fused=(): DecodeChoice("graph", None, "packed"))
     monkeypatch.setattr(GraphSet, "replay", lambda self, key, work, mutable: (work(), GRAPH)[1])
     seen = []
     real = executor_module.decode_step

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 
@@ -152,10 +152,12 @@ def attention_path(setting: str, device: torch.device) -> str:
     return "sdpa"
 
 
-def choose_decode(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool, device: torch.device) -> DecodeChoice:
-    """The decode and prefill paths of a call (one place for both routes)."""
+def choose_decode(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool, device: torch.device,
+                  fused: Collection[torch.nn.Module] = ()) -> DecodeChoice:
+    """The decode and prefill paths of a call (one place for both routes). ``fused``: the LoRA layers the call
+    fuses before it decodes (chosen before the fuse: the choice sizes the call's memory)."""
     kernels = config.kernels
-    reason = _hf_reason(config, model, is_zero3)
+    reason = _hf_reason(config, model, is_zero3, fused)
     if reason is not None:
         return DecodeChoice("hf", reason, "hf", "hf", kernels.cuda_graphs)
     prefill_path = prefill.attention_path(device, next(model.parameters()).dtype) if kernels.fast_prefill else "hf"
@@ -169,13 +171,14 @@ def choose_decode(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool,
     return DecodeChoice("graph", None, prefill_path, attention)
 
 
-def _hf_reason(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool) -> Optional[str]:
+def _hf_reason(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool,
+               fused: Collection[torch.nn.Module]) -> Optional[str]:
     """Why the HF layers decode (None: our step can)."""
     if not config.kernels.fast_decode:
         return "kernels.fast_decode disabled in RolloutConfig"
     if is_zero3 and config.gather == "per_forward":
         return "ZeRO-3 per-forward gathering (parameters are not resident)"
-    return unsupported_reason(model)
+    return unsupported_reason(model, fused)
 
 
 def shares_prefix(parts: StepParts, bucket: int, samples: int) -> bool:

@@ -111,7 +111,9 @@ class Runner:
                               sampling.n_samples_per_prompt)
             check_prefill_limit(layout, self.config.routing.max_prefill_tokens)
         device = self.device
-        decode = choose_decode(self.config, self.model, self.is_zero3, device)
+        fuser = self._fuser()  # what run() fuses before decoding: its layers count as merged
+        decode = choose_decode(self.config, self.model, self.is_zero3, device,
+                               fuser.fusable_layers() if fuser is not None else ())
         fit = self._slots_within_budget(layout, sampling, decode, device)
         with stage(stages.EXPAND):
             expanded_ids, expanded_mask = expand_prompts(ids, mask, sampling.n_samples_per_prompt)

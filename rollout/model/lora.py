@@ -110,6 +110,10 @@ class LoraFuser:
         """Layers fused by the current ``fuse()`` (0 when not fused)."""
         return len(self._fused) if self._fused is not None else 0
 
+    def fusable_layers(self) -> list[torch.nn.Module]:
+        """The layers :meth:`fuse` would fuse now (the others keep peft's unmerged forward)."""
+        return [layer for _, layer, _ in self._plan()]
+
     def _plan(self) -> list[tuple[int, torch.nn.Module, list[str]]]:
         """(index, layer, adapters to fuse) for every layer that can be fused right now."""
         plan = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import Collection
 
 import torch
 
@@ -92,8 +93,9 @@ class DecoderWeights:
         return tuple(ptrs)
 
 
-def unsupported_reason(model: torch.nn.Module) -> str | None:
-    """Why the fast step cannot run ``model`` exactly (None when it can)."""
+def unsupported_reason(model: torch.nn.Module, fused: Collection[torch.nn.Module] = ()) -> str | None:
+    """Why the fast step cannot run ``model`` exactly (None when it can). ``fused``: LoRA layers the call fuses
+    before it decodes (:meth:`rollout.model.lora.LoraFuser.fusable_layers`), counted as merged."""
     config = model.config
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return f"model_type {getattr(config, 'model_type', None)!r} not in {SUPPORTED_MODEL_TYPES}"
@@ -105,8 +107,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return f"rope type {rope_type!r} is not supported"
     if getattr(config, "mlp_bias", False):
         return "mlp_bias is not supported"
+    fused_ids = {id(layer) for layer in fused}
     for module in model.modules():  # peft: an unmerged, active LoRA layer adds a path we do not replicate
-        if (hasattr(module, "lora_A") and not getattr(module, "merged", False)
+        if (hasattr(module, "lora_A") and id(module) not in fused_ids and not getattr(module, "merged", False)
                 and not getattr(module, "disable_adapters", False) and getattr(module, "active_adapters", None)):
             return "LoRA adapters are not fused (fuse_lora=False, ZeRO-3 per-forward gathering or a LoRA variant)"
     return None

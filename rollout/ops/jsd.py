@@ -14,7 +14,6 @@ once and leaves the reference to every later call on that device (:mod:`rollout.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -22,8 +21,11 @@ import torch
 from rollout.ops.decode_attention import available
 from rollout.ops.fallback import launch_or_fall_back
 
-#: Vocabulary entries per block of a pass (a power of two).
-BLOCK = 4096
+#: Vocabulary entries per block of a pass (a power of two) and warps per program: 8 entries a thread. On the H200
+#: (``python -m benchmarks.jsd``, 2,048 x 151,936 bf16 rows; docs/BENCHMARKS.md section 8) 16 entries a thread
+#: (4096 x 8) held 2 programs an SM: 2.18-2.25 ms a chunk at beta 0.5, against 1.71-1.77 ms at 8 (1024 x 4, 2048 x 8,
+#: 4096 x 16).
+BLOCK = 2048
 WARPS = 8
 _FAILED: dict = {}
 """device -> why the kernel failed there."""
@@ -62,9 +64,7 @@ def _launch(student, teacher, beta, temperature, scale, write_grad) -> torch.Ten
     losses = torch.empty(rows, dtype=torch.float32, device=student.device)
     if rows == 0:
         return losses
-    log_beta = math.log(beta) if 0.0 < beta < 1.0 else 0.0
-    log_1m_beta = math.log1p(-beta) if 0.0 < beta < 1.0 else 0.0
     jsd_kernel.jsd_rows[(rows,)](
         student, teacher, losses, student.stride(0), teacher.stride(0), vocab, 1.0 / temperature, float(scale),
-        float(beta), log_beta, log_1m_beta, MODE=mode(beta), WRITE_GRAD=write_grad, BLOCK=BLOCK, num_warps=WARPS)
+        float(beta), MODE=mode(beta), WRITE_GRAD=write_grad, BLOCK=BLOCK, num_warps=WARPS)
     return losses

@@ -111,12 +111,12 @@ class _FusedHeadJSD(torch.autograd.Function):
         scale = grad_output.float()
         if grad_hidden is not None:
             grad_hidden = grad_hidden.mul_(scale.to(grad_hidden.dtype))
-        if grad_weight is not None:
-            grad_weight = grad_weight.mul_(scale)
-            if grad_weight.shape[0] != rows:  # ids past the shared vocabulary get no gradient
-                grad_weight = torch.cat([grad_weight, grad_weight.new_zeros(rows - grad_weight.shape[0],
-                                                                            grad_weight.shape[1])])
-            grad_weight = grad_weight.to(dtype)
+        if grad_weight is not None:  # scaled and rounded to the weight's dtype in one pass over the float32 sum
+            shared = grad_weight.shape[0]
+            out = torch.empty(rows, grad_weight.shape[1], dtype=dtype, device=grad_weight.device)
+            torch.mul(grad_weight, scale, out=out[:shared])
+            out[shared:].zero_()  # ids past the shared vocabulary get no gradient
+            grad_weight = out
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 

@@ -128,6 +128,14 @@ def check_context(terms: list[tuple[str, int]], context: Optional[int], whose: s
     raise ValueError(f"{what} exceeds {whose} context of {context} tokens ({source})")
 
 
+def student_context(job, student: ModelFacts) -> tuple[Optional[int], str]:
+    """``(tokens, where it was read)``: the rollout's ``max_context`` where set, else the student's
+    ``max_position_embeddings`` (None: unknown)."""
+    if job.rollout.max_context:
+        return job.rollout.max_context, f"max_context of {student.name}"
+    return student.context, f"max_position_embeddings of {student.name}"
+
+
 def check_models(job, opsd, student: ModelFacts, teacher: ModelFacts, zero_stage: int, synthetic: bool,
                  self_context: int = 0, chat: Optional[tuple[int, int]] = None) -> None:
     """Context, vocabulary and gathering: what the step and its rollout refuse once the models are built, and the
@@ -135,8 +143,7 @@ def check_models(job, opsd, student: ModelFacts, teacher: ModelFacts, zero_stage
     ``teacher`` is ``student`` when the student is its own teacher (``--teacher self``: its prompts are
     ``self_context`` tokens longer) or the teacher's config cannot be read. ``chat``: the real model's longest chat
     prompts (student's, teacher's; :func:`rollout.real_model.longest_chat_prompts`), where they were counted."""
-    context = job.rollout.max_context or student.context
-    source = f"{'max_context' if job.rollout.max_context else 'max_position_embeddings'} of {student.name}"
+    context, source = student_context(job, student)
     prompt = [("--prompt-len", job.prompt_len)] if synthetic else []
     response = [("--max-new-tokens", job.max_new_tokens)]
     counted = not synthetic and chat is not None
