@@ -18,10 +18,11 @@ from rollout.model import compat
 from rollout.opsd import OPSDConfig, OPSDStep
 from rollout.opsd import micro_batches as mb
 from rollout.opsd import sizing
-from rollout.opsd.breakdown import PHASES
+from rollout.opsd.breakdown import PHASES, rollout_path
 from rollout.opsd.inputs import distill_inputs
 from rollout.opsd.logit_cache import LogitCacheConfig, TeacherLogitCache
 from rollout.opsd.teacher import TeacherStream
+from rollout.stats import CallStats
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 
 NUM_ROWS, PROMPT_LEN, RESPONSE_LEN = 8, 6, 9
@@ -230,8 +231,20 @@ def test_breakdown_times_every_phase_on_cpu():
     assert breakdown.budget_gib is None  # an int max_student_rows reads no budget
     text = "\n".join(breakdown.lines())
     assert "rollout" in text and "student fwd" in text and "2 micro-batches of <= 2 rows" in text
+    assert breakdown.rollout_path == "ordinary route, prefill packed, decode fast_eager"
+    assert breakdown.lines()[-1] == "rollout: ordinary route, prefill packed, decode fast_eager"
     again = step.train_on_batch(result.batch).breakdown
     assert again.host_ms.rollout is None and "rollout" not in again.lines()[0]
+    assert again.rollout_path == "" and not any(line.startswith("rollout:") for line in again.lines())
+
+
+def test_a_rollout_through_hf_layers_says_why_in_the_breakdown():
+    stats = CallStats(route="continuous")
+    stats.decode.path, stats.decode.fallback_reason = "hf", "kernels.fast_decode disabled in RolloutConfig"
+    assert rollout_path(stats) == ("continuous route, prefill hf, decode hf (kernels.fast_decode disabled in "
+                                   "RolloutConfig)")
+    stats.decode.path = "graph"  # a reason the graph path keeps (none) is not printed
+    assert rollout_path(stats) == "continuous route, prefill hf, decode graph"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: events and the allocator's peak")

@@ -90,6 +90,9 @@ class StepBreakdown:
     forward, packed) or ``"padded"``."""
     max_micro_batch_tokens: int = 0
     """Tokens of the largest student micro-batch as computed (packed: real tokens; padded: rows x columns)."""
+    rollout_path: str = ""
+    """How the step's rollout ran (:func:`rollout_path`): its route, prefill and decode paths, and why it decoded
+    through HF's layers where it did; "" for a step without a rollout."""
 
     def lines(self) -> list[str]:
         """The breakdown as text: times per phase, then the micro-batching and peak memory."""
@@ -104,7 +107,17 @@ class StepBreakdown:
             peaks = ", ".join(f"{_LABELS[name]} {getattr(self.peak_gib, name):.2f}" for name in PHASES
                               if getattr(self.peak_gib, name) is not None)
             shape += f"; peak GiB {self.peak_gib.peak():.2f} ({peaks})"
-        return [f"phases ms ({clock}): " + " | ".join(parts), shape]
+        lines = [f"phases ms ({clock}): " + " | ".join(parts), shape]
+        return lines + ([f"rollout: {self.rollout_path}"] if self.rollout_path else [])
+
+
+def rollout_path(stats) -> str:
+    """One line of a call's :class:`rollout.stats.CallStats`: ``ordinary route, prefill packed, decode graph``;
+    where the decode fell back to HF's layers, the reason too (a slow path a user should see)."""
+    text = f"{stats.route} route, prefill {stats.prefill.path}, decode {stats.decode.path}"
+    if stats.decode.path == "hf" and stats.decode.fallback_reason:
+        text += f" ({stats.decode.fallback_reason})"
+    return text
 
 
 class PhaseTimer:
@@ -154,11 +167,12 @@ class PhaseTimer:
 
     def breakdown(self, num_micro_batches: int, max_rows: int, num_teacher_forwards: int,
                   budget_bytes: Optional[float], *, train_path: str = "padded", teacher_path: str = "padded",
-                  student_path: str = "padded", max_tokens: int = 0) -> StepBreakdown:
+                  student_path: str = "padded", max_tokens: int = 0, rollout: str = "") -> StepBreakdown:
         """The step's :class:`StepBreakdown`; call after the step's last host sync (no wait then)."""
         peaks = None
         if self._tracks_peaks:
             peaks = self._times({name: self._peaks.get(name, 0) / GIB for name in PHASES})
         budget = None if budget_bytes is None else budget_bytes / GIB
         return StepBreakdown(self._times(self._host), self._device_ms(), peaks, num_micro_batches, max_rows,
-                             num_teacher_forwards, budget, train_path, teacher_path, student_path, max_tokens)
+                             num_teacher_forwards, budget, train_path, teacher_path, student_path, max_tokens,
+                             rollout)

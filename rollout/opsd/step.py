@@ -59,7 +59,7 @@ from rollout.config import RolloutConfig, SamplingConfig
 from rollout.engine import Rollout
 from rollout.model import compat, zero
 from rollout.opsd import fast_passes, packed, sizing
-from rollout.opsd.breakdown import PhaseTimer
+from rollout.opsd.breakdown import PhaseTimer, rollout_path
 from rollout.opsd.config import OPSDConfig, StepResult
 from rollout.opsd.inputs import DistillInputs, distill_inputs, forward_logits
 from rollout.opsd.fused_loss import fused_jsd_loss
@@ -171,7 +171,7 @@ class OPSDStep:
             rollout_s = time.perf_counter() - start
             work_recorder().rollout(self._student_model, request.prompt_attention_mask, batch.attention_mask,
                                     sampling.n_samples_per_prompt)  # off: no-op
-            loss, _, breakdown = self._distill(batch, teacher_prompts, timer)
+            loss, _, breakdown = self._distill(batch, teacher_prompts, timer, rollout_path(self.rollout.last_stats))
         return StepResult(loss, num_tokens, (time.perf_counter() - start) * 1e3, rollout_s * 1e3,
                           num_tokens / rollout_s if rollout_s > 0 else 0.0, self.rollout.get_last_profile(), batch,
                           breakdown)
@@ -189,7 +189,7 @@ class OPSDStep:
         return StepResult(loss, num_tokens, (time.perf_counter() - start) * 1e3, None, None, None, batch, breakdown)
 
     # ---- the step, phase by phase -------------------------------------------------------------
-    def _distill(self, batch: RolloutBatch, teacher_prompts, timer: PhaseTimer):
+    def _distill(self, batch: RolloutBatch, teacher_prompts, timer: PhaseTimer, rollout: str = ""):
         """Plan, then teacher + student per micro-batch, then the optimizer: ``(loss, positions, breakdown)``."""
         inputs = distill_inputs(batch, teacher_prompts)
         config = self.config
@@ -211,7 +211,8 @@ class OPSDStep:
         return loss, inputs.num_positions, timer.breakdown(len(plan.groups), largest, len(plan.teacher_chunks),
                                                            budget, train_path=self.train_path,
                                                            teacher_path=self.teacher_path,
-                                                           student_path=self.student_path, max_tokens=tokens)
+                                                           student_path=self.student_path, max_tokens=tokens,
+                                                           rollout=rollout)
 
     def _train(self, inputs: DistillInputs, plan: MicroBatchPlan, weight: float, timer: PhaseTimer) -> float:
         """Every micro-batch (teacher chunks built just before they are read), then one optimizer step."""

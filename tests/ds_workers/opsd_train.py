@@ -102,6 +102,7 @@ def run(kind: str) -> dict:
         "is_zero3": step.rollout.is_zero3, "losses": [r.loss for r in results],
         "reference_loss": reference_loss(oracle, teacher, results[0].batch, step.train_path),
         "train_path": step.train_path, "student_path": step.student_path,
+        "rollout_path": results[-1].breakdown.rollout_path,
         "num_params": len(before), "trainable": sorted(n for n, p in module.named_parameters() if p.requires_grad),
         "changed": sorted(n for n in before if not torch.equal(before[n], after[n])),
         "teacher_changed": [n for n, p in teacher.named_parameters() if not torch.equal(p, teacher_before[n])],
