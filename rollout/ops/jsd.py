@@ -21,10 +21,10 @@ import torch
 from rollout.ops.decode_attention import available
 from rollout.ops.fallback import launch_or_fall_back
 
-#: Vocabulary entries per block of a pass (a power of two) and warps per program: 8 entries a thread. On the H200
-#: (``python -m benchmarks.jsd``, 2,048 x 151,936 bf16 rows; docs/BENCHMARKS.md section 8) 16 entries a thread
-#: (4096 x 8) held 2 programs an SM: 2.18-2.25 ms a chunk at beta 0.5, against 1.71-1.77 ms at 8 (1024 x 4, 2048 x 8,
-#: 4096 x 16).
+#: Vocabulary entries per block of a pass (a power of two) and warps per program: 8 entries a thread (57-64
+#: registers). On the H200 (``python -m benchmarks.jsd``, 2,048 x 151,936 bf16 rows; docs/BENCHMARKS.md section 8)
+#: 16 entries a thread (4096 x 8: 127-156 registers, so 1-2 programs an SM) took 2.18-2.29 ms a chunk at beta 0.5 in
+#: every kernel timed so, against 1.71-1.77 ms for this one at 8 (1024 x 4, 2048 x 8, 4096 x 16).
 BLOCK = 2048
 WARPS = 8
 _FAILED: dict = {}
