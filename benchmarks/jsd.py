@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.harness import results
+from benchmarks.harness.cli import int_at_least
 from benchmarks.harness.device import measure_rates, rates_meta
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.models import default_device
@@ -139,12 +140,12 @@ def main(argv=None) -> list[JsdRow]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=default_device())
     parser.add_argument("--betas", type=float, nargs="+", default=[0.5])
-    parser.add_argument("--rows", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--rows", type=int_at_least(1), default=2048)
+    parser.add_argument("--vocab", type=int_at_least(1), default=151936)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--step-positions", type=int, default=261026)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--step-positions", type=int_at_least(1), default=261026)
+    parser.add_argument("--repeats", type=int_at_least(1), default=15)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kernel", action="append", default=[], metavar="LABEL=PATH",
                         help="also time the jsd_rows of this kernel file")
@@ -159,8 +160,6 @@ def main(argv=None) -> list[JsdRow]:
     for beta in args.betas:
         if not 0.0 <= beta <= 1.0:
             parser.error(f"--betas: each must be in [0, 1]; got {beta}")
-    if args.rows < 1 or args.vocab < 1 or args.repeats < 1 or args.step_positions < 1:
-        parser.error("--rows, --vocab, --repeats and --step-positions must be >= 1")
     configs = []
     for config in args.configs:
         block, _, warps = config.partition("x")

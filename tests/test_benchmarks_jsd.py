@@ -68,7 +68,8 @@ def test_every_candidate_matches_the_reference_in_the_interpreter(tmp_path):
 
 def test_bad_flags_name_themselves():
     for argv, flag in ((["--configs", "3000x4"], "--configs"), (["--kernel", "nolabel"], "--kernel"),
-                       (["--betas", "1.5"], "--betas")):
+                       (["--betas", "1.5"], "--betas"), (["--rows", "0"], "--rows"),
+                       (["--step-positions", "-3"], "--step-positions")):
         proc = subprocess.run([sys.executable, "-m", "benchmarks.jsd", "--device", "cpu", *argv],
                               capture_output=True, text=True, cwd=REPO, timeout=300,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
