@@ -18,7 +18,9 @@ on the prompts of its round. Per step: GPU ms per phase (CUDA events, ``StepBrea
 real tokens only, at rates measured at start), x roofline, MFU (``instrumentation.mfu``), training tokens/s, peak
 GiB by phase, and the micro-batches (count, rows, tokens). The table prints medians over the timed rounds; the
 result file keeps every step. ``--check`` first compares the paths' loss and per-parameter gradients on one batch
-(plain modules, no optimizer update).
+(plain modules, no optimizer update). ``--lora R``: a peft LoRA student (the main job's ``--lora``); its student
+roofline counts the backward a frozen base needs (``instrumentation.roofline.backward_flops``: the inputs' gradients
+and the adapters'), and ``packed`` against ``packed-hf-student`` sets the LoRA pieces against peft's layers.
 
   python -m benchmarks.step --cells small,uniform --paths padded,packed --steps 2 --student qwen25-3b \\
       --teacher qwen25-3b --out docs/results/<dir>/step.json [--check]
@@ -46,6 +48,7 @@ from benchmarks.harness.models import model_geometry, set_single_process_env
 from benchmarks.harness.rounds import round_order
 from benchmarks.harness.table import markdown_table
 from instrumentation import mfu as mfu_lib
+from instrumentation.geometry import trained_share
 from instrumentation.roofline import Rates, call_roofline_s, training_roofline
 
 
@@ -114,7 +117,8 @@ def _job_argv(cell: Cell, args) -> list:
     return [*models, "--batch-size", str(cell.batch_size),
             "--samples-per-prompt", str(cell.samples), "--max-new-tokens", str(cell.max_new_tokens),
             "--prompt-len", str(cell.prompt_len), "--steps", str(args.steps + 1), "--seed", str(args.seed),
-            *(("--deepspeed-config", args.deepspeed_config) if args.deepspeed_config else ())]
+            *(("--deepspeed-config", args.deepspeed_config) if args.deepspeed_config else ()),
+            *(("--lora", str(args.lora)) if args.lora else ())]
 
 
 def _lengths(batch) -> tuple[list, list]:
@@ -132,14 +136,16 @@ def _row(cell: Cell, path: str, index: int, result, wall_s: float, figures: dict
     rows = [p + r for p, r in zip(prompt, response)]
     positions = result.num_response_tokens
     rates, student, teacher = figures["rates"], figures["student"], figures["teacher"]
-    train = training_roofline(rows, rows, positions, student, teacher, figures["trainable"], rates)
+    train = training_roofline(rows, rows, positions, student, teacher, figures["trainable"], rates,
+                              figures["trained_share"])
     rollout_s = call_roofline_s(prompt[::n], n, response, student, rates)
     roof = {"rollout": rollout_s * 1e3, "teacher": train.teacher_s * 1e3, "student": train.student_s * 1e3,
             "optimizer": train.optimizer_s * 1e3}
     roof["step"] = sum(roof.values())
     bd = result.breakdown
     as_dict = lambda times: {} if times is None else {k: v for k, v in vars(times).items()}
-    flops = mfu_lib.opsd_step_flops(figures["student_params"], figures["teacher_params"], sum(prompt), sum(response))
+    flops = mfu_lib.opsd_step_flops(figures["student_params"], figures["teacher_params"], sum(prompt), sum(response),
+                                    trained_share=figures["trained_share"])
     return StepRow(cell.name, path, index, wall_s, result.loss, sum(prompt), sum(response), as_dict(bd.device_ms),
                    as_dict(bd.host_ms), as_dict(bd.peak_gib), roof, bd.num_micro_batches, bd.max_micro_batch_rows,
                    getattr(bd, "max_micro_batch_tokens", 0), mfu_lib.mfu(flops, wall_s, figures["peak"]),
@@ -153,7 +159,7 @@ def _figures(step, rates: Rates, device) -> dict:
     trainable = sum(p.numel() for p in step.student_module.parameters() if p.requires_grad)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"rates": rates, "student": model_geometry(student), "teacher": model_geometry(teacher),
-            "trainable": trainable, "student_params": mfu_lib.matmul_params(student),
+            "trainable": trainable, "trained_share": trained_share(student), "student_params": mfu_lib.matmul_params(student),
             "teacher_params": mfu_lib.matmul_params(teacher), "peak": mfu_lib.peak_flops(name)}
 
 
@@ -376,6 +382,8 @@ def main(argv=None) -> None:
     parser.add_argument("--check-tokens", type=int, default=256, help="prompt and response budget of --check")
     parser.add_argument("--deepspeed-config", default=None,
                         help="the student engine's DeepSpeed config (the main job's flag; default: its built-in one)")
+    parser.add_argument("--lora", type=int, default=None,
+                        help="a peft LoRA student of this rank (the main job's flag): adapters alone train")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())

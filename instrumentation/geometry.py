@@ -22,6 +22,18 @@ def trainable_params(model) -> int:
     return sum(int(getattr(p, "ds_numel", 0) or p.numel()) for p in unique if p.requires_grad)
 
 
+def trained_share(model) -> float:
+    """Share of the matmul weights (every parameter but an untied input embedding; full sizes under ZeRO-3) that take
+    gradients: 1.0 when every weight trains, a LoRA student's adapters alone a fraction of a percent
+    (:func:`instrumentation.roofline.backward_flops`)."""
+    embed, out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    skip = None if out is embed else id(embed)
+    unique = [p for p in {id(p): p for p in model.parameters()}.values() if id(p) != skip]
+    size = lambda p: int(getattr(p, "ds_numel", 0) or p.numel())
+    total = sum(size(p) for p in unique)
+    return sum(size(p) for p in unique if p.requires_grad) / total if total else 0.0
+
+
 def model_geometry(model) -> ModelGeometry:
     """The roofline's figures of an HF decoder (:class:`instrumentation.roofline.ModelGeometry`)."""
     cfg = model.config

@@ -11,7 +11,9 @@ over ``rows`` sequences of ``prompt_tokens`` + ``response_tokens`` real tokens i
 * teacher forward over its prompts and the responses: ``2 * N_teacher * (teacher_prompt_tokens +
   response_tokens)``;
 * student forward + backward over prompts and responses: ``6 * N_student * (prompt_tokens +
-  response_tokens)``.
+  response_tokens)`` when every weight trains; the backward's weight gradients count for the trained share of
+  the weights only (``trained_share``, :func:`instrumentation.geometry.trained_share`), so a LoRA student's is
+  ``(4 + 2 * share) * N_student * ...``, about 4N: a frozen weight takes no gradient.
 
 ``N`` is the number of parameters that take part in matmuls (:func:`matmul_params`: tied input and
 output embeddings counted once, as the output projection; an untied input embedding left out). Peak FLOP/s: :data:`PEAK_TFLOPS`, the dense (no sparsity)
@@ -40,15 +42,18 @@ def peak_flops(device_name: str, dtype: str = "bf16") -> Optional[float]:
 
 
 def opsd_step_flops(student_params: int, teacher_params: int, prompt_tokens: int, response_tokens: int,
-                    teacher_prompt_tokens: Optional[int] = None) -> float:
+                    teacher_prompt_tokens: Optional[int] = None, trained_share: float = 1.0) -> float:
     """Model FLOPs of one OPSD step (see the module docstring)."""
+    if isinstance(trained_share, bool) or not isinstance(trained_share, (int, float)) or not 0 <= trained_share <= 1:
+        raise ValueError(f"trained_share must be a number in [0, 1]; got {trained_share!r}")
     for name, value in (("student_params", student_params), ("teacher_params", teacher_params),
                         ("prompt_tokens", prompt_tokens), ("response_tokens", response_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0; got {value!r}")
     teacher_prompt = prompt_tokens if teacher_prompt_tokens is None else teacher_prompt_tokens
     student_tokens = prompt_tokens + response_tokens
-    return (2.0 + 6.0) * student_params * student_tokens + 2.0 * teacher_params * (teacher_prompt + response_tokens)
+    student = 2.0 + 4.0 + 2.0 * trained_share  # rollout; forward + the inputs' gradients; the weights' gradients
+    return student * student_params * student_tokens + 2.0 * teacher_params * (teacher_prompt + response_tokens)
 
 
 def matmul_params(model) -> int:

@@ -123,17 +123,37 @@ def call_roofline_s(unique_prompt_lens: Sequence[int], n: int, response_lens: Se
 ADAMW_BYTES_PER_PARAM = 30
 
 
+def _weight_gemm_flops(row_lens: Sequence[int], geo: ModelGeometry, head_positions: int) -> float:
+    """The forward's GEMMs with the weights: 2 * nonembedding_params * sum(L) + 2 * lm_head_params * head_positions."""
+    return 2 * geo.nonembedding_params * sum(row_lens) + 2 * geo.lm_head_params * head_positions
+
+
+def _attention_flops(row_lens: Sequence[int], geo: ModelGeometry) -> float:
+    """Causal attention of the forward: sum over rows of attn_flops_per_key * L (L + 1) / 2."""
+    return sum(geo.attn_flops_per_key * n * (n + 1) / 2 for n in row_lens)
+
+
 def forward_flops(row_lens: Sequence[int], geo: ModelGeometry, head_positions: int) -> float:
     """FLOPs of one forward over rows of ``row_lens`` real tokens each (no padding), with the head applied at
     ``head_positions`` positions: sum over rows of [2 * nonembedding_params * L + attn_flops_per_key * L (L + 1) / 2]
     + 2 * lm_head_params * head_positions."""
-    dense = sum(2 * geo.nonembedding_params * n + geo.attn_flops_per_key * n * (n + 1) / 2 for n in row_lens)
-    return dense + 2 * geo.lm_head_params * head_positions
+    return _weight_gemm_flops(row_lens, geo, head_positions) + _attention_flops(row_lens, geo)
 
 
-def pass_bytes(geo: ModelGeometry, passes: int = 1) -> int:
+def backward_flops(row_lens: Sequence[int], geo: ModelGeometry, head_positions: int,
+                   trained_share: float = 1.0) -> float:
+    """FLOPs of the backward of :func:`forward_flops`'s forward: the gradients of every GEMM's input (its weight
+    GEMMs once more) and of attention's inputs (twice its forward), and the weights' gradients in proportion to
+    ``trained_share``, the share of the matmul weights that train (1.0: 2x the forward; a frozen base with LoRA
+    adapters, whose parameters count in ``nonembedding_params``: their share, a fraction of a percent)."""
+    if not 0.0 <= trained_share <= 1.0:
+        raise ValueError(f"trained_share: must be in [0, 1]; got {trained_share!r}")
+    return (1 + trained_share) * _weight_gemm_flops(row_lens, geo, head_positions) + 2 * _attention_flops(row_lens, geo)
+
+
+def pass_bytes(geo: ModelGeometry, passes: float = 1) -> int:
     """Bytes a training pass must move: every weight read ``passes`` times (activations are not counted)."""
-    return passes * geo.weight_bytes
+    return int(round(passes * geo.weight_bytes))
 
 
 def optimizer_bytes(trainable_params: int) -> int:
@@ -146,7 +166,7 @@ def work_roofline_s(flops: float, num_bytes: float, rates: Rates) -> float:
     return max(num_bytes / rates.copy_bytes_s, flops / rates.gemm_flops_s)
 
 
-def pass_roofline_s(flops: float, geo: ModelGeometry, rates: Rates, passes: int = 1) -> float:
+def pass_roofline_s(flops: float, geo: ModelGeometry, rates: Rates, passes: float = 1) -> float:
     """max(weights read ``passes`` times / copy rate, ``flops`` / GEMM rate): one training pass or several."""
     return work_roofline_s(flops, pass_bytes(geo, passes), rates)
 
@@ -158,8 +178,8 @@ class TrainingRoofline:
     teacher_s: float
     """Teacher forward over prompt + response, head at the loss positions."""
     student_s: float
-    """Student forward + backward (3x the forward's FLOPs), the head at the loss positions included wherever
-    it runs (the fused loss computes it)."""
+    """Student forward + backward (:func:`backward_flops`: 3x the forward's FLOPs when every weight trains), the
+    head at the loss positions included wherever it runs (the fused loss computes it)."""
     optimizer_s: float
     """AdamW over the student's trainable parameters (:data:`ADAMW_BYTES_PER_PARAM`)."""
 
@@ -170,8 +190,12 @@ class TrainingRoofline:
 
 def training_roofline(student_rows: Sequence[int], teacher_rows: Sequence[int], loss_positions: int,
                       student: ModelGeometry, teacher: ModelGeometry, trainable_params: int,
-                      rates: Rates) -> TrainingRoofline:
-    """:class:`TrainingRoofline` of rows of ``student_rows`` / ``teacher_rows`` real tokens (prompt + response)."""
+                      rates: Rates, trained_share: float = 1.0) -> TrainingRoofline:
+    """:class:`TrainingRoofline` of rows of ``student_rows`` / ``teacher_rows`` real tokens (prompt + response);
+    ``trained_share``: of the student's matmul weights (:func:`backward_flops`; the weights are read in the forward
+    and the backward, and the trained share's gradients written)."""
     teacher_s = pass_roofline_s(forward_flops(teacher_rows, teacher, loss_positions), teacher, rates)
-    student_s = pass_roofline_s(3 * forward_flops(student_rows, student, loss_positions), student, rates, passes=3)
+    flops = forward_flops(student_rows, student, loss_positions) \
+        + backward_flops(student_rows, student, loss_positions, trained_share)
+    student_s = pass_roofline_s(flops, student, rates, passes=2 + trained_share)
     return TrainingRoofline(teacher_s, student_s, optimizer_bytes(trainable_params) / rates.copy_bytes_s)

@@ -24,7 +24,9 @@ weights' element bytes, e_c: the cache's.
   (the head's gradient, when the head trains); bytes: both heads once (V * (H_s * e_s + H_t * e_t)), the cache
   read, the student's hidden states read and their gradient written (2 * N * H_s * e_s), the float32 head gradient
   written (4 * V * H_s, when the head trains);
-* ``backward``: 2x the student forward's FLOPs; bytes: every weight twice (read, gradient written);
+* ``backward``: :func:`~instrumentation.roofline.backward_flops` (2x the student forward's FLOPs when every weight
+  trains; a frozen base with LoRA adapters: the inputs' gradients, about 1x); bytes: every weight read, and the
+  gradients of the trained share written;
 * ``optimizer_step``: no matmul FLOPs; bytes: :func:`~instrumentation.roofline.optimizer_bytes`.
 
 Each head GEMM is charged to the stage whose range runs it, once: on the padded path the teacher's head (at the
@@ -42,7 +44,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from instrumentation import stages as S
-from instrumentation.roofline import (ModelGeometry, Rates, decode_steps, forward_flops, optimizer_bytes, pass_bytes,
+from instrumentation.roofline import (ModelGeometry, Rates, backward_flops, decode_steps, forward_flops, optimizer_bytes,
+                                     pass_bytes,
                                       prefill_flops, work_roofline_s)
 
 #: Stages that get work records.
@@ -113,15 +116,18 @@ def rollout_work(prompt_lens: Sequence[int], samples_per_prompt: int, response_l
 
 def training_work(student_rows: Sequence[int], teacher_rows: Sequence[int], loss_positions: int,
                   student: ModelGeometry, teacher: ModelGeometry, trainable_params: int,
-                  packed: bool = False) -> tuple[StageWork, ...]:
+                  packed: bool = False, trained_share: float = 1.0) -> tuple[StageWork, ...]:
     """The passes' and the optimizer's :class:`StageWork` (see the module docstring) of rows of ``student_rows`` /
-    ``teacher_rows`` real tokens; the heads at ``loss_positions`` positions (``packed``: in the loss, not here)."""
+    ``teacher_rows`` real tokens; the heads at ``loss_positions`` positions (``packed``: in the loss, not here);
+    ``trained_share``: of the student's matmul weights (:func:`instrumentation.geometry.trained_share`)."""
     rows, head_positions = len(student_rows), 0 if packed else loss_positions
     student_flops = forward_flops(student_rows, student, head_positions)
     return (StageWork(S.TEACHER_FORWARD, len(teacher_rows), sum(teacher_rows),
                       forward_flops(teacher_rows, teacher, head_positions), pass_bytes(teacher)),
             StageWork(S.STUDENT_FORWARD, rows, sum(student_rows), student_flops, pass_bytes(student)),
-            StageWork(S.BACKWARD, rows, sum(student_rows), 2 * student_flops, pass_bytes(student, 2)),
+            StageWork(S.BACKWARD, rows, sum(student_rows), backward_flops(student_rows, student, head_positions,
+                                                                          trained_share),
+                      pass_bytes(student, 1 + trained_share)),
             StageWork(S.OPTIMIZER_STEP, 0, 0, 0.0, optimizer_bytes(trainable_params)))
 
 

@@ -26,7 +26,7 @@ import weakref
 from typing import Optional
 
 from instrumentation import state
-from instrumentation.geometry import head, model_geometry, trainable_params
+from instrumentation.geometry import head, model_geometry, trainable_params, trained_share
 from instrumentation.rates import DeviceRates
 from instrumentation.roofline import Rates, work_roofline_s
 from instrumentation.work import WORK_STAGES, StageWork, cache_bytes, distill_work, rollout_work, training_work
@@ -123,7 +123,7 @@ class WorkRecorder:
             positions = sum(stats.num_positions[r] for r in order)
             self.works += training_work(*_row_tokens(stats, order), positions, _geometry(student_model),
                                         _geometry(teacher_model), _once(_TRAINABLE, student_model, trainable_params),
-                                        packed)
+                                        packed, _once(_SHARE, student_model, trained_share))
             if config is not None:
                 student, teacher, cache = head(student_model), head(teacher_model), config.cache_config()
                 stored = cache_bytes(positions, student, teacher, packed, cache.dtype.itemsize, cache.top_k)
@@ -134,6 +134,8 @@ class WorkRecorder:
 
 _GEOMETRY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 """Each model's geometry, read once (its shape does not change while it trains); no reference to a model is kept."""
+_SHARE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""Each student's share of trained matmul weights, read once (as its trainable count)."""
 _TRAINABLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 """Each student's trainable parameter count, read once (a parameter frozen or unfrozen after its first recorded
 step is not seen by the optimizer's record)."""

@@ -277,6 +277,10 @@ def test_mfu_formula():
     flops = opsd_step_flops(n_s, n_t, prompt, response)
     assert flops == 2 * n_s * (prompt + response) + 2 * n_t * (prompt + response) + 6 * n_s * (prompt + response)
     assert opsd_step_flops(n_s, n_t, prompt, response, teacher_prompt_tokens=0) == flops - 2 * n_t * prompt
+    frozen = opsd_step_flops(n_s, n_t, prompt, response, trained_share=0.0)  # no weight gradients: 4N, not 6N
+    assert flops - frozen == 2 * n_s * (prompt + response)
+    with pytest.raises(ValueError, match="trained_share"):
+        opsd_step_flops(n_s, n_t, prompt, response, trained_share=2)
     assert peak_flops("NVIDIA H200", "bf16") == pytest.approx(989.4e12) and peak_flops("RTX 9999") is None
     assert mfu(flops, 1.0, peak_flops("NVIDIA H200")) == pytest.approx(flops / 989.4e12)
     assert mfu(flops, 0.0, 1.0) is None and mfu(flops, 1.0, None) is None

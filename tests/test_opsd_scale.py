@@ -231,8 +231,8 @@ def test_breakdown_times_every_phase_on_cpu():
     assert breakdown.budget_gib is None  # an int max_student_rows reads no budget
     text = "\n".join(breakdown.lines())
     assert "rollout" in text and "student fwd" in text and "2 micro-batches of <= 2 rows" in text
-    assert breakdown.rollout_path == "ordinary route, prefill packed, decode fast_eager"
-    assert breakdown.lines()[-1] == "rollout: ordinary route, prefill packed, decode fast_eager"
+    path = "ordinary route, prefill packed, decode fast_eager (eager fast step: device cpu has no CUDA graphs)"
+    assert breakdown.rollout_path == path and breakdown.lines()[-1] == f"rollout: {path}"
     again = step.train_on_batch(result.batch).breakdown
     assert again.host_ms.rollout is None and "rollout" not in again.lines()[0]
     assert again.rollout_path == "" and not any(line.startswith("rollout:") for line in again.lines())
@@ -245,6 +245,8 @@ def test_a_rollout_through_hf_layers_says_why_in_the_breakdown():
                                    "RolloutConfig)")
     stats.decode.path = "graph"  # a reason the graph path keeps (none) is not printed
     assert rollout_path(stats) == "continuous route, prefill hf, decode graph"
+    stats.decode.path, stats.decode.fallback_reason = "fast_eager", "graph capture failed: RuntimeError('x')"
+    assert rollout_path(stats).endswith("decode fast_eager (graph capture failed: RuntimeError('x'))")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: events and the allocator's peak")

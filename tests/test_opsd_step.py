@@ -259,9 +259,10 @@ def test_deepspeed_steps_train_the_student_only(stage, kinds, world_size, extra)
         for out in outs:
             assert out["is_zero3"] == (stage == 3)
             assert out["train_path"] == "packed"  # ZeRO-3 too: the head's module call gathers its weight
-            assert out["student_path"] == ("hf" if stage == 3 or kind == "lora" else "fast")
+            # LoRA too: its training pass runs the LoRA pieces (ZeRO-3: HF's layers, which gather per module)
+            assert out["student_path"] == ("hf" if stage == 3 else "fast")
             # LoRA too: the adapters are fused before the rollout decodes, through our step (CPU: eagerly)
-            assert out["rollout_path"].endswith("decode fast_eager"), out["rollout_path"]
+            assert "decode fast_eager (" in out["rollout_path"], out["rollout_path"]
             assert len(out["losses"]) == 3 and all(math.isfinite(x) and x > 0 for x in out["losses"])
             assert out["losses"][0] == pytest.approx(out["reference_loss"], rel=1e-5)
             assert out["teacher_changed"] == [] and out["teacher_grads"] == []

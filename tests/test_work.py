@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import instrumentation
 from instrumentation import stages as S
 from instrumentation.environment import check_environment
-from instrumentation.geometry import model_geometry, trainable_params
+from instrumentation.geometry import model_geometry, trainable_params, trained_share
 from instrumentation.probe import probe_rates
 from instrumentation.rates import DeviceRates, device_rates, resolve_rates
 from instrumentation.roofline import ADAMW_BYTES_PER_PARAM, Rates, work_roofline_s
@@ -217,3 +217,34 @@ def test_a_recorder_failure_warns_and_records_nothing(tmp_path):
     RECORDER.end()
     assert not path.exists()
     instrumentation.reset_for_tests()
+
+
+def test_a_lora_students_backward_matches_flop_counter_within_2_percent():
+    """A frozen base with LoRA adapters on every projection: the backward computes the inputs' gradients and the
+    adapters' (about one forward, not two), and the records count what it computes (``trained_share``)."""
+    peft = pytest.importorskip("peft")
+
+    model = peft.get_peft_model(tiny_model("qwen2", attn_implementation="eager"), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        init_lora_weights=False))
+    student = model.base_model.model
+    student.train()
+    ids = torch.randint(3, 200, (B, L), generator=torch.Generator().manual_seed(0))
+    logits = model(input_ids=ids, logits_to_keep=KEEP).logits
+    counted = _count(lambda: logits.float().pow(2).mean().backward())
+    share = trained_share(student)
+    adapters = sum(p.numel() for n, p in student.named_parameters() if "lora_" in n)
+    assert share == pytest.approx(adapters / (sum(p.numel() for p in student.parameters())
+                                              - student.model.embed_tokens.weight.numel()))
+    geo = model_geometry(student)
+    work = {w.stage: w for w in training_work([L] * B, [L] * B, B * KEEP, geo, geo, trainable_params(model),
+                                              trained_share=share)}
+    # autograd skips the first layer's q/k/v input gradients (their input, the frozen embedding's output, needs
+    # none); the records keep them (2 layers here: 8%; 1 of 36 layers' q/k/v at the 3B shape: 0.2%)
+    cfg = student.config
+    kv = cfg.num_key_value_heads * cfg.hidden_size // cfg.num_attention_heads
+    skipped = 2 * B * L * cfg.hidden_size * ((cfg.hidden_size + 2 * kv) + 3 * 4)  # base q|k|v + three rank-4 A's
+    assert counted == pytest.approx(work[S.BACKWARD].flops + 2 * _square(geo) - skipped, rel=0.02)
+    full = {w.stage: w for w in training_work([L] * B, [L] * B, B * KEEP, geo, geo, 1)}
+    assert work[S.BACKWARD].flops < 0.6 * full[S.BACKWARD].flops  # the full model's backward: 2 forwards
+    assert work[S.BACKWARD].bytes < full[S.BACKWARD].bytes

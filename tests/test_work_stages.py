@@ -13,7 +13,7 @@ from transformers import DynamicCache
 import instrumentation
 from instrumentation import stages as S
 from instrumentation.geometry import head, model_geometry
-from instrumentation.roofline import Rates, decode_roofline_s, forward_flops
+from instrumentation.roofline import Rates, backward_flops, decode_roofline_s, forward_flops, training_roofline
 from instrumentation.work import WORK_STAGES, Head, cache_bytes, distill_work, rollout_work, training_work
 from rollout.config import SamplingConfig
 from rollout.model import compat
@@ -124,6 +124,22 @@ def test_the_packed_passes_count_no_head(model):
     assert padded[S.STUDENT_FORWARD].flops - packed[S.STUDENT_FORWARD].flops == 2 * geo.lm_head_params * N
     assert packed[S.BACKWARD].flops == 2 * packed[S.STUDENT_FORWARD].flops
     assert padded[S.TEACHER_FORWARD].flops - packed[S.TEACHER_FORWARD].flops == 2 * geo.lm_head_params * N
+
+
+def test_the_backward_counts_weight_gradients_for_the_trained_share_only(model):
+    """Every weight trains: 2x the forward; none: the inputs' gradients (the weights' GEMMs once, attention twice);
+    the student's roofline reads the weights 2 + share times."""
+    geo, rows = model_geometry(model), [20] * R
+    gemm = 2 * geo.nonembedding_params * sum(rows) + 2 * geo.lm_head_params * N
+    attention = forward_flops(rows, geo, N) - gemm
+    assert backward_flops(rows, geo, N) == pytest.approx(2 * forward_flops(rows, geo, N))
+    assert backward_flops(rows, geo, N, 0.0) == pytest.approx(gemm + 2 * attention)
+    assert backward_flops(rows, geo, N, 0.25) == pytest.approx(1.25 * gemm + 2 * attention)
+    with pytest.raises(ValueError, match="trained_share"):
+        backward_flops(rows, geo, N, 1.5)
+    slow = Rates(1.0, 1e30)  # bytes bound: the weights' reads count
+    full, frozen = (training_roofline(rows, rows, N, geo, geo, 0, slow, share).student_s for share in (1.0, 0.0))
+    assert full == pytest.approx(3 * geo.weight_bytes) and frozen == pytest.approx(2 * geo.weight_bytes)
 
 
 @pytest.mark.parametrize("train_path", ["padded", "packed"])

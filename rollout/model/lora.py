@@ -243,3 +243,109 @@ def _addmm_merge(out: torch.Tensor, weight: torch.Tensor, layer, adapters: list[
         left, right = (a.T, b.T) if layer.fan_in_fan_out else (b, a)
         torch.addmm(source, left, right, alpha=layer.scaling[name], out=out)
         source = out
+
+
+# ---- a LoRA student's training pass (rollout.opsd.fast_passes) -------------------------------------------------------
+#: The projections of a decoder layer whose LoRA updates the training pieces compute, in their argument order
+#: (:func:`rollout.model.pieces.lora_attention_inputs`, :func:`~rollout.model.pieces.lora_attention_output_and_mlp`).
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One projection's active LoRA adapter, as peft's unmerged forward applies it: ``y + B(A(x)) * scale``."""
+
+    down: torch.Tensor
+    """``lora_A``'s weight ``[r, in]`` (the parameter itself: gradients accumulate into it)."""
+    up: torch.Tensor
+    """``lora_B``'s weight ``[out, r]``."""
+    scale: float
+
+
+@dataclass(frozen=True)
+class TrainingAdapters:
+    """The active LoRA adapters of a model's decoder layers (:func:`training_adapters`)."""
+
+    layers: tuple
+    """Per decoder layer, one ``Adapter`` or None per entry of :data:`PROJECTIONS`; () when ``reason`` is set."""
+    modules: tuple
+    """The peft layers whose updates ``layers`` holds (their unmerged forward is what the pieces compute)."""
+    reason: str | None = None
+    """Why an active adapter cannot be computed by the pieces (None: every one can)."""
+
+    @property
+    def any(self) -> bool:
+        return bool(self.modules)
+
+
+#: A model without active adapters.
+NO_ADAPTERS = TrainingAdapters((), ())
+
+
+def _training_adapter(module) -> tuple[Adapter | None, str | None]:
+    """``(adapter, None)`` for a peft layer the pieces compute exactly, ``(None, None)`` for one that adds nothing
+    (merged, disabled, no active adapter, or no peft layer), ``(None, why)`` otherwise."""
+    if not hasattr(module, "lora_A") or getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+        return None, None
+    known = set(module.lora_A.keys()) | set(getattr(module, "lora_embedding_A", {}).keys())
+    names = [name for name in module.active_adapters if name in known]
+    if not names:
+        return None, None
+    from peft.tuners.lora import Linear as LoraLinear
+    if not isinstance(module, LoraLinear) or type(module.get_base_layer()) is not torch.nn.Linear:
+        return None, f"{type(module).__name__} over {type(module.get_base_layer()).__name__} (not a LoRA Linear)"
+    if len(names) > 1:
+        return None, f"{len(names)} active adapters (one is computed)"
+    name = names[0]
+    if name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False):
+        return None, f"adapter {name!r} is a LoRA variant (DoRA, ...)"
+    if getattr(module, "lora_bias", {}).get(name, False):
+        return None, f"adapter {name!r} has lora_bias"
+    if getattr(module, "fan_in_fan_out", False):
+        return None, "fan_in_fan_out"
+    dropout = module.lora_dropout[name]
+    if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and dropout.training:
+        return None, f"lora_dropout {dropout.p} in training (the pieces draw no dropout masks)"
+    down, up = _adapter_weights(module, name)
+    if (down.dtype != module.get_base_layer().weight.dtype
+            and not getattr(module, "cast_input_dtype_enabled", True)):
+        return None, "adapter weights in another dtype with the input cast off"
+    return Adapter(down, up, float(module.scaling[name])), None
+
+
+def training_adapters(causal_lm: torch.nn.Module, present: list | None = None) -> TrainingAdapters:
+    """The active LoRA adapters of an HF Llama-family model's decoder layers, for the student's pass through the
+    compiled pieces, or the reason they cannot run there: an active adapter anywhere else (embedding, head),
+    several active adapters on one layer, variants (DoRA), ``lora_bias``, dropout in training, other base layers.
+    ``present``: :func:`lora_layers` of the model, where the caller has them (one walk over a model's modules costs
+    milliseconds of host time)."""
+    present = lora_layers(causal_lm) if present is None else present
+    if not present:  # the common case, one pass of isinstance checks
+        return NO_ADAPTERS
+    layers, modules = [], []
+    for index, layer in enumerate(causal_lm.model.layers):
+        found = []
+        for path in PROJECTIONS:
+            module = layer.get_submodule(path)
+            adapter, why = _training_adapter(module)
+            if why is not None:
+                return TrainingAdapters((), (), f"layer {index} {path}: {why}")
+            if adapter is not None:
+                modules.append(module)
+            found.append(adapter)
+        layers.append(tuple(found))
+    covered = {id(module) for module in modules}
+    for module in present:
+        adapter, why = (None, None) if id(module) in covered else _training_adapter(module)
+        if adapter is not None or why is not None:
+            name = next(name for name, other in causal_lm.named_modules() if other is module)
+            return TrainingAdapters((), (), f"an active LoRA adapter on {name} (the pieces adapt the decoder "
+                                            f"layers' projections only)")
+    return TrainingAdapters(tuple(layers) if modules else (), tuple(modules))
+
+
+def lora_layers(model: torch.nn.Module) -> list:
+    """The peft LoRA layers of ``model`` ([] without peft)."""
+    lora_layer = _lora_layer_class()
+    return [] if lora_layer is None else [module for module in model.modules() if isinstance(module, lora_layer)]

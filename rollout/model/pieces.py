@@ -89,6 +89,40 @@ def gate_up_mlp(h, norm, gate_up, down, eps: float):
     return h + F.linear(F.silu(gate) * up, down)
 
 
+def adapted(x, y, down, up, scale: float):
+    """``y`` (a projection of ``x``) plus its LoRA update as peft's unmerged ``Linear`` computes it: ``x`` cast to
+    the adapter's dtype, ``B(A(x)) * scale``, the sum cast back to ``y``'s dtype. ``down``/``up``: the ``lora_A`` /
+    ``lora_B`` weights ``[r, in]`` / ``[out, r]``; None: no adapter (``y`` as it is)."""
+    if down is None:
+        return y
+    return (y + F.linear(F.linear(x.to(down.dtype), down), up) * scale).to(y.dtype)
+
+
+# keyword-only, not records: compiled piece; records would add guards
+def lora_attention_inputs(h, norm, wq, bq, wk, bk, wv, bv, *, aq, uq, ak, uk, av, uv, cos, sin, scales, eps: float,
+                          num_heads: int, num_kv_heads: int, head_dim: int):
+    """:func:`attention_inputs` with a LoRA update on each projection that has one (:func:`adapted`: ``a*``/``u*``
+    the ``lora_A``/``lora_B`` weights or None, ``scales`` their three scalings): a LoRA student's training pass."""
+    batch = h.shape[0]
+    x = rms_norm(h, norm, eps)
+    q = adapted(x, F.linear(x, wq, bq), aq, uq, scales[0]).view(batch, num_heads, 1, head_dim)
+    k = adapted(x, F.linear(x, wk, bk), ak, uk, scales[1]).view(batch, num_kv_heads, 1, head_dim)
+    v = adapted(x, F.linear(x, wv, bv), av, uv, scales[2]).view(batch, num_kv_heads, 1, head_dim)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+
+# keyword-only, not records: compiled piece; records would add guards
+def lora_attention_output_and_mlp(h, attn, wo, bo, norm, gate, up, down, *, ao, uo, ag, ug, au, uu, ad, ud, scales,
+                                  eps: float):
+    """:func:`attention_output_and_mlp` with a LoRA update on each of o, gate, up and down that has one
+    (:func:`adapted`; ``scales`` their four scalings)."""
+    a = attn.reshape(h.shape[0], -1)
+    h = h + adapted(a, F.linear(a, wo, bo), ao, uo, scales[0])
+    x = rms_norm(h, norm, eps)
+    m = F.silu(adapted(x, F.linear(x, gate), ag, ug, scales[1])) * adapted(x, F.linear(x, up), au, uu, scales[2])
+    return h + adapted(m, F.linear(m, down), ad, ud, scales[3])
+
+
 def final_logits(h, norm, lm_head, lm_bias, eps: float):
     return F.linear(rms_norm(h, norm, eps), lm_head, lm_bias)
 

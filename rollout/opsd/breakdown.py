@@ -113,9 +113,10 @@ class StepBreakdown:
 
 def rollout_path(stats) -> str:
     """One line of a call's :class:`rollout.stats.CallStats`: ``ordinary route, prefill packed, decode graph``;
-    where the decode fell back to HF's layers, the reason too (a slow path a user should see)."""
+    where the decode ran other than from CUDA graphs, the reason too (a slow path a user should see: HF's layers, a
+    failed graph capture, graphs turned off or not on this device)."""
     text = f"{stats.route} route, prefill {stats.prefill.path}, decode {stats.decode.path}"
-    if stats.decode.path == "hf" and stats.decode.fallback_reason:
+    if stats.decode.path != "graph" and stats.decode.fallback_reason:
         text += f" ({stats.decode.fallback_reason})"
     return text
 

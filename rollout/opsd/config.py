@@ -75,9 +75,12 @@ class OPSDConfig:
     fast_student: bool = True
     """On the packed path, run the student's forward (and so its backward) through the same pieces over its
     parameters, with autograd (:func:`rollout.opsd.fast_passes.student_decoder`; compiled forward and backward on
-    CUDA); False, or a model they do not cover (an unfused LoRA adapter, ZeRO-3 partitioning, activation
-    checkpointing, attention dropout), runs HF's forward with the packed attention. ``StepBreakdown.student_path``
-    says which ran."""
+    CUDA). A peft LoRA student runs the LoRA pieces: its frozen base weights plus each projection's adapter, as
+    peft's unmerged forward computes them (gradients reach the adapters only). False, or a model they do not cover
+    (ZeRO-3 partitioning, activation checkpointing, attention dropout; LoRA variants such as DoRA, ``lora_bias``,
+    lora dropout in training, several active adapters on a layer, adapters outside the decoder layers'
+    projections), runs HF's forward with the packed attention. ``StepBreakdown.student_path`` says which ran;
+    ``OPSDStep.student_path_reason`` why."""
 
     def __post_init__(self) -> None:
         for name in ("fast_teacher", "fast_student"):

@@ -13,7 +13,11 @@ work, forward and (through AOTAutograd) backward, while the GEMMs stay cuBLAS's.
   with autograd, in place of the decoder stack's forward for one call, so that the call still goes through the
   DeepSpeed engine or peft wrapper around the model, and gradients accumulate into the parameters as HF's forward
   would. Its compiled pieces are separate functions (their own code objects: dynamo's compiled graphs and
-  recompilation counts are kept per code object), so the training graphs never evict the rollout's.
+  recompilation counts are kept per code object), so the training graphs never evict the rollout's. A peft LoRA
+  student runs the LoRA pieces (:func:`rollout.model.pieces.lora_attention_inputs` and
+  :func:`~rollout.model.pieces.lora_attention_output_and_mlp`): its frozen base weights and each projection's
+  adapter (:func:`rollout.model.lora.training_adapters`) as peft's unmerged forward computes them, so gradients
+  reach the adapters only.
 
 Both return None where the pieces do not cover the model exactly, and the step runs HF's packed forward instead.
 """
@@ -22,14 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 
-from rollout.model.pieces import attention_inputs, attention_output_and_mlp
-from rollout.model.step import (StepFns, StepParts, compile_piece, compiled_step_fns, layer_output, layer_qkv,
-                                rotary, spec_and_weights, unsupported_reason)
+from rollout.model.lora import NO_ADAPTERS, TrainingAdapters, lora_layers, training_adapters
+from rollout.model.pieces import (attention_inputs, attention_output_and_mlp, lora_attention_inputs,
+                                  lora_attention_output_and_mlp)
+from rollout.model.step import (StepFns, StepParts, compile_piece, layer_output, layer_qkv, rotary, spec_and_weights,
+                                unsupported_reason)
 from rollout.model.zero import is_zero3
 from rollout.opsd.packed import PackedRows, decoder_of, varlen_causal_attention
 from rollout.opsd.sizing import is_checkpointing
@@ -42,19 +49,74 @@ def fast_parts(causal_lm: torch.nn.Module, device: torch.device) -> Optional[Ste
     if unsupported_reason(causal_lm) is not None or is_zero3(causal_lm):
         return None
     spec, weights = spec_and_weights(causal_lm)
-    return StepParts(spec, weights, compiled_step_fns() if device.type == "cuda" else StepFns())
+    return StepParts(spec, weights, compiled_teacher_fns() if device.type == "cuda" else StepFns())
 
 
-def _decoder_stack(parts: StepParts, rows: PackedRows) -> torch.Tensor:
-    """Hidden states ``[T, H]`` after the last layer (before the final norm) of the packed tokens of ``rows``."""
+@dataclass(frozen=True)
+class LoraFns:
+    """The LoRA pieces (eager, or ``torch.compile``d by :func:`compiled_lora_fns`)."""
+
+    attention_inputs: object = lora_attention_inputs
+    attention_output_and_mlp: object = lora_attention_output_and_mlp
+
+
+@dataclass(frozen=True)
+class StudentParts:
+    """What the student's pass reads: its pieces over the (base) parameters, and a LoRA student's adapters."""
+
+    step: StepParts
+    adapters: tuple = ()
+    """Per decoder layer, an ``Adapter`` or None per projection (:data:`rollout.model.lora.PROJECTIONS`); () without
+    LoRA."""
+    lora_fns: Optional[LoraFns] = None
+
+
+def _adapter_arguments(adapters: tuple, names: str) -> dict:
+    """The LoRA pieces' keyword arguments of ``adapters`` (one per letter of ``names``: ``a<x>``/``u<x>`` the
+    ``lora_A``/``lora_B`` weights or None, and ``scales``)."""
+    out = {"scales": tuple(0.0 if adapter is None else adapter.scale for adapter in adapters)}
+    for name, adapter in zip(names, adapters):
+        out["a" + name], out["u" + name] = (None, None) if adapter is None else (adapter.down, adapter.up)
+    return out
+
+
+def _lora_layer(fns: LoraFns, h, w, adapters: tuple, *, cos, sin, spec, rows: PackedRows, scale: float):
+    """One decoder layer with its LoRA updates (``adapters``: q, k, v, o, gate, up, down)."""
+    q, k, v = fns.attention_inputs(h, w.input_norm, w.q, w.q_bias, w.k, w.k_bias, w.v, w.v_bias, cos=cos, sin=sin,
+                                   **_adapter_arguments(adapters[:3], "qkv"), **spec.piece_constants)
+    attn = varlen_causal_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], rows.layout, scale).unsqueeze(2)
+    _any_token_count(attn)
+    return fns.attention_output_and_mlp(h, attn, w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down,
+                                        **_adapter_arguments(adapters[3:], "ogud"), eps=spec.rms_eps)
+
+
+def _any_token_count(*tensors: torch.Tensor) -> None:
+    """Mark dim 0 (the packed tokens) of the pieces' inputs dynamic for ``torch.compile``, so that their first
+    compile already serves every micro-batch size: left to dynamo, the first compile specialises on the first
+    count and the second count compiles each piece again, forward and backward (the first steps paid 1-2.5 s for it
+    on the H200, docs/BENCHMARKS.md). A hint only: eager pieces ignore it, and a dim that must be static stays so."""
+    for tensor in tensors:
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
+def _decoder_stack(parts: StepParts, rows: PackedRows, adapters: tuple = (),
+                   lora_fns: Optional[LoraFns] = None) -> torch.Tensor:
+    """Hidden states ``[T, H]`` after the last layer (before the final norm) of the packed tokens of ``rows``
+    (``adapters``, ``lora_fns``: a LoRA student's, :class:`StudentParts`)."""
     spec, weights, fns = parts.spec, parts.weights, parts.fns
     h = F.embedding(rows.input_ids[0], weights.embed)  # [T, H]
     cos, sin = rotary(rows.position_ids[0], weights.inv_freq, spec.attention_scaling, h.dtype)
+    _any_token_count(cos, sin)
     scale = spec.head_dim ** -0.5
-    for w in weights.layers:
+    for index, w in enumerate(weights.layers):
+        _any_token_count(h)
+        if adapters:
+            h = _lora_layer(lora_fns, h, w, adapters[index], cos=cos, sin=sin, spec=spec, rows=rows, scale=scale)
+            continue
         q, k, v = layer_qkv(fns, h, w, cos, sin, spec)  # q [T, Hq, 1, D], k/v [T, Hkv, 1, D]
-        attn = varlen_causal_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], rows.layout, scale)
-        h = layer_output(fns, h, attn.unsqueeze(2), w, spec.rms_eps)
+        attn = varlen_causal_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], rows.layout, scale).unsqueeze(2)
+        _any_token_count(attn)
+        h = layer_output(fns, h, attn, w, spec.rms_eps)
     return h
 
 
@@ -66,6 +128,23 @@ def fast_loss_hidden(parts: StepParts, rows: PackedRows) -> torch.Tensor:
 
 
 # Their own code objects (see the module docstring); dynamo inlines the piece each calls.
+def _teacher_attention_inputs(*args, **kwargs):
+    return attention_inputs(*args, **kwargs)
+
+
+def _teacher_attention_output_and_mlp(*args, **kwargs):
+    return attention_output_and_mlp(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_teacher_fns() -> StepFns:
+    """The teacher's pieces ``torch.compile``d as the rollout's are (its default mode), apart from them: its graphs
+    take any token count from the first compile (:func:`_any_token_count`), which the rollout's static shapes
+    should not share."""
+    return StepFns(attention_inputs=compile_piece(_teacher_attention_inputs),
+                   attention_output_and_mlp=compile_piece(_teacher_attention_output_and_mlp))
+
+
 def _train_attention_inputs(*args, **kwargs):
     return attention_inputs(*args, **kwargs)
 
@@ -100,6 +179,14 @@ def train_compile_options() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
+def compiled_lora_fns() -> LoraFns:
+    """The LoRA pieces ``torch.compile``d as :func:`compiled_train_fns` compiles the others."""
+    options = train_compile_options()
+    return LoraFns(compile_piece(lora_attention_inputs, options=options),
+                   compile_piece(lora_attention_output_and_mlp, options=options))
+
+
+@functools.lru_cache(maxsize=None)
 def compiled_train_fns() -> StepFns:
     """The student's pieces ``torch.compile``d (forward and backward), apart from the rollout's, with
     :func:`train_compile_options`."""
@@ -110,25 +197,43 @@ def compiled_train_fns() -> StepFns:
 
 def student_unsupported_reason(causal_lm: torch.nn.Module) -> Optional[str]:
     """Why the student's packed pass cannot run through the pieces (None: it can)."""
-    reason = unsupported_reason(causal_lm)
+    return student_check(causal_lm)[0]
+
+
+def student_check(causal_lm: torch.nn.Module) -> tuple[Optional[str], TrainingAdapters]:
+    """:func:`student_unsupported_reason` and, where it is None, the adapters the pass computes (for
+    :func:`student_parts`: one read of a model's modules a step, not two)."""
+    # everything but the adapters, then the adapters: the LoRA pieces compute what peft's unmerged layers do
+    present = lora_layers(causal_lm)
+    reason = unsupported_reason(causal_lm, fused=present)
+    adapters = training_adapters(causal_lm, present) if reason is None else NO_ADAPTERS
+    if reason is None and adapters.reason is not None:
+        reason = f"LoRA: {adapters.reason}"
     if reason is None and is_zero3(causal_lm):
         reason = "ZeRO-3 partitioned parameters (the pieces read every weight outside the modules' forwards)"
     if reason is None and is_checkpointing(causal_lm):
         reason = "activation checkpointing is on (HF's layers recompute in backward)"
     if reason is None and float(getattr(causal_lm.config, "attention_dropout", 0.0) or 0.0) > 0.0:
         reason = f"attention_dropout {causal_lm.config.attention_dropout}"
-    return reason
+    return reason, adapters
 
 
-def student_parts(causal_lm: torch.nn.Module, device: torch.device) -> StepParts:
-    """The student's pieces over its parameters themselves (compiled on CUDA); check
-    :func:`student_unsupported_reason` first."""
+def student_parts(causal_lm: torch.nn.Module, device: torch.device,
+                  adapters: Optional[TrainingAdapters] = None) -> StudentParts:
+    """The student's pieces over its parameters themselves (a LoRA student's base weights, and its adapters;
+    compiled on CUDA); check :func:`student_unsupported_reason` first (:func:`student_check` also returns the
+    ``adapters``; None: read them here)."""
     spec, weights = spec_and_weights(causal_lm, trainable=True)
-    return StepParts(spec, weights, compiled_train_fns() if device.type == "cuda" else StepFns())
+    cuda = device.type == "cuda"
+    parts = StepParts(spec, weights, compiled_train_fns() if cuda else StepFns())
+    adapters = training_adapters(causal_lm) if adapters is None else adapters
+    if not adapters.any:
+        return StudentParts(parts)
+    return StudentParts(parts, adapters.layers, compiled_lora_fns() if cuda else LoraFns())
 
 
 @contextlib.contextmanager
-def student_decoder(causal_lm: torch.nn.Module, parts: StepParts, rows: PackedRows) -> Iterator[None]:
+def student_decoder(causal_lm: torch.nn.Module, parts: StudentParts, rows: PackedRows) -> Iterator[None]:
     """Within the block, the decoder stack's forward runs ``rows`` through ``parts`` (whatever inputs it is
     called with) and returns their final hidden states ``[1, T, H]`` as HF's does, so that
     :func:`rollout.opsd.packed.loss_hidden` reads them through the model's usual call."""
@@ -137,7 +242,8 @@ def student_decoder(causal_lm: torch.nn.Module, parts: StepParts, rows: PackedRo
     own = decoder.__dict__.get("forward")  # an instance forward set by someone else (restored after)
 
     def forward(*args, **kwargs):
-        h = rms_norm(_decoder_stack(parts, rows), parts.weights.final_norm, parts.spec.rms_eps)
+        h = rms_norm(_decoder_stack(parts.step, rows, parts.adapters, parts.lora_fns), parts.step.weights.final_norm,
+                     parts.step.spec.rms_eps)
         return BaseModelOutputWithPast(last_hidden_state=h[None])
 
     decoder.forward = forward

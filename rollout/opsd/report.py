@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from rollout.model.compat import unwrap_model
+from rollout.model.compat import causal_lm, unwrap_model
 from rollout.opsd.job import DEFAULT_STUDENT, DEFAULT_TEACHER
 
 GIB = float(1 << 30)
@@ -24,9 +24,12 @@ class StepFlops:
     """Model FLOPs utilisation of a step (``instrumentation.mfu``: formula and peak FLOP/s there)."""
 
     def __init__(self, step, device, peak_tflops: Optional[float] = None):
+        from instrumentation.geometry import trained_share
         from instrumentation.mfu import matmul_params, peak_flops
 
         self.student = matmul_params(step.student)
+        # a LoRA student's: its adapters (an engine's or a plain student's module, as matmul_params reads it)
+        self.trained_share = trained_share(causal_lm(getattr(step.student, "module", step.student)))
         self.teacher = self.student if step.is_self_distillation else matmul_params(step.teacher)
         if peak_tflops is not None:  # the user's figure (--peak-tflops), on any device
             self.peak = peak_tflops * 1e12
@@ -41,7 +44,8 @@ class StepFlops:
         prompt_tokens = int(mask.sum()) * samples
         teacher_mask = extra.get("teacher_prompt_attention_mask") if extra else None
         teacher_tokens = int(teacher_mask.sum()) * samples if teacher_mask is not None else None
-        return opsd_step_flops(self.student, self.teacher, prompt_tokens, result.num_response_tokens, teacher_tokens)
+        return opsd_step_flops(self.student, self.teacher, prompt_tokens, result.num_response_tokens, teacher_tokens,
+                               self.trained_share)
 
     def mfu(self, mask, extra: dict, samples: int, result, flops: Optional[float] = None) -> Optional[float]:
         """None without a peak: off CUDA or on a GPU not in the table, unless ``peak_tflops`` was given (no host

@@ -142,11 +142,14 @@ class OPSDStep:
 
     def _student_path(self) -> tuple[str, Optional[str]]:
         """``(path, why not fast)`` of the student's pass: ``"fast"`` (:mod:`rollout.opsd.fast_passes`), ``"hf"``
-        (HF's packed forward) or ``"padded"``; read at every step (activation checkpointing may be switched)."""
+        (HF's packed forward) or ``"padded"``; read at every step (activation checkpointing may be switched), with
+        a LoRA student's adapters (``_student_adapters``) for :func:`rollout.opsd.fast_passes.student_parts`."""
+        self._student_adapters = None
         if self.train_path != "packed":
             return "padded", self.train_path_reason
-        why = "fast_student=False" if not self.config.fast_student else \
-            fast_passes.student_unsupported_reason(self._student_model)
+        if not self.config.fast_student:
+            return "hf", "fast_student=False"
+        why, self._student_adapters = fast_passes.student_check(self._student_model)
         return ("hf", why) if why else ("fast", None)
 
     # ---- public -----------------------------------------------------------------------------
@@ -220,7 +223,8 @@ class OPSDStep:
         device = inputs.ids.device
         parts = fast_passes.fast_parts(self._teacher_model, device) if self.teacher_path == "fast" else None
         self.student_path, self.student_path_reason = self._student_path()
-        student = fast_passes.student_parts(self._student_model, device) if self.student_path == "fast" else None
+        student = fast_passes.student_parts(self._student_model, device, self._student_adapters) \
+            if self.student_path == "fast" else None
         run = _Run(inputs, plan, torch.tensor(plan.order, device=device), weight, timer, parts, student)
         stream = TeacherStream(lambda span: self._teacher_chunk(run, span), plan.teacher_chunks,
                                [inputs.stats.num_positions[row] for row in plan.order])
