@@ -99,15 +99,17 @@ def test_adapters_the_pieces_do_not_compute_are_named_and_run_hf():
         assert fast_passes.student_unsupported_reason(merged.base_model.model) is None
 
 
-def run_step(path: str, model):
+def run_step(path: str, model, teacher=None, teacher_prompts=None, **settings):
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     config = OPSDConfig(beta=0.5, temperature=0.7, train_path=path, max_student_rows=2, loss_chunk_size=7,
-                        logit_cache_dtype=torch.float32)
-    step = OPSDStep(model, tiny_model("llama", seed=1), TinyTokenizer(pad_token_id=0, eos_token_id=2), config,
-                    optimizer=optimizer)
+                        logit_cache_dtype=torch.float32, **settings)
+    step = OPSDStep(model, tiny_model("llama", seed=1) if teacher is None else teacher,
+                    TinyTokenizer(pad_token_id=0, eos_token_id=2), config, optimizer=optimizer)
     step._trainer.step = lambda: None  # keep the gradients
     ids, mask = random_prompts(3, 8, min_len=3, vocab_size=100, pad_token_id=0, seed=3)
-    result = step.step(ids, mask, SamplingConfig(max_new_tokens=6, n_samples_per_prompt=2, seed=5))
+    extra = {} if teacher_prompts is None else dict(zip(("teacher_prompt_ids", "teacher_prompt_attention_mask"),
+                                                       teacher_prompts))
+    result = step.step(ids, mask, SamplingConfig(max_new_tokens=6, n_samples_per_prompt=2, seed=5), **extra)
     return result, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, step
 
 
@@ -124,6 +126,31 @@ def test_packed_lora_step_on_the_pieces_equals_the_padded_step():
     assert set(grads) == set(padded_grads) and all("lora_" in name for name in grads)
     for name, grad in padded_grads.items():
         assert (grads[name] - grad).norm() <= 1e-5 * grad.norm() + 1e-9, name
+
+
+@pytest.mark.parametrize("self_distillation", [True, False])
+def test_a_lora_teacher_runs_the_lora_pieces_and_equals_hf(self_distillation):
+    """A LoRA teacher (the student itself, or another peft model) runs the LoRA pieces without gradients: the step's
+    loss and the student's gradients equal those with the teacher through HF's layers, fp32. The teacher runs in
+    eval mode, so its adapters' dropout rate does not send it to HF's layers (the training student's does)."""
+    results = []
+    for fast_teacher in (True, False):
+        model = lora_model("qwen2", ALL)
+        teacher = model if self_distillation else lora_model("llama", ALL, seed=1)
+        privileged = random_prompts(3, 10, min_len=4, seed=5) if self_distillation else None  # a prompt of its own
+        results.append(run_step("packed", model, teacher, privileged, fast_teacher=fast_teacher))
+    (fast, fast_grads, fast_step), (hf, hf_grads, hf_step) = results
+    assert (fast_step.teacher_path, hf_step.teacher_path) == ("fast", "hf")
+    parts = fast_passes.fast_parts(model.base_model.model, torch.device("cpu"))
+    assert sum(a is not None for layer in parts.adapters for a in layer) == 7 * model.config.num_hidden_layers
+    assert torch.equal(fast.batch.input_ids, hf.batch.input_ids)
+    assert fast.loss == pytest.approx(hf.loss, rel=1e-5) and fast.loss > 1e-5
+    assert set(fast_grads) == set(hf_grads) and fast_grads
+    for name, grad in hf_grads.items():
+        assert (fast_grads[name] - grad).norm() <= 1e-5 * grad.norm() + 1e-9, name
+    dropping = lora_model("qwen2", ALL, lora_dropout=0.1).train().base_model.model
+    assert fast_passes.fast_parts(dropping, torch.device("cpu")) is not None
+    assert "lora_dropout 0.1 in training" in fast_passes.student_unsupported_reason(dropping)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -374,9 +374,11 @@ def test_the_path_is_chosen_and_reported():
         OPSDConfig(fast_student="yes")
 
 
-def test_a_teacher_with_an_unfused_adapter_runs_hf_forward_packed():
+def test_a_teacher_with_a_lora_variant_runs_hf_forward_packed():
+    """DoRA is not what the LoRA pieces compute (plain LoRA teachers run them: tests/test_opsd_lora_pass.py)."""
     peft = pytest.importorskip("peft")
-    teacher = peft.get_peft_model(tiny_model("llama", seed=1), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    teacher = peft.get_peft_model(tiny_model("llama", seed=1), peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                                                use_dora=True))
     step = OPSDStep(tiny_model("qwen2", seed=0), teacher, TinyTokenizer(pad_token_id=0, eos_token_id=2),
                     OPSDConfig(max_student_rows=2), optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
     assert (step.train_path, step.teacher_path) == ("packed", "hf")

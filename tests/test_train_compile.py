@@ -103,9 +103,9 @@ def test_the_training_pieces_compile_once_for_every_token_count():
     lora = peft.get_peft_model(tiny_model("qwen2", seed=1), peft.LoraConfig(r=2, target_modules=["q_proj", "o_proj"]))
     lora_lm = lora.base_model.model
     teacher = fast_passes.fast_parts(tiny_model("llama", seed=2), torch.device("cpu"))
-    teacher = step_lib.StepParts(teacher.spec, teacher.weights, step_lib.StepFns(
+    teacher = fast_passes.PassParts(step_lib.StepParts(teacher.step.spec, teacher.step.weights, step_lib.StepFns(
         attention_inputs=compiled(fast_passes._teacher_attention_inputs),
-        attention_output_and_mlp=compiled(fast_passes._teacher_attention_output_and_mlp)))
+        attention_output_and_mlp=compiled(fast_passes._teacher_attention_output_and_mlp))))
     train_fns = step_lib.StepFns(attention_inputs=compiled(fast_passes._train_attention_inputs),
                                  attention_output_and_mlp=compiled(fast_passes._train_attention_output_and_mlp))
     lora_fns = fast_passes.LoraFns(compiled(pieces.lora_attention_inputs),
@@ -118,7 +118,7 @@ def test_the_training_pieces_compile_once_for_every_token_count():
         rows = _rows(tokens)
         for model, causal_lm in ((student, student), (lora, lora_lm)):
             parts = fast_passes.student_parts(causal_lm, torch.device("cpu"))
-            parts = fast_passes.StudentParts(
+            parts = fast_passes.PassParts(
                 step_lib.StepParts(parts.step.spec, parts.step.weights, train_fns), parts.adapters,
                 lora_fns if parts.adapters else None)
             with packed.packed_attention(causal_lm, rows.layout), fast_passes.student_decoder(causal_lm, parts, rows):

@@ -283,9 +283,10 @@ class TrainingAdapters:
 NO_ADAPTERS = TrainingAdapters((), ())
 
 
-def _training_adapter(module) -> tuple[Adapter | None, str | None]:
+def _training_adapter(module, evaluating: bool = False) -> tuple[Adapter | None, str | None]:
     """``(adapter, None)`` for a peft layer the pieces compute exactly, ``(None, None)`` for one that adds nothing
-    (merged, disabled, no active adapter, or no peft layer), ``(None, why)`` otherwise."""
+    (merged, disabled, no active adapter, or no peft layer), ``(None, why)`` otherwise. ``evaluating``: the pass
+    runs in eval mode (the teacher's), where dropout draws nothing."""
     if not hasattr(module, "lora_A") or getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
         return None, None
     known = set(module.lora_A.keys()) | set(getattr(module, "lora_embedding_A", {}).keys())
@@ -305,7 +306,7 @@ def _training_adapter(module) -> tuple[Adapter | None, str | None]:
     if getattr(module, "fan_in_fan_out", False):
         return None, "fan_in_fan_out"
     dropout = module.lora_dropout[name]
-    if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and dropout.training:
+    if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and dropout.training and not evaluating:
         return None, f"lora_dropout {dropout.p} in training (the pieces draw no dropout masks)"
     down, up = _adapter_weights(module, name)
     if (down.dtype != module.get_base_layer().weight.dtype
@@ -314,12 +315,13 @@ def _training_adapter(module) -> tuple[Adapter | None, str | None]:
     return Adapter(down, up, float(module.scaling[name])), None
 
 
-def training_adapters(causal_lm: torch.nn.Module, present: list | None = None) -> TrainingAdapters:
+def training_adapters(causal_lm: torch.nn.Module, present: list | None = None,
+                      evaluating: bool = False) -> TrainingAdapters:
     """The active LoRA adapters of an HF Llama-family model's decoder layers, for the student's pass through the
     compiled pieces, or the reason they cannot run there: an active adapter anywhere else (embedding, head),
     several active adapters on one layer, variants (DoRA), ``lora_bias``, dropout in training, other base layers.
     ``present``: :func:`lora_layers` of the model, where the caller has them (one walk over a model's modules costs
-    milliseconds of host time)."""
+    milliseconds of host time); ``evaluating``: for a pass in eval mode (a teacher's), where dropout is off."""
     present = lora_layers(causal_lm) if present is None else present
     if not present:  # the common case, one pass of isinstance checks
         return NO_ADAPTERS
@@ -328,7 +330,7 @@ def training_adapters(causal_lm: torch.nn.Module, present: list | None = None) -
         found = []
         for path in PROJECTIONS:
             module = layer.get_submodule(path)
-            adapter, why = _training_adapter(module)
+            adapter, why = _training_adapter(module, evaluating)
             if why is not None:
                 return TrainingAdapters((), (), f"layer {index} {path}: {why}")
             if adapter is not None:
@@ -337,7 +339,7 @@ def training_adapters(causal_lm: torch.nn.Module, present: list | None = None) -
         layers.append(tuple(found))
     covered = {id(module) for module in modules}
     for module in present:
-        adapter, why = (None, None) if id(module) in covered else _training_adapter(module)
+        adapter, why = (None, None) if id(module) in covered else _training_adapter(module, evaluating)
         if adapter is not None or why is not None:
             name = next(name for name, other in causal_lm.named_modules() if other is module)
             return TrainingAdapters((), (), f"an active LoRA adapter on {name} (the pieces adapt the decoder "

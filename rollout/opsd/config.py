@@ -68,9 +68,10 @@ class OPSDConfig:
 
     fast_teacher: bool = True
     """On the packed path, run the teacher's forward through the rollout's own decoder pieces (fused norms, rotary
-    and MLP, ``torch.compile``d on CUDA; :func:`rollout.opsd.packed.fast_loss_hidden`) where they cover the model;
-    False, or a model they do not cover (an unfused LoRA adapter, ZeRO-3), runs HF's forward with the packed
-    attention. ``StepBreakdown.teacher_path`` says which ran."""
+    and MLP, ``torch.compile``d on CUDA; :func:`rollout.opsd.fast_passes.fast_loss_hidden`) where they cover the
+    model, a peft LoRA teacher's adapters included (a LoRA student distilling from itself); False, or a model they do
+    not cover (a LoRA variant such as DoRA, ZeRO-3), runs HF's forward with the packed attention.
+    ``StepBreakdown.teacher_path`` says which ran."""
 
     fast_student: bool = True
     """On the packed path, run the student's forward (and so its backward) through the same pieces over its

@@ -7,8 +7,8 @@ other) compute exactly what HF's Llama/Qwen2/Mistral layers compute; ``torch.com
 work, forward and (through AOTAutograd) backward, while the GEMMs stay cuBLAS's. Attention is
 :func:`rollout.opsd.packed.varlen_causal_attention` over the packed rows.
 
-- **Teacher** (:func:`fast_parts`, :func:`fast_loss_hidden`): a no-grad forward over plain views of the weights,
-  the final norm at the loss positions only.
+- **Teacher** (:func:`fast_parts`, :func:`fast_loss_hidden`): a no-grad forward over plain views of the weights
+  (and of a LoRA model's adapters, through the LoRA pieces below), the final norm at the loss positions only.
 - **Student** (:func:`student_parts`, :func:`student_decoder`): the same layers over the parameters themselves,
   with autograd, in place of the decoder stack's forward for one call, so that the call still goes through the
   DeepSpeed engine or peft wrapper around the model, and gradients accumulate into the parameters as HF's forward
@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from rollout.model.lora import NO_ADAPTERS, TrainingAdapters, lora_layers, training_adapters
+from rollout.model.lora import NO_ADAPTERS, Adapter, TrainingAdapters, lora_layers, training_adapters
 from rollout.model.pieces import (attention_inputs, attention_output_and_mlp, lora_attention_inputs,
                                   lora_attention_output_and_mlp)
 from rollout.model.step import (StepFns, StepParts, compile_piece, layer_output, layer_qkv, rotary, spec_and_weights,
@@ -43,13 +43,24 @@ from rollout.opsd.sizing import is_checkpointing
 from rollout.ops.norm import rms_norm
 
 
-def fast_parts(causal_lm: torch.nn.Module, device: torch.device) -> Optional[StepParts]:
+def fast_parts(causal_lm: torch.nn.Module, device: torch.device) -> Optional["PassParts"]:
     """The teacher's pieces over ``causal_lm``'s weights (plain views; compiled on CUDA, one graph for every
-    layer), or None where they do not cover the model exactly (its type, an unfused LoRA adapter, ZeRO-3)."""
-    if unsupported_reason(causal_lm) is not None or is_zero3(causal_lm):
+    layer) and its active LoRA adapters (a LoRA student distilling from itself), or None where they do not cover the
+    model exactly (its type, a LoRA variant, ZeRO-3)."""
+    if is_zero3(causal_lm):
+        return None
+    present = lora_layers(causal_lm)
+    adapters = training_adapters(causal_lm, present, evaluating=True)  # the teacher runs in eval mode
+    if unsupported_reason(causal_lm, fused=present) is not None or adapters.reason is not None:
         return None
     spec, weights = spec_and_weights(causal_lm)
-    return StepParts(spec, weights, compiled_teacher_fns() if device.type == "cuda" else StepFns())
+    cuda = device.type == "cuda"
+    parts = StepParts(spec, weights, compiled_teacher_fns() if cuda else StepFns())
+    if not adapters.any:
+        return PassParts(parts)
+    plain = tuple(tuple(None if a is None else Adapter(a.down.detach(), a.up.detach(), a.scale) for a in layer)
+                  for layer in adapters.layers)  # plain views, as the weights
+    return PassParts(parts, plain, compiled_lora_fns() if cuda else LoraFns())
 
 
 @dataclass(frozen=True)
@@ -61,8 +72,8 @@ class LoraFns:
 
 
 @dataclass(frozen=True)
-class StudentParts:
-    """What the student's pass reads: its pieces over the (base) parameters, and a LoRA student's adapters."""
+class PassParts:
+    """What a pass through the pieces reads: the pieces over the (base) weights, and a LoRA model's adapters."""
 
     step: StepParts
     adapters: tuple = ()
@@ -102,7 +113,7 @@ def _any_token_count(*tensors: torch.Tensor) -> None:
 def _decoder_stack(parts: StepParts, rows: PackedRows, adapters: tuple = (),
                    lora_fns: Optional[LoraFns] = None) -> torch.Tensor:
     """Hidden states ``[T, H]`` after the last layer (before the final norm) of the packed tokens of ``rows``
-    (``adapters``, ``lora_fns``: a LoRA student's, :class:`StudentParts`)."""
+    (``adapters``, ``lora_fns``: a LoRA student's, :class:`PassParts`)."""
     spec, weights, fns = parts.spec, parts.weights, parts.fns
     h = F.embedding(rows.input_ids[0], weights.embed)  # [T, H]
     cos, sin = rotary(rows.position_ids[0], weights.inv_freq, spec.attention_scaling, h.dtype)
@@ -120,11 +131,12 @@ def _decoder_stack(parts: StepParts, rows: PackedRows, adapters: tuple = (),
     return h
 
 
-def fast_loss_hidden(parts: StepParts, rows: PackedRows) -> torch.Tensor:
+def fast_loss_hidden(parts: "PassParts", rows: PackedRows) -> torch.Tensor:
     """Final (normed) hidden states ``[N, H]`` at the loss positions of ``rows`` through ``parts``
     (:func:`fast_parts`); the final norm runs at those positions only. The teacher's forward on the packed path."""
-    h = _decoder_stack(parts, rows)
-    return rms_norm(h.index_select(0, rows.loss_index), parts.weights.final_norm, parts.spec.rms_eps)  # [N, H]
+    h = _decoder_stack(parts.step, rows, parts.adapters, parts.lora_fns)
+    weights, spec = parts.step.weights, parts.step.spec
+    return rms_norm(h.index_select(0, rows.loss_index), weights.final_norm, spec.rms_eps)  # [N, H]
 
 
 # Their own code objects (see the module docstring); dynamo inlines the piece each calls.
@@ -219,7 +231,7 @@ def student_check(causal_lm: torch.nn.Module) -> tuple[Optional[str], TrainingAd
 
 
 def student_parts(causal_lm: torch.nn.Module, device: torch.device,
-                  adapters: Optional[TrainingAdapters] = None) -> StudentParts:
+                  adapters: Optional[TrainingAdapters] = None) -> PassParts:
     """The student's pieces over its parameters themselves (a LoRA student's base weights, and its adapters;
     compiled on CUDA); check :func:`student_unsupported_reason` first (:func:`student_check` also returns the
     ``adapters``; None: read them here)."""
@@ -228,12 +240,12 @@ def student_parts(causal_lm: torch.nn.Module, device: torch.device,
     parts = StepParts(spec, weights, compiled_train_fns() if cuda else StepFns())
     adapters = training_adapters(causal_lm) if adapters is None else adapters
     if not adapters.any:
-        return StudentParts(parts)
-    return StudentParts(parts, adapters.layers, compiled_lora_fns() if cuda else LoraFns())
+        return PassParts(parts)
+    return PassParts(parts, adapters.layers, compiled_lora_fns() if cuda else LoraFns())
 
 
 @contextlib.contextmanager
-def student_decoder(causal_lm: torch.nn.Module, parts: StudentParts, rows: PackedRows) -> Iterator[None]:
+def student_decoder(causal_lm: torch.nn.Module, parts: PassParts, rows: PackedRows) -> Iterator[None]:
     """Within the block, the decoder stack's forward runs ``rows`` through ``parts`` (whatever inputs it is
     called with) and returns their final hidden states ``[1, T, H]`` as HF's does, so that
     :func:`rollout.opsd.packed.loss_hidden` reads them through the model's usual call."""
