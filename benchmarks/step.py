@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 
 from benchmarks.harness import results
+from benchmarks.harness.cli import int_at_least
 from benchmarks.harness.device import measure_rates, rates_meta
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.models import model_geometry, set_single_process_env
@@ -382,7 +383,7 @@ def main(argv=None) -> None:
     parser.add_argument("--check-tokens", type=int, default=256, help="prompt and response budget of --check")
     parser.add_argument("--deepspeed-config", default=None,
                         help="the student engine's DeepSpeed config (the main job's flag; default: its built-in one)")
-    parser.add_argument("--lora", type=int, default=None,
+    parser.add_argument("--lora", type=int_at_least(1), default=None,
                         help="a peft LoRA student of this rank (the main job's flag): adapters alone train")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

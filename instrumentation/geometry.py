@@ -6,6 +6,7 @@ Shared by the benchmarks (``benchmarks.harness.models`` re-exports it) and the O
 
 from __future__ import annotations
 
+from instrumentation.mfu import matmul_params
 from instrumentation.roofline import ModelGeometry
 from instrumentation.work import Head
 
@@ -26,12 +27,10 @@ def trained_share(model) -> float:
     """Share of the matmul weights (every parameter but an untied input embedding; full sizes under ZeRO-3) that take
     gradients: 1.0 when every weight trains, a LoRA student's adapters alone a fraction of a percent
     (:func:`instrumentation.roofline.backward_flops`)."""
+    total = matmul_params(model)
     embed, out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    skip = None if out is embed else id(embed)
-    unique = [p for p in {id(p): p for p in model.parameters()}.values() if id(p) != skip]
-    size = lambda p: int(getattr(p, "ds_numel", 0) or p.numel())
-    total = sum(size(p) for p in unique)
-    return sum(size(p) for p in unique if p.requires_grad) / total if total else 0.0
+    lookup = int(getattr(embed, "ds_numel", 0) or embed.numel()) if embed is not out and embed.requires_grad else 0
+    return (trainable_params(model) - lookup) / total if total else 0.0  # a trained lookup table is no matmul
 
 
 def model_geometry(model) -> ModelGeometry:

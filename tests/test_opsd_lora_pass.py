@@ -97,6 +97,11 @@ def test_adapters_the_pieces_do_not_compute_are_named_and_run_hf():
     assert not training_adapters(merged.base_model.model).any
     with merged.disable_adapter():
         assert fast_passes.student_unsupported_reason(merged.base_model.model) is None
+    from transformers import GPT2Config, GPT2LMHeadModel  # another layout: declined before its adapters are read
+    gpt2 = peft.get_peft_model(GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)),
+                               peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    assert fast_passes.fast_parts(gpt2.base_model.model, torch.device("cpu")) is None
+    assert "gpt2" in fast_passes.student_unsupported_reason(gpt2.base_model.model)
 
 
 def run_step(path: str, model, teacher=None, teacher_prompts=None, **settings):

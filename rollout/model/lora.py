@@ -194,16 +194,30 @@ class LoraFuser:
             self.unfuse()
 
 
+def _active_adapters(layer) -> list[str]:
+    """The adapters peft's forward of ``layer`` applies now: none while it is merged or its adapters are disabled."""
+    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
+        return []
+    known = set(layer.lora_A.keys()) | set(getattr(layer, "lora_embedding_A", {}).keys())
+    return [name for name in layer.active_adapters if name in known]
+
+
+def _not_low_rank(layer, name: str) -> str | None:
+    """Why adapter ``name`` of ``layer`` is more than a low-rank update of the weight (a LoRA variant such as DoRA,
+    ``lora_bias``): neither fusing nor the training pieces compute it. None for a plain one."""
+    if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name, False):
+        return f"adapter {name!r} is a LoRA variant (DoRA, ...)"
+    if getattr(layer, "lora_bias", {}).get(name, False):
+        return f"adapter {name!r} has lora_bias"
+    return None
+
+
 def _fusable_adapters(layer) -> list[str]:
     """Active adapters of ``layer`` to fuse, or [] when the layer must stay unmerged."""
-    if layer.merged or layer.disable_adapters:
-        return []
+    adapters = _active_adapters(layer)
     if isinstance(getattr(layer, "base_layer", None), _lora_layer_class()):
         return []  # nested tuner layers
-    known = set(layer.lora_A.keys()) | set(layer.lora_embedding_A.keys())
-    adapters = [name for name in layer.active_adapters if name in known]
-    variants = getattr(layer, "lora_variant", {})
-    if any(name in variants or layer.lora_bias.get(name, False) for name in adapters):
+    if any(_not_low_rank(layer, name) for name in adapters):
         return []
     weight = getattr(layer.get_base_layer(), "weight", None)
     if not isinstance(weight, torch.nn.Parameter) or not weight.dtype.is_floating_point:
@@ -287,10 +301,7 @@ def _training_adapter(module, evaluating: bool = False) -> tuple[Adapter | None,
     """``(adapter, None)`` for a peft layer the pieces compute exactly, ``(None, None)`` for one that adds nothing
     (merged, disabled, no active adapter, or no peft layer), ``(None, why)`` otherwise. ``evaluating``: the pass
     runs in eval mode (the teacher's), where dropout draws nothing."""
-    if not hasattr(module, "lora_A") or getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
-        return None, None
-    known = set(module.lora_A.keys()) | set(getattr(module, "lora_embedding_A", {}).keys())
-    names = [name for name in module.active_adapters if name in known]
+    names = _active_adapters(module) if hasattr(module, "lora_A") else []
     if not names:
         return None, None
     from peft.tuners.lora import Linear as LoraLinear
@@ -299,10 +310,8 @@ def _training_adapter(module, evaluating: bool = False) -> tuple[Adapter | None,
     if len(names) > 1:
         return None, f"{len(names)} active adapters (one is computed)"
     name = names[0]
-    if name in getattr(module, "lora_variant", {}) or getattr(module, "use_dora", {}).get(name, False):
-        return None, f"adapter {name!r} is a LoRA variant (DoRA, ...)"
-    if getattr(module, "lora_bias", {}).get(name, False):
-        return None, f"adapter {name!r} has lora_bias"
+    if (why := _not_low_rank(module, name)) is not None:
+        return None, why
     if getattr(module, "fan_in_fan_out", False):
         return None, "fan_in_fan_out"
     dropout = module.lora_dropout[name]

@@ -47,20 +47,17 @@ def fast_parts(causal_lm: torch.nn.Module, device: torch.device) -> Optional["Pa
     """The teacher's pieces over ``causal_lm``'s weights (plain views; compiled on CUDA, one graph for every
     layer) and its active LoRA adapters (a LoRA student distilling from itself), or None where they do not cover the
     model exactly (its type, a LoRA variant, ZeRO-3)."""
-    if is_zero3(causal_lm):
-        return None
     present = lora_layers(causal_lm)
+    if is_zero3(causal_lm) or unsupported_reason(causal_lm, fused=present) is not None:
+        return None
     adapters = training_adapters(causal_lm, present, evaluating=True)  # the teacher runs in eval mode
-    if unsupported_reason(causal_lm, fused=present) is not None or adapters.reason is not None:
+    if adapters.reason is not None:
         return None
     spec, weights = spec_and_weights(causal_lm)
     cuda = device.type == "cuda"
-    parts = StepParts(spec, weights, compiled_teacher_fns() if cuda else StepFns())
-    if not adapters.any:
-        return PassParts(parts)
     plain = tuple(tuple(None if a is None else Adapter(a.down.detach(), a.up.detach(), a.scale) for a in layer)
                   for layer in adapters.layers)  # plain views, as the weights
-    return PassParts(parts, plain, compiled_lora_fns() if cuda else LoraFns())
+    return _pass_parts(StepParts(spec, weights, compiled_teacher_fns() if cuda else StepFns()), plain, cuda)
 
 
 @dataclass(frozen=True)
@@ -80,6 +77,11 @@ class PassParts:
     """Per decoder layer, an ``Adapter`` or None per projection (:data:`rollout.model.lora.PROJECTIONS`); () without
     LoRA."""
     lora_fns: Optional[LoraFns] = None
+
+
+def _pass_parts(step: StepParts, adapters: tuple, compiled: bool) -> PassParts:
+    """``step``'s pieces, and the LoRA pieces for ``adapters`` (``compiled``: as on CUDA) where there are any."""
+    return PassParts(step, adapters, compiled_lora_fns() if compiled else LoraFns()) if adapters else PassParts(step)
 
 
 def _adapter_arguments(adapters: tuple, names: str) -> dict:
@@ -110,11 +112,18 @@ def _any_token_count(*tensors: torch.Tensor) -> None:
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
 
 
-def _decoder_stack(parts: StepParts, rows: PackedRows, adapters: tuple = (),
-                   lora_fns: Optional[LoraFns] = None) -> torch.Tensor:
-    """Hidden states ``[T, H]`` after the last layer (before the final norm) of the packed tokens of ``rows``
-    (``adapters``, ``lora_fns``: a LoRA student's, :class:`PassParts`)."""
-    spec, weights, fns = parts.spec, parts.weights, parts.fns
+def _final_hidden(parts: PassParts, rows: PackedRows, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Final (normed) hidden states of the packed tokens of ``rows`` through ``parts``: ``[T, H]``, or at the
+    positions ``index`` only (the final norm runs there only)."""
+    h = _decoder_stack(parts, rows)
+    h = h if index is None else h.index_select(0, index)
+    return rms_norm(h, parts.step.weights.final_norm, parts.step.spec.rms_eps)
+
+
+def _decoder_stack(parts: PassParts, rows: PackedRows) -> torch.Tensor:
+    """Hidden states ``[T, H]`` after the last layer (before the final norm) of the packed tokens of ``rows``."""
+    adapters, lora_fns = parts.adapters, parts.lora_fns
+    spec, weights, fns = parts.step.spec, parts.step.weights, parts.step.fns
     h = F.embedding(rows.input_ids[0], weights.embed)  # [T, H]
     cos, sin = rotary(rows.position_ids[0], weights.inv_freq, spec.attention_scaling, h.dtype)
     _any_token_count(cos, sin)
@@ -134,9 +143,7 @@ def _decoder_stack(parts: StepParts, rows: PackedRows, adapters: tuple = (),
 def fast_loss_hidden(parts: "PassParts", rows: PackedRows) -> torch.Tensor:
     """Final (normed) hidden states ``[N, H]`` at the loss positions of ``rows`` through ``parts``
     (:func:`fast_parts`); the final norm runs at those positions only. The teacher's forward on the packed path."""
-    h = _decoder_stack(parts.step, rows, parts.adapters, parts.lora_fns)
-    weights, spec = parts.step.weights, parts.step.spec
-    return rms_norm(h.index_select(0, rows.loss_index), weights.final_norm, spec.rms_eps)  # [N, H]
+    return _final_hidden(parts, rows, rows.loss_index)  # [N, H]
 
 
 # Their own code objects (see the module docstring); dynamo inlines the piece each calls.
@@ -237,11 +244,8 @@ def student_parts(causal_lm: torch.nn.Module, device: torch.device,
     ``adapters``; None: read them here)."""
     spec, weights = spec_and_weights(causal_lm, trainable=True)
     cuda = device.type == "cuda"
-    parts = StepParts(spec, weights, compiled_train_fns() if cuda else StepFns())
     adapters = training_adapters(causal_lm) if adapters is None else adapters
-    if not adapters.any:
-        return PassParts(parts)
-    return PassParts(parts, adapters.layers, compiled_lora_fns() if cuda else LoraFns())
+    return _pass_parts(StepParts(spec, weights, compiled_train_fns() if cuda else StepFns()), adapters.layers, cuda)
 
 
 @contextlib.contextmanager
@@ -254,9 +258,7 @@ def student_decoder(causal_lm: torch.nn.Module, parts: PassParts, rows: PackedRo
     own = decoder.__dict__.get("forward")  # an instance forward set by someone else (restored after)
 
     def forward(*args, **kwargs):
-        h = rms_norm(_decoder_stack(parts.step, rows, parts.adapters, parts.lora_fns), parts.step.weights.final_norm,
-                     parts.step.spec.rms_eps)
-        return BaseModelOutputWithPast(last_hidden_state=h[None])
+        return BaseModelOutputWithPast(last_hidden_state=_final_hidden(parts, rows)[None])
 
     decoder.forward = forward
     try:

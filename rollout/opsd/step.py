@@ -58,6 +58,7 @@ from rollout.checks import require
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.engine import Rollout
 from rollout.model import compat, zero
+from rollout.model.lora import TrainingAdapters
 from rollout.opsd import fast_passes, packed, sizing
 from rollout.opsd.breakdown import PhaseTimer, rollout_path
 from rollout.opsd.config import OPSDConfig, StepResult
@@ -116,7 +117,7 @@ class OPSDStep:
         self._student_model, self._teacher_model = student_model, teacher_model
         self.train_path, self.train_path_reason = self._choose_path(student_model, teacher_model)
         self.teacher_path = "padded"
-        self.student_path, self.student_path_reason = self._student_path()
+        self.student_path, self.student_path_reason, _ = self._student_path()
         if self.train_path == "packed":
             device = next(teacher_model.parameters()).device
             fast = self.config.fast_teacher and fast_passes.fast_parts(teacher_model, device) is not None
@@ -140,17 +141,17 @@ class OPSDStep:
         require(setting != "packed" or reason is None, "train_path", f"'packed' cannot run here: {reason}")
         return ("padded", reason) if reason else ("packed", None)
 
-    def _student_path(self) -> tuple[str, Optional[str]]:
-        """``(path, why not fast)`` of the student's pass: ``"fast"`` (:mod:`rollout.opsd.fast_passes`), ``"hf"``
-        (HF's packed forward) or ``"padded"``; read at every step (activation checkpointing may be switched), with
-        a LoRA student's adapters (``_student_adapters``) for :func:`rollout.opsd.fast_passes.student_parts`."""
-        self._student_adapters = None
+    def _student_path(self) -> tuple[str, Optional[str], Optional[TrainingAdapters]]:
+        """``(path, why not fast, adapters)`` of the student's pass: ``"fast"`` (:mod:`rollout.opsd.fast_passes`),
+        ``"hf"`` (HF's packed forward) or ``"padded"``, and on the fast path a LoRA student's adapters for
+        :func:`rollout.opsd.fast_passes.student_parts`; read at every step (activation checkpointing may be
+        switched)."""
         if self.train_path != "packed":
-            return "padded", self.train_path_reason
+            return "padded", self.train_path_reason, None
         if not self.config.fast_student:
-            return "hf", "fast_student=False"
-        why, self._student_adapters = fast_passes.student_check(self._student_model)
-        return ("hf", why) if why else ("fast", None)
+            return "hf", "fast_student=False", None
+        why, adapters = fast_passes.student_check(self._student_model)
+        return ("hf", why, None) if why else ("fast", None, adapters)
 
     # ---- public -----------------------------------------------------------------------------
     def step(self, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor, sampling: SamplingConfig, *,
@@ -222,8 +223,8 @@ class OPSDStep:
         # The teacher's pieces: views of its weights, which change only at the optimizer step after every chunk.
         device = inputs.ids.device
         parts = fast_passes.fast_parts(self._teacher_model, device) if self.teacher_path == "fast" else None
-        self.student_path, self.student_path_reason = self._student_path()
-        student = fast_passes.student_parts(self._student_model, device, self._student_adapters) \
+        self.student_path, self.student_path_reason, adapters = self._student_path()
+        student = fast_passes.student_parts(self._student_model, device, adapters) \
             if self.student_path == "fast" else None
         run = _Run(inputs, plan, torch.tensor(plan.order, device=device), weight, timer, parts, student)
         stream = TeacherStream(lambda span: self._teacher_chunk(run, span), plan.teacher_chunks,
