@@ -172,3 +172,22 @@ def test_compiled_lora_pieces_on_cuda_match_peft_in_bf16():
     assert set(fast_grads) == set(hf_grads) == set(ref_grads) and fast_grads
     for name, ref in ref_grads.items():
         assert error(fast_grads[name], ref) <= max(2 * error(hf_grads[name], ref), 1e-2), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_lora_teacher_pieces_on_cuda_match_peft_in_bf16():
+    """The teacher's LoRA pass (fast_parts of a peft model, eval mode, no gradients: compiled on CUDA) against peft's
+    layers in float32: within twice peft's own bf16 error (or 1e-2 relative L2), at the loss positions."""
+    model = lora_model("qwen2", ALL, dtype=torch.bfloat16, device="cuda").eval()
+    lm, rows = model.base_model.model, rows_of("cuda")
+    reference = copy.deepcopy(model).float()
+    parts = fast_passes.fast_parts(lm, torch.device("cuda"))
+    assert parts is not None and parts.lora_fns is not None
+    with torch.no_grad():
+        fast = fast_passes.fast_loss_hidden(parts, rows).float()
+        with packed.packed_attention(lm, rows.layout):
+            hf = packed.loss_hidden(model, lm, rows).float()
+        with packed.packed_attention(reference.base_model.model, rows.layout):
+            ref = packed.loss_hidden(reference, reference.base_model.model, rows).float()
+    error = lambda x: ((x - ref).norm() / ref.norm()).item()
+    assert fast.shape == ref.shape and error(fast) <= max(2 * error(hf), 1e-2)
