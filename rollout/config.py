@@ -236,7 +236,8 @@ class RolloutConfig:
     """Upper bound on prompt + new tokens; None reads ``max_position_embeddings`` from the model config."""
     gather: str = "once"
     """ZeRO-3 only: ``"once"`` gathers all parameters once per ``generate`` call (fast, needs memory for the full
-    model); ``"per_forward"`` keeps ZeRO-3's own per-forward gathering (low memory, slow)."""
+    model), and an ``OPSDStep`` on the packed path gathers its student once more for the step's training passes;
+    ``"per_forward"`` keeps ZeRO-3's own per-forward gathering for both (low memory, slow)."""
     fuse_lora: bool = True
     """Merge peft LoRA adapters into the base weights for generation (restored bit-exactly afterwards)."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)

@@ -259,8 +259,11 @@ def test_deepspeed_steps_train_the_student_only(stage, kinds, world_size, extra)
         for out in outs:
             assert out["is_zero3"] == (stage == 3)
             assert out["train_path"] == "packed"  # ZeRO-3 too: the head's module call gathers its weight
-            # LoRA too: its training pass runs the LoRA pieces (ZeRO-3: HF's layers, which gather per module)
-            assert out["student_path"] == ("hf" if stage == 3 else "fast")
+            # LoRA too: its training pass runs the LoRA pieces; ZeRO-3 too: the step gathers the student once for its
+            # passes (gather="once", the default), and with gather="per_forward" runs HF's layers, gathered per module
+            assert out["student_path"] == "fast"
+            if stage == 3:
+                assert out["per_forward_path"][0] == "hf" and "gather='per_forward'" in out["per_forward_path"][1]
             # LoRA too: the adapters are fused before the rollout decodes, through our step (CPU: eagerly)
             assert "decode fast_eager (" in out["rollout_path"], out["rollout_path"]
             assert len(out["losses"]) == 3 and all(math.isfinite(x) and x > 0 for x in out["losses"])

@@ -77,8 +77,11 @@ class OPSDConfig:
     """On the packed path, run the student's forward (and so its backward) through the same pieces over its
     parameters, with autograd (:func:`rollout.opsd.fast_passes.student_decoder`; compiled forward and backward on
     CUDA). A peft LoRA student runs the LoRA pieces: its frozen base weights plus each projection's adapter, as
-    peft's unmerged forward computes them (gradients reach the adapters only). False, or a model they do not cover
-    (ZeRO-3 partitioning, activation checkpointing, attention dropout; LoRA variants such as DoRA, ``lora_bias``,
+    peft's unmerged forward computes them (gradients reach the adapters only). A ZeRO-3 student runs them too where
+    its rollout gathers once (``RolloutConfig.gather="once"``, the default): the step gathers its parameters once for
+    the micro-batches' passes, ZeRO-3's module hooks suspended, and partitions them again before the optimizer step;
+    ZeRO-3's gradient hooks still reduce each gradient. False, or a model they do not cover
+    (ZeRO-3 with ``gather="per_forward"``, activation checkpointing, attention dropout; LoRA variants such as DoRA, ``lora_bias``,
     lora dropout in training, several active adapters on a layer, adapters outside the decoder layers'
     projections), runs HF's forward with the packed attention. ``StepBreakdown.student_path`` says which ran;
     ``OPSDStep.student_path_reason`` why."""

@@ -219,17 +219,20 @@ def student_unsupported_reason(causal_lm: torch.nn.Module) -> Optional[str]:
     return student_check(causal_lm)[0]
 
 
-def student_check(causal_lm: torch.nn.Module) -> tuple[Optional[str], TrainingAdapters]:
+def student_check(causal_lm: torch.nn.Module, gathered: bool = False) -> tuple[Optional[str], TrainingAdapters]:
     """:func:`student_unsupported_reason` and, where it is None, the adapters the pass computes (for
-    :func:`student_parts`: one read of a model's modules a step, not two)."""
+    :func:`student_parts`: one read of a model's modules a step, not two). ``gathered``: the caller holds a ZeRO-3
+    student's parameters gathered for the whole pass (:meth:`rollout.opsd.OPSDStep` does under ``gather="once"``),
+    so the pieces may read them outside the modules' forwards."""
     # everything but the adapters, then the adapters: the LoRA pieces compute what peft's unmerged layers do
     present = lora_layers(causal_lm)
     reason = unsupported_reason(causal_lm, fused=present)
     adapters = training_adapters(causal_lm, present) if reason is None else NO_ADAPTERS
     if reason is None and adapters.reason is not None:
         reason = f"LoRA: {adapters.reason}"
-    if reason is None and is_zero3(causal_lm):
-        reason = "ZeRO-3 partitioned parameters (the pieces read every weight outside the modules' forwards)"
+    if reason is None and not gathered and is_zero3(causal_lm):
+        reason = ("ZeRO-3 partitioned parameters, gathered per module (gather='per_forward'): the pieces read every "
+                  "weight outside the modules' forwards")
     if reason is None and is_checkpointing(causal_lm):
         reason = "activation checkpointing is on (HF's layers recompute in backward)"
     if reason is None and float(getattr(causal_lm.config, "attention_dropout", 0.0) or 0.0) > 0.0:

@@ -98,6 +98,8 @@ class OPSDStep:
                      f"a plain student module needs a torch optimizer; got {type(optimizer).__name__}")
             self.student = self._trainer = PlainStudent(student, optimizer)
         self.student_module = compat.unwrap_model(student)
+        self._gather_target = student if is_training_engine(student) else self.student_module  # the engine: its
+        # ZeRO-3 hooks are suspended while gathered
         require(teacher is not None, "teacher", "is required (pass the student for self-distillation)")
         self.is_self_distillation = teacher is student or compat.unwrap_model(teacher) is self.student_module
         # A training engine's forward does training bookkeeping: call its module (ZeRO-3 hooks live there).
@@ -116,6 +118,9 @@ class OPSDStep:
         check_teacher_tokens(tokenizer, teacher_tokenizer, teacher_model.config)
         self._student_model, self._teacher_model = student_model, teacher_model
         self.train_path, self.train_path_reason = self._choose_path(student_model, teacher_model)
+        # A ZeRO-3 student whose rollout gathers its weights once (RolloutConfig.gather) is gathered once for the
+        # packed passes as well, so that they run through the pieces instead of per-module gathers.
+        self._gathers_student = self.rollout.is_zero3 and self.rollout.config.gather == "once"
         self.teacher_path = "padded"
         self.student_path, self.student_path_reason, _ = self._student_path()
         if self.train_path == "packed":
@@ -150,7 +155,7 @@ class OPSDStep:
             return "padded", self.train_path_reason, None
         if not self.config.fast_student:
             return "hf", "fast_student=False", None
-        why, adapters = fast_passes.student_check(self._student_model)
+        why, adapters = fast_passes.student_check(self._student_model, gathered=self._gathers_student)
         return ("hf", why, None) if why else ("fast", None, adapters)
 
     # ---- public -----------------------------------------------------------------------------
@@ -197,16 +202,21 @@ class OPSDStep:
         """Plan, then teacher + student per micro-batch, then the optimizer: ``(loss, positions, breakdown)``."""
         inputs = distill_inputs(batch, teacher_prompts)
         config = self.config
-        budget = sizing.budget_bytes(config.max_micro_batch_gib, inputs.ids.device, self.train_path == "packed") \
-            if config.max_student_rows == AUTO else None
-        plan = plan_micro_batches(inputs.stats, config.max_student_rows, config.max_teacher_rows, self.row_cost,
-                                  budget or 0.0)
-        local = RankFigures(inputs.num_positions, len(plan.groups), len(plan.teacher_chunks), plan.num_rows,
-                            inputs.max_token_id)
-        figures = gather_figures(local, self._trainer.data_parallel_group, inputs.ids.device)
-        check_figures(figures, self.teacher_vocab_size)
-        plan = agree(plan, max(f.num_micro_batches for f in figures), max(f.num_teacher_forwards for f in figures))
-        loss = self._train(inputs, plan, rank_weight(figures, local), timer)
+        self.student_path, self.student_path_reason, adapters = self._student_path()
+        with contextlib.ExitStack() as weights:
+            if self.student_path == "fast" and self._gathers_student:  # before the budget: the copy takes memory
+                with timer.phase(stages.STUDENT_FORWARD), stage(stages.GATHER):  # booked to the student's passes
+                    weights.enter_context(zero.gathered(self._gather_target, "once"))
+            budget = sizing.budget_bytes(config.max_micro_batch_gib, inputs.ids.device, self.train_path == "packed") \
+                if config.max_student_rows == AUTO else None
+            plan = plan_micro_batches(inputs.stats, config.max_student_rows, config.max_teacher_rows, self.row_cost,
+                                      budget or 0.0)
+            local = RankFigures(inputs.num_positions, len(plan.groups), len(plan.teacher_chunks), plan.num_rows,
+                                inputs.max_token_id)
+            figures = gather_figures(local, self._trainer.data_parallel_group, inputs.ids.device)
+            check_figures(figures, self.teacher_vocab_size)
+            plan = agree(plan, max(f.num_micro_batches for f in figures), max(f.num_teacher_forwards for f in figures))
+            loss = self._train(inputs, plan, rank_weight(figures, local), timer, (adapters, weights.close))
         work_recorder().training(self._student_model, self._teacher_model, inputs.stats, plan.order, config,
                                  self.train_path == "packed")  # off: no-op
         largest = max(stop - start for start, stop in plan.groups)
@@ -218,12 +228,15 @@ class OPSDStep:
                                                            student_path=self.student_path, max_tokens=tokens,
                                                            rollout=rollout)
 
-    def _train(self, inputs: DistillInputs, plan: MicroBatchPlan, weight: float, timer: PhaseTimer) -> float:
-        """Every micro-batch (teacher chunks built just before they are read), then one optimizer step."""
+    def _train(self, inputs: DistillInputs, plan: MicroBatchPlan, weight: float, timer: PhaseTimer,
+               student_pass: tuple) -> float:
+        """Every micro-batch (teacher chunks built just before they are read), then one optimizer step.
+        ``student_pass``: the fast student's adapters (:meth:`_student_path`) and what releases its gathered weights
+        (a no-op unless ZeRO-3 weights were gathered for the passes)."""
         # The teacher's pieces: views of its weights, which change only at the optimizer step after every chunk.
         device = inputs.ids.device
+        adapters, release = student_pass
         parts = fast_passes.fast_parts(self._teacher_model, device) if self.teacher_path == "fast" else None
-        self.student_path, self.student_path_reason, adapters = self._student_path()
         student = fast_passes.student_parts(self._student_model, device, adapters) \
             if self.student_path == "fast" else None
         run = _Run(inputs, plan, torch.tensor(plan.order, device=device), weight, timer, parts, student)
@@ -240,6 +253,7 @@ class OPSDStep:
         finally:
             stream.close()
         with timer.phase(stages.OPTIMIZER_STEP):
+            release()  # gathered ZeRO-3 weights are partitioned again first (ZeRO-3's step partitions every one)
             self._trainer.step()
         return float(total)  # the step's one sync after the rollout's
 

@@ -23,7 +23,7 @@ import torch
 from common import ds_config, emit, init_deepspeed_cpu, make_engine, rank
 
 from rollout import Rollout, RolloutRequest
-from rollout.config import SamplingConfig
+from rollout.config import RolloutConfig, SamplingConfig
 from rollout.opsd.losses import generalized_jsd_loss, response_logit_positions
 from rollout.opsd import OPSDConfig, OPSDStep
 from rollout.opsd.ranks import RankFigures, gather_figures, rank_weight
@@ -110,6 +110,9 @@ def run(kind: str) -> dict:
         "tokens0": results[0].batch.input_ids.tolist(),
         "rank_weight": figures_weight(10 + 20 * rank()),
     }
+    if STAGE == 3:  # the student's path when the rollout (and so the step) gathers per module
+        other = OPSDStep(engine, teacher, tokenizer, CONFIG, rollout_config=RolloutConfig(gather="per_forward"))
+        out["per_forward_path"] = [other.student_path, other.student_path_reason]
     if WITH_SELF:
         out["self"] = self_distillation(engine, tokenizer)
     return out
