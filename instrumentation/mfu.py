@@ -23,6 +23,7 @@ H200 SXM (1,979 with 2:4 sparsity).
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 #: (device name substring, dtype) -> dense tensor-core peak, TFLOP/s (NVIDIA data sheets, SXM parts).
@@ -70,8 +71,26 @@ def matmul_params(model) -> int:
     return total
 
 
+#: Largest MFU returned: above it (a peak a thousand times too low, ``--peak-tflops 1e-300``) the figure says
+#: nothing and would print hundreds of digits; :func:`mfu` returns None instead.
+MAX_REPORTED_MFU = 1e3
+_warned_above_one = False
+
+
 def mfu(flops: float, step_s: float, peak: Optional[float]) -> Optional[float]:
-    """``flops / (step_s * peak)``; None when the peak is unknown or the time is not positive."""
-    if peak is None or peak <= 0 or step_s <= 0:
+    """``flops / (step_s * peak)``; None when the peak is unknown or the time is not positive. Above 1 the counted
+    FLOPs exceed the device's peak, so the peak (``--peak-tflops`` / ``OPSD_PEAK_TFLOPS``) is too low: one
+    ``RuntimeWarning`` per process says so, and above :data:`MAX_REPORTED_MFU` the result is None."""
+    global _warned_above_one
+    if peak is None or not peak > 0 or not step_s > 0:
         return None
-    return flops / (step_s * peak)
+    value = flops / (step_s * peak)
+    if value > 1.0:
+        if not _warned_above_one:
+            _warned_above_one = True
+            shown = "not reported" if value > MAX_REPORTED_MFU else "shown as computed"
+            warnings.warn(f"MFU {100 * value:.3g}% (> 100%) with a peak of {peak / 1e12:.3g} TFLOP/s: the peak "
+                          f"(--peak-tflops / OPSD_PEAK_TFLOPS) is too low; MFU {shown}", RuntimeWarning, stacklevel=2)
+        if value > MAX_REPORTED_MFU:
+            return None
+    return value

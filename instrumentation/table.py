@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -104,3 +105,15 @@ def _aligned(columns, head: list[str], cells: list[list[str]]) -> list[str]:
         return "  ".join(parts).rstrip()
 
     return [line(head), "  ".join("-" * w for w in widths)] + [line(row) for row in cells]
+
+
+def finite_json(value):
+    """``value`` with every non-finite float (NaN, inf) replaced by None, at any depth: strict JSON has no NaN or
+    Infinity (the reports of ``traces`` and of the main job are written with ``allow_nan=False``)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    return value

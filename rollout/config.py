@@ -23,6 +23,10 @@ MAX_SEED = 2**32
 #: logits / temperature can overflow float32 to inf and the argmax takes the first inf. At it, every logit under
 #: 3.4e32 stays finite and sampling is near-greedy (a token loses to the argmax only by < ~25 x 1e-6 in logit).
 MIN_TEMPERATURE = 1e-6
+#: ``SamplingConfig.repetition_penalty`` must lie in this range: a penalty divides positive logits and multiplies
+#: negative ones in float32, where one below 1e-38 is 0 (a division by zero: inf logits, degenerate tokens) and one
+#: above 3.4e38 is inf; within it the penalised logits stay finite for logits of ordinary size.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 #: ``RolloutConfig.max_cache_gib`` must stay below this (1 EiB; its bytes fit an int64).
 MAX_CACHE_GIB = 2**30
 GATHER_MODES = ("once", "per_forward")
@@ -52,7 +56,8 @@ class SamplingConfig:
     continuous_batch_size: Optional[int] = None
     """Slots for continuous batching (ignored by the ordinary route)."""
     repetition_penalty: float = 1.0
-    """HF semantics (> 0; 1 disables): applied in fp32 over the padded history (prompt incl. padding + response)."""
+    """HF semantics (1 disables), in :data:`REPETITION_PENALTY_RANGE` ([1e-6, 1e6]): applied in fp32 over the padded
+    history (prompt incl. padding + response)."""
     seed: Optional[int] = None
     """Same inputs + same seed -> same samples, in ``[0, 2**32)``. None uses torch's global RNG."""
     return_logprobs: bool = False
@@ -79,9 +84,10 @@ class SamplingConfig:
         require(self.continuous_batch_size is None
                  or (is_int(self.continuous_batch_size) and self.continuous_batch_size >= 1),
                  "continuous_batch_size", f"must be None or an int >= 1; got {self.continuous_batch_size!r}")
-        require(is_number(self.repetition_penalty)
-                 and self.repetition_penalty > 0, "repetition_penalty",
-                 f"must be a finite number > 0; got {self.repetition_penalty!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        require(is_number(self.repetition_penalty) and low <= self.repetition_penalty <= high, "repetition_penalty",
+                f"must be a finite number in [{low:g}, {high:g}] (outside it the penalised logits overflow float32); "
+                f"got {self.repetition_penalty!r}")
         require(self.seed is None or (is_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed",
                 f"must be None or an int in [0, 2**32); got {self.seed!r}")
         for name in ("return_logprobs", "return_finish_reasons"):

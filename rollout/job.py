@@ -9,7 +9,6 @@ job's step with :func:`build_step` in its own process.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Optional
 
@@ -187,16 +186,20 @@ def model_config(name: Optional[str], arch: str):
 
 
 def check_job(job: JobConfig, opsd_config, world: Optional[int] = None) -> None:
-    """Everything the job can check before it builds anything (:mod:`rollout.opsd.preflight`): the DeepSpeed
-    config, ``--json-out``, the flags against the models' configs (the teacher's context too: with ``--teacher self``
-    its prompts are ``SELF_CONTEXT_LEN`` tokens longer), and the memory estimate of the models against
-    the device's (or the host's) available memory. ValueError naming the flag."""
-    world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    """Everything the job can check before it builds anything (:mod:`rollout.opsd.preflight`): the launcher's
+    variables, the DeepSpeed config, ``--json-out``, the flags against each other and against the models' configs (the
+    teacher's context too: with ``--teacher self`` its prompts are ``SELF_CONTEXT_LEN`` tokens longer), and the memory
+    estimate of the models against the device's (or the host's) available memory. ValueError naming the flag (or
+    the variable)."""
+    for name, least in (("RANK", 0), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)):  # the launcher's, named if bad
+        preflight.env_int(name, least, least)
+    world = world if world is not None else preflight.env_int("WORLD_SIZE", 1, 1)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     config = deepspeed_config(job.deepspeed_config, job.zero_stage, job.batch_size * job.samples_per_prompt,
                               device_type == "cuda")
-    preflight.check_deepspeed_config(config, job.deepspeed_config, world)
+    preflight.check_deepspeed_config(config, job.deepspeed_config, world, preflight.fp16_supported(device_type))
     preflight.check_json_out(job.json_out)
+    preflight.check_flags(job, opsd_config)
     student_config = model_config(job.student, "qwen2")
     if student_config is None:
         return
@@ -205,7 +208,7 @@ def check_job(job: JobConfig, opsd_config, world: Optional[int] = None) -> None:
     if job.teacher != SELF_TEACHER:
         teacher_config = model_config(job.teacher, "llama")
         teacher = preflight.ModelFacts.of(job.teacher or DEFAULT_TEACHER, teacher_config) if teacher_config else None
-    stage = config["zero_optimization"].get("stage", 0)
+    stage = preflight.zero_stage(config)
     synthetic = job.student != REAL_MODEL
     self_context = SELF_CONTEXT_LEN if job.teacher == SELF_TEACHER and synthetic else 0
     context, _ = preflight.student_context(job, student)
@@ -218,6 +221,25 @@ def check_job(job: JobConfig, opsd_config, world: Optional[int] = None) -> None:
     preflight.check_memory(job, preflight.model_bytes(job, student, teacher, dtype_bytes, stage, world, cuda),
                            preflight.rollout_need(job, student, dtype_bytes, synthetic),
                            preflight.available_bytes(device_type), "the GPU" if cuda else "the host")
+
+
+def job_warnings(job: JobConfig, profile=None) -> list[str]:
+    """One line per setting the job will not use (after :func:`check_job`): ``--lr`` where the DeepSpeed config defines
+    an optimizer, whose own ``params.lr`` rules; ``OPSD_PROFILE_STEPS`` naming none of the run's steps in mode ``1``
+    (``profile``: the run's ``instrumentation.config.ProfileConfig``, None: read from the environment)."""
+    from instrumentation.config import ProfileConfig
+    profile = ProfileConfig.from_env() if profile is None else profile
+    lines = []
+    if profile.timing and not any(step < job.steps for step in profile.steps):
+        lines.append(f"warning: OPSD_PROFILE_STEPS names steps {','.join(map(str, profile.steps))}, but the run has "
+                     f"steps 0-{job.steps - 1} (--steps {job.steps}): no step will be recorded")
+    optimizer = preflight.read_deepspeed_config(job.deepspeed_config).get("optimizer") \
+        if job.lr is not None and job.deepspeed_config is not None else None
+    if optimizer is not None:
+        lr = (optimizer.get("params") or {}).get("lr", "its default")
+        lines.append(f"warning: --lr {job.lr:g} is ignored: --deepspeed-config {job.deepspeed_config} defines an "
+                     f"optimizer ({optimizer['type']}, lr {lr})")
+    return lines
 
 
 # ---- the step -----------------------------------------------------------------------------------

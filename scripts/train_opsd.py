@@ -68,9 +68,9 @@ import torch
 
 from instrumentation import check_environment, opsd_profiler
 from rollout import SamplingConfig
-from rollout.job import StepInputs, build_step, check_job, step_seed
+from rollout.job import StepInputs, build_step, check_job, job_warnings, step_seed
 from rollout.job import parse_args as parse_job_args
-from rollout.opsd.console import ProgressBar, banner_line, summary_line
+from rollout.opsd.console import ProgressBar, banner_line, loss_warning, summary_line
 from rollout.opsd.engines import init_distributed
 from rollout.opsd.job import JobConfig
 from rollout.opsd.report import PeakMemory, StepFlops, gather_rank_reports, rank_report, run_report, write_json
@@ -119,13 +119,18 @@ def print_profile(prof) -> None:
     """The per-stage table of the recorded steps and where the traces are."""
     if not prof.selected:
         return
+    if prof.run_dir is None:  # the directory could not be made: its warning says why
+        print("profiling on, but nothing was written: OPSD_PROFILE_DIR could not be used (see the warning above)")
+        return
     if prof.recorded_steps:
         print(prof.stage_table(f"per-stage timers, recorded steps {prof.recorded_steps} (rank {prof.rank})"))
     else:
-        print("profiling on, but no step was recorded (see OPSD_PROFILE_STEPS)")
+        steps = ",".join(map(str, prof.config.steps))
+        print(f"profiling on, but no step was recorded: OPSD_PROFILE_STEPS names steps {steps}, and the run "
+              f"stopped at step {prof.current_step - 1}")
     print(f"run directory: {prof.run_dir}")
     for path in prof.trace_paths():
-        print(f"trace: {path}")
+        print(f"trace: {path}" if prof.recorded_steps else f"trace (no recorded step in it): {path}")
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -138,7 +143,7 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional[PeakMemory] 
     inputs = StepInputs(job, step, rank, device)
     sampling = SamplingConfig(max_new_tokens=job.max_new_tokens, temperature=job.sampling_temperature,
                               n_samples_per_prompt=job.samples_per_prompt)
-    bar, results = ProgressBar(job.steps, enabled=rank == 0), []
+    bar, results, diverged = ProgressBar(job.steps, enabled=rank == 0), [], False
     flops = StepFlops(step, device, job.peak_tflops)
     with opsd_profiler() as prof:
         prof.log_hparams(**{f.name: getattr(job, f.name) for f in dataclasses.fields(job) if f.name != "rollout"})
@@ -157,6 +162,10 @@ def train(step, job: JobConfig, rank: int, device, memory: Optional[PeakMemory] 
             prof.step()
             results.append(dataclasses.replace(result, batch=None))  # its tensors would live for the whole run
             bar.update()
+            warning = loss_warning(index, result.loss) if not diverged else None
+            if warning is not None and rank == 0:  # the first non-finite loss only
+                bar.write(warning)
+            diverged = diverged or warning is not None
             bar.write(f"[{index + 1}/{job.steps}] step {index}  loss {result.loss:.6f}  tokens "
                       f"{result.num_response_tokens}  rollout {result.rollout_tokens_per_s:.0f} tok/s  step "
                       f"{result.step_ms:.1f} ms" + (f"  MFU {100 * step_mfu:.1f}%" if step_mfu is not None else ""))
@@ -186,6 +195,9 @@ def main(argv=None) -> None:
         check_job(job, opsd_config)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    if os.environ.get("RANK", "0") == "0":  # once per run
+        for line in job_warnings(job):
+            print(line, file=sys.stderr)
     rank, world, device = init_distributed()
     started = time.perf_counter()
     step = build_step(job, opsd_config, device)

@@ -8,12 +8,20 @@
 kept is listed in ``traces/trim.py``. While the output is larger than ``--max-mb``, whole categories
 are dropped in the order ``python_function``, ``cpu_op``, other instant events, flow arrows; the
 script says which, and exits 2 when even that is not enough. Prints the kept step and the sizes.
+
+Bad input is one ``error:`` line naming the flag or the file, exit status 2: a missing, empty or truncated
+source, an output that is a directory or in a missing folder, a ``--max-mb`` that is not a finite number > 0.
+The output is written to ``OUT.tmpPID`` and renamed only when it is complete and small enough: a failure
+leaves no file behind (an existing OUT is kept as it was).
 """
 
 import argparse
 import gzip
 import json
+import math
+import os
 import sys
+import zlib
 
 from traces.trim import DROP_ORDER, drop_categories, step_index, step_ranges, trim_events
 
@@ -24,41 +32,118 @@ def parse_args(argv=None):
     p.add_argument("output", help="where to write the trimmed trace (gzip)")
     p.add_argument("--step", type=int, default=None, help="training step to keep (default: the last)")
     p.add_argument("--stage", default="opsd/step", help="range name of a step (default opsd/step)")
-    p.add_argument("--max-mb", type=float, default=5.0, help="largest output, MB of gzip (default 5)")
+    p.add_argument("--max-mb", type=_max_mb_arg, default=5.0, help="largest output, MB of gzip (default 5)")
     return p.parse_args(argv)
 
 
+def _max_mb_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"--max-mb must be a finite number > 0; got {text!r}")
+    return value
+
+
+class InputError(Exception):
+    """A source or output path that cannot be used; ``str()`` is one line naming it."""
+
+
+class StepError(InputError):
+    """No step range to keep (``--stage`` / ``--step``); ``str()`` does not name the file."""
+
+
+def check_output(path: str) -> None:
+    """:class:`InputError` when ``path`` cannot be the output (checked before the source is read)."""
+    if not path:
+        raise InputError("output: empty path")
+    if os.path.isdir(path):
+        raise InputError(f"{path}: output is a directory")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InputError(f"{path}: output folder {folder} does not exist")
+
+
 def load(path: str) -> dict:
-    with open(path, "rb") as f:
-        gz = f.read(2) == b"\x1f\x8b"
-    with (gzip.open if gz else open)(path, "rt", encoding="utf-8") as f:
-        doc = json.load(f)
-    return doc if isinstance(doc, dict) else {"traceEvents": doc}
+    """The trace document of ``path``; :class:`InputError` naming the file when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            gz = f.read(2) == b"\x1f\x8b"
+        with (gzip.open if gz else open)(path, "rt", encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory (give a trace file)") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise InputError(f"{path}: truncated or corrupt gzip ({exc})") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text") from None
+    except (ValueError, RecursionError) as exc:
+        what = "empty file" if isinstance(exc, json.JSONDecodeError) and exc.doc.strip() == "" else \
+            f"not valid JSON or truncated ({type(exc).__name__}: {str(exc)[:80]})"
+        raise InputError(f"{path}: {what}") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if isinstance(doc, list):
+        return {"traceEvents": doc}
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents", []), list):
+        raise InputError(f"{path}: not a Chrome trace (no traceEvents array)")
+    return doc
 
 
 def pick(events: list, stage: str, step) -> dict:
     ranges = step_ranges(events, stage)
     if not ranges:
-        sys.exit(f"error: no {stage!r} range in the trace")
+        raise StepError(f"no {stage!r} range in the trace (--stage)")
     if step is None:
         return ranges[-1]
     for k, r in enumerate(ranges):
         index = step_index(events, r)
         if (k if index is None else index) == step:
             return r
-    sys.exit(f"error: no {stage!r} range of step {step}")
+    raise StepError(f"no {stage!r} range of step {step} in the trace (--step)")
 
 
-def write(doc: dict, path: str) -> int:
-    data = gzip.compress(json.dumps(doc, allow_nan=False).encode("utf-8"), compresslevel=9)
-    with open(path, "wb") as f:
-        f.write(data)
-    return len(data)
+def compressed(doc: dict) -> bytes:
+    """``doc`` as gzip-compressed JSON."""
+    return gzip.compress(json.dumps(doc, allow_nan=False).encode("utf-8"), compresslevel=9)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through ``path.tmpPID`` and a rename (a failed write leaves no file);
+    :class:`InputError` naming the path when it cannot be written."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    doc = load(args.source)
+    try:
+        check_output(args.output)
+        doc = load(args.source)
+        return _trim(doc, args)
+    except StepError as exc:
+        print(f"error: {args.source}: {exc}", file=sys.stderr)
+        return 2
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, KeyError) as exc:  # events whose fields cannot be used
+        print(f"error: {args.source}: cannot be trimmed ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+
+
+def _trim(doc: dict, args) -> int:
     events = doc.get("traceEvents") or []
     step = pick(events, args.stage, args.step)
     kept = trim_events(events, step)
@@ -70,14 +155,16 @@ def main(argv=None) -> int:
         if category is not None:
             kept = drop_categories(kept, [category])
             dropped.append(category)
-        size = write(dict(doc, traceEvents=kept), args.output)
-        if size <= args.max_mb * 1e6:
+        data = compressed(dict(doc, traceEvents=kept))
+        if len(data) <= args.max_mb * 1e6:
             break
-    print(f"wrote {args.output}: {size / 1e6:.2f} MB gzip, {len(kept)} events"
-          + (f"; dropped categories {', '.join(dropped)}" if dropped else ""))
-    if size > args.max_mb * 1e6:
-        print(f"error: still larger than {args.max_mb} MB", file=sys.stderr)
+    dropped_text = f"; dropped categories {', '.join(dropped)}" if dropped else ""
+    if len(data) > args.max_mb * 1e6:
+        print(f"error: {args.output}: not written: still larger than --max-mb {args.max_mb} MB "
+              f"({len(data) / 1e6:.4f} MB gzip{dropped_text})", file=sys.stderr)
         return 2
+    write_atomic(args.output, data)
+    print(f"wrote {args.output}: {len(data) / 1e6:.2f} MB gzip, {len(kept)} events{dropped_text}")
     return 0
 
 

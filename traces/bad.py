@@ -2,7 +2,8 @@
 
 A source turns an event it cannot use into a ``(BAD, reason, example)`` tuple (see
 :mod:`traces.events`); :func:`traces.events.collect` also rejects tuples whose times are not finite
-or whose duration is negative, so such values never reach a total. :class:`BadEvents` keeps the
+or implausible (beyond :data:`MAX_TS_US` / :data:`MAX_DUR_US`: ``"dur": 1e300`` would move a stage above its
+step and print 300 digits) or whose duration is negative, so such values never reach a total. :class:`BadEvents` keeps the
 count per reason and the first example of each; :meth:`BadEvents.describe` is the warning.
 """
 
@@ -16,6 +17,10 @@ BAD = 7
 #: Reasons named in one warning line (the others are counted together).
 MAX_REASONS_SHOWN = 4
 _EXAMPLE_CHARS = 60
+#: Largest plausible ``|ts|``, microseconds: ~3,000 years after 1970 (Kineto's clock reads ~1.8e15 today).
+MAX_TS_US = 1e17
+#: Longest plausible duration, microseconds: ~11.6 days (a profiled range is seconds to minutes).
+MAX_DUR_US = 1e12
 
 
 class BadEvent(ValueError):
@@ -61,7 +66,13 @@ def time_reason(ts, dur=0.0) -> str:
         return "non-finite dur"
     if dur < 0:
         return "negative dur"
-    return "end beyond the largest float"
+    if not math.isfinite(ts + dur):
+        return "end beyond the largest float"
+    if abs(ts) > MAX_TS_US:
+        return f"implausible ts (beyond {MAX_TS_US:.0e} us)"
+    if dur > MAX_DUR_US:
+        return f"implausible dur (over {MAX_DUR_US:.0e} us)"
+    return "implausible time"
 
 
 @dataclass

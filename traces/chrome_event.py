@@ -100,8 +100,30 @@ def metadata(path: str, text: str) -> Iterator[tuple]:
     except (ValueError, RecursionError):
         return
     info = meta.get("distributedInfo") if isinstance(meta, dict) else None
-    if isinstance(info, dict) and isinstance(info.get("rank"), int):
-        yield (META, "rank", info["rank"])
+    if info is None:
+        return
+    if not isinstance(info, dict):
+        yield (META, "note", "distributedInfo is not an object; rank taken from the file name or position")
+        return
+    rank, size = info.get("rank"), info.get("world_size")
+    size_ok = type(size) is int and size >= 1
+    if size is not None and not size_ok:
+        yield (META, "note", f"distributedInfo.world_size {_short(size)} is not an integer >= 1; ignored")
+    if rank is None:
+        return
+    if type(rank) is not int or rank < 0:
+        yield (META, "note", f"distributedInfo.rank {_short(rank)} is not an integer >= 0; rank taken from the file "
+                             "name or position")
+        return
+    if size_ok and rank >= size:
+        yield (META, "note", f"distributedInfo.rank {rank} is not below distributedInfo.world_size {size}; "
+                             f"rank {rank} used")
+    yield (META, "rank", rank)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:36] + " ..."
 
 
 _INT = re.compile(r"\s*(-?\d+)")

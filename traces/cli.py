@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import os
 import sys
 
@@ -23,10 +22,11 @@ from traces.diff import baseline_problem, diff_columns, diff_headline, diff_rows
 from traces.findings import format_findings, report_findings
 from traces.format import csv_rows, format_headline, format_kernels, format_overview, format_table
 from traces.load import LoadedSet, load, read_trace
+from traces.names import shown
 from traces.console import out as _out, say as _say
 from traces.report import SCHEMA_VERSION, Report, build_report
 from traces.saved import row_from_dict
-from instrumentation.table import Column, render
+from instrumentation.table import Column, finite_json, render
 
 FORMATS = ("table", "markdown", "json", "csv")
 #: A --diff baseline smaller than this is first tried as a saved JSON report.
@@ -129,17 +129,6 @@ def _isolated_report(loaded, options: dict, errors: list[str]):
     return build_report(dataclasses.replace(loaded, files=good), **options)
 
 
-def finite(value):
-    """``value`` with every non-finite float (NaN, inf) replaced by None: valid JSON only."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
-    return value
-
-
 def _csv(report: Report, args) -> str:
     rows = list(report.stages)
     if args.by_rank:
@@ -162,7 +151,7 @@ def _csv(report: Report, args) -> str:
 def _render(report: Report, args) -> str:
     if args.format == "json":
         doc = {**report.to_dict(args.by_rank, args.by_step), "findings": [f.to_dict() for f in report_findings(report)]}
-        return json.dumps(finite(doc), indent=2, allow_nan=False) + "\n"
+        return json.dumps(finite_json(doc), indent=2, allow_nan=False) + "\n"
     if args.format == "csv":
         return _csv(report, args)
     fmt = args.format
@@ -178,7 +167,7 @@ def _render(report: Report, args) -> str:
         parts.append("\nstraggler (slowest rank by CPU total) and CPU total over ranks (ms):\n")
         for name, rank in report.straggler.items():
             s = report.rank_spread[name]["cpu_total_ms"]
-            parts.append(f"  {name}: rank {rank}  min {s['min']:.3f}  median {s['median']:.3f}  "
+            parts.append(f"  {shown(name)}: rank {rank}  min {s['min']:.3f}  median {s['median']:.3f}  "
                          f"max {s['max']:.3f}\n")
     if args.by_step:
         for k in sorted(report.per_step):
@@ -193,10 +182,10 @@ def _render(report: Report, args) -> str:
 
 
 def run(args) -> int:
-    from traces.plot import OutputError, plot_problem, plot_report
+    from traces.plot import OutputError, path_flag_problem, plot_problem, plot_report
     from traces.tensorboard import write_tensorboard
 
-    problem = plot_problem(args.plot) if args.plot else None
+    problem = path_flag_problem(args) or (plot_problem(args.plot) if args.plot else None)
     if problem:  # before any trace is read: not after the whole report has printed
         _say("error", problem)
         return 2
@@ -266,7 +255,7 @@ def _run_each(args, loaded, runs) -> int:
             heading = f"## {run.label}" if args.format == "markdown" else f"=== {run.label} ==="
             texts.append([heading, "", _render(report, args)])
     if args.format == "json":
-        _out(json.dumps(finite({"schema_version": SCHEMA_VERSION, "runs": docs}), indent=2,
+        _out(json.dumps(finite_json({"schema_version": SCHEMA_VERSION, "runs": docs}), indent=2,
                                     allow_nan=False) + "\n")
     else:
         _out("\n".join(line for part in texts for line in part) + ("\n" if texts else ""))

@@ -200,3 +200,33 @@ def assign_steps(instances: list[StageInstance], step_name: str, marks: list[tup
                 break
             k -= 1
     return len(steps)
+
+
+def step_problems(instances: list[StageInstance], step_name: str, rank: int) -> list[str]:
+    """Warning lines (after :func:`assign_steps`) for what makes one rank's per-step figures differ from its
+    totals: step ranges of several processes (numbered as one sequence), step ranges that overlap the previous
+    one of their process, and stage ranges outside every step range (in the counts and totals, not in the
+    per-step figures). Empty when the rank has no step range."""
+    steps = sorted((i for i in instances if i.name == step_name), key=lambda i: (i.pid, i.start_us))
+    if not steps:
+        return []
+    out = []
+    pids = sorted({s.pid for s in steps})
+    if len(pids) > 1:
+        out.append(f"rank {rank}: {step_name!r} ranges of {len(pids)} processes (pids "
+                   f"{', '.join(map(str, pids[:4]))}{', ...' if len(pids) > 4 else ''}) are numbered as one rank's "
+                   "steps: give each process its own rank (distributedInfo.rank, or one file per rank)")
+    overlaps = sum(1 for a, b in zip(steps, steps[1:]) if a.pid == b.pid and b.start_us + NEST_TOLERANCE_US < a.end_us)
+    if overlaps:
+        out.append(f"rank {rank}: {overlaps} {step_name!r} range{'s overlap' if overlaps != 1 else ' overlaps'} the "
+                   "previous one; a stage range is counted in one step only")
+    outside: dict[str, int] = {}
+    for inst in instances:
+        if inst.step is None and inst.name != step_name:
+            outside[inst.name] = outside.get(inst.name, 0) + 1
+    if outside:
+        names = sorted(outside, key=lambda n: (-outside[n], n))
+        listed = ", ".join(f"{outside[n]} {n[:80]!r}" for n in names[:4]) + (", ..." if len(names) > 4 else "")
+        out.append(f"rank {rank}: {sum(outside.values())} stage range(s) outside every {step_name!r} range ({listed}): "
+                   "in the counts and totals, not in the per-step figures")
+    return out

@@ -38,7 +38,14 @@ def baseline_problem(doc) -> str | None:
     stages = doc.get("stages")
     if not isinstance(stages, list):
         return "holds no stages (" + ("no 'stages' list" if stages is None else "'stages' is not a list") + ")"
-    return None if stages else "holds no stages (an empty 'stages' list)"
+    if not stages:
+        return "holds no stages (an empty 'stages' list)"
+    for k, stage in enumerate(stages):
+        if not isinstance(stage, dict):
+            return f"has stages[{k}] of type {type(stage).__name__}: stages[{k}] must be an object"
+        if not isinstance(stage.get("name"), str):
+            return f"has stages[{k}].name {stage.get('name')!r:.40}: stages[{k}].name must be a string"
+    return None
 
 
 def _change(before: float | None, after: float | None) -> dict:

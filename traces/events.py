@@ -13,7 +13,8 @@ Tuple layouts (first element is the kind):
 - ``(MEMORY, pid, ts_us, device_type, device_id, allocated_bytes, reserved_bytes)``: an
   allocator sample (``[memory]`` instant event); ``device_type`` 0 is CPU, 1 is CUDA.
 - ``(SPAN, start_us, dur_us)``: an interval that bounds the profiled window (``Trace`` events).
-- ``(META, key, value)``: trace metadata, e.g. ``("rank", 3)`` from ``distributedInfo``.
+- ``(META, key, value)``: trace metadata, e.g. ``("rank", 3)`` from ``distributedInfo``, or ``("note", text)``:
+  a warning about it (a rank that is not used, or not below ``world_size``).
 - ``(SYNC, pid, tid, start_us, dur_us)``: a host call that blocks until GPU work has finished
   (:data:`SYNC_CALLS`: ``cudaStreamSynchronize``, ``cudaDeviceSynchronize`` ...).
 - ``(BAD, reason, example)``: an event the source skipped (:mod:`traces.bad`).
@@ -21,7 +22,8 @@ Tuple layouts (first element is the kind):
   kept in bounded form (:class:`traces.operators.OpCalls`: per name a count and a histogram of host times, the
   long calls in full, the union of the calls' time per process).
 
-:func:`collect` also skips (as bad events) tuples with a non-finite time, a negative duration, negative
+:func:`collect` also skips (as bad events) tuples with a non-finite or implausible time
+(:data:`traces.bad.MAX_TS_US`, :data:`traces.bad.MAX_DUR_US`), a negative duration, negative
 allocator bytes or fields of the wrong type: such values never reach a total. Range and GPU op names are
 made printable (:mod:`traces.names`) once, as they are kept.
 """
@@ -32,14 +34,13 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Protocol
 
-from traces.bad import BAD, BadEvents, example, time_reason
+from traces.bad import BAD, MAX_DUR_US, MAX_TS_US, BadEvents, example, time_reason
 from traces.names import printable
 from traces.operators import OpCalls
 
 RANGE, LAUNCH, GPU, MEMORY, SPAN, META, SYNC = range(7)
 assert BAD == 7
 OP = 8
-_INF = float("inf")
 
 #: ``device_type`` of CUDA memory samples (c10's DeviceType enum); 0 is CPU.
 CUDA_DEVICE_TYPE = 1
@@ -120,6 +121,8 @@ class TraceData:
     span_end_us: float = float("-inf")
     bad: BadEvents = field(default_factory=BadEvents)
     """Events skipped by the source or by :func:`collect`, by reason."""
+    notes: list = field(default_factory=list)
+    """Warnings about the file's metadata (``("note", text)`` META tuples: a ``distributedInfo.rank`` not used)."""
     ops: OpCalls = field(default_factory=OpCalls)
     """Host operator calls (``cpu_op``), bounded (:class:`traces.operators.OpCalls`); empty for sources without."""
 
@@ -146,8 +149,9 @@ class _Collector:
         self.lo, self.hi = min(self.lo, start), max(self.hi, end)
 
     def timed(self, ev, ts, dur=0.0) -> bool:
-        """Whether ``ts`` and ``ts + dur`` are finite and ``dur >= 0``; else ``ev`` is a bad event."""
-        if dur >= 0.0 and -_INF < ts and ts + dur < _INF:
+        """Whether ``ts`` and ``dur`` are plausible (``0 <= dur <= MAX_DUR_US``, ``|ts| <= MAX_TS_US``: finite too);
+        else ``ev`` is a bad event."""
+        if 0.0 <= dur <= MAX_DUR_US and -MAX_TS_US <= ts <= MAX_TS_US:
             return True
         self.reject(ev, time_reason(ts, dur))
         return False
@@ -223,6 +227,8 @@ class _Collector:
     def meta(self, ev) -> None:
         if ev[1] == "rank" and type(ev[2]) is int and ev[2] >= 0:
             self.data.rank = ev[2]
+        elif ev[1] == "note":
+            self.data.notes.append(str(ev[2]))
 
     def bad(self, ev) -> None:
         self.data.bad.add(str(ev[1]), str(ev[2]) if len(ev) > 2 else "")
@@ -258,7 +264,7 @@ def collect(path: str, events: Iterable[tuple]) -> TraceData:
             if kind == GPU and len(ev) == 7:
                 _, corr, ts, dur, _device, name, stream = ev
                 end = ts + dur
-                if not (dur >= 0.0 and -_INF < ts and end < _INF):
+                if not (0.0 <= dur <= MAX_DUR_US and -MAX_TS_US <= ts <= MAX_TS_US):
                     c.reject(ev, time_reason(ts, dur))
                     continue
                 name_id = names.get(name)
@@ -269,7 +275,7 @@ def collect(path: str, events: Iterable[tuple]) -> TraceData:
                 g_name(name_id)
                 lo, hi = (ts if ts < lo else lo), (end if end > hi else hi)
             elif kind == LAUNCH:
-                if -_INF < ev[3] < _INF:
+                if -MAX_TS_US <= ev[3] <= MAX_TS_US:
                     l_pid(ev[1]), l_corr(ev[4]), l_ts(ev[3])
                 else:
                     c.reject(ev, time_reason(ev[3]))

@@ -10,6 +10,7 @@ import os
 import re
 
 from traces.headline import Headline
+from traces.names import shown
 from traces.records import StageRow
 from instrumentation.table import FORMATS, Column, fixed, percent, render
 
@@ -19,7 +20,8 @@ _INDENT = {"table": "  ", "markdown": "&emsp;", "csv": ""}
 
 
 def _label(row: StageRow, fmt: str) -> str:
-    return _INDENT[fmt] * row.depth + row.name
+    """The indented name of a text table (cut to :data:`traces.names.MAX_SHOWN_CHARS`; CSV keeps it whole)."""
+    return _INDENT[fmt] * row.depth + (row.name if fmt == "csv" else shown(row.name))
 
 
 def _check(fmt: str) -> None:

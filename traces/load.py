@@ -130,6 +130,7 @@ def load(paths: list[str], source: EventSource = read_trace) -> LoadedSet:
             result.errors.append(TraceError(path, f"cannot be read ({type(exc).__name__}: {exc})"))
             continue
         data.rank = rank_of(data, index)
+        result.warnings.extend(f"{path}: {note}" for note in data.notes)
         if data.bad.total:
             result.warnings.append(f"{path}: {data.bad.describe()}")
         data.ranges, repeated, nested = drop_repeats(data.ranges)

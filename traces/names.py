@@ -26,3 +26,12 @@ def _escape(m: re.Match) -> str:
 def printable(name: str) -> str:
     """``name`` with every unprintable character escaped (see the module docstring)."""
     return name if _UNPRINTABLE.search(name) is None else _UNPRINTABLE.sub(_escape, name)
+
+
+#: Longest stage name a terminal or Markdown table shows (JSON and CSV keep the full name).
+MAX_SHOWN_CHARS = 80
+
+
+def shown(name: str, width: int = MAX_SHOWN_CHARS) -> str:
+    """``name`` cut to ``width`` characters with an ellipsis (for tables read by people)."""
+    return name if len(name) <= width else name[:width - 1] + "…"

@@ -200,6 +200,21 @@ def _heatmap(ax, report: Report, by_step: bool) -> None:
     ax.figure.colorbar(image, ax=ax, fraction=0.04)
 
 
+def path_flag_problem(args) -> str | None:
+    """Why a path flag of ``summarize_trace.py`` cannot be used (an empty path; a --tensorboard that is not a directory), or None."""
+    for flag in ("--diff", "--plot", "--tensorboard"):
+        if getattr(args, flag[2:]) == "":
+            return f"{flag}: empty path"
+    board = args.tensorboard
+    if board:
+        above = os.path.abspath(board)
+        while not os.path.exists(above) and os.path.dirname(above) != above:
+            above = os.path.dirname(above)
+        if not os.path.isdir(above):
+            return f"--tensorboard {board}: {above} is not a directory (give a directory for the TensorBoard runs)"
+    return None
+
+
 def plot_problem(path: str) -> str | None:
     """Why ``--plot path`` cannot be written (checked before any trace is read), or None: matplotlib missing, a
     format matplotlib does not write (``x.html``), or a folder that does not exist."""

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from instrumentation import stages as S
-from traces.compute import StageInstance, assign_steps, file_instances, profiler_steps
+from traces.compute import StageInstance, assign_steps, file_instances, profiler_steps, step_problems
 from traces.figures import GPU_FRACTION, HOST_FRACTION, bound, group_gpu, slowest_call, top_kernels
 from traces.gpu import GpuOps
 from traces.headline import Headline, headline
@@ -248,14 +248,16 @@ def build_report(loaded: LoadedSet, prefix: str, kernels: int = 0, steps: bool =
     ranks = sorted({f.data.rank for f in files})
     by_rank = {rank: [f for f in files if f.data.rank == rank] for rank in ranks}
     instances = [i for f in files for i in f.instances]
+    notes = []
     for rank, mine in by_rank.items():
         marks = [m for f in mine for m in profiler_steps(f.data)]
         assign_steps([i for f in mine for i in f.instances], STEP_NAME, marks)
+        notes += step_problems([i for f in mine for i in f.instances], STEP_NAME, rank)
     span = {rank: sum(f.data.span_us for f in mine) for rank, mine in by_rank.items()}
     rows = build_rows(instances, sum(span.values()), kernels)
     report = Report(sources=[f.data.path for f in files], ranks=ranks,
                     stages=with_spreads(rows, step_spreads(instances)),
-                    warnings=list(loaded.warnings))
+                    warnings=list(loaded.warnings) + notes)
     report.stages = _with_work(report.stages, instances, report)
     report.operators = slow_operators([(f.slow, f.instances, f.data.ops) for f in files])
     report.stage_kernels = _stage_kernels(report.stages, instances)

@@ -52,7 +52,7 @@ def write_tensorboard(report: Report, logdir: str) -> int:
         try:
             writer = SummaryWriter(log_dir=os.path.join(logdir, f"rank{rank}"))
         except OSError as exc:
-            raise OutputError(f"{logdir}: cannot write ({exc})") from None
+            raise OutputError(f"--tensorboard {logdir}: cannot write ({exc})") from None
         with writer:
             for step in sorted(steps):
                 for row in steps[step]:

@@ -11,7 +11,7 @@ A result file (``SCHEMA`` 1)::
      "rows": [{...one dataclass row...}, ...]}
 
 Rows are dataclasses (``dataclasses.asdict``); non-finite floats are written as null (strict JSON:
-``traces.cli.finite``).
+``instrumentation.table.finite_json``).
 
 :func:`read` also loads what the benchmarks wrote before this schema (``schema`` 0): ``{"meta": ..., "rows":
 [...]}`` (``bench_rl``), a bare list of rows (``bench_rollout``, ``profile_decode_step``, ``bench_sampler``,
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from rollout.stats import renamed
-from traces.cli import finite
+from instrumentation.table import finite_json as finite
 
 #: Version of the result files this module writes.
 SCHEMA = 1

@@ -16,7 +16,7 @@ from benchmarks.rl.cells import EOS_ID, CellSpec, make_prompts
 from benchmarks.rl.figures import nucleus_sizes, response_lengths, search_scale
 from benchmarks.rl.running import Bench, sampling_for
 from rollout import Rollout, RolloutConfig, RolloutRequest
-from traces.cli import finite
+from instrumentation.table import finite_json as finite
 
 #: Rows x columns of the calibration probes: the first CALIB_PROMPTS prompts of the long-tail family.
 CALIB_PROMPTS = 32

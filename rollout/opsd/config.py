@@ -21,6 +21,10 @@ def _is_count(value) -> bool:
 
 #: The settings of ``OPSDConfig.train_path``.
 TRAIN_PATHS = ("auto", "packed", "padded")
+#: ``OPSDConfig.temperature`` must lie in this range: below it, logits / temperature overflow float32 (a NaN or a
+#: saturated loss of ln 2); above it, both softmaxes are flat to within float32 rounding for logits of ordinary size,
+#: so the loss and its gradient carry no signal (the loss reads 0).
+LOSS_TEMPERATURE_RANGE = (1e-6, 1e6)
 
 
 @dataclass(frozen=True)
@@ -30,10 +34,11 @@ class OPSDConfig:
     beta: float = 0.5
     """Generalized JSD interpolation in [0, 1]: 0 forward KL(teacher||student), 1 reverse KL."""
     temperature: float = 1.0
-    """Loss temperature (> 0): both logits are divided by it before the softmax."""
+    """Loss temperature, in :data:`LOSS_TEMPERATURE_RANGE` ([1e-6, 1e6]): both logits are divided by it before the
+    softmax."""
     teacher_top_k: Optional[int] = None
     """Cache only the teacher's top-k logits per position (both distributions renormalised over
-    those ids); None caches the full (shared) vocabulary."""
+    those ids; >= 2: over one id both are 1 and the loss is 0); None caches the full (shared) vocabulary."""
     logit_cache_location: str = "device"
     """``"device"``: the cache stays on the teacher's device; ``"host"``: host memory (pinned when
     CUDA is available, copied with ``non_blocking=True``)."""
@@ -92,10 +97,13 @@ class OPSDConfig:
         require(self.train_path in TRAIN_PATHS, "train_path",
                 f"must be one of {TRAIN_PATHS}; got {self.train_path!r}")
         require(is_number(self.beta) and 0.0 <= self.beta <= 1.0, "beta", f"must be in [0, 1]; got {self.beta!r}")
-        require(is_number(self.temperature) and self.temperature > 0, "temperature",
-                 f"must be a finite number > 0; got {self.temperature!r}")
-        require(self.teacher_top_k is None or _is_count(self.teacher_top_k), "teacher_top_k",
-                 f"must be None or an int >= 1; got {self.teacher_top_k!r}")
+        low, high = LOSS_TEMPERATURE_RANGE
+        require(is_number(self.temperature) and low <= self.temperature <= high, "temperature",
+                f"must be a finite number in [{low:g}, {high:g}] (below, logits / temperature overflow float32; "
+                f"above, both softmaxes are flat and the loss is 0); got {self.temperature!r}")
+        require(self.teacher_top_k is None or (_is_count(self.teacher_top_k) and self.teacher_top_k >= 2),
+                "teacher_top_k", f"must be None or an int >= 2 (over one id both distributions are 1 and the loss "
+                                 f"is 0); got {self.teacher_top_k!r}")
         require(self.logit_cache_location in LOCATIONS, "logit_cache_location",
                  f"must be one of {LOCATIONS}; got {self.logit_cache_location!r}")
         require(isinstance(self.logit_cache_dtype, torch.dtype) and self.logit_cache_dtype.is_floating_point,

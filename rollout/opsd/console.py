@@ -4,7 +4,9 @@ and the closing line. The functions return the lines; the script prints them.
 
 from __future__ import annotations
 
+import math
 import sys
+from typing import Optional
 
 import torch
 
@@ -31,6 +33,15 @@ def summary_line(results) -> str:
     return (f"done: {len(results)} steps, loss {results[0].loss:.6f} -> {results[-1].loss:.6f}, mean step "
             f"{step_ms:.1f} ms, mean rollout {tokens_per_s:.0f} tok/s (step 0 excluded as warm-up)"
             if len(results) > 1 else f"done: 1 step, loss {results[0].loss:.6f}, step {step_ms:.1f} ms")
+
+
+def loss_warning(index: int, loss: float) -> Optional[str]:
+    """The warning line for step ``index`` when its loss is not finite (None when it is): the script prints the first
+    only, and the JSON report holds null for it."""
+    if math.isfinite(loss):
+        return None
+    return (f"warning: step {index}'s loss is {loss}, not finite (the JSON report holds null for it): training "
+            "diverged; try a smaller --lr")
 
 
 class ProgressBar:

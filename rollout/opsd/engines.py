@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from rollout.opsd.preflight import read_deepspeed_config
+from rollout.opsd.preflight import precision_sections, read_deepspeed_config
 
 #: DeepSpeed's CPU shared-memory comm op: its first use JIT-builds C++ for ~60 s; gloo is used instead.
 SHM_COMM_OP_NAME = "deepspeed_shm_comm"
@@ -73,10 +73,12 @@ def deepspeed_config(path: Optional[str], zero_stage: Optional[int], rows_per_st
 
 
 def model_dtype(config: dict) -> torch.dtype:
-    """The models' dtype under a DeepSpeed config: bf16, fp16 or float32."""
-    if config.get("bf16", {}).get("enabled"):
+    """The models' dtype under a (checked) DeepSpeed config: bf16, fp16 or float32, the precision sections read as
+    DeepSpeed reads them (:func:`rollout.opsd.preflight.precision_sections`: ``bfloat16`` where ``bf16`` is absent)."""
+    bf16, fp16 = precision_sections(config)
+    if bf16.get("enabled"):
         return torch.bfloat16
-    return torch.float16 if config.get("fp16", {}).get("enabled") else torch.float32
+    return torch.float16 if fp16.get("enabled") else torch.float32
 
 
 def teacher_engine_config(config: dict, rows_per_step: int) -> dict:
@@ -84,9 +86,9 @@ def teacher_engine_config(config: dict, rows_per_step: int) -> dict:
     out = {"train_micro_batch_size_per_gpu": rows_per_step, "steps_per_print": 1 << 30,
            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
                                  "stage3_param_persistence_threshold": 0}}  # every parameter offloaded
-    for key in ("bf16", "fp16"):
-        if key in config:
-            out[key] = dict(config[key])
+    for key, section in zip(("bf16", "fp16"), precision_sections(config)):
+        if section:
+            out[key] = dict(section)
     return out
 
 

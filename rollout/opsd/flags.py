@@ -29,8 +29,17 @@ from rollout.opsd.job import JobConfig, ModelNames
 
 
 def rows_setting(text: str):
-    """``auto`` / ``all`` (None: every row at once) / an int: a micro-batch size flag."""
-    return None if text == "all" else text if text == "auto" else int(text)
+    """``auto`` / ``all`` (None: every row at once) / an int >= 1: a micro-batch size flag (argparse names the flag
+    of a bad value, with the accepted ones)."""
+    if text in ("auto", "all"):
+        return None if text == "all" else text
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise argparse.ArgumentTypeError(f"expected auto, all or an int >= 1 (rows); got {text!r}")
+    return rows
 
 
 #: The records the flags set: key of the flag table -> class (``rollout``: ``JobConfig.rollout``).

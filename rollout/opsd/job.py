@@ -104,6 +104,8 @@ class JobConfig:
         require(isinstance(self.rollout, RolloutConfig), "rollout",
                 f"must be a RolloutConfig; got {type(self.rollout).__name__}")
         require(self.deepspeed_config is None or os.path.isfile(self.deepspeed_config), "deepspeed_config",
+                f"{self.deepspeed_config!r} is a directory; name a JSON file"
+                if self.deepspeed_config and os.path.isdir(self.deepspeed_config) else
                 f"no such file {self.deepspeed_config!r}")
         require(not (self.teacher_offload and self.teacher == SELF_TEACHER), "teacher_offload",
                 "the student cannot be offloaded as its own teacher (--teacher self)")
