@@ -305,7 +305,16 @@ def test_budget_packing_grows_while_the_estimate_fits():
     spans = mb.budget_spans(stats, order, cost, budget_bytes=40.0)  # widths 18, 14, 12, 11
     assert spans == [(0, 2), (2, 4), (4, 7)]
     assert all(cost.micro_batch_bytes(stats, order[a:b]) <= 40.0 for a, b in spans)
-    assert mb.budget_spans(stats, order, cost, budget_bytes=1.0) == [(i, i + 1) for i in range(7)]
+    with pytest.warns(UserWarning, match=r"^max_micro_batch_gib: one row needs .* over the micro-batch budget") as seen:
+        assert mb.budget_spans(stats, order, cost, budget_bytes=1.0) == [(i, i + 1) for i in range(7)]
+    assert len(seen) == 1  # one warning a call, not one a row
+
+
+def test_rows_within_the_budget_raise_no_warning(recwarn):
+    stats = stats_of([8, 8, 4, 4, 2, 2, 1])
+    cost = mb.RowCost(bytes_per_token=1.0, bytes_per_position=0.0, fixed_bytes=0.0)
+    mb.budget_spans(stats, mb.processing_order(stats, by_length=True), cost, budget_bytes=40.0)
+    assert not [w for w in recwarn if "max_micro_batch_gib" in str(w.message)]
 
 
 @pytest.mark.parametrize("student_rows, teacher_rows, groups, chunks", [

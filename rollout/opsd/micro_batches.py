@@ -23,6 +23,7 @@ has the agreed (largest) counts.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
@@ -135,14 +136,21 @@ def even_spans(num_rows: int, num_parts: int) -> list[Span]:
 
 
 def budget_spans(stats: RowStats, order: Sequence[int], cost: RowCost, budget_bytes: float) -> list[Span]:
-    """Greedy packing in order: a span grows while :meth:`RowCost.micro_batch_bytes` fits the budget."""
-    spans, start = [], 0
+    """Greedy packing in order: a span grows while :meth:`RowCost.micro_batch_bytes` fits the budget. A row that
+    alone exceeds it still runs alone, with one warning a call naming ``max_micro_batch_gib``."""
+    spans, start, over = [], 0, 0.0
     while start < len(order):
         stop = start + 1
+        alone = cost.micro_batch_bytes(stats, order[start:stop])
+        over = max(over, alone) if alone > budget_bytes else over
         while stop < len(order) and cost.micro_batch_bytes(stats, order[start:stop + 1]) <= budget_bytes:
             stop += 1
         spans.append((start, stop))
         start = stop
+    if over:
+        warnings.warn(f"max_micro_batch_gib: one row needs {over / 2**30:.3g} GiB, over the micro-batch budget of "
+                      f"{budget_bytes / 2**30:.3g} GiB; such rows run as micro-batches of one row, over the budget "
+                      "(raise max_micro_batch_gib, or shorten the rows)", stacklevel=2)
     return spans
 
 
