@@ -74,6 +74,19 @@ def check_trace(path: str) -> None:
         raise ExportError("written trace is not a complete Chrome trace (truncated JSON)")
 
 
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through ``path.tmpPID`` and a rename, so a reader never sees half a file and a
+    failed write (``OSError``, raised) leaves no temporary file behind. The reports' and the trimmed traces' writer."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def fsync_dir(path: str) -> None:
     """Make a rename in ``path`` durable (ignored where directories cannot be synced)."""
     try:

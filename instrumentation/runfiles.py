@@ -24,21 +24,24 @@ def resolve_rank(rank: Optional[int] = None, world_size: Optional[int] = None) -
     dist = torch.distributed
     initialised = dist.is_available() and dist.is_initialized()
     if rank is None:
-        rank = dist.get_rank() if initialised else _env_int("RANK", 0)
+        rank = dist.get_rank() if initialised else env_int("RANK", 0)
     if world_size is None:
-        world_size = dist.get_world_size() if initialised else _env_int("WORLD_SIZE", 1)
+        world_size = dist.get_world_size() if initialised else env_int("WORLD_SIZE", 0, default=1)
     for name, value in (("rank", rank), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0; got {value!r}")
     return rank, world_size
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, least: int, default: Optional[int] = None) -> int:
+    """The launcher's variable ``name`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) as an int >=
+    ``least``: ASCII digits, at most 9; ``default`` (None: ``least``) where unset or empty. ValueError naming the
+    variable otherwise (the profiler's rank and the main job's checks before it builds anything)."""
     raw = os.environ.get(name, "").strip()
     if not raw:
-        return default
-    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
-        raise ValueError(f"{name}={raw!r} is not valid; accepted: an integer >= 0")
+        return least if default is None else default
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9 and int(raw) >= least):
+        raise ValueError(f"{name}={os.environ[name]!r}: the environment variable must be an int >= {least}")
     return int(raw)
 
 

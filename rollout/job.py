@@ -192,8 +192,8 @@ def check_job(job: JobConfig, opsd_config, world: Optional[int] = None) -> None:
     estimate of the models against the device's (or the host's) available memory. ValueError naming the flag (or
     the variable)."""
     for name, least in (("RANK", 0), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)):  # the launcher's, named if bad
-        preflight.env_int(name, least, least)
-    world = world if world is not None else preflight.env_int("WORLD_SIZE", 1, 1)
+        preflight.env_int(name, least)
+    world = world if world is not None else preflight.env_int("WORLD_SIZE", 1)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     config = deepspeed_config(job.deepspeed_config, job.zero_stage, job.batch_size * job.samples_per_prompt,
                               device_type == "cuda")

@@ -23,6 +23,7 @@ import os
 import sys
 import zlib
 
+from instrumentation.export import write_atomic
 from traces.trim import DROP_ORDER, drop_categories, step_index, step_ranges, trim_events
 
 
@@ -111,19 +112,13 @@ def compressed(doc: dict) -> bytes:
     return gzip.compress(json.dumps(doc, allow_nan=False).encode("utf-8"), compresslevel=9)
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through ``path.tmpPID`` and a rename (a failed write leaves no file);
-    :class:`InputError` naming the path when it cannot be written."""
-    tmp = f"{path}.tmp{os.getpid()}"
+def write_output(path: str, data: bytes) -> None:
+    """``instrumentation.export.write_atomic`` (a failed write leaves no file); :class:`InputError` naming the path
+    when it cannot be written."""
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        write_atomic(path, data)
     except OSError as exc:
         raise InputError(f"{path}: cannot write ({exc.strerror or exc})") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def main(argv=None) -> int:
@@ -163,7 +158,7 @@ def _trim(doc: dict, args) -> int:
         print(f"error: {args.output}: not written: still larger than --max-mb {args.max_mb} MB "
               f"({len(data) / 1e6:.4f} MB gzip{dropped_text})", file=sys.stderr)
         return 2
-    write_atomic(args.output, data)
+    write_output(args.output, data)
     print(f"wrote {args.output}: {len(data) / 1e6:.2f} MB gzip, {len(kept)} events{dropped_text}")
     return 0
 

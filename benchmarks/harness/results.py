@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from rollout.stats import renamed
+from instrumentation.export import write_atomic
 from instrumentation.table import finite_json as finite
 
 #: Version of the result files this module writes.
@@ -57,13 +58,9 @@ def write(path: str, meta: dict, rows: Sequence) -> None:
     short leaves the last complete file. ``rows``: dataclasses (or dicts)."""
     plain = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rows]
     payload = finite({"schema": SCHEMA, "meta": meta, "rows": plain})
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, allow_nan=False, default=str)  # a setting that is an object: its repr
-        f.write("\n")
-    os.replace(tmp, path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    text = json.dumps(payload, indent=1, allow_nan=False, default=str)  # a setting that is an object: its repr
+    write_atomic(path, (text + "\n").encode("utf-8"))
 
 
 def upgrade_row(row: dict) -> dict:

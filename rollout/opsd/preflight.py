@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from instrumentation.runfiles import env_int
 from rollout.checks import is_int, is_number
 from rollout.plan.calibration import check_readable
 from rollout.plan.layout import check_gather
@@ -70,10 +71,11 @@ OFFLOADS, OFFLOAD_DEVICES = ("offload_param", "offload_optimizer"), ("none", "cp
 
 
 def _unique_keys(pairs: list) -> dict:
-    out = dict(pairs)
-    if len(out) < len(pairs):  # DeepSpeed refuses them in a config file it reads itself
-        raise ValueError(f"duplicate key {next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))!r}; "
-                         "DeepSpeed refuses one")
+    out = {}
+    for key, value in pairs:
+        if key in out:  # DeepSpeed refuses them in a config file it reads itself
+            raise ValueError(f"duplicate key {key!r}; DeepSpeed refuses one")
+        out[key] = value
     return out
 
 
@@ -361,23 +363,10 @@ def available_bytes(device_type: str) -> Optional[int]:
     if device_type == "cuda":
         import torch
 
-        return torch.cuda.mem_get_info(env_int("LOCAL_RANK", 0, 0))[0]
+        return torch.cuda.mem_get_info(env_int("LOCAL_RANK", 0))[0]
     limits = [_meminfo_available(), _cgroup_available()]
     limits = [value for value in limits if value is not None]
-    return min(limits) // env_int("LOCAL_WORLD_SIZE", 1, 1) if limits else None
-
-
-def env_int(name: str, default: int, least: int) -> int:
-    """The launcher's variable ``name`` as an int >= ``least`` (``default`` where unset or empty); ValueError naming
-    the variable otherwise."""
-    text = os.environ.get(name, "").strip()
-    try:
-        value = int(text) if text else default
-    except ValueError:
-        value = None
-    if value is None or value < least:
-        raise ValueError(f"{name}={os.environ[name]!r}: the environment variable must be an int >= {least}")
-    return value
+    return min(limits) // env_int("LOCAL_WORLD_SIZE", 1) if limits else None
 
 
 def _meminfo_available() -> Optional[int]:

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from instrumentation.export import write_atomic
 from instrumentation.table import finite_json
 from rollout.model.compat import causal_lm, unwrap_model
 from rollout.opsd.job import DEFAULT_STUDENT, DEFAULT_TEACHER
@@ -214,14 +215,5 @@ def teacher_placement(teacher) -> dict:
 def write_json(path: str, doc: dict) -> None:
     """Write ``doc`` to ``path`` atomically as strict JSON (non-finite numbers as null: :func:`finite_json`; a reader
     never sees half a file; a failed write leaves no ``*.tmpPID`` file)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as handle:
-            json.dump(finite_json(doc), handle, indent=2, allow_nan=False)
-            handle.write("\n")
-        os.replace(tmp, path)
-    finally:  # a failed write leaves no temporary file behind
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomic(path, (json.dumps(finite_json(doc), indent=2, allow_nan=False) + "\n").encode("utf-8"))
