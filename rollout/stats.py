@@ -37,6 +37,9 @@ class PrefillStats:
     """Distinct prompts prefilled (shared prefill: a prompt with n samples counts once)."""
     tokens: int = 0
     """Padded prompt tokens (rows x length) over all prefill buckets."""
+    nonfinite_logits: bool = False
+    """A prefill pass produced a NaN or infinite last-token logit (the model's weights or activations hold
+    non-finite values; the sampled tokens are then meaningless): a ``RuntimeWarning`` says so."""
 
 
 @dataclass

@@ -23,6 +23,7 @@ COMMON = {"dp_skipped": True, "route_estimates_ms": {}, "prefill.buckets": 1, "d
           "decode.num_steps": 5, "cache.compactions": 0, "cache.trims": 0, "cache.shifts": 0, "cache.row_moves": 0,
           "cache.bytes_moved": 0, "sampler.fallback_reason": None,
           "prefill.graph_passes": 0,  # no CUDA graphs on the CPU
+          "prefill.nonfinite_logits": False,  # finite weights
           "decode.eos_overrun_steps": 0,  # no EOS ids: no EOS check
           "decode.shared_prefix_steps": 0,  # SDPA on the CPU: every row reads its own copy of its prompt
           "sampler.path": "eager",  # greedy on the CPU: the eager functions

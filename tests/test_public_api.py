@@ -38,7 +38,7 @@ FIELDS = {
 
 STATS = ["route", "route_reason", "dp_skipped", "route_estimates_ms", "plans", "blas_library",
          "prefill.path", "prefill.buckets", "prefill.forwards", "prefill.graph_passes", "prefill.attention_groups",
-         "prefill.rows", "prefill.tokens",
+         "prefill.rows", "prefill.tokens", "prefill.nonfinite_logits",
          "decode.path", "decode.fallback_reason", "decode.attention", "decode.forwards", "decode.rows",
          "decode.graph_steps", "decode.eager_steps", "decode.num_steps", "decode.steps", "decode.host_syncs",
          "decode.eos_check_interval", "decode.shared_prefix_steps", "decode.eos_overrun_steps",

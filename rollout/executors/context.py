@@ -6,7 +6,7 @@ before the route ran)."""
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -35,6 +35,26 @@ def no_stage(name: str):
 def local_busy(busy: bool) -> bool:
     """The busy function of a single rank: its own flag."""
     return busy
+
+
+class LogitCheck:
+    """Whether any prefill pass of a call produced a non-finite last-token logit (NaN weights or inputs: the
+    sampler would then emit token 0 for every row, silently). One reduction on the device per prefill pass, no
+    sync; :meth:`found` reads it once, at the end of the call. Decode steps are not checked (their captured
+    graphs stay as they are): NaN weights already show in the prefill."""
+
+    __slots__ = ("_bad",)
+
+    def __init__(self) -> None:
+        self._bad: Optional[torch.Tensor] = None
+
+    def note(self, logits: torch.Tensor) -> None:
+        bad = torch.isfinite(logits).logical_not_().any()
+        self._bad = bad if self._bad is None else self._bad.logical_or_(bad)
+
+    def found(self) -> bool:
+        """Whether a non-finite logit was noted (a host read of one flag)."""
+        return self._bad is not None and bool(self._bad)
 
 
 @dataclass(frozen=True)
@@ -111,6 +131,8 @@ class CallContext:
     (``RolloutConfig.routing.late_eos_count``)."""
     row_budgets: Optional[RowBudgets] = None
     """Each row's own budget (``RolloutRequest.row_max_new_tokens``); None: ``sampling.max_new_tokens`` for all."""
+    logit_check: LogitCheck = field(default_factory=LogitCheck)
+    """The prefill passes' non-finite logits, noted by the routes and read by the runner after the call."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingConfig):

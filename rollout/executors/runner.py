@@ -10,6 +10,7 @@ route and post-processes.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -129,7 +130,14 @@ class Runner:
             graphs = ctx.prefill_graphs
             call = RouteCall(ctx, decode, plan, prepared.prompts, prepared.fit, blas_in_effect,
                              graph_passes_before=graphs.replays if graphs is not None else 0)
-            return self.executors[plan.route].run(call)
+            result = self.executors[plan.route].run(call)
+        if ctx.logit_check.found():  # one flag read at the end of the call (no sync per pass)
+            result.stats.prefill.nonfinite_logits = True
+            warnings.warn("Rollout.generate: the prefill produced NaN or infinite logits: the model's weights or "
+                          "activations hold non-finite values, so the sampled tokens are meaningless (argmax of "
+                          "NaN is token 0); check the weights (torch.isfinite) and the last update",
+                          RuntimeWarning, stacklevel=5)
+        return result
 
     def after_call(self) -> None:
         """Nothing of the call stays but the ZeRO-3 weight mirror (``keep_cache=False``)."""

@@ -56,6 +56,7 @@ def _prefill_pass(run: RunState, buckets, lengths: list[int]) -> None:
         ids = run.prompt_ids[:, -width:].index_select(0, prompts)  # [B_a, W]
         mask = run.prompt_mask[:, -width:].index_select(0, prompts)  # [B_a, W]
         logits = _pass_logits(run, scratch, ids, mask, admissions, (buckets, lengths))  # [B_a, V]
+        run.ctx.logit_check.note(logits)
         slot = 0
         for bucket, length in zip(buckets, lengths):  # each bucket's own columns only
             num = sum(a.num_samples for a in bucket)

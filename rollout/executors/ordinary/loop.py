@@ -123,6 +123,7 @@ def prefill(ctx: CallContext, cache: StaticKVCache, prompt_ids, prompt_mask, sta
     target = cache if n == 1 else scratch.get(num_prompts, prompt_len)
     groups = order.group_spans(prompt_len)
     logits = _prefill_into(ctx, target, prompt_ids, prompt_mask, state, order, groups)  # [B, V]
+    ctx.logit_check.note(logits)
     state.stats.prefill.rows += num_prompts
     state.stats.prefill.tokens += sum((stop - first) * length for first, stop, length in groups)
     if n > 1:
