@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rollout.engine import token_ids
 from rollout.config import MAX_SEED
-from rollout.opsd import OPSDStep, preflight
+from rollout.opsd import OPSDStep, ds_config_checks, preflight
 from rollout.opsd.engines import deepspeed_config, make_offloaded_teacher, make_student_engine, model_dtype
 from rollout.opsd.flags import JobArgs, parse_job
 from rollout.opsd.job import DEFAULT_STUDENT, DEFAULT_TEACHER, SELF_TEACHER, JobConfig, ModelNames
@@ -186,29 +186,38 @@ def model_config(name: Optional[str], arch: str):
 
 
 def check_job(job: JobConfig, opsd_config, world: Optional[int] = None) -> None:
-    """Everything the job can check before it builds anything (:mod:`rollout.opsd.preflight`): the launcher's
-    variables, the DeepSpeed config, ``--json-out``, the flags against each other and against the models' configs (the
-    teacher's context too: with ``--teacher self`` its prompts are ``SELF_CONTEXT_LEN`` tokens longer), and the memory
-    estimate of the models against the device's (or the host's) available memory. ValueError naming the flag (or
-    the variable)."""
+    """Everything the job can check before it builds anything (:func:`checked_config` without its result)."""
+    checked_config(job, opsd_config, world)
+
+
+def checked_config(job: JobConfig, opsd_config, world: Optional[int] = None) -> dict:
+    """The job's DeepSpeed config, after everything the job can check before it builds anything
+    (:mod:`rollout.opsd.preflight`, :mod:`rollout.opsd.ds_config_checks`): the launcher's variables, the DeepSpeed
+    config, ``--json-out``, the flags against each other and against the models' configs (the teacher's context too:
+    with ``--teacher self`` its prompts are ``SELF_CONTEXT_LEN`` tokens longer; its vocabulary; the packed path), and
+    the memory estimate of the models against the device's (or the host's) available memory. ValueError naming the
+    flag (or the variable)."""
     for name, least in (("RANK", 0), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)):  # the launcher's, named if bad
         preflight.env_int(name, least)
     world = world if world is not None else preflight.env_int("WORLD_SIZE", 1)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     config = deepspeed_config(job.deepspeed_config, job.zero_stage, job.batch_size * job.samples_per_prompt,
                               device_type == "cuda")
-    preflight.check_deepspeed_config(config, job.deepspeed_config, world, preflight.fp16_supported(device_type))
+    ds_config_checks.check_deepspeed_config(config, job.deepspeed_config, world,
+                                            ds_config_checks.fp16_supported(device_type))
     preflight.check_json_out(job.json_out)
     preflight.check_flags(job, opsd_config)
     student_config = model_config(job.student, "qwen2")
     if student_config is None:
-        return
+        return config
     student = preflight.ModelFacts.of(job.student or DEFAULT_STUDENT, student_config)
-    teacher = None
+    teacher, configs = None, [("--student", student.name, student_config)]
     if job.teacher != SELF_TEACHER:
         teacher_config = model_config(job.teacher, "llama")
         teacher = preflight.ModelFacts.of(job.teacher or DEFAULT_TEACHER, teacher_config) if teacher_config else None
-    stage = preflight.zero_stage(config)
+        configs += [("--teacher", teacher.name, teacher_config)] if teacher else []
+    preflight.check_train_path(opsd_config, configs)
+    stage = ds_config_checks.zero_stage(config)
     synthetic = job.student != REAL_MODEL
     self_context = SELF_CONTEXT_LEN if job.teacher == SELF_TEACHER and synthetic else 0
     context, _ = preflight.student_context(job, student)
@@ -221,20 +230,24 @@ def check_job(job: JobConfig, opsd_config, world: Optional[int] = None) -> None:
     preflight.check_memory(job, preflight.model_bytes(job, student, teacher, dtype_bytes, stage, world, cuda),
                            preflight.rollout_need(job, student, dtype_bytes, synthetic),
                            preflight.available_bytes(device_type), "the GPU" if cuda else "the host")
+    return config
 
 
-def job_warnings(job: JobConfig, profile=None) -> list[str]:
+def job_warnings(job: JobConfig, profile=None, deepspeed: Optional[dict] = None) -> list[str]:
     """One line per setting the job will not use (after :func:`check_job`): ``--lr`` where the DeepSpeed config defines
     an optimizer, whose own ``params.lr`` rules; ``OPSD_PROFILE_STEPS`` naming none of the run's steps in mode ``1``
-    (``profile``: the run's ``instrumentation.config.ProfileConfig``, None: read from the environment)."""
+    (``profile``: the run's ``instrumentation.config.ProfileConfig``, None: read from the environment). ``deepspeed``:
+    the DeepSpeed config :func:`checked_config` returned (None: ``--deepspeed-config`` read again)."""
     from instrumentation.config import ProfileConfig
     profile = ProfileConfig.from_env() if profile is None else profile
     lines = []
     if profile.timing and not any(step < job.steps for step in profile.steps):
         lines.append(f"warning: OPSD_PROFILE_STEPS names steps {','.join(map(str, profile.steps))}, but the run has "
                      f"steps 0-{job.steps - 1} (--steps {job.steps}): no step will be recorded")
-    optimizer = preflight.read_deepspeed_config(job.deepspeed_config).get("optimizer") \
-        if job.lr is not None and job.deepspeed_config is not None else None
+    optimizer = None
+    if job.lr is not None and job.deepspeed_config is not None:
+        config = ds_config_checks.read_deepspeed_config(job.deepspeed_config) if deepspeed is None else deepspeed
+        optimizer = config.get("optimizer")
     if optimizer is not None:
         lr = (optimizer.get("params") or {}).get("lr", "its default")
         lines.append(f"warning: --lr {job.lr:g} is ignored: --deepspeed-config {job.deepspeed_config} defines an "

@@ -68,7 +68,7 @@ import torch
 
 from instrumentation import check_environment, opsd_profiler
 from rollout import SamplingConfig
-from rollout.job import StepInputs, build_step, check_job, job_warnings, step_seed
+from rollout.job import StepInputs, build_step, checked_config, job_warnings, step_seed
 from rollout.job import parse_args as parse_job_args
 from rollout.opsd.console import ProgressBar, banner_line, loss_warning, summary_line
 from rollout.opsd.engines import init_distributed
@@ -192,11 +192,11 @@ def main(argv=None) -> None:
     export_peak_rates(job)
     try:  # every OPSD_* variable, a run name already taken, the flags against the models, the DeepSpeed config and
         check_environment()  # the memory estimate, before any model is built
-        check_job(job, opsd_config)
+        deepspeed = checked_config(job, opsd_config)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     if os.environ.get("RANK", "0") == "0":  # once per run
-        for line in job_warnings(job):
+        for line in job_warnings(job, deepspeed=deepspeed):
             print(line, file=sys.stderr)
     rank, world, device = init_distributed()
     started = time.perf_counter()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rollout import job as job_lib
-from rollout.opsd import preflight
+from rollout.opsd import ds_config_checks
 from rollout.opsd.console import loss_warning
 from rollout.opsd.engines import deepspeed_config, model_dtype, teacher_engine_config
 from rollout.opsd.report import write_json
@@ -37,7 +37,7 @@ def _checked(tmp_path, content, *argv):
 def test_a_config_without_zero_optimization_or_with_a_null_bf16_passes(tmp_path, content):
     assert _checked(tmp_path, content) is None
     config = deepspeed_config(_ds_file(tmp_path, content), None, 8, False)
-    assert preflight.zero_stage(config) == 0 and model_dtype(config) == torch.float32
+    assert ds_config_checks.zero_stage(config) == 0 and model_dtype(config) == torch.float32
 
 
 def test_the_older_bfloat16_section_sets_the_models_dtype_as_deepspeed_reads_it(tmp_path):
@@ -80,17 +80,18 @@ def test_bad_deepspeed_values_are_refused_naming_the_key(monkeypatch, tmp_path, 
 
 @pytest.mark.parametrize("content", [{"optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
                                      {"optimizer": {"type": "adamw", "params": {"lr": 0, "betas": [0.9, 0.99]}}},
-                                     {"scheduler": {"type": "WarmupLR"}}, {"scheduler": {"type": "StepLR"}},
+                                     {"scheduler": {"type": "WarmupLR", "params": {}}},
+                                     {"scheduler": {"type": "StepLR", "params": {"step_size": 10}}},
                                      {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"}}}])
 def test_optimizers_and_schedulers_deepspeed_builds_pass(tmp_path, content):
     assert _checked(tmp_path, content) is None
 
 
 def test_fp16_is_refused_where_the_device_has_none(monkeypatch, tmp_path):
-    monkeypatch.setattr(preflight, "fp16_supported", lambda device_type: False)
+    monkeypatch.setattr(ds_config_checks, "fp16_supported", lambda device_type: False)
     refusal = _refusal(["--deepspeed-config", _ds_file(tmp_path, {"fp16": {"enabled": True}})], monkeypatch)
     assert re.search(r"^error: --deepspeed-config .*: fp16.enabled: this device has no fp16", refusal)
-    assert preflight.check_deepspeed_config({"fp16": {"enabled": True}}, None, 1, fp16_ok=True) is None
+    assert ds_config_checks.check_deepspeed_config({"fp16": {"enabled": True}}, None, 1, fp16_ok=True) is None
 
 
 def test_the_copied_names_and_the_fp16_test_match_deepspeeds():
@@ -99,9 +100,9 @@ def test_the_copied_names_and_the_fp16_test_match_deepspeeds():
     from deepspeed.runtime import lr_schedules
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
-    assert preflight.DS_OPTIMIZERS == tuple(DEEPSPEED_OPTIMIZERS)
-    assert preflight.DS_SCHEDULERS == tuple(lr_schedules.VALID_LR_SCHEDULES)
-    assert preflight.fp16_supported("cpu") == bool(CPU_Accelerator().is_fp16_supported())
+    assert ds_config_checks.DS_OPTIMIZERS == tuple(DEEPSPEED_OPTIMIZERS)
+    assert ds_config_checks.DS_SCHEDULERS == tuple(lr_schedules.VALID_LR_SCHEDULES)
+    assert ds_config_checks.fp16_supported("cpu") == bool(CPU_Accelerator().is_fp16_supported())
 
 
 # ---- paths, flags and variables (cases 4, 5, 13, 19, 20, 29) -----------------------------------------------------

@@ -7,7 +7,10 @@ read by an anchored regex when it has Kineto's layout (else decoded by the JSON 
 start cannot be trusted (unbalanced braces inside strings, the end of the array) events are
 decoded exactly with ``json.JSONDecoder.raw_decode`` up to the next chunk. Results are the tuples
 of :mod:`traces.events`. Top-level keys before and after the array are read as metadata
-(``distributedInfo.rank``).
+(``distributedInfo.rank``), and what follows the document is checked (:mod:`traces.chrome_tail`). The
+fast pass never reads past the array's end: a ``}]`` whose braces balance stops it (a second document
+appended to the file is not read as more events), as does an element that is not an object (decoded exactly,
+and counted as a bad event).
 """
 
 from __future__ import annotations
@@ -18,14 +21,13 @@ from typing import Iterator
 
 from traces import textfile
 from traces.bad import BAD, example
-from traces.chrome_event import decoded_tuple, fast_tuple, metadata
-from traces.events import TraceError
-
-#: Metadata before ``traceEvents`` larger than this is not kept (only searched for the array).
-MAX_HEADER_CHARS = 64 << 20
+from traces.chrome_event import decoded_tuple, fast_tuple
+from traces.chrome_tail import after_events, find_events_array
+from traces.events import META, TraceError
 
 _BOUNDARY = re.compile(r"\}\s*,\s*\{")
-_EVENTS_KEY = re.compile(r'"traceEvents"\s*:\s*\[')
+#: An object followed by the end of its array, or by an element that is not an object.
+_OBJECT_THEN_OTHER = re.compile(r"\}\s*(?:\]|,\s*[^\s{])")
 _WS = re.compile(r"\s*")
 _decoder = json.JSONDecoder()
 _scan_once = _decoder.scan_once
@@ -38,7 +40,8 @@ def read_chrome_trace(path: str) -> Iterator[tuple]:
     """Yield the event tuples of a Chrome-trace file (an :class:`~traces.events.EventSource`).
 
     Raises :class:`TraceError` for an empty file, non-JSON text, a truncated or corrupt gzip, a
-    document without a ``traceEvents`` array, or an array that is not closed.
+    document without a ``traceEvents`` array, or an array that is not closed (but a bare array, which the
+    Trace Event Format lets end without its ``]``: its events are read, with a note).
     """
     chunks = textfile.chunks(path, textfile.open_text(path))
     head = ""
@@ -49,63 +52,51 @@ def read_chrome_trace(path: str) -> Iterator[tuple]:
     if not head:
         raise TraceError(path, "empty file")
     if head[0] == "[":  # the JSON Array Format: a bare list of events
-        yield from _scan_events(path, chunks, head, 1)
+        try:
+            rest = yield from _scan_events(path, chunks, head, 1)
+        except _Unclosed:
+            yield from ((META, "note", n) for n in chunks.notes)
+            yield (META, "note", f"the JSON array ends at {chunks.at(chunks.offset)} without its closing ']' "
+                                 "(allowed by the Trace Event Format, or the file was cut short): its events are used")
+            return
+        yield from after_events(chunks, rest, bare=True)
         return
     if head[0] != "{":
         raise TraceError(path, "not JSON (expected an object with traceEvents)")
-    buf, pos = yield from _find_events_array(path, chunks, head)
-    trailer = yield from _scan_events(path, chunks, buf, pos)
-    yield from metadata(path, '{"_": 0' + trailer)
+    buf, pos = yield from find_events_array(path, chunks, head)
+    rest = yield from _scan_events(path, chunks, buf, pos)
+    yield from after_events(chunks, rest, bare=False)
 
 
-def _find_events_array(path, chunks, buf):
-    header_parts: list[str] = []
-    header_len = 0
-    while True:
-        m = _EVENTS_KEY.search(buf)
-        if m is not None:
-            header_parts.append(buf[:m.start()])
-            if header_len <= MAX_HEADER_CHARS:
-                yield from metadata(path, "".join(header_parts) + '"_": 0}')
-            return buf, m.end()
-        cut = max(0, len(buf) - 64)
-        keep = buf[cut:]
-        if header_len <= MAX_HEADER_CHARS:
-            header_parts.append(buf[:cut])
-        header_len += cut
-        nxt = next(chunks, None)
-        if nxt is None:
-            problem = "no traceEvents array (not a Chrome trace)"
-            if header_len <= MAX_HEADER_CHARS:
-                try:
-                    json.loads("".join(header_parts) + keep)
-                except (ValueError, RecursionError):
-                    problem = "not valid JSON (or truncated) and no traceEvents array"
-            raise TraceError(path, problem)
-        buf = keep + nxt
+class _Unclosed(TraceError):
+    """The text ended after a complete element of the array, before its ``]``."""
 
 
-def _trailer(first: str, chunks) -> str:
-    """The text after the array (read for metadata): whitespace-only chunks dropped, "" past
-    :data:`MAX_HEADER_CHARS` (the rest is still read: the gzip stream is checked to its end)."""
-    parts, size = [first], len(first)
-    for chunk in chunks:
-        if size <= MAX_HEADER_CHARS and chunk.strip():
-            parts.append(chunk)
-            size += len(chunk)
-    return "".join(parts) if size <= MAX_HEADER_CHARS else ""
-
-
-def _last_boundary(buf: str, pos: int) -> int:
-    """Start of the last event of ``buf[pos:]`` that follows a ``}, {`` cut (``pos`` if none)."""
-    lo = max(pos, len(buf) - (1 << 16))
+def _last_boundary(buf: str, pos: int, hi: int | None = None) -> int:
+    """Start of the last event of ``buf[pos:hi]`` that follows a ``}, {`` cut (``pos`` if none)."""
+    hi = len(buf) if hi is None else hi
+    lo = max(pos, hi - (1 << 16))
     while True:
         last = None
-        for last in _BOUNDARY.finditer(buf, lo):
+        for last in _BOUNDARY.finditer(buf, lo, hi):
             pass
         if last is not None or lo == pos:
             return last.end() - 1 if last is not None else pos
         lo = max(pos, lo - (1 << 20))
+
+
+def _array_end(buf: str, pos: int, hi: int) -> int:
+    """Position of the ``}`` closing the array's last object, or the object before an element that is not one,
+    in ``buf[pos:hi]`` (``pos``: an element's start); -1 if none. The first ``}]`` (``}, 7``) whose braces
+    balance from ``pos`` (one inside an event does not)."""
+    depth, at = 0, pos
+    for m in _OBJECT_THEN_OTHER.finditer(buf, pos, hi):
+        end = m.start() + 1
+        depth += buf.count("{", at, end) - buf.count("}", at, end)
+        at = end
+        if depth == 0:
+            return m.start()
+    return -1
 
 
 def _fast_pass(buf: str, pos: int):
@@ -114,9 +105,13 @@ def _fast_pass(buf: str, pos: int):
     Each kept marker is traced back to the ``{`` that opens its event; that start is trusted when
     the braces between the previous trusted start and it balance (no unmatched brace inside a
     string). Returns ``(tuples, next_pos, exact)``: ``next_pos`` is the first event not handled:
-    the last, possibly incomplete one, or, when ``exact``, the first one to decode exactly.
+    the last, possibly incomplete one, or, when ``exact``, the first one to decode exactly (the last
+    event before the end of the array, when it lies in ``buf``).
     """
     last = _last_boundary(buf, pos)
+    end = _array_end(buf, pos, last)
+    if end >= 0:
+        last = _last_boundary(buf, pos, end)
     out, checked, prev = [], pos, -1
     count, append, rfind = buf.count, out.append, buf.rfind
     for at in _kept_positions(buf, pos, last):
@@ -139,7 +134,7 @@ def _fast_pass(buf: str, pos: int):
         append(tup)
     if count("{", checked, last) != count("}", checked, last):
         return out, _after(buf, checked, prev), True
-    return out, last, False
+    return out, last, end >= 0
 
 
 def _after(buf: str, start: int, handled: int) -> int:
@@ -200,7 +195,7 @@ def _kept_positions(buf: str, lo: int, hi: int) -> list[int]:
 
 
 def _scan_events(path, chunks, buf, pos):
-    """Yield tuples of the kept events of the array starting at ``buf[pos:]``; return the trailer.
+    """Yield tuples of the kept events of the array starting at ``buf[pos:]``; return the text after it.
 
     Complete events are handled by :func:`_fast_pass`; where a cut cannot be verified (braces in
     strings, the end of the array) events are decoded exactly, one by one, up to the next chunk.
@@ -211,7 +206,7 @@ def _scan_events(path, chunks, buf, pos):
         if buf.startswith(",", pos):
             pos = _WS.match(buf, pos + 1).end()
         if buf.startswith("]", pos):
-            return _trailer(buf[pos + 1:], chunks)
+            return buf[pos + 1:]
         if not at_eof and not force_exact and buf.startswith("{", pos):
             tuples, nxt, exact = _fast_pass(buf, pos)
             yield from tuples
@@ -266,9 +261,9 @@ def _exact_pass(path, chunks, buf, pos, at_eof):
                 if nxt is not None:
                     return 0, buf, at_eof
                 continue
-            what = "truncated JSON (traceEvents array not closed)" if pos >= len(buf) \
-                else f"invalid JSON in traceEvents near {buf[pos:pos + 40]!r}"
-            raise TraceError(path, what)
+            if pos >= len(buf):
+                raise _Unclosed(path, "truncated JSON (traceEvents array not closed)")
+            raise TraceError(path, f"invalid JSON in traceEvents near {buf[pos:pos + 40]!r}")
         obj, end = _decode_one(buf, pos)
         if end < 0 or end == len(buf):
             nxt = None if at_eof else next(chunks, None)

@@ -2,7 +2,7 @@
 
 Two paths: :func:`fast_tuple` reads an event written in Kineto's exact layout with one anchored
 regex (no JSON decoding); :func:`event_tuple` takes any decoded event object. Both give the same
-tuple for the same event. :func:`metadata` reads top-level keys (``distributedInfo.rank``).
+tuple for the same event. :func:`meta_tuples` reads top-level keys (``distributedInfo.rank``).
 """
 
 from __future__ import annotations
@@ -93,12 +93,8 @@ def decoded_tuple(ev):
     return (BAD, reason, example(ev.get("name"), ev.get("ts")))
 
 
-def metadata(path: str, text: str) -> Iterator[tuple]:
-    """META tuples from a top-level object fragment (``{...}`` text); bad fragments are ignored."""
-    try:
-        meta = json.loads(text)
-    except (ValueError, RecursionError):
-        return
+def meta_tuples(meta) -> Iterator[tuple]:
+    """META tuples of the decoded top-level keys of a trace (``distributedInfo``)."""
     info = meta.get("distributedInfo") if isinstance(meta, dict) else None
     if info is None:
         return

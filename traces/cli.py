@@ -20,6 +20,7 @@ from instrumentation.config import parse_bool
 from traces.runs import csv_cell, group_by_run
 from traces.diff import baseline_problem, diff_columns, diff_headline, diff_rows, diff_values, format_diff, noise_note
 from traces.findings import format_findings, report_findings
+from traces.flags import flag_warnings
 from traces.format import csv_rows, format_headline, format_kernels, format_overview, format_table
 from traces.load import LoadedSet, load, read_trace
 from traces.names import shown
@@ -56,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "start of each stage's slowest call")
     p.add_argument("--nvtx-domain", metavar="D", default=None,
                    help=f"Nsight Systems inputs: keep the NVTX ranges of domain D only (ours: "
-                        f"{S.NVTX_DOMAIN!r}; default: every domain)")
+                        f"{S.NVTX_DOMAIN!r}; default: every domain; a warning for other inputs)")
     return p.parse_args(argv)
 
 
@@ -189,6 +190,8 @@ def run(args) -> int:
     if problem:  # before any trace is read: not after the whole report has printed
         _say("error", problem)
         return 2
+    for w in flag_warnings(args):  # once, before the inputs' own warnings
+        _say("warning", w)
     loaded = load(args.paths, _source(args))
     runs = group_by_run(loaded)
     if len(runs) > 1:

@@ -12,7 +12,8 @@ Yields the tuples of :mod:`traces.events`, so the report is the same as for a Ch
   the other rows are read.
 - Domains: the domain-create rows (``eventType`` 75) give each ``domainId`` its name; domain ids
   are per process. ``domain`` keeps only the ranges of that domain (``"opsd"`` for ours; ``""``
-  for the default domain of the non-domain API); None keeps all.
+  for the default domain of the non-domain API); None keeps all. A domain that no range of the file is in,
+  while ranges of other domains are, is a note naming those (a misspelt domain would drop the file's ranges).
 - ``LAUNCH`` from ``CUPTI_ACTIVITY_KIND_RUNTIME`` and, when present, ``CUPTI_ACTIVITY_KIND_DRIVER``
   (kernels launched through the driver API); calls named in ``traces.events.SYNC_CALLS`` (name from
   ``nameId``, a ``_v2``-style suffix ignored) are ``SYNC`` tuples instead. ``GPU`` from
@@ -38,7 +39,7 @@ import sqlite3
 from typing import Iterator, Optional
 
 from traces.bad import BAD, BadEvent, example
-from traces.events import GPU, LAUNCH, RANGE, SYNC, TraceError, is_sync_call
+from traces.events import GPU, LAUNCH, META, RANGE, SYNC, TraceError, is_sync_call
 
 #: NVTX event type values of the export schema: NvtxPushPopRange, NvtxStartEndRange;
 #: NvtxDomainCreate (others: 33 NvtxCategory, 34 NvtxMark, 39 NvtxThread, 76 NvtxDomainDestroy).
@@ -175,17 +176,25 @@ def _nvtx_ranges(conn, path: str, domain: Optional[str]) -> Iterator[tuple]:
     sql = (f'SELECT e."start", e."end", {_col(columns, "globalTid")}, {_col(columns, "domainId")}, '
            f"{name_expr} FROM NVTX_EVENTS AS e {join} {where}")
 
+    kept, other = [0], set()  # ranges of the domain; names of the other domains met
+
     def convert(row):
         start, end, gtid, domain_id, name = row
         pid = pid_of(gtid)
         if domain is not None and domains.get((pid, domain_id), "") != domain:
+            other.add(domains.get((pid, domain_id), ""))
             return None
+        kept[0] += 1
         if start is None or end is None:
             return (BAD, "no end (range still open)", _example(name, start))
         start_us, end_us = _us(start, "start"), _us(end, "end")
         return (RANGE, str(name or ""), pid, tid_of(gtid), start_us, end_us - start_us)
 
     yield from _rows(conn, sql, convert)
+    if other and not kept[0]:  # a misspelt domain would otherwise leave this file's ranges out silently
+        names = ", ".join(repr(d) if d else "the default domain" for d in sorted(other))
+        yield (META, "note", f"--nvtx-domain {domain!r}: no NVTX range of that domain here, only of {names}: "
+                             "every range left out")
 
 
 def _present(conn, tables: tuple, required: set) -> list[tuple[str, set]]:

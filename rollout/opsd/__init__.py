@@ -8,8 +8,9 @@ accumulation), ``teacher`` (privileged prompts, token alignment, the stream of c
 
 The main job (``scripts/train_opsd.py``): ``job`` (``JobConfig``: its settings, one ``RolloutConfig``
 among them), ``flags`` (its command line), ``engines`` (process group, DeepSpeed engines), ``report``
-(MFU, peak memory, the JSON report), ``console`` (banner, progress bar, closing line); what needs the model
-names and loaders above this layer (prompts, the step builder) is ``rollout.job``.
+(MFU, peak memory, the JSON report), ``console`` (banner, progress bar, closing line), ``preflight`` and
+``ds_config_checks`` (the checks before anything is built); what needs the model names and loaders above this layer
+(prompts, the step builder) is ``rollout.job``.
 """
 
 from rollout.opsd.breakdown import PhaseTimes, StepBreakdown

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from rollout.opsd.preflight import precision_sections, read_deepspeed_config
+from rollout.opsd.ds_config_checks import precision_sections, read_deepspeed_config
 
 #: DeepSpeed's CPU shared-memory comm op: its first use JIT-builds C++ for ~60 s; gloo is used instead.
 SHM_COMM_OP_NAME = "deepspeed_shm_comm"
@@ -74,7 +74,8 @@ def deepspeed_config(path: Optional[str], zero_stage: Optional[int], rows_per_st
 
 def model_dtype(config: dict) -> torch.dtype:
     """The models' dtype under a (checked) DeepSpeed config: bf16, fp16 or float32, the precision sections read as
-    DeepSpeed reads them (:func:`rollout.opsd.preflight.precision_sections`: ``bfloat16`` where ``bf16`` is absent)."""
+    DeepSpeed reads them (:func:`rollout.opsd.ds_config_checks.precision_sections`: ``bfloat16`` where ``bf16`` is
+    absent)."""
     bf16, fp16 = precision_sections(config)
     if bf16.get("enabled"):
         return torch.bfloat16

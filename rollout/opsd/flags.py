@@ -19,6 +19,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,6 +41,20 @@ def rows_setting(text: str):
     if rows < 1:
         raise argparse.ArgumentTypeError(f"expected auto, all or an int >= 1 (rows); got {text!r}")
     return rows
+
+
+#: What argparse reads as a negative number, not a flag: its own ``-1`` and ``-1.5``, and also ``-1e300``, ``-.5E-3``,
+#: ``-inf`` and ``-nan`` (Python 3.11's pattern takes no exponent: ``--lr -1e300`` failed as "expected one argument").
+NEGATIVE_NUMBER = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?$|^-(?:inf|infinity|nan)$", re.IGNORECASE)
+
+
+class JobParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that reads every negative number (:data:`NEGATIVE_NUMBER`) as a value, so that a numeric
+    flag's range check names the flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER
 
 
 #: The records the flags set: key of the flag table -> class (``rollout``: ``JobConfig.rollout``).
@@ -151,7 +166,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     """The job's parser: every flag of :data:`FLAGS`, ``--rollout``, the moved flags and the launcher's
     ``--local_rank`` (both hidden)."""
     defaults = {key: {f.name: f.default for f in dataclasses.fields(cls)} for key, cls in RECORDS.items()}
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = JobParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, (key, name, kind, text) in FLAGS.items():
         parser.add_argument(flag, dest=f"{key}.{name}", type=kind, default=argparse.SUPPRESS,
                             help=f"{text} (default: {defaults[key][name]})")

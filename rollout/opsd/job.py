@@ -17,6 +17,8 @@ from rollout.config import MAX_SEED, RolloutConfig
 SELF_TEACHER = "self"
 #: The embedded models used when ``--student`` / ``--teacher`` are left out (their shape names).
 DEFAULT_STUDENT, DEFAULT_TEACHER = "tiny-qwen2", "tiny-llama"
+#: A local model directory holds one of these (a peft adapter's directory names its base model in the second).
+MODEL_FILES = ("config.json", "adapter_config.json")
 #: Most prompts a run draws (``steps x batch_size``): each one's length is drawn before step 0 (8 bytes each).
 MAX_PROMPTS = 2**25
 
@@ -135,11 +137,17 @@ class ModelNames:
 
     def check_name(self, field: str, name: Optional[str]) -> None:
         """ValueError naming ``field`` unless ``name`` is None, a shape name, the real model, ``self``
-        (teacher), an existing path, or an HF repo id (``org/name``)."""
+        (teacher), an existing directory, or an HF repo id (``org/name``) that is no existing file."""
         if name is None or name in self.vocab_sizes or name == self.real or (field == "teacher"
                                                                               and name == SELF_TEACHER):
             return
         require(isinstance(name, str) and name.strip(), field, f"must be a model name; got {name!r}")
+        require(not os.path.exists(name) or os.path.isdir(name), field,
+                f"--{field} {name!r} is a file, not a model directory (config.json and weights), a shape name or an "
+                "HF repo id")
+        require(not os.path.isdir(name) or any(os.path.isfile(os.path.join(name, marker)) for marker in MODEL_FILES),
+                field, f"--{field} {name!r} is a directory without config.json (nor a peft adapter_config.json): not a "
+                "model directory")
         if os.path.exists(name) or "/" in name:
             return
         extra = ", 'self'" if field == "teacher" else ""

@@ -132,9 +132,9 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION, _no_mask)
 
 
-def unsupported_reason(causal_lm: torch.nn.Module) -> Optional[str]:
-    """Why the packed path cannot run this HF causal LM (None: it can)."""
-    config = getattr(causal_lm, "config", None)
+def config_unsupported_reason(config) -> Optional[str]:
+    """Why the packed path cannot run a model of this HF config (None: its config allows it): its type or
+    sliding-window attention (the main job checks it before building the models)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
@@ -145,6 +145,14 @@ def unsupported_reason(causal_lm: torch.nn.Module) -> Optional[str]:
         windowed = getattr(config, "sliding_window", None) is not None
     if windowed or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return "sliding-window attention"
+    return None
+
+
+def unsupported_reason(causal_lm: torch.nn.Module) -> Optional[str]:
+    """Why the packed path cannot run this HF causal LM (None: it can)."""
+    reason = config_unsupported_reason(getattr(causal_lm, "config", None))
+    if reason is not None:
+        return reason
     if "logits_to_keep" not in inspect.signature(type(causal_lm).forward).parameters:
         return f"{type(causal_lm).__name__}.forward takes no logits_to_keep"
     head = getattr(causal_lm, "lm_head", None)

@@ -1,6 +1,7 @@
 """The main job's checks before anything is built (``scripts/train_opsd.py``): the flags against the models'
-configs (context, vocabulary, ZeRO-3 gathering), the DeepSpeed config, the ``--json-out`` path, and the memory the
-models, their training state and the smallest rollout need against what the device or the host has available.
+configs (context, vocabulary, the packed path, ZeRO-3 gathering), the ``--json-out`` path, and the memory the models,
+their training state and the smallest rollout need against what the device or the host has available (the DeepSpeed
+config's checks: :mod:`rollout.opsd.ds_config_checks`).
 
 Models are described by a few numbers of their HF configs (:class:`ModelFacts`), never instantiated. Every refusal is
 a one-line ``ValueError`` naming the flag; ``rollout.job.check_job`` gathers the inputs and runs them all.
@@ -8,22 +9,19 @@ a one-line ``ValueError`` naming the flag; ``rollout.job.check_job`` gathers the
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 from instrumentation.runfiles import env_int
-from rollout.checks import is_int, is_number
+from rollout.checks import is_int
+from rollout.opsd.packed import config_unsupported_reason
 from rollout.plan.calibration import check_readable
 from rollout.plan.layout import check_gather
 from rollout.plan.memory import GIB, MemoryNeed, row_overhead_bytes
 
 #: Bytes per trained parameter of AdamW's two float32 moments, and of the float32 master copy under bf16/fp16.
 ADAM_STATE_BYTES, MASTER_BYTES = 8, 4
-#: The DeepSpeed batch settings, each a positive int when given.
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 @dataclass(frozen=True)
@@ -57,163 +55,7 @@ class ModelFacts:
                    2 * layers * kv_heads * head_dim, hidden)
 
 
-# ---- the DeepSpeed config and the report path ---------------------------------------------------------------------
-#: DeepSpeed 0.19.8's own optimizer names (``deepspeed.runtime.config.DEEPSPEED_OPTIMIZERS``, matched lower-cased) and
-#: LR schedules (``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES``): other names must be classes of
-#: ``torch.optim`` / ``torch.optim.lr_scheduler``, as DeepSpeed looks them up (copied: importing deepspeed here would
-#: fix its accelerator too early; ``tests/test_job_checks_more.py`` compares them with DeepSpeed's).
-DS_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
-DS_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-#: ``optimizer.params`` that must be finite numbers >= 0 where given (``betas``: two numbers in [0, 1)).
-OPTIMIZER_NUMBERS = ("lr", "eps", "weight_decay")
-#: ``zero_optimization``'s offload sections and the devices DeepSpeed knows (``nvme`` needs ``nvme_path``).
-OFFLOADS, OFFLOAD_DEVICES = ("offload_param", "offload_optimizer"), ("none", "cpu", "nvme")
-
-
-def _unique_keys(pairs: list) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:  # DeepSpeed refuses them in a config file it reads itself
-            raise ValueError(f"duplicate key {key!r}; DeepSpeed refuses one")
-        out[key] = value
-    return out
-
-
-def read_deepspeed_config(path: str) -> dict:
-    """The JSON object of ``--deepspeed-config`` with its sections checked (:func:`check_sections`); ValueError naming
-    the flag and the file otherwise."""
-    try:
-        with open(path) as handle:
-            config = json.load(handle, object_pairs_hook=_unique_keys)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--deepspeed-config {path}: not valid JSON ({exc})") from None
-    except IsADirectoryError:
-        raise ValueError(f"--deepspeed-config {path}: is a directory; name a JSON file") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ValueError(f"--deepspeed-config {path}: cannot be read ({exc})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--deepspeed-config {path}: must hold a JSON object; got {type(config).__name__}")
-    check_sections(config, f"--deepspeed-config {path}")
-    return config
-
-
-def check_sections(config: dict, where: str) -> None:
-    """The sections the job reads or changes, as DeepSpeed reads them: ``zero_optimization`` (``--zero-stage`` sets its
-    stage) and its offload sections, ``bf16`` (null: absent, the older ``bfloat16`` then), ``fp16``, ``optimizer``
-    and ``scheduler`` are objects; an ``enabled`` is true or false (DeepSpeed reads ``"false"`` as false but
-    ``"auto"`` as absent: refused, as any non-bool)."""
-    def need(ok: bool, key: str, what: str, value) -> None:
-        if not ok:
-            raise ValueError(f"{where}: {key} must be {what}; got {json.dumps(value)[:80]}")
-
-    zero = config.get("zero_optimization", {})
-    need(isinstance(zero, dict), "zero_optimization", 'an object ({"stage": 0-3, ...})', zero)
-    for key in OFFLOADS:
-        offload = zero.get(key)
-        need(offload is None or isinstance(offload, dict), f"zero_optimization.{key}", "an object", offload)
-        device = (offload or {}).get("device", "none")
-        need(device in OFFLOAD_DEVICES, f"zero_optimization.{key}.device", "'none', 'cpu' or 'nvme'", device)
-        need(device != "nvme" or (offload.get("nvme_path") and isinstance(offload["nvme_path"], str)),
-             f"zero_optimization.{key}.nvme_path", "a path with device 'nvme'", offload and offload.get("nvme_path"))
-    for key in ("fp16", "bf16" if config.get("bf16") is not None else "bfloat16"):
-        section = config.get(key, {})
-        need(isinstance(section, dict), key, 'an object ({"enabled": true})', section)
-        need(isinstance(section.get("enabled", False), bool), f"{key}.enabled", "true or false", section.get("enabled"))
-    for key in ("optimizer", "scheduler"):
-        part = config.get(key)
-        need(key not in config or (isinstance(part, dict) and isinstance(part.get("type"), str)), key,
-             "an object with a 'type'", part)
-        params = (part or {}).get("params")
-        need(params is None or isinstance(params, dict), f"{key}.params", "an object", params)
-
-
-def precision_sections(config: dict) -> tuple[dict, dict]:
-    """``(bf16, fp16)``: the precision sections DeepSpeed reads (``bf16``, else the older ``bfloat16`` where ``bf16``
-    is absent or null), ``{}`` where absent."""
-    bf16 = config.get("bf16")
-    return (config.get("bfloat16") or {} if bf16 is None else bf16), config.get("fp16") or {}
-
-
-def zero_stage(config: dict) -> int:
-    """The ZeRO stage of a checked DeepSpeed config (0 without ``zero_optimization``, as DeepSpeed)."""
-    return config.get("zero_optimization", {}).get("stage", 0)
-
-
-def fp16_supported(device_type: str) -> bool:
-    """Whether DeepSpeed's accelerator takes fp16: every CUDA device here, the CPU where oneDNN has fp16 (DeepSpeed's
-    ``CPU_Accelerator.is_fp16_supported``)."""
-    if device_type == "cuda":
-        return True
-    import torch
-
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    except Exception:  # noqa: BLE001 - what DeepSpeed does: any failure means no fp16
-        return False
-
-
-def check_deepspeed_config(config: dict, path: Optional[str], world: int, fp16_ok: bool = True) -> None:
-    """What DeepSpeed would refuse only after the models are built: the ZeRO stage, two precisions at once (fp16 where
-    the device has none: ``fp16_ok`` False), batch settings that do not multiply up (``train_batch_size = micro x
-    accumulation x ranks``), a ``gradient_clipping`` that is no number, the optimizer and the scheduler."""
-    where = f"--deepspeed-config {path}" if path else "the built-in DeepSpeed config"
-    check_sections(config, where)
-    stage = zero_stage(config)
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise ValueError(f"{where}: zero_optimization.stage must be 0, 1, 2 or 3; got {stage!r}")
-    bf16, fp16 = precision_sections(config)
-    if bf16.get("enabled") and fp16.get("enabled"):
-        raise ValueError(f"{where}: bf16 and fp16 are both enabled; enable at most one")
-    if fp16.get("enabled") and not fp16_ok:
-        raise ValueError(f"{where}: fp16.enabled: this device has no fp16 (DeepSpeed: 'Type fp16 is not supported "
-                         "on your device'); use bf16 or neither")
-    batch = {key: config[key] for key in BATCH_KEYS if key in config}
-    for key, value in batch.items():
-        if not (is_int(value) and value >= 1):
-            raise ValueError(f"{where}: {key} must be an int >= 1; got {value!r}")
-    total, micro = batch.get("train_batch_size"), batch.get("train_micro_batch_size_per_gpu")
-    accumulation = batch.get("gradient_accumulation_steps")
-    if total is not None and micro is not None and accumulation is not None and total != micro * accumulation * world:
-        raise ValueError(f"{where}: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "
-                         f"gradient_accumulation_steps {accumulation} x {world} rank(s)")
-    if total is not None and total % ((micro or accumulation or 1) * world):
-        raise ValueError(f"{where}: train_batch_size {total} is not a multiple of "
-                         f"{'train_micro_batch_size_per_gpu' if micro else 'gradient_accumulation_steps'} "
-                         f"{micro or accumulation or 1} x {world} rank(s)")
-    if "gradient_clipping" in config and not is_number(config["gradient_clipping"]):
-        raise ValueError(f"{where}: gradient_clipping must be a finite number; got {config['gradient_clipping']!r}")
-    check_optimizer(config, where)
-
-
-def _torch_class(module_name: str, name: str) -> bool:
-    return isinstance(getattr(importlib.import_module(module_name), name, None), type)
-
-
-def check_optimizer(config: dict, where: str) -> None:
-    """``optimizer.type`` one of DeepSpeed's names or a ``torch.optim`` class, its numeric ``params`` numbers (a string
-    ``lr`` would fail inside the first step), ``scheduler.type`` one of DeepSpeed's or ``torch.optim.lr_scheduler``'s.
-    """
-    optimizer, scheduler = config.get("optimizer"), config.get("scheduler")
-    if optimizer is not None:
-        name = optimizer["type"]
-        if name.lower() not in DS_OPTIMIZERS and not _torch_class("torch.optim", name):
-            raise ValueError(f"{where}: optimizer.type {name!r} is neither DeepSpeed's ({', '.join(DS_OPTIMIZERS)}; "
-                             "any case) nor a torch.optim class")
-        params = optimizer.get("params") or {}
-        for key in OPTIMIZER_NUMBERS:
-            if key in params and not (is_number(params[key]) and params[key] >= 0):
-                raise ValueError(f"{where}: optimizer.params.{key} must be a finite number >= 0; got {params[key]!r}")
-        betas = params.get("betas", [0, 0])
-        if not (isinstance(betas, list) and len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas)):
-            raise ValueError(f"{where}: optimizer.params.betas must be two numbers in [0, 1); got {betas!r}")
-        if "max_grad_norm" in params:
-            raise ValueError(f"{where}: optimizer.params.max_grad_norm: DeepSpeed refuses it; use gradient_clipping")
-    if scheduler is not None and scheduler["type"] not in DS_SCHEDULERS \
-            and not _torch_class("torch.optim.lr_scheduler", scheduler["type"]):
-        raise ValueError(f"{where}: scheduler.type {scheduler['type']!r} is neither DeepSpeed's "
-                         f"({', '.join(DS_SCHEDULERS)}) nor a torch.optim.lr_scheduler class")
-
-
+# ---- the report path ----------------------------------------------------------------------------------------------
 def check_json_out(path: Optional[str]) -> None:
     """``--json-out`` must name a file (not empty, not a directory, not ending in a separator) in a directory this
     process can create or write (checked now: the report is written after the last step)."""
@@ -247,6 +89,19 @@ def check_flags(job, opsd) -> None:
             raise ValueError(f"--rollout {exc}") from None
 
 
+def check_train_path(opsd, configs: list[tuple[str, str, object]]) -> None:
+    """``--train-path packed`` where a model's config rules the packed path out (its type, sliding-window attention;
+    ``configs``: ``(flag, name, HF config)``): the step refuses it once the models are built. ``auto`` falls back to
+    padded there, as documented (``StepBreakdown.train_path`` says which ran)."""
+    if opsd.train_path != "packed":
+        return
+    for flag, name, config in configs:
+        reason = config_unsupported_reason(config)
+        if reason is not None:
+            raise ValueError(f"--train-path packed: cannot run {flag} {name}: {reason}; use --train-path auto "
+                             "(padded for this model) or padded")
+
+
 def check_context(terms: list[tuple[str, int]], context: Optional[int], whose: str, source: str) -> None:
     """Refuse sequences longer than ``context`` tokens (None: unknown, nothing checked): ``terms`` are their parts,
     ``(flag, tokens)``, summed; ``whose`` and ``source`` say whose context it is and where it was read. The message
@@ -269,7 +124,8 @@ def student_context(job, student: ModelFacts) -> tuple[Optional[int], str]:
 
 def check_models(job, opsd, student: ModelFacts, teacher: ModelFacts, zero_stage: int, synthetic: bool,
                  self_context: int = 0, chat: Optional[tuple[int, int]] = None) -> None:
-    """Context, vocabulary and gathering: what the step and its rollout refuse once the models are built, and the
+    """Context, vocabulary (a teacher's at least the student's) and gathering: what the step and its rollout refuse
+    once the models are built (a smaller teacher vocabulary only at a step that samples past it), and the
     teacher's context, which nothing checks later (a teacher scoring past its context gives wrong numbers silently).
     ``teacher`` is ``student`` when the student is its own teacher (``--teacher self``: its prompts are
     ``self_context`` tokens longer) or the teacher's config cannot be read. ``chat``: the real model's longest chat
@@ -290,6 +146,10 @@ def check_models(job, opsd, student: ModelFacts, teacher: ModelFacts, zero_stage
                       f"--teacher self: {source}")
     elif teacher is not student:
         check_context(prompt + response, teacher.context, "the teacher's", f"max_position_embeddings of {teacher.name}")
+    if teacher is not student and 0 < teacher.vocab_size < student.vocab_size:
+        raise ValueError(f"--teacher {teacher.name}: its vocabulary (vocab_size {teacher.vocab_size}) is smaller than "
+                         f"the student's ({student.vocab_size}, {student.name}); the student can sample ids the "
+                         "teacher cannot score")
     if job.lora is not None and student.hidden is not None and job.lora > student.hidden:
         raise ValueError(f"--lora: rank {job.lora} exceeds the student's hidden size {student.hidden} ({student.name}; "
                          "a LoRA update's rank is at most its weight's smaller side, which is at most the hidden size)")
