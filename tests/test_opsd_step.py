@@ -7,7 +7,6 @@ models (no ``logits_to_keep``, no cache, one chunk), with position ids counted i
 """
 
 import copy
-import dataclasses
 import gzip
 import importlib.util
 import json
@@ -252,8 +251,8 @@ def test_every_stage_of_the_step_is_timed_when_profiling(tmp_path):
 def test_deepspeed_steps_train_the_student_only(stage, kinds, world_size, extra):
     results = run_worker("opsd_train.py", str(stage), kinds, *extra, world_size=world_size,
                          env={"OMP_NUM_THREADS": "1"})
-    if "micro" in extra:
-        check_micro_batched_engine_equals_one_shot([r.result["micro"] for r in results])
+    if "micro" in extra:  # ZeRO-3 coalesces the micro-batches' gradients (a step gathers the student once)
+        assert check_micro_batched_engine_equals_one_shot([r.result["micro"] for r in results]) == (stage == 3)
     for kind in kinds.split(","):
         outs = [r.result[kind] for r in results]
         for out in outs:
@@ -262,6 +261,7 @@ def test_deepspeed_steps_train_the_student_only(stage, kinds, world_size, extra)
             # LoRA too: its training pass runs the LoRA pieces; ZeRO-3 too: the step gathers the student once for its
             # passes (gather="once", the default), and with gather="per_forward" runs HF's layers, gathered per module
             assert out["student_path"] == "fast"
+            assert out["coalesced"] == (stage == 3)  # gathered once: its gradients reduced once a step
             if stage == 3:
                 assert out["per_forward_path"][0] == "hf" and "gather='per_forward'" in out["per_forward_path"][1]
             # LoRA too: the adapters are fused before the rollout decodes, through our step (CPU: eagerly)
@@ -290,13 +290,18 @@ def check_micro_batched_engine_equals_one_shot(outs):
     (1): the same losses and updates to fp32 rounding, one optimizer step per OPSD step, and every rank
     running the most micro-batches of any rank (6 rows on rank 0 -> 3, 4 rows on rank 1 -> 2, agreed 3)."""
     for out in outs:
-        one, micro = out["one_shot"], out["micro"]
-        assert micro["losses"] == pytest.approx(one["losses"], rel=1e-5)
-        assert out["max_update"] > 1e-3  # SGD moved the weights: the comparison below is not vacuous
-        assert out["max_update_diff"] <= 1e-5 * out["max_update"]
-        assert one["global_steps"] == micro["global_steps"] == 2
-        assert one["micro_batches"] == [1, 1] and micro["micro_batches"] == [3, 3]
-        assert micro["teacher_forwards"] == [2, 2]
+        one = out["one_shot"]
+        assert out["max_update"] > 1e-3 and out["max_total"] > 1e-3  # SGD moved the weights: not vacuous
+        assert one["coalesced"] == out["micro"]["coalesced"] and not out["micro_hooks"]["coalesced"]
+        for name in ("micro", "micro_hooks"):  # ZeRO-3: the gradients reduced once, and by the hooks each micro-batch
+            micro = out[name]
+            assert micro["losses"] == pytest.approx(one["losses"], rel=1e-5)
+            assert micro["max_update_diff"] <= 1e-5 * out["max_update"], name
+            assert micro["max_total_diff"] <= 1e-5 * out["max_total"], name
+            assert one["global_steps"] == micro["global_steps"] == 2
+            assert one["micro_batches"] == [1, 1] and micro["micro_batches"] == [3, 3]
+            assert micro["teacher_forwards"] == [2, 2]
+    return outs[0]["micro"]["coalesced"]
 
 
 # ---- the main job -----------------------------------------------------------------------------
@@ -479,3 +484,22 @@ def test_a_settable_peak_gives_mfu_on_any_device(train_opsd, capsys):
         with pytest.raises(SystemExit):
             train_opsd.parse_args(["--peak-tflops", bad])
         assert "peak_tflops" in capsys.readouterr().err
+
+
+def test_coalesce_gradients_flag_and_field(capsys):
+    """``--coalesce-gradients 0|1`` sets ``OPSDConfig.coalesce_gradients`` (True by default); other values and a
+    non-bool field are refused naming them. A plain module + optimizer has nothing to coalesce."""
+    from rollout.opsd.student import PlainStudent
+
+    assert job_lib.parse_args([]).opsd.coalesce_gradients is True
+    assert job_lib.parse_args(["--coalesce-gradients", "0"]).opsd.coalesce_gradients is False
+    with pytest.raises(SystemExit):
+        job_lib.parse_args(["--coalesce-gradients", "yes"])
+    assert "--coalesce-gradients: expected 0 or 1; got 'yes'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="coalesce_gradients"):
+        OPSDConfig(coalesce_gradients=1)
+    model = tiny_model("qwen2", seed=0)
+    plain = PlainStudent(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert plain.can_coalesce is False
+    with plain.coalesced():
+        pass

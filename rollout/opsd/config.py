@@ -85,14 +85,21 @@ class OPSDConfig:
     peft's unmerged forward computes them (gradients reach the adapters only). A ZeRO-3 student runs them too where
     its rollout gathers once (``RolloutConfig.gather="once"``, the default): the step gathers its parameters once for
     the micro-batches' passes, ZeRO-3's module hooks suspended, and partitions them again before the optimizer step;
-    ZeRO-3's gradient hooks still reduce each gradient. False, or a model they do not cover
+    the micro-batches' gradients are reduced once, after the last (``coalesce_gradients``). False, or a model they do not cover
     (ZeRO-3 with ``gather="per_forward"``, activation checkpointing, attention dropout; LoRA variants such as DoRA, ``lora_bias``,
     lora dropout in training, several active adapters on a layer, adapters outside the decoder layers'
     projections), runs HF's forward with the packed attention. ``StepBreakdown.student_path`` says which ran;
     ``OPSDStep.student_path_reason`` why."""
 
+    coalesce_gradients: bool = True
+    """A ZeRO-3 student gathered once for its passes (above) leaves each micro-batch's gradients on its gathered
+    parameters and reduces them into ZeRO-3's partitions once, after the last micro-batch (DeepSpeed's
+    ``engine.coalesce_grad_reduction``), instead of in ZeRO-3's gradient hooks after every micro-batch, whose host
+    work and stream syncs left the GPU idle. Costs the full gradients' memory (2 bytes a bf16 parameter) during the
+    step. False: the hooks reduce each micro-batch. ``OPSDStep.coalesces_gradients`` says whether it applies."""
+
     def __post_init__(self) -> None:
-        for name in ("fast_teacher", "fast_student"):
+        for name in ("fast_teacher", "fast_student", "coalesce_gradients"):
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
         require(self.train_path in TRAIN_PATHS, "train_path",
                 f"must be one of {TRAIN_PATHS}; got {self.train_path!r}")

@@ -29,6 +29,13 @@ from rollout.opsd.config import OPSDConfig
 from rollout.opsd.job import JobConfig, ModelNames
 
 
+def switch(text: str) -> bool:
+    """``0`` / ``1`` -> False / True (argparse names the flag of another value)."""
+    if text not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"expected 0 or 1; got {text!r}")
+    return text == "1"
+
+
 def rows_setting(text: str):
     """``auto`` / ``all`` (None: every row at once) / an int >= 1: a micro-batch size flag (argparse names the flag
     of a bad value, with the accepted ones)."""
@@ -94,6 +101,8 @@ FLAGS = {
     "--temperature": ("opsd", "temperature", float, "loss temperature"),
     "--teacher-top-k": ("opsd", "teacher_top_k", int, "cache the teacher's top-k logits only"),
     "--logit-cache": ("opsd", "logit_cache_location", str, "teacher logit cache: device or host"),
+    "--coalesce-gradients": ("opsd", "coalesce_gradients", switch,
+                             "1: a ZeRO-3 student gathered once reduces its gradients once a step, 0: every micro-batch"),
 }
 #: The flag of every other rollout setting: ``--rollout SETTING=VALUE``.
 ROLLOUT_FLAG = "--rollout"

@@ -121,6 +121,9 @@ class OPSDStep:
         # A ZeRO-3 student whose rollout gathers its weights once (RolloutConfig.gather) is gathered once for the
         # packed passes as well, so that they run through the pieces instead of per-module gathers.
         self._gathers_student = self.rollout.is_zero3 and self.rollout.config.gather == "once"
+        self.coalesces_gradients = False
+        """Whether the step's micro-batches' gradients are reduced once (``OPSDConfig.coalesce_gradients``): set for
+        each step, True where the student was gathered once for its passes and its engine can coalesce."""
         self.teacher_path = "padded"
         self.student_path, self.student_path_reason, _ = self._student_path()
         if self.train_path == "packed":
@@ -243,16 +246,25 @@ class OPSDStep:
         stream = TeacherStream(lambda span: self._teacher_chunk(run, span), plan.teacher_chunks,
                                [inputs.stats.num_positions[row] for row in plan.order])
         total = torch.zeros((), dtype=torch.float32, device=inputs.ids.device)
+        self.coalesces_gradients = (self.config.coalesce_gradients and student is not None and self._gathers_student
+                                    and self._trainer.can_coalesce)
+        reduction = contextlib.ExitStack()  # closing it reduces the coalesced gradients (a no-op otherwise)
         try:
+            if self.coalesces_gradients:
+                reduction.enter_context(self._trainer.coalesced())
             for index, span in enumerate(plan.groups):
                 stream.prepare(span)
                 total += self._micro_batch(run, span, stream, is_last=index == len(plan.groups) - 1)
         except BaseException:
-            self._trainer.discard_gradients()  # a later step must not apply this one's partial gradients
+            try:
+                reduction.close()
+            finally:
+                self._trainer.discard_gradients()  # a later step must not apply this one's partial gradients
             raise
         finally:
             stream.close()
         with timer.phase(stages.OPTIMIZER_STEP):
+            reduction.close()  # coalesced: the micro-batches' gradients reduced into ZeRO-3's partitions, once
             release()  # gathered ZeRO-3 weights are partitioned again first (ZeRO-3's step partitions every one)
             self._trainer.step()
         return float(total)  # the step's one sync after the rollout's

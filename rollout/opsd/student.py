@@ -18,6 +18,8 @@ as they are:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -39,6 +41,11 @@ class PlainStudent:
 
     def begin_micro_batch(self, is_last: bool) -> None:
         """Nothing to do: ``.grad`` accumulates across backward calls."""
+
+    can_coalesce = False  # nothing to coalesce: .grad accumulates, the optimizer reads it
+
+    def coalesced(self):
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -74,6 +81,30 @@ class EngineStudent:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
+
+    @property
+    def can_coalesce(self) -> bool:
+        """Whether :meth:`coalesced` reduces once: a ZeRO-3 engine with DeepSpeed's ``coalesce_grad_reduction``
+        (0.19.8 on) over its own ZeRO optimizer, managing its accumulation boundary, without pipeline parallelism."""
+        engine = self.engine
+        return (self._sets_boundary and callable(getattr(engine, "coalesce_grad_reduction", None))
+                and engine.zero_optimization_stage() == 3 and not getattr(engine, "pipeline_parallelism", False)
+                and hasattr(getattr(engine, "optimizer", None), "_coalesce_grad_reduction"))
+
+    @contextlib.contextmanager
+    def coalesced(self):
+        """A context whose backward calls leave their gradients on the parameters; its exit reduces them once into the
+        optimizer's partitions and marks the accumulation boundary for :meth:`step` (DeepSpeed restores the flag it
+        found on entry, the previous step's). A null context where :attr:`can_coalesce` is False."""
+        if not self.can_coalesce:
+            yield
+            return
+        with self.engine.coalesce_grad_reduction():
+            yield
+            optimizer = self.engine.optimizer
+            if isinstance(getattr(optimizer, "micro_step_id", None), int):  # the step's one reduction: it must copy
+                optimizer.micro_step_id = 0  # into the partitions (engine forwards made it count micro-batches)
+        self.engine.set_gradient_accumulation_boundary(True)
 
     def step(self) -> None:
         self.engine.step()

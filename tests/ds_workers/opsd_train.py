@@ -12,7 +12,9 @@ engine), on the same prompt and with a different teacher prompt. With ``micro``:
 from the same seeded student with a plain SGD optimizer train on the same two rollouts (6 rows on
 rank 0, 4 on rank 1), one all rows at once with ``gradient_accumulation_steps`` 1, the other in
 micro-batches of at most 2 rows (teacher forwards of at most 3) with ``gradient_accumulation_steps``
-3; emits both losses, the largest difference of their first updates and the largest update.
+3, the latter once with ZeRO-3's gradients coalesced (the default) and once reduced by its hooks after every
+micro-batch; emits the losses, the largest differences of the first updates and of both steps' updates against
+one-shot, and the largest updates.
 """
 
 import copy
@@ -101,7 +103,7 @@ def run(kind: str) -> dict:
     out = {
         "is_zero3": step.rollout.is_zero3, "losses": [r.loss for r in results],
         "reference_loss": reference_loss(oracle, teacher, results[0].batch, step.train_path),
-        "train_path": step.train_path, "student_path": step.student_path,
+        "train_path": step.train_path, "student_path": step.student_path, "coalesced": step.coalesces_gradients,
         "rollout_path": results[-1].breakdown.rollout_path,
         "num_params": len(before), "trainable": sorted(n for n, p in module.named_parameters() if p.requires_grad),
         "changed": sorted(n for n in before if not torch.equal(before[n], after[n])),
@@ -143,8 +145,9 @@ def micro_vs_one_shot() -> dict:
         ids, mask = random_prompts(3 - rank(), 6, min_len=2, seed=500 + 10 * rank() + index)
         batches.append(Rollout(roller, tokenizer).generate(RolloutRequest(ids, mask), SAMPLING))
     configs = {"one_shot": (OPSDConfig(max_student_rows=None, max_teacher_rows=None), 1),
-               "micro": (OPSDConfig(max_student_rows=2, max_teacher_rows=3), 3)}
-    out, weights = {}, {}
+               "micro": (OPSDConfig(max_student_rows=2, max_teacher_rows=3), 3),
+               "micro_hooks": (OPSDConfig(max_student_rows=2, max_teacher_rows=3, coalesce_gradients=False), 3)}
+    out, weights, totals = {}, {}, {}
     for name, (config, accumulation) in configs.items():
         engine = sgd_engine(tiny_model("qwen2", seed=0).train(), accumulation)
         before = gathered_weights(engine.module)
@@ -153,12 +156,19 @@ def micro_vs_one_shot() -> dict:
         after = gathered_weights(engine.module)
         weights[name] = {n: after[n] - before[n] for n in before}  # the first step's update
         results.append(step.train_on_batch(batches[1]))
+        final = gathered_weights(engine.module)
+        totals[name] = {n: final[n] - before[n] for n in before}  # both steps' updates
         out[name] = {"losses": [r.loss for r in results], "global_steps": engine.global_steps,
                      "micro_batches": [r.breakdown.num_micro_batches for r in results],
-                     "teacher_forwards": [r.breakdown.num_teacher_forwards for r in results]}
+                     "teacher_forwards": [r.breakdown.num_teacher_forwards for r in results],
+                     "coalesced": step.coalesces_gradients}
     deltas = weights["one_shot"]
     out["max_update"] = max(float(d.abs().max()) for d in deltas.values())
-    out["max_update_diff"] = max(float((deltas[n] - weights["micro"][n]).abs().max()) for n in deltas)
+    for name in ("micro", "micro_hooks"):  # the first update, and both steps' (the second starts from the first's)
+        out[name]["max_update_diff"] = max(float((deltas[n] - weights[name][n]).abs().max()) for n in deltas)
+        out[name]["max_total_diff"] = max(float((totals["one_shot"][n] - totals[name][n]).abs().max())
+                                          for n in deltas)
+    out["max_total"] = max(float(d.abs().max()) for d in totals["one_shot"].values())
     return out
 
 
