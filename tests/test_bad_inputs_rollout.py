@@ -168,32 +168,9 @@ def test_concurrent_generate_calls_are_refused(model):
     assert ro.generate(RolloutRequest(IDS, MASK), SamplingConfig(**OK_SAMPLING)).input_ids.shape == (3, 10)
 
 
-@pytest.mark.parametrize("route", ["ordinary", "continuous"])
-@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
-def test_nonfinite_weights_warn_and_are_flagged(route, poison):
-    """NaN/inf weights made every row's tokens 0 (argmax of NaN), silently: the call now warns and says so in
-    ``last_stats.prefill.nonfinite_logits``; a healthy model neither warns nor flags."""
-    model, tok = tiny_model(seed=3), TinyTokenizer(pad_token_id=0, eos_token_id=None)
-    sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
-    healthy = Rollout(model, tok, RolloutConfig(route=route))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        healthy.generate(RolloutRequest(IDS, MASK), sampling)
-    assert not [w for w in caught if "NaN or infinite" in str(w.message)]
-    assert healthy.last_stats.prefill.nonfinite_logits is False
-    with torch.no_grad():
-        model.model.layers[0].mlp.down_proj.weight[0, 0] = poison
-    ro = Rollout(model, tok, RolloutConfig(route=route))
-    with pytest.warns(RuntimeWarning, match="prefill produced NaN or infinite logits"):
-        ro.generate(RolloutRequest(IDS, MASK), sampling)
-    assert ro.last_stats.prefill.nonfinite_logits is True
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the captured decode and packed prefill")
-@pytest.mark.parametrize("route", ["ordinary", "continuous"])
-def test_nonfinite_weights_warn_on_cuda(route):
-    """The same on the GPU's default path (our packed prefill, decode steps from CUDA graphs), in bf16."""
-    model = tiny_model(seed=3).to("cuda", torch.bfloat16)
+def _check_nonfinite_warning(model, route: str, poison: float) -> None:
+    """A healthy ``model`` neither warns nor flags; after one weight is set to ``poison`` the call warns and sets
+    ``last_stats.prefill.nonfinite_logits`` (the same Rollout: its captured graphs read the weights in place)."""
     tok, sampling = TinyTokenizer(pad_token_id=0, eos_token_id=None), SamplingConfig(max_new_tokens=4,
                                                                                        temperature=0.0)
     ro = Rollout(model, tok, RolloutConfig(route=route))
@@ -203,7 +180,21 @@ def test_nonfinite_weights_warn_on_cuda(route):
     assert not [w for w in caught if "NaN or infinite" in str(w.message)]
     assert ro.last_stats.prefill.nonfinite_logits is False
     with torch.no_grad():
-        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = poison
     with pytest.warns(RuntimeWarning, match="prefill produced NaN or infinite logits"):
         ro.generate(RolloutRequest(IDS, MASK), sampling)
     assert ro.last_stats.prefill.nonfinite_logits is True
+
+
+@pytest.mark.parametrize("route", ["ordinary", "continuous"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_nonfinite_weights_warn_and_are_flagged(route, poison):
+    """NaN/inf weights made every row's tokens 0 (argmax of NaN), silently: the call now warns and says so."""
+    _check_nonfinite_warning(tiny_model(seed=3), route, poison)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the captured decode and packed prefill")
+@pytest.mark.parametrize("route", ["ordinary", "continuous"])
+def test_nonfinite_weights_warn_on_cuda(route):
+    """The same on the GPU's default path (our packed prefill, decode steps from CUDA graphs), in bf16."""
+    _check_nonfinite_warning(tiny_model(seed=3).to("cuda", torch.bfloat16), route, float("nan"))

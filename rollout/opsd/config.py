@@ -96,7 +96,9 @@ class OPSDConfig:
     parameters and reduces them into ZeRO-3's partitions once, after the last micro-batch (DeepSpeed's
     ``engine.coalesce_grad_reduction``), instead of in ZeRO-3's gradient hooks after every micro-batch, whose host
     work and stream syncs left the GPU idle. Costs the full gradients' memory (2 bytes a bf16 parameter) during the
-    step. False: the hooks reduce each micro-batch. ``OPSDStep.coalesces_gradients`` says whether it applies."""
+    step, which the micro-batch budget leaves to its headroom (3B at RL scale on an H200: peak 95.0 GiB against 89.3),
+    and accumulates them in the parameters' dtype, as ZeRO-0 does. False: the hooks reduce each micro-batch into
+    ZeRO-3's partitions. ``OPSDStep.coalesces_gradients`` says whether it applies."""
 
     def __post_init__(self) -> None:
         for name in ("fast_teacher", "fast_student", "coalesce_gradients"):
