@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.harness import results
-from benchmarks.harness.cli import int_at_least
+from benchmarks.harness.cli import finite_number, int_at_least, out_path
 from benchmarks.harness.device import measure_rates, rates_meta
 from benchmarks.harness.meta import header, run_meta
-from benchmarks.harness.models import default_device
+from benchmarks.harness.models import default_device, device_arg
 from benchmarks.harness.rounds import Rounds, Timer, time_rounds
 from benchmarks.harness.table import markdown_table
 from rollout.ops import jsd
@@ -138,12 +138,12 @@ def main(argv=None) -> list[JsdRow]:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.jsd", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--device", type=device_arg, default=default_device())
     parser.add_argument("--betas", type=float, nargs="+", default=[0.5])
     parser.add_argument("--rows", type=int_at_least(1), default=2048)
     parser.add_argument("--vocab", type=int_at_least(1), default=151936)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=finite_number(0.0, above=True), default=1.0)
     parser.add_argument("--step-positions", type=int_at_least(1), default=261026)
     parser.add_argument("--repeats", type=int_at_least(1), default=15)
     parser.add_argument("--seed", type=int, default=0)
@@ -154,7 +154,7 @@ def main(argv=None) -> list[JsdRow]:
     parser.add_argument("--reference", action="store_true", help="also time the PyTorch reference")
     parser.add_argument("--interpret", action="store_true",
                         help="run the kernels on a CPU in Triton's interpreter (with TRITON_INTERPRET=1 set): a check")
-    parser.add_argument("--json", help="also write the result file here")
+    parser.add_argument("--json", type=out_path, help="also write the result file here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     for beta in args.betas:

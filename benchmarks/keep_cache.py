@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from benchmarks.harness import results
+from benchmarks.harness.cli import int_at_least, out_path
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.models import add_model_args, load_model
 from benchmarks.harness.rounds import Rounds, run_rounds
@@ -68,12 +69,12 @@ def main(argv=None) -> list[KeepCacheRow]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.keep_cache", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=2, help="measurements per setting (alternating)")
-    parser.add_argument("--json", help="write the result file here")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=4)
+    parser.add_argument("--samples", type=int_at_least(1), default=4)
+    parser.add_argument("--prompt-len", type=int_at_least(2), default=512)
+    parser.add_argument("--max-new-tokens", type=int_at_least(1), default=512)
+    parser.add_argument("--rounds", type=int_at_least(1), default=2, help="measurements per setting (alternating)")
+    parser.add_argument("--json", type=out_path, help="write the result file here")
     args = parser.parse_args(argv)
     loaded = load_model(args)
     prompts = random_prompts(args.batch_size, args.prompt_len, min_len=args.prompt_len // 2,

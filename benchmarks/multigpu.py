@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.harness import results
+from benchmarks.harness.cli import finite_number
 from benchmarks.harness.meta import run_meta
 from benchmarks.harness.programs import REPO, SUMMARIZE_SCRIPT, TRAIN_SCRIPT
 from benchmarks.harness.table import markdown_table
@@ -368,7 +369,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
                         help="processes (GPUs) per run, each variant once per value (default: 1 2)")
     parser.add_argument("--launcher", nargs="+", choices=LAUNCHERS, default=["torchrun"],
                         help="torchrun (--standalone) and/or the deepspeed launcher (default: torchrun)")
-    parser.add_argument("--timeout", type=float, default=480.0, help="seconds per variant (default 480)")
+    parser.add_argument("--timeout", type=finite_number(0.0, above=True), default=480.0, help="s per variant (480)")
     parser.add_argument("--out", default=None, help="all rows as JSON (default bench_multigpu.json; "
                                                     "with --merge: written only when given)")
     parser.add_argument("--work-dir", default=None,

@@ -37,6 +37,7 @@ import time
 import torch
 
 from benchmarks.harness import results
+from benchmarks.harness.cli import finite_number, int_at_least, int_in, out_path
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.rounds import round_order
 from benchmarks.harness.table import markdown_table
@@ -191,13 +192,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--student", default="qwen25-3b")
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per process (two untimed)")
-    parser.add_argument("--tokens", type=int, default=256, help="tokens of the one row each step trains on")
-    parser.add_argument("--lr", type=float, default=1e-3,
+    parser.add_argument("--steps", type=int_at_least(4), default=6, help="optimizer steps per process (two untimed)")
+    parser.add_argument("--tokens", type=int_at_least(2), default=256, help="tokens of the one row each step trains on")
+    parser.add_argument("--lr", type=finite_number(0.0, above=True), default=1e-3,
                         help="AdamW's rate: updates must exceed bf16's spacing for the comparison to mean anything")
-    parser.add_argument("--rounds", type=int, default=2, help="processes per variant, ABBA order")
-    parser.add_argument("--port", type=int, default=29610)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--rounds", type=int_at_least(1), default=2, help="processes per variant, ABBA order")
+    parser.add_argument("--port", type=int_in(1, 65535), default=29610)
+    parser.add_argument("--out", type=out_path, default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--sample", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from benchmarks.harness import results
+from benchmarks.harness.cli import int_at_least, int_in, out_path
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.rounds import Rounds, Timer, time_rounds
 from benchmarks.harness.table import markdown_table
@@ -127,12 +128,13 @@ def main(argv=None) -> list[PlannerRow]:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.planner", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=400, help="timed calls per planner cell")
-    parser.add_argument("--reference-repeats", type=int, default=40, help="timed calls per reference-DP cell")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--e2e-repeats", type=int, default=15,
+    parser.add_argument("--repeats", type=int_at_least(1), default=400, help="timed calls per planner cell")
+    parser.add_argument("--reference-repeats", type=int_at_least(1), default=40,
+                        help="timed calls per reference-DP cell")
+    parser.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
+    parser.add_argument("--e2e-repeats", type=int_at_least(0), default=15,
                         help="Rollout ordinary vs auto on 128 short requests (0: skip)")
-    parser.add_argument("--json", help="also write the result file here")
+    parser.add_argument("--json", type=out_path, help="also write the result file here")
     args = parser.parse_args(argv)
     cm = CostModel()
     rows = plan_rows(args, cm) + route_rows(args, cm)

@@ -18,7 +18,8 @@ import torch
 
 from benchmarks.harness import results
 from benchmarks.harness.meta import header, run_meta
-from benchmarks.harness.models import default_device
+from benchmarks.harness.cli import int_at_least, out_path
+from benchmarks.harness.models import default_device, device_arg
 from benchmarks.harness.rounds import Rounds, Timer, time_rounds
 from benchmarks.harness.table import markdown_table
 from rollout.ops.expand import expand_prompts
@@ -83,9 +84,9 @@ def main(argv=None) -> list[PostprocessRow]:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.postprocess", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default=default_device())
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--json", help="also write the result file here")
+    parser.add_argument("--device", type=device_arg, default=default_device())
+    parser.add_argument("--repeats", type=int_at_least(1), default=7)
+    parser.add_argument("--json", type=out_path, help="also write the result file here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     rows = [measure(r, t, device, args.repeats) for r in (16, 256, 2048) for t in (128, 1024)]

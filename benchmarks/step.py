@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from benchmarks.harness import results
-from benchmarks.harness.cli import int_at_least
+from benchmarks.harness.cli import int_at_least, names_among, out_path
 from benchmarks.harness.device import measure_rates, rates_meta
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.models import model_geometry, set_single_process_env
@@ -372,26 +372,26 @@ def table(rows: list) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cells", default="small,uniform")
+    parser.add_argument("--cells", type=names_among(CELLS), default=("small", "uniform"))
     parser.add_argument("--paths", default="padded,packed")
-    parser.add_argument("--steps", type=int, default=2, help="timed rounds after one warm-up step per path")
+    parser.add_argument("--steps", type=int_at_least(1), default=2, help="timed rounds after a warm-up step per path")
     parser.add_argument("--student", default="qwen25-3b")
     parser.add_argument("--teacher", default="qwen25-3b")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true", help="compare the paths' loss and gradients first")
     parser.add_argument("--kernels", action="store_true", help="profile one packed training pass's kernels first")
-    parser.add_argument("--check-tokens", type=int, default=256, help="prompt and response budget of --check")
+    parser.add_argument("--check-tokens", type=int_at_least(1), default=256, help="prompt and response budget of --check")
     parser.add_argument("--deepspeed-config", default=None,
                         help="the student engine's DeepSpeed config (the main job's flag; default: its built-in one)")
     parser.add_argument("--lora", type=int_at_least(1), default=None,
                         help="a peft LoRA student of this rank (the main job's flag): adapters alone train")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=out_path, default=None)
     args = parser.parse_args(argv)
     args.paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
     unknown = [p for p in args.paths if p not in PATHS]
     if unknown or not args.paths:
         parser.error(f"--paths: {unknown or args.paths} not among {tuple(PATHS)}")
-    cells = [CELLS[name.strip()] for name in args.cells.split(",") if name.strip()]
+    cells = [CELLS[name] for name in args.cells]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     set_single_process_env(29531)
     rates = measure_rates(str(device), torch.bfloat16 if device.type == "cuda" else torch.float32)

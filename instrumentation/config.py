@@ -1,7 +1,6 @@
 """``ProfileConfig``: the profiling switches, read once from the environment (no torch).
 
-Precedence is explicit arguments > environment > defaults. Every bad value raises ``ValueError``
-naming the variable (or argument) and the values it accepts.
+Explicit arguments > environment > defaults; a bad value raises ``ValueError`` naming it and what is accepted.
 
 ==========================  =========================================================  ================
 variable                    accepted values                                            default
@@ -26,6 +25,8 @@ An empty variable counts as unset. :func:`instrumentation.check_environment` val
 
 from __future__ import annotations
 
+import itertools
+import numbers
 import os
 import re
 from dataclasses import dataclass, fields
@@ -119,20 +120,27 @@ def parse_int_list(value, source: str, accepted: str = _STEPS_ACCEPTED) -> tuple
                 raise _bad(source, value, f"{accepted}; at most {MAX_LIST_ITEMS} items")
             items.update(range(int(low), int(high) + 1))
         return tuple(sorted(items))
+    raw = None if isinstance(value, (bytes, bytearray, memoryview)) else value  # b"1-3" iterated as (45, 49, 51)
     try:
-        items_list = list(value)
+        items_list = list(itertools.islice(raw, MAX_LIST_ITEMS + 1))  # bounded: range(10**9) is refused at once
     except TypeError:
         raise _bad(source, value, accepted) from None
-    if not items_list or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in items_list):
+    if len(items_list) > MAX_LIST_ITEMS:
+        raise _bad(source, value, f"{accepted}; at most {MAX_LIST_ITEMS} items")
+    if not items_list or any(not _is_index(v) or v < 0 for v in items_list):
         raise _bad(source, value, accepted)
-    return tuple(sorted(set(items_list)))
+    return tuple(sorted({int(v) for v in items_list}))
+
+
+def _is_index(value) -> bool:  # an integer that is not a bool, numpy's included
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def parse_ranks(value, source: str = "ranks") -> Optional[tuple[int, ...]]:
     """``"all"`` / None -> None (every rank); otherwise a sorted tuple of ranks."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
         return None
-    if isinstance(value, int) and not isinstance(value, bool):
+    if _is_index(value):
         value = (value,)
     return parse_int_list(value, source, _RANKS_ACCEPTED)
 
@@ -142,9 +150,9 @@ def parse_every(value, source: str = "every") -> int:
     text = value.strip() if isinstance(value, str) else value
     if isinstance(text, str) and _is_uint(text):
         text = int(text)
-    if isinstance(text, bool) or not isinstance(text, int) or text < 1:
+    if not _is_index(text) or text < 1:
         raise _bad(source, value, "an integer >= 1")
-    return text
+    return int(text)
 
 
 def parse_bool(value, source: str) -> bool:
@@ -210,8 +218,9 @@ class ProfileConfig:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "mode", parse_mode(self.mode, "mode"))
-        if not isinstance(self.output_dir, (str, os.PathLike)) or not str(self.output_dir).strip():
-            raise ValueError(f"output_dir must be a non-empty path; got {self.output_dir!r}")
+        if (not isinstance(self.output_dir, (str, os.PathLike)) or not str(self.output_dir).strip()
+                or "\0" in str(self.output_dir)):
+            raise ValueError(f"output_dir must be a non-empty path without NUL characters; got {self.output_dir!r}")
         set_(self, "output_dir", os.fspath(self.output_dir))
         set_(self, "steps", parse_int_list(self.steps, "steps"))
         set_(self, "ranks", parse_ranks(self.ranks, "ranks"))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+import warnings
 from typing import Mapping, Optional
 
 from instrumentation import rates, runmarker
@@ -66,6 +67,20 @@ def config_from_environment(environ: Optional[Mapping[str, str]] = None) -> Prof
     return ProfileConfig.from_env(environ)
 
 
+#: variable -> (the modes that read it, what it does): set under another mode it does nothing (one warning).
+MODE_ONLY = {"OPSD_PROFILE_EVERY": (("timers",), "times every N-th step in mode 'timers'"),
+             "OPSD_PROFILE_STEPS": (("1",), "picks the traced steps of mode '1'")}
+
+
+def _warn_ignored(environ: Mapping[str, str], config: ProfileConfig) -> None:
+    if config.mode == "0":
+        return  # profiling off: nothing is read, as documented
+    for var, (modes, does) in MODE_ONLY.items():
+        if environ.get(var, "").strip() and config.mode not in modes:
+            warnings.warn(f"{var}={environ[var]!r} is ignored under OPSD_PROFILE={config.mode!r} (it {does})",
+                          stacklevel=3)
+
+
 def check_environment(environ: Optional[Mapping[str, str]] = None) -> ProfileConfig:
     """Validate every ``OPSD_*`` variable (see the module docstring); returns the profiling config.
 
@@ -73,6 +88,7 @@ def check_environment(environ: Optional[Mapping[str, str]] = None) -> ProfileCon
     """
     environ = os.environ if environ is None else environ
     config = config_from_environment(environ)
+    _warn_ignored(environ, config)
     rank = environ.get("RANK", "").strip() or "0"
     if config.stage_timers and config.run_name is not None and rank == "0" and not _distributed():
         run_dir = os.path.join(config.output_dir, config.run_name)

@@ -7,36 +7,33 @@
             prof.log_step(step, loss=loss, tokens_per_s=tps, step_ms=ms, mfu=mfu)  # optional
             prof.step()
 
-One step index everywhere: ``prof.step()`` counts training steps from 0; ``OPSD_PROFILE_STEPS``,
-the TensorBoard x axis (live and ``opsd-summarize --tensorboard``), torch.profiler's
-``ProfilerStep#N`` and ``opsd-summarize --by-step`` all use that index.
+One step index everywhere: ``prof.step()`` counts training steps from 0; ``OPSD_PROFILE_STEPS``, the TensorBoard
+x axis (live and ``opsd-summarize --tensorboard``), ``ProfilerStep#N`` and ``opsd-summarize --by-step`` use it.
 
 With ``OPSD_PROFILE=1``, on the selected ranks, the session
 
-* runs ``torch.profiler`` over the recorded steps (``OPSD_PROFILE_STEPS``; see
-  :mod:`instrumentation.schedule`) and writes one trace per rank per window,
-  ``<run_dir>/rank{R}.<time_ns>.pt.trace.json.gz``, atomically (:mod:`instrumentation.export`);
-* times every stage of the recorded steps and writes TensorBoard scalars per recorded step under
-  ``<run_dir>/rank{R}/`` (tags in :mod:`instrumentation.scalars`), and keeps a live per-stage table
-  (:meth:`ProfilerSession.stage_rows`);
+* runs ``torch.profiler`` over the recorded steps (``OPSD_PROFILE_STEPS``; :mod:`instrumentation.schedule`) and
+  writes one trace per rank per window, ``<run_dir>/rank{R}.<time_ns>.pt.trace.json.gz``, atomically;
+* times every stage of the recorded steps and writes TensorBoard scalars per recorded step under ``<run_dir>/rank{R}/``
+  (tags in :mod:`instrumentation.scalars`), and keeps a live per-stage table (:meth:`ProfilerSession.stage_rows`);
 * writes the work of each recorded step (FLOPs, bytes, rows, tokens per rollout and training stage, and the
   device's peak rates: the user's, else measured once per session on the GPU, else the data sheet's) to
   ``<run_dir>/rank{R}.work.jsonl`` (:mod:`instrumentation.worklog`), where ``opsd-summarize`` reads it.
 
 With ``OPSD_PROFILE=timers`` (the always-on light mode) it times the stages of every step (every
-``OPSD_PROFILE_EVERY``-th) with CUDA events, never making the host wait for them
-(:mod:`instrumentation.light`), one event pair per run of consecutive calls of a stage, and writes the same scalars every step; no torch.profiler.
+``OPSD_PROFILE_EVERY``-th) with CUDA events, never making the host wait for them (:mod:`instrumentation.light`), one
+event pair per run of consecutive calls of a stage, and writes the same scalars every step; no torch.profiler.
 
-In both modes a timed step gets its own figures (MFU with ``prof.note_step_flops``, GPU busy, peak memory), the run
-a layout and hparams (``prof.log_hparams``): :mod:`instrumentation.stepscalars`. ``log_step`` writes the loop's
-own scalars (``train/<name>``) every step. Off, in ``nvtx`` mode and on unselected ranks the session does nothing
-but count steps (``log_step`` only checks its arguments). Any failure of the machinery gives one warning per cause and the loop goes
-on. Call ``prof.step()`` outside the ``opsd/step`` range.
+In both modes a timed step gets its own figures (MFU with ``prof.note_step_flops``, GPU busy, peak memory), the run a
+layout and hparams (``prof.log_hparams``): :mod:`instrumentation.stepscalars`. ``log_step`` writes the loop's own
+scalars (``train/<name>``) every step. Off, in ``nvtx`` mode and on unselected ranks the session only counts steps
+(``log_step`` only checks its arguments). A failure of the machinery gives one warning per cause and the loop goes on.
+Call ``prof.step()`` outside the ``opsd/step`` range.
 
-Before anything starts, ``opsd_profiler()`` runs :func:`instrumentation.check_environment` (a bad
-``OPSD_*`` value raises ``ValueError`` naming it), and entering the session refuses (``ValueError``
-naming ``OPSD_PROFILE_RUN_NAME``) a run directory that belongs to another run or leads outside
-``OPSD_PROFILE_DIR`` (:mod:`instrumentation.runmarker`).
+Before anything starts, ``opsd_profiler()`` runs :func:`instrumentation.check_environment` (a bad ``OPSD_*`` value
+raises ``ValueError`` naming it), and entering the session refuses (``ValueError`` naming ``OPSD_PROFILE_RUN_NAME``) a
+run directory of another run or outside ``OPSD_PROFILE_DIR`` (:mod:`instrumentation.runmarker`); misuse (``step()``
+outside ``with``, a session entered twice, sessions with timers nested) too (:mod:`instrumentation.session_checks`).
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ import time
 from numbers import Real
 from typing import Optional
 
-from instrumentation import probe, rates, runfiles, state, worklog
+from instrumentation import probe, rates, runfiles, session_checks, state, worklog
 from instrumentation.collect import StageTable, format_stage_rows, summarize
 from instrumentation.config import ProfileConfig
 from instrumentation.environment import check_environment
@@ -108,6 +105,7 @@ class ProfilerSession:
         check_environment()  # every OPSD_* variable, before anything starts
         self._explicit_config = config
         self.rank, self.world_size = runfiles.resolve_rank(rank, world_size)
+        session_checks.check_world(self.rank, self.world_size, world_size)
         self.config: Optional[ProfileConfig] = None
         self.run_dir: Optional[str] = None
         """``<output_dir>/<run_name>``; None when nothing is written on this rank."""
@@ -127,11 +125,14 @@ class ProfilerSession:
         self._previous_config: Optional[ProfileConfig] = None
         self._swapped_config = False
         self._steps = StepLog(self._scalars)  # the timed steps' own figures (instrumentation.steplog)
+        self._phase = "new"  # "open" inside its `with`, then "closed" (instrumentation.session_checks)
 
     # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> "ProfilerSession":
         active = state.get_config()
         config = self._explicit_config or active
+        session_checks.check_enter(self._phase, config.stage_timers, HUB.num_sessions)
+        self._phase = "open"
         if config.stage_timers:  # may refuse the run (ValueError) before anything has changed
             run_name, run_id = runfiles.shared_run(config, self.world_size)
             self.selected = config.selects_rank(self.rank)
@@ -161,7 +162,8 @@ class ProfilerSession:
         return self
 
     def step(self) -> None:
-        """Mark the end of the current training step (call it after every step)."""
+        """Mark the end of the current training step (call it after every step, inside the session's ``with``)."""
+        session_checks.check_step(self._phase)
         if not self.selected:
             self.current_step += 1
             return
@@ -172,12 +174,9 @@ class ProfilerSession:
         self._begin_step()
 
     def log_step(self, step: Optional[int] = None, **scalars) -> None:
-        """Write the loop's scalars of training step ``step`` (default: the current one) as
-        ``train/<name>`` (e.g. ``loss=``, ``tokens_per_s=``, ``step_ms=``, ``mfu=``; None skips one).
-
-        Arguments are checked in every mode (``ValueError`` naming the bad one); they are written in
-        modes ``1`` and ``timers`` on the selected ranks.
-        """
+        """Write the loop's scalars of training step ``step`` (default: the current one) as ``train/<name>`` (e.g.
+        ``loss=``, ``tokens_per_s=``, ``step_ms=``, ``mfu=``; None skips one). Arguments are checked in every mode
+        (``ValueError`` naming the bad one); they are written in modes ``1`` and ``timers`` on the selected ranks."""
         check_scalars(step, scalars)
         if self.selected:
             self._scalars.train(self.current_step if step is None else step,
@@ -197,6 +196,9 @@ class ProfilerSession:
         self._steps.add_hparams(values)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._phase != "open":
+            return False
+        self._phase = "closed"
         try:
             if self.selected:
                 if self._traces is not None:
@@ -215,8 +217,8 @@ class ProfilerSession:
 
     # -- results ---------------------------------------------------------------------------
     def trace_paths(self) -> list[str]:
-        """This rank's trace files in this run so far (sorted by time): only complete, validated
-        files carry a trace's name (see :mod:`instrumentation.export`)."""
+        """This rank's trace files in this run so far (sorted by time): only complete, validated files carry a trace's
+        name (see :mod:`instrumentation.export`)."""
         if self.run_dir is None:
             return []
         return sorted(glob.glob(os.path.join(self.run_dir, f"rank{self.rank}.*{TRACE_SUFFIX}")))
@@ -289,11 +291,9 @@ class ProfilerSession:
 
 def opsd_profiler(config: Optional[ProfileConfig] = None, rank: Optional[int] = None,
                   world_size: Optional[int] = None) -> ProfilerSession:
-    """A :class:`ProfilerSession` for ``with opsd_profiler() as prof: ...; prof.step()``.
-
-    ``config`` defaults to the process-wide active config; an explicit one becomes the active
-    config for the duration of the session (so ``stage()`` ranges follow it).
-    """
+    """A :class:`ProfilerSession` for ``with opsd_profiler() as prof: ...; prof.step()``. ``config`` defaults to the
+    process-wide active config; an explicit one becomes the active config for the duration of the session (so
+    ``stage()`` ranges follow it)."""
     return ProfilerSession(config, rank, world_size)
 
 

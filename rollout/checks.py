@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from numbers import Integral
+from numbers import Integral, Real
 
 
 def is_int(value) -> bool:
@@ -12,8 +12,8 @@ def is_int(value) -> bool:
 
 
 def is_number(value) -> bool:
-    """A finite int or float that is not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number that is not a bool (numpy scalars such as ``np.float32(0.5)`` included)."""
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def require(condition: bool, field: str, message: str) -> None:

@@ -92,6 +92,8 @@ class SamplingConfig:
                 f"must be None or an int in [0, 2**32); got {self.seed!r}")
         for name in ("return_logprobs", "return_finish_reasons"):
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
+        _as_python(self, ("max_new_tokens", "top_k", "n_samples_per_prompt", "continuous_batch_size", "seed"),
+                   ("temperature", "top_p", "repetition_penalty"))
 
     @property
     def is_greedy(self) -> bool:
@@ -126,6 +128,7 @@ class RoutingConfig:
         require(self.eos_check_interval is None or (is_int(self.eos_check_interval) and self.eos_check_interval >= 1),
                 "routing.eos_check_interval", f"must be None or an int >= 1; got {self.eos_check_interval!r}")
         _require_bools(self, "routing", ("late_eos_count",))
+        _as_python(self, ("max_prefill_tokens", "eos_check_interval"), ())
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,7 @@ class KernelConfig:
                 f"must be one of {DECODE_ATTENTIONS}; got {self.decode_attention!r}")
         require(self.blas_library is None or self.blas_library in BLAS_LIBRARIES, "kernels.blas_library",
                 f"must be None or one of {BLAS_LIBRARIES}; got {self.blas_library!r}")
+        _as_python(self, ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows"), ())
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,7 @@ class SamplerConfig:
         require(self.chunk_tokens is None or (is_int(self.chunk_tokens) and self.chunk_tokens >= 0),
                 "sampler.chunk_tokens", f"must be None or an int >= 0 (0: a program per row); "
                 f"got {self.chunk_tokens!r}")
+        _as_python(self, ("chunk_tokens",), ())
 
 
 #: The sections of ``RolloutConfig``: field name -> class.
@@ -262,10 +267,13 @@ class RolloutConfig:
         for name, cls in SECTIONS.items():
             value = getattr(self, name)
             require(isinstance(value, cls), name, f"must be a {cls.__name__}; got {type(value).__name__}")
+        _as_python(self, ("max_context",), ("max_cache_gib",))
 
     def with_settings(self, settings: Mapping[str, object]) -> "RolloutConfig":
         """A copy with ``settings`` applied: ``{"route": "auto", "kernels.compile": False}`` (dotted names reach into
         a section; :func:`setting_names` lists them). Unknown names raise ``ValueError`` naming them."""
+        require(isinstance(settings, Mapping), "settings",
+                f"must be a mapping of setting names to values; got {type(settings).__name__}")
         top: dict = {}
         sections: dict[str, dict] = {}
         for name, value in settings.items():
@@ -335,6 +343,15 @@ def _require_bools(record, section: str, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(record, name)
         require(isinstance(value, bool), f"{section}.{name}" if section else name, f"must be a bool; got {value!r}")
+
+
+def _as_python(record, ints: tuple[str, ...], floats: tuple[str, ...]) -> None:
+    """Checked numbers as Python ``int``/``float`` (a numpy ``int8`` budget overflowed deep in the memory plan)."""
+    for names, kind in ((ints, int), (floats, float)):
+        for name in names:
+            value = getattr(record, name)
+            if value is not None:
+                object.__setattr__(record, name, kind(value))
 
 
 def _refuse_flat_keywords(cls):

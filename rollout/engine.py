@@ -12,6 +12,7 @@ step, the graphs, the prompts' expansion, the weights' gather and LoRA fuse, one
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 
@@ -37,10 +38,10 @@ def token_ids(tokenizer) -> tuple[tuple[int, ...], int]:
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
         eos_ids: tuple[int, ...] = ()
-    elif isinstance(eos, int) and not isinstance(eos, bool):
-        eos_ids = (eos,)
-    elif isinstance(eos, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
-        eos_ids = tuple(eos)
+    elif is_int(eos):
+        eos_ids = (int(eos),)
+    elif isinstance(eos, (list, tuple)) and all(is_int(t) for t in eos):
+        eos_ids = tuple(int(t) for t in eos)
     else:
         raise ValueError(f"tokenizer.eos_token_id: must be an int, a list of ints or None; got {eos!r}")
     pad = getattr(tokenizer, "pad_token_id", None)
@@ -48,9 +49,13 @@ def token_ids(tokenizer) -> tuple[tuple[int, ...], int]:
         if not eos_ids:
             raise ValueError("tokenizer.pad_token_id: is None and there is no eos_token_id to pad with")
         pad = eos_ids[0]
-    elif not isinstance(pad, int) or isinstance(pad, bool):
+    elif not is_int(pad):
         raise ValueError(f"tokenizer.pad_token_id: must be an int or None; got {pad!r}")
-    return eos_ids, pad
+    return eos_ids, int(pad)
+
+
+def is_int(value) -> bool:  # as rollout.checks.is_int (numpy integers too), without one more project import
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_in_vocab(eos_ids: tuple[int, ...], pad_id: int, vocab_size: int) -> None:

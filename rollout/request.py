@@ -107,6 +107,7 @@ class RolloutBatch:
     log-probability under the distribution it was drawn from (0 where the response mask is 0)."""
 
     def __post_init__(self) -> None:
+        _check_batch_tensors(self)
         if self.input_ids.dim() != 2:
             raise ValueError(f"input_ids: must be 2-D; got {tuple(self.input_ids.shape)}")
         if self.attention_mask.shape != self.input_ids.shape:
@@ -137,6 +138,27 @@ class RolloutBatch:
         if self.finish_reasons is None:
             raise ValueError("finish_reasons: not requested (SamplingConfig(return_finish_reasons=True))")
         return [FINISH_NAMES[int(code)] for code in self.finish_reasons.tolist()]
+
+
+def _check_batch_tensors(batch: RolloutBatch) -> None:
+    """Types, dtypes and devices of a batch (metadata only, no sync): a batch built by hand for
+    ``OPSDStep.train_on_batch`` with float ids, a list or a tensor on another device failed deep in a forward."""
+    for name in ("input_ids", "attention_mask", "response_start_idx", "finish_reasons", "logprobs"):
+        value = getattr(batch, name)
+        if value is None and name in ("finish_reasons", "logprobs"):
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name}: must be a torch.Tensor; got {type(value).__name__}")
+        if value.device.type == "meta":
+            raise ValueError(f"{name}: is on the meta device (no data); pass a tensor with values")
+    if batch.input_ids.dtype not in TOKEN_DTYPES:
+        raise ValueError(f"input_ids: must hold token ids as int64 or int32; got dtype {batch.input_ids.dtype}")
+    if batch.response_start_idx.dtype.is_floating_point or batch.response_start_idx.dtype == torch.bool:
+        raise ValueError(f"response_start_idx: must be an integer tensor; got dtype {batch.response_start_idx.dtype}")
+    for name in ("attention_mask", "response_start_idx"):
+        device = getattr(batch, name).device
+        if device != batch.input_ids.device:
+            raise ValueError(f"{name}: is on {device}, input_ids on {batch.input_ids.device}; put them on one device")
 
 
 def _shape(value) -> str:

@@ -16,6 +16,7 @@ import torch
 from rollout import Rollout, RolloutRequest, SamplingConfig
 from rollout.checks import is_int, require
 from rollout.opsd import preflight
+from rollout.opsd.flags import JobParser
 from rollout.plan.memory import GIB
 from rollout.testing import TinyTokenizer, random_prompts, tiny_config, tiny_model
 
@@ -54,7 +55,7 @@ def check_model(args, model: preflight.ModelFacts, available_bytes) -> None:
 
 def parse_args(argv=None):
     """``(args, SamplingConfig)``, every flag checked before any model is built."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # -inf: a value
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--samples", type=int, default=4, help="n_samples_per_prompt")
     parser.add_argument("--prompt-len", type=int, default=32)

@@ -10,7 +10,8 @@ are dropped in the order ``python_function``, ``cpu_op``, other instant events, 
 script says which, and exits 2 when even that is not enough. Prints the kept step and the sizes.
 
 Bad input is one ``error:`` line naming the flag or the file, exit status 2: a missing, empty or truncated
-source, an output that is a directory or in a missing folder, a ``--max-mb`` that is not a finite number > 0.
+source, an output that is the source itself (it was overwritten), a directory or in a missing folder, a
+``--max-mb`` that is not a finite number > 0; an output not named ``.gz`` is warned.
 The output is written to ``OUT.tmpPID`` and renamed only when it is complete and small enough: a failure
 leaves no file behind (an existing OUT is kept as it was).
 """
@@ -55,10 +56,13 @@ class StepError(InputError):
     """No step range to keep (``--stage`` / ``--step``); ``str()`` does not name the file."""
 
 
-def check_output(path: str) -> None:
-    """:class:`InputError` when ``path`` cannot be the output (checked before the source is read)."""
+def check_output(path: str, source: str = "") -> None:
+    """:class:`InputError` when ``path`` cannot be the output (checked before the source is read): among others,
+    the source itself (it was overwritten by its own trimmed copy)."""
     if not path:
         raise InputError("output: empty path")
+    if source and os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source):
+        raise InputError(f"{path}: output is the source file; give another path (it would be overwritten)")
     if os.path.isdir(path):
         raise InputError(f"{path}: output is a directory")
     folder = os.path.dirname(os.path.abspath(path))
@@ -124,7 +128,10 @@ def write_output(path: str, data: bytes) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        check_output(args.output)
+        check_output(args.output, args.source)
+        if not args.output.endswith(".gz"):
+            print(f"warning: {args.output}: the output is gzip-compressed; name it .json.gz so that readers "
+                  "expect it", file=sys.stderr)
         doc = load(args.source)
         return _trim(doc, args)
     except StepError as exc:

@@ -303,9 +303,10 @@ def test_packed_micro_batches_are_sized_by_real_tokens():
     cost = sizing.packed_row_cost(student, teacher, 8)
     assert cost.packed and stats.tokens((1, 3), True) == 32 and stats.tokens((1, 3), False) == 2 * 20
     bytes_ = cost.micro_batch_bytes(stats, (1, 3))
-    assert bytes_ == pytest.approx(32 * cost.bytes_per_token + 12 * cost.bytes_per_position + cost.fixed_bytes)
+    chunk = 8 * cost.chunk_bytes_per_position  # a chunk of 8 positions (both micro-batches hold more)
+    assert bytes_ == pytest.approx(32 * cost.bytes_per_token + 12 * cost.bytes_per_position + cost.fixed_bytes + chunk)
     # a budget for ~140 tokens: the long rows go alone or together with a short one, by their own tokens
-    budget = cost.fixed_bytes + 140 * cost.bytes_per_token + 20 * cost.bytes_per_position
+    budget = cost.fixed_bytes + chunk + 140 * cost.bytes_per_token + 20 * cost.bytes_per_position
     plan = plan_micro_batches(stats, AUTO, AUTO, cost, budget)
     assert plan.order == (0, 1, 2, 3) and plan.groups == ((0, 2), (2, 4))
     padded = sizing.row_cost(student, teacher, LogitCacheConfig(), 8)

@@ -410,7 +410,8 @@ def test_three_b_shape_estimate_follows_the_formula():
     per_layer = sizing.ACTIVATION_H * hidden + sizing.ACTIVATION_I * mlp
     assert cost.bytes_per_token == layers * per_layer + 8 * hidden + (2 * mlp + 4 * hidden) * 2
     assert cost.bytes_per_position == vocab * (2 * 2 + 2 + 2)
-    assert cost.fixed_bytes == 10 * 512 * vocab * 4
+    # the chunk scratch: 10 float32 [chunk, V] temporaries, a chunk of at most the micro-batch's positions
+    assert cost.fixed_bytes == 0 and cost.chunk_size == 512 and cost.chunk_bytes_per_position == 10 * vocab * 4
     top_k = sizing.row_cost(model, model, LogitCacheConfig(top_k=64), 512)
     assert top_k.bytes_per_position == vocab * (2 * 2 + 2) + 64 * (2 + 4)
 

@@ -20,7 +20,7 @@ from instrumentation.config import parse_bool
 from traces.runs import csv_cell, group_by_run
 from traces.diff import baseline_problem, diff_columns, diff_headline, diff_rows, diff_values, format_diff, noise_note
 from traces.findings import format_findings, report_findings
-from traces.flags import flag_warnings
+from traces.flags import flag_warnings, repeated_flags
 from traces.format import csv_rows, format_headline, format_kernels, format_overview, format_table
 from traces.load import LoadedSet, load, read_trace
 from traces.names import shown
@@ -58,7 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nvtx-domain", metavar="D", default=None,
                    help=f"Nsight Systems inputs: keep the NVTX ranges of domain D only (ours: "
                         f"{S.NVTX_DOMAIN!r}; default: every domain; a warning for other inputs)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.repeated = repeated_flags(list(sys.argv[1:] if argv is None else argv))
+    return args
 
 
 def _kernels_arg(text: str) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 
 
 def int_at_least(minimum: int):
@@ -19,4 +21,63 @@ def int_at_least(minimum: int):
         return value
 
     parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def int_in(minimum: int, maximum: int):
+    """An argparse ``type``: an int in ``[minimum, maximum]`` (a port, a seed)."""
+
+    def parse(text: str) -> int:
+        value = int_at_least(minimum)(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be an int in [{minimum}, {maximum}]; got {text!r}")
+        return value
+
+    parse.__name__ = f"int in [{minimum}, {maximum}]"
+    return parse
+
+
+def finite_number(low: float = -math.inf, *, above: bool = False):
+    """An argparse ``type``: a finite number >= ``low`` (``above``: > ``low``); ``nan``, ``inf`` are refused (they ran
+    a whole benchmark before)."""
+    relation = ">" if above else ">="
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < low or (above and value == low):
+            bound = "" if low == -math.inf else f" {relation} {low:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number{bound}; got {text!r}")
+        return value
+
+    parse.__name__ = "finite number"
+    return parse
+
+
+def out_path(text: str) -> str:
+    """An argparse ``type``: a file path to write, checked before any model is built: not empty, no NUL, not a
+    directory, in a folder that exists (an empty ``--out`` ran the benchmark and then wrote nowhere)."""
+    if not text.strip() or "\0" in text:
+        raise argparse.ArgumentTypeError(f"must be a file path; got {text!r}")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"the folder {folder!r} of {text!r} does not exist")
+    return text
+
+
+def names_among(choices):
+    """An argparse ``type``: a comma list of at least one name among ``choices`` (spaces around names allowed)."""
+
+    def parse(text: str) -> tuple:
+        names = tuple(name.strip() for name in text.split(",") if name.strip())
+        unknown = [name for name in names if name not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"{unknown or text!r} not among {tuple(choices)}")
+        return names
+
+    parse.__name__ = "names"
     return parse

@@ -23,12 +23,32 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+#: ``--dtype`` values: the floating dtypes the models run in.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def device_arg(text: str) -> str:
+    """An argparse ``type``: ``cpu`` or ``cuda[:N]`` of this machine, checked before any model is built (``cuda:7``
+    on a CPU host failed in torch's lazy init with an AssertionError)."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu or cuda[:N]; got {text!r}")
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type == "cuda" and (count == 0 or (device.index or 0) >= count):
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA device(s)")
+    return text
+
+
 def add_model_args(parser: argparse.ArgumentParser, dtype: bool = True) -> None:
     """``--model``, ``--device`` (and ``--dtype``): what :func:`load_model` reads."""
     parser.add_argument("--model", choices=MODELS, default=None, help="3b on CUDA, tiny elsewhere")
-    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--device", type=device_arg, default=default_device())
     if dtype:
-        parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")
+        parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                            help="bfloat16 on CUDA, float32 on CPU by default")
 
 
 @dataclass

@@ -72,6 +72,10 @@ class Runner:
             raise ValueError(f"engine: the model ({type(self.model).__name__}) has no HF `config`; the rollout needs "
                              "a transformers causal LM (or a DeepSpeed engine / peft model around one)")
         compat.check_supported(self.model)
+        positions = compat.context_limit(self.model)
+        if config.max_context and positions and config.max_context > positions:  # was taken silently
+            warnings.warn(f"max_context: {config.max_context} is above the model's max_position_embeddings "
+                          f"{positions}; positions past it were never trained", stacklevel=3)
         self.is_zero3 = zero.is_zero3(engine)
         if config.route != routes.ORDINARY:
             check_gather(config.route, config.gather, self.is_zero3)

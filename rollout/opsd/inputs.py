@@ -64,6 +64,7 @@ def _first_real_column(mask: torch.Tensor) -> torch.Tensor:
 
 def distill_inputs(batch: RolloutBatch, teacher_prompts: Optional[tuple]) -> DistillInputs:
     """The step's inputs (one host sync for every figure)."""
+    require(batch.batch_size > 0, "batch", "has no rows (nothing to distil on)")
     seq_len, start_col = batch.seq_len, int(batch.response_start_idx.min())
     full = response_logit_positions(batch.attention_mask, batch.response_start_idx, full_length=True)
     num_kept = seq_len - start_col + 1
@@ -74,7 +75,11 @@ def distill_inputs(batch: RolloutBatch, teacher_prompts: Optional[tuple]) -> Dis
     extent = torch.where(real, columns, 0).amax(dim=1) if real.shape[1] else real.sum(dim=1)  # [N]
     per_row = torch.stack([loss_mask.sum(dim=1), extent, _first_real_column(batch.attention_mask),
                            _first_real_column(teacher_mask), (batch.attention_mask != 0).sum(dim=1)])  # [5, N]
-    host = torch.cat([per_row.flatten(), batch.input_ids.max().view(1).to(per_row.dtype)]).tolist()  # one sync
+    lowest = torch.minimum(batch.input_ids.min(), teacher_ids.min()).view(1)
+    host = torch.cat([per_row.flatten(), batch.input_ids.max().view(1).to(per_row.dtype),
+                      lowest.to(per_row.dtype)]).tolist()  # one sync
+    require(host[-1] >= 0, "input_ids", f"token ids must be >= 0; got {host[-1]} (in the batch or teacher prompts)")
+    host.pop()
     rows = batch.batch_size
     counts, extents, firsts, teacher_firsts, tokens = (tuple(host[i * rows:(i + 1) * rows]) for i in range(5))
     stats = RowStats(counts, extents, firsts, teacher_firsts, start_col, teacher_col, tokens)

@@ -41,6 +41,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from rollout.checks import is_int, is_number
+
 #: Default number of positions per chunk: ~0.6 GiB of float32 temporaries per 1k at V=152k.
 DEFAULT_CHUNK_SIZE = 512
 
@@ -85,11 +87,11 @@ def align_vocab(student_logits: torch.Tensor,
 
 
 def _check_scalars(beta: float, temperature: float, chunk_size: int) -> None:
-    if not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+    if not is_number(beta) or not 0.0 <= beta <= 1.0:  # numpy scalars as OPSDConfig takes them
         raise ValueError(f"beta must be a number in [0, 1]; got {beta!r}")
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+    if not is_number(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be a finite number > 0; got {temperature!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if not is_int(chunk_size) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1; got {chunk_size!r}")
 
 

@@ -81,17 +81,24 @@ class RowCost:
     bytes_per_position: float
     """Per kept logits position of a row: student logits and their gradient, teacher logits, cache."""
     fixed_bytes: float
-    """Per micro-batch whatever its size (the loss's and the cache's float32 chunk scratch)."""
+    """Per micro-batch whatever its size (the packed loss's float32 head-gradient accumulator)."""
     packed: bool = False
     """Rows packed without padding (each row costs its own tokens and loss positions), else padded to the
     micro-batch's columns."""
+    chunk_bytes_per_position: float = 0.0
+    """The loss's and the cache's chunk scratch per position of a chunk (float32 temporaries over the vocabulary)."""
+    chunk_size: int = 0
+    """Positions of a loss chunk (``OPSDConfig.loss_chunk_size``); a micro-batch's chunk holds at most its own
+    positions (a chunk size of 10**18 once estimated 2.29e13 GiB a row)."""
 
     def micro_batch_bytes(self, stats: RowStats, rows: Sequence[int]) -> float:
         if self.packed:
-            return (stats.tokens(rows, True) * self.bytes_per_token
-                    + sum(stats.num_positions[row] for row in rows) * self.bytes_per_position + self.fixed_bytes)
+            positions = sum(stats.num_positions[row] for row in rows)
+            return (stats.tokens(rows, True) * self.bytes_per_token + positions * self.bytes_per_position
+                    + self.fixed_bytes + min(self.chunk_size, positions) * self.chunk_bytes_per_position)
         first, stop, kept = stats.columns(rows)
-        return len(rows) * ((stop - first) * self.bytes_per_token + kept * self.bytes_per_position) + self.fixed_bytes
+        return (len(rows) * ((stop - first) * self.bytes_per_token + kept * self.bytes_per_position) + self.fixed_bytes
+                + min(self.chunk_size, len(rows) * kept) * self.chunk_bytes_per_position)
 
 
 @dataclass(frozen=True)

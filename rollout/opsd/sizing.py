@@ -14,7 +14,7 @@ Estimate (bytes), for a decoder of ``L`` layers, hidden size ``H``, MLP size ``I
   (``2 * V_s * b``), the teacher's logits (``V_t * b_t``) and the cache (``V * b_cache``, or
   ``K * (b_cache + 4)`` for top-k);
 * per micro-batch: the float32 scratch of one loss chunk and one cache chunk
-  (``10 * chunk * V_s * 4``).
+  (``10 * c * V_s * 4``, ``c`` the chunk size or the micro-batch's positions if fewer).
 
 The budget: ``OPSDConfig.max_micro_batch_gib``, or by default :data:`AUTO_FREE_FRACTION` of the
 device memory free when the distillation starts (the driver's free memory plus what PyTorch's
@@ -81,7 +81,7 @@ def row_cost(student: torch.nn.Module, teacher: torch.nn.Module, cache: LogitCac
     s_vocab, t_vocab = int(student.config.vocab_size), int(teacher.config.vocab_size)
     per_token = kept + 8 * hidden + (2 * t_mlp + 4 * t_hidden) * t_width
     per_position = 2 * s_vocab * width + t_vocab * t_width + _cache_bytes_per_position(cache, min(s_vocab, t_vocab))
-    return RowCost(per_token, per_position, 10.0 * loss_chunk_size * s_vocab * 4)
+    return RowCost(per_token, per_position, 0.0, chunk_bytes_per_position=10.0 * s_vocab * 4, chunk_size=loss_chunk_size)
 
 
 def packed_row_cost(student: torch.nn.Module, teacher: torch.nn.Module, loss_chunk_size: int) -> RowCost:
@@ -95,8 +95,8 @@ def packed_row_cost(student: torch.nn.Module, teacher: torch.nn.Module, loss_chu
     width, t_width = _param_bytes(student), _param_bytes(teacher)
     s_vocab = int(student.config.vocab_size)
     per_position = 3 * hidden * width + 2 * t_hidden * t_width
-    fixed = 12.0 * loss_chunk_size * s_vocab * 4 + s_vocab * hidden * 4
-    return RowCost(padded.bytes_per_token, per_position, fixed, packed=True)
+    return RowCost(padded.bytes_per_token, per_position, s_vocab * hidden * 4.0, packed=True,
+                   chunk_bytes_per_position=12.0 * s_vocab * 4, chunk_size=loss_chunk_size)
 
 
 def budget_bytes(max_micro_batch_gib: Optional[float], device: torch.device, packed: bool = False) -> float:

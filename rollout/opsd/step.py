@@ -172,6 +172,8 @@ class OPSDStep:
         teacher's input; the response is the rollout's. ``row_max_new_tokens`` (``[B*n]``): each response's own
         budget (``RolloutRequest.row_max_new_tokens``).
         """
+        require(isinstance(sampling, SamplingConfig), "sampling",
+                f"must be a SamplingConfig; got {type(sampling).__name__}")
         start, timer = time.perf_counter(), PhaseTimer()
         with stage(stages.STEP):
             request = RolloutRequest(prompt_ids, prompt_attention_mask, row_max_new_tokens=row_max_new_tokens)
