@@ -332,3 +332,15 @@ def test_a_loss_chunk_larger_than_a_micro_batch_costs_its_positions_only():
         huge, exact = cost_of(student, teacher, 10**18), cost_of(student, teacher, 10**4)
         assert huge.micro_batch_bytes(stats, [0, 1]) == exact.micro_batch_bytes(stats, [0, 1]) < 2**30
         assert cost_of(student, teacher, 1).micro_batch_bytes(stats, [0, 1]) < exact.micro_batch_bytes(stats, [0, 1])
+
+
+def test_negative_ids_are_refused_by_every_rank():
+    """A negative id on one data-parallel rank: every rank raises the same error after the one all-gather (raising on
+    that rank alone, before the collective, would leave the others waiting in it)."""
+    from rollout.opsd.ranks import RankFigures, check_figures
+
+    good, bad = RankFigures(5, 1, 1, 2, 40), RankFigures(5, 1, 1, 2, 40, -3)
+    check_figures([good, good], 512)
+    with pytest.raises(ValueError, match=r"^input_ids: token ids must be >= 0; got -3 in the batch on data-parallel "
+                                         r"rank 1"):
+        check_figures([good, bad], 512)

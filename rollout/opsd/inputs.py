@@ -43,6 +43,8 @@ class DistillInputs:
     """Loss positions of the whole batch."""
     max_token_id: int
     """Largest id in ``ids``."""
+    min_token_id: int = 0
+    """Smallest id in ``ids`` and the teacher's ids (checked on every rank by ``ranks.check_figures``)."""
 
 
 def _teacher_columns(batch: RolloutBatch, start_col: int, teacher_prompts):
@@ -78,13 +80,12 @@ def distill_inputs(batch: RolloutBatch, teacher_prompts: Optional[tuple]) -> Dis
     lowest = torch.minimum(batch.input_ids.min(), teacher_ids.min()).view(1)
     host = torch.cat([per_row.flatten(), batch.input_ids.max().view(1).to(per_row.dtype),
                       lowest.to(per_row.dtype)]).tolist()  # one sync
-    require(host[-1] >= 0, "input_ids", f"token ids must be >= 0; got {host[-1]} (in the batch or teacher prompts)")
-    host.pop()
+    lowest = int(host.pop())  # refused by ranks.check_figures on every rank, not here on one (the others would wait)
     rows = batch.batch_size
     counts, extents, firsts, teacher_firsts, tokens = (tuple(host[i * rows:(i + 1) * rows]) for i in range(5))
     stats = RowStats(counts, extents, firsts, teacher_firsts, start_col, teacher_col, tokens)
     return DistillInputs(batch.input_ids, batch.attention_mask, teacher_ids, teacher_mask, loss_mask, stats,
-                         sum(counts), int(host[-1]))
+                         sum(counts), int(host[-1]), lowest)
 
 
 def forward_logits(model, keeps: bool, ids: torch.Tensor, mask: torch.Tensor, num_kept: int) -> torch.Tensor:

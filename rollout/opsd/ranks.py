@@ -30,6 +30,8 @@ class RankFigures:
     """Rows with a loss position."""
     max_token_id: int
     """Largest token id of the rank's batch."""
+    min_token_id: int = 0
+    """Smallest token id of the rank's batch and teacher prompts."""
 
 
 def gather_figures(local: RankFigures, group=None, device: torch.device = torch.device("cpu")) -> list[RankFigures]:
@@ -53,6 +55,8 @@ def check_figures(figures: list[RankFigures], teacher_vocab_size: int) -> None:
         where = "" if len(figures) == 1 else f" on data-parallel rank {rank}"
         require(figure.num_positions > 0, "mask", f"the batch{where} has no response position to distil on "
                  "(every response token is masked out)")
+        require(figure.min_token_id >= 0, "input_ids", f"token ids must be >= 0; got {figure.min_token_id} in the "
+                 f"batch{where} (or its teacher prompts)")
         require(figure.max_token_id < teacher_vocab_size, "teacher vocab_size",
                  f"{teacher_vocab_size} does not contain token id {figure.max_token_id} of the batch{where}; "
                  "the teacher cannot score the student's tokens")

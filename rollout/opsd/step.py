@@ -217,7 +217,7 @@ class OPSDStep:
             plan = plan_micro_batches(inputs.stats, config.max_student_rows, config.max_teacher_rows, self.row_cost,
                                       budget or 0.0)
             local = RankFigures(inputs.num_positions, len(plan.groups), len(plan.teacher_chunks), plan.num_rows,
-                                inputs.max_token_id)
+                                inputs.max_token_id, inputs.min_token_id)
             figures = gather_figures(local, self._trainer.data_parallel_group, inputs.ids.device)
             check_figures(figures, self.teacher_vocab_size)
             plan = agree(plan, max(f.num_micro_batches for f in figures), max(f.num_teacher_forwards for f in figures))
