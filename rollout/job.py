@@ -9,6 +9,7 @@ job's step with :func:`build_step` in its own process.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -59,6 +60,18 @@ def load_tokenizer(path: str, model_config):
               "pad/eos ids", file=sys.stderr)
         return TinyTokenizer(pad_token_id=model_config.pad_token_id, eos_token_id=model_config.eos_token_id,
                              vocab_size=model_config.vocab_size)
+
+
+def tokenizer_size(name: Optional[str]) -> Optional[int]:
+    """Ids of the tokenizer in the local directory ``name`` (None: not a directory, or no tokenizer files there:
+    transformers then builds an empty one from the config alone)."""
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    if not name or not os.path.isdir(name) or not any(os.path.isfile(os.path.join(name, f)) for f in files):
+        return None
+    try:
+        return len(AutoTokenizer.from_pretrained(name))
+    except Exception:  # noqa: BLE001 - unreadable: the head's size is what the student can sample
+        return None
 
 
 def load_model(name: Optional[str], arch: str, seed: int, dtype, device, flag: str = "--student"):
@@ -224,7 +237,11 @@ def checked_config(job: JobConfig, opsd_config, world: Optional[int] = None) -> 
     chat = None  # the real model's prompts, counted where a budget comes near the context (the tokenizer alone)
     if not synthetic and context is not None and job.max_new_tokens + CHAT_PROMPT_MARGIN > context:
         chat = longest_chat_prompts()
-    preflight.check_models(job, opsd_config, student, teacher or student, stage, synthetic, self_context, chat)
+    tokens = None  # a padded head (Qwen2.5's) may exceed a teacher's vocabulary that holds every tokenizer id
+    if teacher is not None and 0 < teacher.vocab_size < student.vocab_size:
+        tokens = tokenizer_size(job.student)
+    preflight.check_models(job, opsd_config, student, teacher or student, stage, synthetic, self_context, chat,
+                           student_tokens=tokens)
     dtype_bytes = model_dtype(config).itemsize
     cuda = device_type == "cuda"
     preflight.check_memory(job, preflight.model_bytes(job, student, teacher, dtype_bytes, stage, world, cuda),

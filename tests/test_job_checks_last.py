@@ -194,3 +194,26 @@ def test_the_job_reads_its_deepspeed_config_once_and_warns_from_the_parsed_one(m
     os.remove(path)  # the parsed config alone
     assert job_lib.job_warnings(job, deepspeed={"optimizer": {"type": "SGD"}}) == [
         f"warning: --lr 0.01 is ignored: --deepspeed-config {path} defines an optimizer (SGD, lr its default)"]
+
+
+def _tokenizer(path, size: int) -> None:
+    """A word-level tokenizer of ``size`` ids saved into ``path`` (no download)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(size)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(path)
+
+
+def test_a_padded_student_head_above_the_teacher_vocabulary_is_warned_not_refused(monkeypatch, tmp_path):
+    """Qwen2.5-style heads are padded past the tokenizer (151,936 rows for 151,665 ids; 72B: 152,064): a teacher whose
+    vocabulary holds every tokenizer id of the student is warned about, not refused; below the tokenizer it is."""
+    student = _model_dir(tmp_path, "padded-student", "qwen2", vocab_size=1024)
+    _tokenizer(student, 300)
+    args = job_lib.parse_args(["--student", student])  # teacher tiny-llama: 512 ids >= 300 tokenizer ids
+    with pytest.warns(UserWarning, match=r"its vocabulary \(512\) is smaller than the student's head \(1024\) but "
+                                         r"holds all 30\d ids of the student's tokenizer"):
+        assert job_lib.check_job(args.job, args.opsd) is None
+    teacher = _model_dir(tmp_path, "small-teacher", vocab_size=256)  # below the tokenizer: refused
+    assert re.search(r"^error: --teacher .*small-teacher: its vocabulary \(vocab_size 256\) is smaller",
+                     _refusal(["--student", student, "--teacher", teacher], monkeypatch))

@@ -10,6 +10,7 @@ a one-line ``ValueError`` naming the flag; ``rollout.job.check_job`` gathers the
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -123,13 +124,16 @@ def student_context(job, student: ModelFacts) -> tuple[Optional[int], str]:
 
 
 def check_models(job, opsd, student: ModelFacts, teacher: ModelFacts, zero_stage: int, synthetic: bool,
-                 self_context: int = 0, chat: Optional[tuple[int, int]] = None) -> None:
+                 self_context: int = 0, chat: Optional[tuple[int, int]] = None, *,
+                 student_tokens: Optional[int] = None) -> None:
     """Context, vocabulary (a teacher's at least the student's) and gathering: what the step and its rollout refuse
     once the models are built (a smaller teacher vocabulary only at a step that samples past it), and the
     teacher's context, which nothing checks later (a teacher scoring past its context gives wrong numbers silently).
     ``teacher`` is ``student`` when the student is its own teacher (``--teacher self``: its prompts are
     ``self_context`` tokens longer) or the teacher's config cannot be read. ``chat``: the real model's longest chat
-    prompts (student's, teacher's; :func:`rollout.real_model.longest_chat_prompts`), where they were counted."""
+    prompts (student's, teacher's; :func:`rollout.real_model.longest_chat_prompts`), where they were counted.
+    ``student_tokens``: the size of the student's tokenizer where it was read; a teacher vocabulary below the student's
+    head but holding every tokenizer id (a padded head, as Qwen2.5's) is warned, not refused."""
     context, source = student_context(job, student)
     prompt = [("--prompt-len", job.prompt_len)] if synthetic else []
     response = [("--max-new-tokens", job.max_new_tokens)]
@@ -147,9 +151,14 @@ def check_models(job, opsd, student: ModelFacts, teacher: ModelFacts, zero_stage
     elif teacher is not student:
         check_context(prompt + response, teacher.context, "the teacher's", f"max_position_embeddings of {teacher.name}")
     if teacher is not student and 0 < teacher.vocab_size < student.vocab_size:
-        raise ValueError(f"--teacher {teacher.name}: its vocabulary (vocab_size {teacher.vocab_size}) is smaller than "
-                         f"the student's ({student.vocab_size}, {student.name}); the student can sample ids the "
-                         "teacher cannot score")
+        if student_tokens is None or teacher.vocab_size < student_tokens:
+            raise ValueError(f"--teacher {teacher.name}: its vocabulary (vocab_size {teacher.vocab_size}) is smaller "
+                             f"than the student's ({student.vocab_size}, {student.name}); the student can sample ids "
+                             "the teacher cannot score")
+        warnings.warn(f"--teacher {teacher.name}: its vocabulary ({teacher.vocab_size}) is smaller than the student's "
+                      f"head ({student.vocab_size}) but holds all {student_tokens} ids of the student's tokenizer: the "
+                      "ids above are padding; a step whose rollout samples one stops with an error naming it",
+                      UserWarning, stacklevel=3)
     if job.lora is not None and student.hidden is not None and job.lora > student.hidden:
         raise ValueError(f"--lora: rank {job.lora} exceeds the student's hidden size {student.hidden} ({student.name}; "
                          "a LoRA update's rank is at most its weight's smaller side, which is at most the hidden size)")
