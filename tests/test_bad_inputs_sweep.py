@@ -344,3 +344,14 @@ def test_negative_ids_are_refused_by_every_rank():
     with pytest.raises(ValueError, match=r"^input_ids: token ids must be >= 0; got -3 in the batch on data-parallel "
                                          r"rank 1"):
         check_figures([good, bad], 512)
+
+
+def test_an_empty_batch_on_one_rank_is_refused_by_every_rank():
+    """A rank whose batch has no rows sends ``EMPTY_FIGURES`` through the step's all-gather, so every rank raises
+    (it raised on its own before the collective, where the other ranks would have waited)."""
+    from rollout.opsd.ranks import EMPTY_FIGURES, RankFigures, check_figures
+
+    with pytest.raises(ValueError, match=r"^batch: has no rows on data-parallel rank 0 \(nothing to distil on\)"):
+        check_figures([EMPTY_FIGURES, RankFigures(5, 1, 1, 2, 40)], 512)
+    with pytest.raises(ValueError, match=r"^batch: has no rows \(nothing to distil on\)"):
+        check_figures([EMPTY_FIGURES], 512)

@@ -29,7 +29,7 @@ class RankFigures:
     num_rows: int
     """Rows with a loss position."""
     max_token_id: int
-    """Largest token id of the rank's batch."""
+    """Largest token id of the rank's batch (-1: the batch has no rows)."""
     min_token_id: int = 0
     """Smallest token id of the rank's batch and teacher prompts."""
 
@@ -53,6 +53,8 @@ def check_figures(figures: list[RankFigures], teacher_vocab_size: int) -> None:
     """The same ValueError on every rank when any rank's batch cannot be distilled."""
     for rank, figure in enumerate(figures):
         where = "" if len(figures) == 1 else f" on data-parallel rank {rank}"
+        require(figure.max_token_id >= 0 or figure.num_positions > 0, "batch", f"has no rows{where} (nothing to distil "
+                "on)")
         require(figure.num_positions > 0, "mask", f"the batch{where} has no response position to distil on "
                  "(every response token is masked out)")
         require(figure.min_token_id >= 0, "input_ids", f"token ids must be >= 0; got {figure.min_token_id} in the "
@@ -67,3 +69,7 @@ def rank_weight(figures: list[RankFigures], local: RankFigures) -> float:
     if len(figures) == 1:
         return 1.0
     return local.num_positions * len(figures) / sum(figure.num_positions for figure in figures)
+
+
+#: The figures of a rank whose batch has no rows: :func:`check_figures` refuses them on every rank.
+EMPTY_FIGURES = RankFigures(0, 0, 0, 0, -1)

@@ -67,7 +67,7 @@ from rollout.opsd.fused_loss import fused_jsd_loss
 from rollout.opsd.logit_cache import TeacherLogitCache
 from rollout.opsd.losses import generalized_jsd_loss
 from rollout.opsd.micro_batches import AUTO, MicroBatchPlan, Span, agree, plan_micro_batches
-from rollout.opsd.ranks import RankFigures, check_figures, gather_figures, rank_weight
+from rollout.opsd.ranks import EMPTY_FIGURES, RankFigures, check_figures, gather_figures, rank_weight
 from rollout.opsd.student import EngineStudent, PlainStudent, is_training_engine
 from rollout.opsd.teacher import TeacherStream, check_teacher_tokens, expanded_teacher_prompts
 from rollout.request import RolloutBatch, RolloutRequest
@@ -205,13 +205,16 @@ class OPSDStep:
     # ---- the step, phase by phase -------------------------------------------------------------
     def _distill(self, batch: RolloutBatch, teacher_prompts, timer: PhaseTimer, rollout: str = ""):
         """Plan, then teacher + student per micro-batch, then the optimizer: ``(loss, positions, breakdown)``."""
-        inputs = distill_inputs(batch, teacher_prompts)
+        inputs = distill_inputs(batch, teacher_prompts) if batch.batch_size else None  # None: refused below, everywhere
         config = self.config
         self.student_path, self.student_path_reason, adapters = self._student_path()
         with contextlib.ExitStack() as weights:
             if self.student_path == "fast" and self._gathers_student:  # before the budget: the copy takes memory
                 with timer.phase(stages.STUDENT_FORWARD), stage(stages.GATHER):  # booked to the student's passes
                     weights.enter_context(zero.gathered(self._gather_target, "once"))
+            if inputs is None:  # the others' collectives, then the error every rank raises (not this rank's alone)
+                check_figures(gather_figures(EMPTY_FIGURES, self._trainer.data_parallel_group, batch.input_ids.device),
+                              self.teacher_vocab_size)
             budget = sizing.budget_bytes(config.max_micro_batch_gib, inputs.ids.device, self.train_path == "packed") \
                 if config.max_student_rows == AUTO else None
             plan = plan_micro_batches(inputs.stats, config.max_student_rows, config.max_teacher_rows, self.row_cost,
