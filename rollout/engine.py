@@ -12,14 +12,13 @@ step, the graphs, the prompts' expansion, the weights' gather and LoRA fuse, one
 
 from __future__ import annotations
 
-import numbers
 import threading
 import time
 
 import torch
 
 from instrumentation import collect_stages, stage, stages
-from rollout.config import RolloutConfig, SamplingConfig
+from rollout.config import RolloutConfig, SamplingConfig, is_int  # rollout.checks' (the engine's import cap)
 from rollout.executors.context import RowBudgets
 from rollout.executors.runner import Runner
 from rollout.ops.inputs import checked_layout
@@ -52,10 +51,6 @@ def token_ids(tokenizer) -> tuple[tuple[int, ...], int]:
     elif not is_int(pad):
         raise ValueError(f"tokenizer.pad_token_id: must be an int or None; got {pad!r}")
     return eos_ids, int(pad)
-
-
-def is_int(value) -> bool:  # as rollout.checks.is_int (numpy integers too), without one more project import
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_in_vocab(eos_ids: tuple[int, ...], pad_id: int, vocab_size: int) -> None:
