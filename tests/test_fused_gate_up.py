@@ -43,8 +43,9 @@ def test_same_tokens_as_two_projections_and_hf(family, route):
 
 
 def test_the_fused_piece_runs_in_decode_and_prefill(monkeypatch):
-    """With the option on, every layer of every decode step and of the fast prefill goes through the gate|up
-    piece, and the two-projection piece never runs (without it, the reverse)."""
+    """With the option on, every layer of every decode step and of the fast prefill goes through a gate|up piece
+    (decode steps: ``gate_up_silu``, with ``kernels.residual_in_place``), and the two-projection piece never runs
+    (without it, the reverse)."""
     calls = {"fused": 0, "plain": 0}
     fused_piece, plain_piece = step.attention_output_and_gate_up_mlp, step.attention_output_and_mlp
 
@@ -61,6 +62,7 @@ def test_the_fused_piece_runs_in_decode_and_prefill(monkeypatch):
         calls.update(fused=0, plain=0)
         ro = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(fuse_gate_up=fuse)))
         with_step_pieces(ro, attention_output_and_gate_up_mlp=count("fused", fused_piece),
+                         gate_up_silu=count("fused", step.gate_up_silu),
                          attention_output_and_mlp=count("plain", plain_piece))
         ro.generate(RolloutRequest(ids, mask), sampling)
         assert ro.last_stats.prefill.path != "hf"

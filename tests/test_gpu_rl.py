@@ -227,3 +227,12 @@ def test_skinny_projections_give_the_same_tokens_fp32(setup, route, slots, monke
 
     monkeypatch.setattr(skinny_linear, "skinny_linear", counted)
     _same_tokens_for_each(setup, route, slots, "skinny_rows", (64, 0), used_where_asked)
+
+
+@cuda
+@ROUTES_AND_SLOTS
+def test_residual_in_place_gives_the_same_tokens_fp32(setup, route, slots):
+    """``residual_in_place``: the same greedy and seeded-sampled tokens in fp32 as the compiled pieces that copy the
+    residual, captured in graphs on both routes (with the skinny o projection at its default rows and without it)."""
+    _same_tokens_for_each(setup, route, slots, "residual_in_place", (True, False))
+    _same_tokens_for_each(setup, route, slots, "residual_in_place", (True, False), skinny_rows=0)

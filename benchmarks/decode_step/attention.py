@@ -57,7 +57,10 @@ def attention_variants(rows: int, live: int, geo: Geometry) -> tuple[dict, int]:
                                                   warps=warps, stages=stages)
 
     launch = [(f"triton kernel, block {b_} warps {w} stages {st}", triton_kernel(block=b_, warps=w, stages=st))
-              for b_, w, st in ((64, 4, 3), (64, 4, 1), (32, 4, 2), (128, 4, 2), (64, 8, 2), (32, 2, 2))]
+              for b_, w, st in ((64, 4, 3), (64, 4, 1), (32, 4, 2), (32, 4, 3), (32, 4, 4), (128, 4, 2), (64, 8, 2),
+                                (64, 8, 3), (128, 8, 2), (32, 2, 2), (16, 4, 4))]
+    launch += [(f"triton kernel, block {b_} warps {w} stages {st}, {n} splits", triton_kernel(n, b_, w, st))
+               for b_, w, st, n in ((32, 4, 3, 2), (64, 4, 2, 3), (32, 4, 2, 2))]
     auto = decode_attention.split_count(rows, kv_heads, live, decode_attention.sm_count(0))
     gqa_mask = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)  # noqa: E731
     cases = (("sdpa gqa + bool mask (now)", gqa_mask),

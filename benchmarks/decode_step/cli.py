@@ -12,7 +12,7 @@ import torch
 from benchmarks.decode_step.attention import Geometry, SharedWindow, attention_variants, sampler_variants, \
     shared_prefix_variants
 from benchmarks.decode_step.kernels import gemm_variants, prefill_variants, skinny_variants
-from benchmarks.decode_step.step import ROUTE_AB, ROUTE_DEFAULT, StepVariant, blas_ab, blas_backend, profile_call, \
+from benchmarks.decode_step.step import ROUTE_AB, StepVariant, blas_ab, blas_backend, profile_call, \
     step_kernels, step_variant_list, time_steps
 from benchmarks.harness import results
 from benchmarks.harness.meta import header, run_meta
@@ -21,6 +21,9 @@ from rollout.config import BLAS_LIBRARIES, KernelConfig
 from rollout.testing import shaped_model
 
 PARTS = ("attention", "sampler", "step", "skinny", "prefill", "shared")
+#: ``--kernel-variant``: the step whose kernels ``--kernels`` lists.
+KERNEL_VARIANTS = {"default": KernelConfig(), "no-skinny": KernelConfig(skinny_rows=0),
+                   "residual-in-place": KernelConfig(residual_in_place=not KernelConfig().residual_in_place)}
 
 
 @dataclass
@@ -55,18 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="step: also the compiled + fused q|k|v step with the batched-GEMM attention")
     parser.add_argument("--triton-attention", action="store_true",
                         help="step: also the compiled + fused q|k|v step with the Triton decode attention")
-    for flag, (setting, _, what) in ROUTE_AB.items():
+    for flag, (setting, flipped, what) in ROUTE_AB.items():
         parser.add_argument("--" + flag.replace("_", "-"), action="store_true",
-                            help=f"step: only the routes' default step and the same without {what} "
-                                 f"(kernels.{setting}), in two rounds")
+                            help=f"step: only the routes' default step and the same with kernels.{setting}="
+                                 f"{flipped} ({what}), in two rounds")
     parser.add_argument("--skinny-launches", nargs="+", default=["16,256,4,4", "16,512,4,3", "16,128,4,6", "16,256,2,4",
                                                                  "32,128,4,4", "32,256,8,3"],
                         help="--parts skinny: launch shapes block_n,block_k,warps,stages, or "
                              "block_m,block_n,block_k,warps,stages with the rows in tiles of block_m "
                              "(wide batches: --rows 128 256)")
-    parser.add_argument("--kernel-variant", choices=["default", "no-skinny"], default="default",
+    parser.add_argument("--kernel-variant", choices=sorted(KERNEL_VARIANTS), default="default",
                         help="--kernels: list the kernels of the routes' default step, or of it without the skinny "
-                             "o projection")
+                             "o projection, or with kernels.residual_in_place flipped")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"], choices=PARTS,
                         help="which tables to time")
     parser.add_argument("--shared-windows", type=lambda s: tuple(int(v) for v in s.split(",")), nargs="+",
@@ -128,7 +131,7 @@ def main(argv=None) -> list[StepRow]:
     model = shaped_model("qwen25-3b", dtype=torch.bfloat16, device="cuda")
     rows = []
     kernel_tables = []
-    listed = ROUTE_DEFAULT if args.kernel_variant == "default" else StepVariant(KernelConfig(skinny_rows=0))
+    listed = StepVariant(KERNEL_VARIANTS[args.kernel_variant])
     for count in args.rows:
         rows += [StepRow(**r) for r in rows_of_count(model, count, args)]
         if args.kernels:

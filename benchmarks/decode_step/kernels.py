@@ -59,6 +59,7 @@ def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, l
     were mostly a graph launch's latency.)"""
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     h = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16)
+    r = torch.zeros(rows, hidden, device="cuda", dtype=torch.bfloat16)  # a residual the in-place forms add into
     w = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
          for name, n, k in (("q", q_dim, hidden), ("k", kv_dim, hidden), ("v", kv_dim, hidden), ("o", hidden, q_dim),
                             ("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter))}
@@ -78,6 +79,12 @@ def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, l
         "gate, up separate (now)": ("gate_up", each(lambda g, u: (F.linear(x, g), F.linear(x, u)), w["gate"], w["up"])),
         "gate|up concatenated": ("gate_up", each(lambda wt: F.linear(x, wt), gate_up)),
         "down": ("down", each(lambda wt: F.linear(h, wt), w["down"])),
+        # with the residual: out of place (torch copies the residual into the output, then the GEMM's beta-add) and
+        # in place (kernels.residual_in_place)
+        "o + residual (addmm)": ("o", each(lambda wt: torch.addmm(x, x, wt.t()), w["o"])),
+        "o + residual in place (addmm_)": ("o", each(lambda wt: r.addmm_(x, wt.t()), w["o"])),
+        "down + residual (addmm)": ("down", each(lambda wt: torch.addmm(x, h, wt.t()), w["down"])),
+        "down + residual in place (addmm_)": ("down", each(lambda wt: r.addmm_(h, wt.t()), w["down"])),
     }
     out = {}
     for name, (kind, fn) in cases.items():

@@ -45,7 +45,8 @@ class StepVariant:
                 + (", triton attention" if k.decode_attention == "triton" else "")
                 + (", fused gate|up" if k.fuse_gate_up else "")
                 + (", rotary+write kernel" if k.rotary_kernel else "")
-                + (", skinny o projection" if k.skinny_rows else ""))
+                + (", skinny o projection" if k.skinny_rows else "")
+                + (", o and down added in place" if k.residual_in_place else ""))
 
 
 def variant(additive_mask: bool = False, grouped: bool = False, **kernels) -> StepVariant:
@@ -56,10 +57,12 @@ def variant(additive_mask: bool = False, grouped: bool = False, **kernels) -> St
 #: The step the routes run by default: what ``--kernels`` lists.
 ROUTE_DEFAULT = StepVariant(KernelConfig())
 #: The A/B flags (``--gate-up``, ...): each times only the routes' default step against the same with one setting
-#: flipped (the setting -> its value when off), twice each, alternating, the variant with the setting off first.
+#: flipped (the setting -> its other value), twice each, alternating, the flipped variant first.
 ROUTE_AB = {"gate_up": ("fuse_gate_up", False, "gate|up as one GEMM"),
             "rotary_kernel": ("rotary_kernel", False, "the rotary+write kernel"),
-            "skinny": ("skinny_rows", 0, "the skinny o projection")}
+            "skinny": ("skinny_rows", 0, "the skinny o projection"),
+            "residual_in_place": ("residual_in_place", not KernelConfig().residual_in_place,
+                                  "o and down added into the residual in place")}
 
 
 def decode_step_fn(model, rows: int, live: int, step: StepVariant, device: str = "cuda"):

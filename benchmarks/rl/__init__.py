@@ -28,6 +28,8 @@ Cells (``--cells`` takes names or indices, comma-separated; ``3-6`` ranges too)
   8 longctx              8 prompts x n=4 = 32 rows, prompt 8192, 1024 new, T=1, EOS off
   9 longtail-64-1024-top-p  as 3 with top-p 0.9 (3's EOS scale, so its mean length is not calibrated to 100):
                          the nucleus sampler at the few rows of a long tail
+ 10 opsd-uniform         64 prompts x n=4, prompt lengths uniform in 128..256, 1024 new, T=1, EOS off: the
+                         rollout of benchmarks.step's uniform cell (issue 32's RL command)
 
 EOS on the random model: the tokenizer gets EOS id 2 and the EOS row of the output embedding (tied with the
 input embedding on the 3B shape) is multiplied in place by a scale found by a short calibration (a geometric

@@ -15,7 +15,7 @@ PAD_ID = 0
 SAMPLING_SEED = 1234
 SCALE_DIVISORS = {"full": 1, "small": 16}
 #: Cells of one family share their prompts (drawn from the family's seed).
-FAMILY_SEEDS = {"wide": 11, "longtail": 12, "longctx": 13}
+FAMILY_SEEDS = {"wide": 11, "longtail": 12, "longctx": 13, "opsd": 14}
 #: DeepSpeed 0.19.8 no-CB, 3B on an H200 (issue 15: 3.82 s for 256 rows x 128 new): seconds per decode step.
 UPSTREAM_STEP_S = (0.025, 2e-5)  # fixed + per row
 
@@ -89,6 +89,8 @@ CELLS = (
     CellSpec("capped", 128, 4, (128, 1024), 1024, 1.0, mean_target=100, cap_slots=128, family="longtail"),
     CellSpec("longctx", 8, 4, (8192, 8192), 1024, 1.0, family="longctx"),
     CellSpec("longtail-64-1024-top-p", 64, 4, (128, 1024), 1024, 1.0, 0.9, mean_target=100, family="longtail"),
+    # the rollout of the OPSD step's uniform cell (benchmarks.step): prompts of 128..256 real tokens, T = 1, EOS off
+    CellSpec("opsd-uniform", 64, 4, (128, 256), 1024, 1.0, family="opsd"),
 )
 
 

@@ -100,6 +100,7 @@ class FastStep:
             fns = compiled_step_fns(kernels.compile_mode, kv_write=kv_write)
         else:
             fns = StepFns()
+        fns = dataclasses.replace(fns, residual_in_place=kernels.residual_in_place)
         if attention_path(kernels.decode_attention, device) == "triton":
             fns = dataclasses.replace(fns, attention=decode_attention.attention,
                                       shared_prefix_rows=kernels.shared_prefix_rows)

@@ -85,8 +85,15 @@ def attention_output_and_gate_up_mlp(h, attn, wo, bo, norm, gate_up, down, *, ep
 def gate_up_mlp(h, norm, gate_up, down, eps: float):
     """The second half of :func:`attention_output_and_gate_up_mlp`: the MLP and its residual, for a step whose o
     projection ran apart (``StepFns.skinny_linear``)."""
+    return h + F.linear(gate_up_silu(h, norm, gate_up, eps), down)
+
+
+def gate_up_silu(h, norm, gate_up, eps: float):
+    """The MLP's activation ``silu(gate) * up`` of ``rms_norm(h)``, one GEMM over ``[gate; up]``: :func:`gate_up_mlp`
+    without the down projection and its residual, for a step that adds those into the residual stream in place
+    (``StepFns.residual_in_place``)."""
     gate, up = F.linear(rms_norm(h, norm, eps), gate_up).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, down)
+    return F.silu(gate) * up
 
 
 def adapted(x, y, down, up, scale: float):

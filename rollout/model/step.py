@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from rollout.model.pieces import (attention_inputs, attention_inputs_qkv, attention_inputs_qkv_write,
                                   attention_output_and_gate_up_mlp, attention_output_and_mlp, final_logits,
-                                  gate_up_mlp, grouped_decode_attention, qkv_projection, rotary)
+                                  gate_up_mlp, gate_up_silu, grouped_decode_attention, qkv_projection, rotary)
 from rollout.model.weights import (SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, DecoderSpec, DecoderWeights,
                                    FusedGateUp, FusedQKV, LayerWeights, WeightMirror, kept_buffer, spec_and_weights,
                                    unsupported_reason)
@@ -36,7 +36,7 @@ __all__ = [  # what the other layers import from here (defined here, or in the m
     "SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "DecoderSpec", "DecoderWeights", "FusedGateUp", "FusedQKV",
     "LayerWeights", "StepFns", "StepParts", "WeightMirror", "attention_inputs", "attention_inputs_qkv",
     "attention_inputs_qkv_write", "attention_output_and_gate_up_mlp", "attention_output_and_mlp", "compile_piece",
-    "compiled_step_fns", "decode_attention", "decode_logits", "final_logits", "gate_up_mlp",
+    "compiled_step_fns", "decode_attention", "decode_logits", "final_logits", "gate_up_mlp", "gate_up_silu",
     "grouped_decode_attention", "kept_buffer", "layer_output", "layer_qkv", "qkv_projection", "rms_norm", "rotary",
     "spec_and_weights", "unsupported_reason",
 ]
@@ -55,6 +55,23 @@ def layer_output(fns: "StepFns", h, attn, w: LayerWeights, eps: float):
     if w.gate_up is not None:
         return fns.attention_output_and_gate_up_mlp(h, attn, w.o, w.o_bias, w.post_norm, w.gate_up, w.down, eps=eps)
     return fns.attention_output_and_mlp(h, attn, w.o, w.o_bias, w.post_norm, w.gate, w.up, w.down, eps=eps)
+
+
+def _layer_rest(fns: "StepFns", h, attn, w: LayerWeights, eps: float, skinny: bool):
+    """The layer after its attention: o + residual, then the MLP + residual. ``skinny``: o on the skinny kernel;
+    ``fns.residual_in_place``: o and down added into ``h`` in place (a tensor of the step's own: its embedding output
+    or a layer's)."""
+    rows = h.shape[0]
+    in_place = fns.residual_in_place and w.gate_up is not None
+    if skinny and w.gate_up is not None:  # o + residual in one kernel, then the compiled MLP
+        h = fns.skinny_linear(attn.reshape(rows, -1), w.o, w.o_bias, residual=h)
+    elif in_place and w.o_bias is None:
+        h.addmm_(attn.reshape(rows, -1), w.o.t())
+    else:
+        return layer_output(fns, h, attn, w, eps)
+    if in_place:
+        return h.addmm_(fns.gate_up_silu(h, w.post_norm, w.gate_up, eps), w.down.t())
+    return fns.gate_up_mlp(h, w.post_norm, w.gate_up, w.down, eps)
 
 
 @dataclass(frozen=True)
@@ -77,6 +94,7 @@ class StepFns:
     attention_output_and_gate_up_mlp: object = attention_output_and_gate_up_mlp
     qkv_projection: object = qkv_projection
     gate_up_mlp: object = gate_up_mlp
+    gate_up_silu: object = gate_up_silu
     skinny_linear: object = None
     """When set (with ``rotary_write`` and fused gate|up), decode steps of at most ``skinny_rows`` rows compute each
     layer's o projection and its residual add with this kernel (``RolloutConfig.kernels.skinny_rows``:
@@ -86,6 +104,10 @@ class StepFns:
     shared_prefix_rows: int = 0
     """Ordinary-route decode steps of at least this many rows, whose prompts have several samples, hand the
     attention piece a ``SharedPrefix`` (``RolloutConfig.kernels.shared_prefix_rows``; 0: never)."""
+    residual_in_place: bool = False
+    """Decode steps add each layer's o and down projections into the residual stream in place (``addmm_``: the GEMM's
+    own beta-add, no copy of the residual first), with the norm, gate|up and SiLU·mul in ``gate_up_silu``, where
+    gate|up are fused and o has no bias (``RolloutConfig.kernels.residual_in_place``)."""
     rotary_write: object = None
     """When set (and q|k|v are fused), decode steps compute ``qkv_projection`` and hand it to this function,
     which rotates q and k and writes k and v into the cache (``RolloutConfig.kernels.rotary_kernel``: the one Triton
@@ -110,7 +132,8 @@ def compiled_step_fns(mode: str | None = None, kv_write: bool = False) -> StepFn
     fns = StepFns(*(compile_piece(fn, mode) for fn in (attention_inputs, attention_inputs_qkv,
                                                         attention_output_and_mlp, final_logits)),
                   attention_output_and_gate_up_mlp=compile_piece(attention_output_and_gate_up_mlp, mode),
-                  qkv_projection=compile_piece(qkv_projection, mode), gate_up_mlp=compile_piece(gate_up_mlp, mode))
+                  qkv_projection=compile_piece(qkv_projection, mode), gate_up_mlp=compile_piece(gate_up_mlp, mode),
+                  gate_up_silu=compile_piece(gate_up_silu, mode))
     if kv_write:
         fns = dataclasses.replace(fns, attention_inputs_qkv_write=compile_piece(attention_inputs_qkv_write, mode))
     return fns
@@ -163,9 +186,5 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
             value_cache[i].index_copy_(2, cols, v)
         attn = fns.attention(q, key_cache[i, :, :, start:stop], value_cache[i, :, :, start:stop], keep,
                              spec.head_dim ** -0.5, spec.num_heads != spec.num_kv_heads, **window)
-        if skinny and w.gate_up is not None:  # o + residual in one kernel, then the compiled MLP
-            h = fns.skinny_linear(attn.reshape(h.shape[0], -1), w.o, w.o_bias, residual=h)
-            h = fns.gate_up_mlp(h, w.post_norm, w.gate_up, w.down, eps)
-        else:
-            h = layer_output(fns, h, attn, w, eps)
+        h = _layer_rest(fns, h, attn, w, eps, skinny)
     return fns.final_logits(h, weights.final_norm, weights.lm_head, weights.lm_head_bias, eps)
