@@ -206,8 +206,9 @@ class SamplerConfig:
 
     fused: bool = True
     """With ``kernels.compile``: temperature + top-p sampling without top-k or a repetition penalty runs the Triton
-    nucleus kernels (``rollout.ops.fused_nucleus``); False keeps the compiled sort-free search. Both draw the same
-    tokens except where a cumulative mass lies within rounding of ``1 - top_p``."""
+    nucleus kernels (``rollout.ops.fused_nucleus``), and plain temperature sampling (top-p 1) their one-pass
+    Gumbel-max draw; False keeps the compiled sort-free search. Both draw the same tokens except where a cumulative
+    mass lies within rounding of ``1 - top_p``."""
     chunk_tokens: Optional[int] = None
     """Tokens of a row each program of the nucleus kernels reads: None, the kernels' default
     (``rollout.ops.fused_nucleus.CHUNK_TOKENS``); 0, one program per row. Fixed per call, so a row's token does not

@@ -43,7 +43,7 @@ ENTRY_KERNELS = {
     "rollout.ops.rotary_write_kernel": ("rotary_write",),
     "rollout.ops.jsd_kernel": ("jsd_rows",),
     "rollout.ops.nucleus_kernel": ("nucleus_sample",),
-    "rollout.ops.nucleus_split_kernel": ("chunk_stats", "search_pass", "tie_members", "draw", "finish"),
+    "rollout.ops.nucleus_split_kernel": ("chunk_stats", "search_pass", "tie_members", "draw", "finish", "draw_all"),
 }
 """The kernels the ops launch (the other ``@triton.jit`` functions of these modules are helpers they call)."""
 
@@ -296,6 +296,14 @@ def sampler_cases() -> list[tuple[str, Callable]]:
         cases.append((f"nucleus, chunked, arity {arity}", lambda a=arity: call(a, None)))
     cases.append(("nucleus, chunked, fp16, T=0.7, log-probs", lambda: call(fn.SPLIT_ARITY, None, torch.float16, 0.7,
                                                                            True, step_per_row=True)))
+
+    def plain(chunk_tokens, dtype=torch.bfloat16, temperature=1.0, logprobs=False, rows=4, vocab=151936):
+        fn.sample_plain(torch.zeros(rows, vocab, dtype=dtype), temperature, torch.tensor(7), torch.arange(rows),
+                        torch.zeros((), dtype=torch.long), logprobs, chunk_tokens=chunk_tokens)
+
+    cases.append(("plain sampling (top-p 1), chunked", lambda: plain(None)))
+    cases.append(("plain sampling, chunked, fp32, T=0.7, log-probs", lambda: plain(None, torch.float32, 0.7, True)))
+    cases.append(("plain sampling, a program per row, log-probs", lambda: plain(0, logprobs=True)))
     return cases
 
 

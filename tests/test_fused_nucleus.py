@@ -433,3 +433,154 @@ def test_chunked_rows_on_the_gpu(monkeypatch, temperature):
     same = tokens == one
     assert same.float().mean() >= 0.99
     assert torch.allclose(logprobs[same], one_lp[same], atol=1e-4)
+
+
+# Plain sampling (top-p 1): fused_nucleus.sample_plain, the Gumbel-max draw with every token kept.
+
+PLAIN_CASES = [  # dtype, temperature, scale, ties, per-row token indices
+    (torch.bfloat16, 1.0, 3.0, False, False),
+    (torch.bfloat16, 1.0, 2.0, True, True),
+    (torch.float32, 0.7, 2.0, True, False),
+    (torch.float32, 1.3, 4.0, False, True),
+    (torch.float16, 0.8, 3.0, True, False),
+]
+
+
+def _check_plain(sampler_module, dtype, temperature, scale, ties, per_row, vocab, rows=6):
+    logits = _logits(rows, vocab, scale, vocab + int(temperature * 10), dtype, ties)
+    key = SamplerKey(temperature, 0, 1.0, 1.0)
+    seed, ids = torch.tensor(2**32 - 7), torch.arange(rows) * 5 + 1
+    step = torch.arange(rows) + 9 if per_row else torch.tensor(6)
+    tokens, logprobs = sampler_module.sample_plain(logits, temperature, seed, ids, step, True)
+    expected, expected_lp = _select(logits, key, None, seed, ids, step, True, search=False)
+    assert tokens.dtype == torch.int64 and torch.equal(tokens, expected)
+    assert torch.allclose(logprobs, expected_lp, atol=2e-6)
+    again, none = sampler_module.sample_plain(logits, temperature, seed, ids, step, False)
+    assert torch.equal(again, tokens) and none is None
+    return logits, (seed, ids, step), tokens, logprobs
+
+
+@pytest.mark.parametrize("dtype, temperature, scale, ties, per_row", PLAIN_CASES)
+@pytest.mark.parametrize("vocab", [1, 7, 1000])
+def test_plain_draw_equals_the_eager_sampler(interpreted, dtype, temperature, scale, ties, per_row, vocab):
+    """One chunk a row: the same tokens as the eager Gumbel-max of the whole softmax (the compiled path's
+    noise and first-index ties), log-probabilities close, with and without them."""
+    _check_plain(interpreted, dtype, temperature, scale, ties, per_row, vocab)
+
+
+@pytest.mark.parametrize("dtype, temperature, scale, ties, per_row", [PLAIN_CASES[i] for i in (0, 1, 3)])
+def test_plain_draw_in_chunks_equals_the_eager_sampler_and_ignores_the_batch(chunked, dtype, temperature, scale, ties,
+                                                                              per_row):
+    """Rows cut into 4 chunks (the last of 100 tokens): the eager sampler's tokens; a row sampled alone draws the
+    same token with the same log-probability."""
+    assert fused_nucleus.chunk_count(1000) == 4
+    logits, (seed, ids, step), tokens, logprobs = _check_plain(chunked, dtype, temperature, scale, ties, per_row,
+                                                               1000, rows=4)
+    for picked in ([1], [3, 0]):
+        pick = [torch.tensor(picked)]
+        alone, alone_lp = chunked.sample_plain(logits[pick], temperature, seed, ids[pick],
+                                               step[pick] if step.dim() else step, True)
+        assert torch.equal(alone, tokens[pick]) and torch.equal(alone_lp, logprobs[pick])
+
+
+def test_plain_draws_follow_the_softmax(chunked):
+    """2000 draws of one row of 1000 tokens at T = 1 (2000 sample ids, so 2000 independent noises): frequencies
+    match the softmax (chi-square over the tokens expected at least 5 times, the rest pooled)."""
+    draws_n = 2000
+    row = _logits(1, 1000, 3.0, 3, torch.float32, False)
+    draws, _ = chunked.sample_plain(row.expand(draws_n, -1), 1.0, torch.tensor(1), torch.arange(draws_n),
+                                    torch.tensor(0), False)
+    probs = torch.softmax(row[0].double(), -1)
+    counts = torch.bincount(draws, minlength=1000).double()
+    big = probs * draws_n >= 5
+    assert big.sum() >= 5
+    observed = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    expected = torch.cat([probs[big], probs[~big].sum().reshape(1)]) * draws_n
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > CHI2_MIN_P
+
+
+@pytest.mark.parametrize("kwargs, applies", [
+    (dict(temperature=1.0), True), (dict(temperature=0.7), True), (dict(temperature=1.0, top_k=1000), True),
+    (dict(temperature=1.0, top_k=50), False), (dict(temperature=1.0, top_p=0.9), False),
+    (dict(temperature=0.0), False),
+])
+def test_the_plain_draw_applies_to_temperature_alone(kwargs, applies):
+    key = sampler_key(SamplingConfig(max_new_tokens=1, **kwargs))
+    assert fused_nucleus.applies_plain(key.temperature, key.top_k, key.top_p, False, 1000) is applies
+    assert fused_nucleus.applies_plain(key.temperature, key.top_k, key.top_p, True, 1000) is False  # a penalty
+    assert not fused_nucleus.supports_plain(torch.zeros(2, 10), 1.0, 0, 1.0, False)  # CPU tensors: other paths
+
+
+def _route_plain(monkeypatch, kernel):
+    monkeypatch.setattr(fused_nucleus, "supports_plain", lambda logits, t, k, p, penalised:
+                        fused_nucleus.applies_plain(t, k, p, penalised, logits.shape[-1]))
+    monkeypatch.setattr(fused_nucleus, "sample_plain", kernel)
+
+
+def test_sampler_runs_the_plain_draw_at_top_p_1(interpreted, monkeypatch):
+    """A compiled Sampler of a temperature-only key calls the plain draw (interpreted here) and returns the eager
+    sampler's tokens; ``fused=False`` keeps the compiled path."""
+    _route_plain(monkeypatch, interpreted.sample_plain)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the "compiled" functions run eagerly here
+    logits = _logits(5, 800, 3.0, 2, torch.bfloat16, True)
+    args = (torch.tensor(78), torch.arange(5), torch.tensor(4))
+    key = SamplerKey(1.0, 0, 1.0, 1.0)
+    sampler = Sampler(key, compiled=True)
+    tokens, logprobs = sampler(logits, None, *args, with_logprobs=True)
+    expected, expected_lp = _select(logits, key, None, *args, True, search=False)
+    assert sampler.is_fused and sampler.last_path == "fused" and torch.equal(tokens, expected)
+    assert torch.allclose(logprobs, expected_lp, atol=2e-6)
+    unfused = Sampler(key, compiled=True, fused=False)
+    unfused(logits, None, *args)
+    assert unfused.last_path == "compiled"
+
+
+def test_sampler_falls_back_when_the_plain_draw_raises(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no plain kernel today")
+
+    _route_plain(monkeypatch, broken)
+    key = SamplerKey(0.9, 0, 1.0, 1.0)
+    sampler = Sampler(key, compiled=True)
+    logits = _logits(3, 300, 2.0, 4, torch.float32, False)
+    args = (torch.tensor(5), torch.arange(3), torch.tensor(0))
+    tokens, _ = sampler(logits, None, *args)
+    assert "fused plain sampling kernel raised" in sampler.fallback_reason
+    assert "no plain kernel today" in sampler.fallback_reason and sampler.last_path in ("compiled", "eager")
+    expected, _ = _select(logits, key, None, *args, False, search=False)
+    assert torch.equal(tokens, expected)
+    sampler(logits, None, *args)
+    assert sampler.last_path != "fused" and not sampler.is_fused
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_plain_draw_in_a_cuda_graph_on_the_gpu(temperature):
+    """At the 3B vocabulary, captured in a graph: the plain draw's tokens equal the compiled sampler's
+    (``fused=False``) and the eager one's, log-probabilities close; a row's token is the same in a batch of 8."""
+    from rollout.executors.graphs import capture_graph
+
+    if fused_nucleus.available() is not None:
+        pytest.skip(fused_nucleus.available())
+    key = SamplerKey(temperature, 0, 1.0, 1.0)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    logits = (torch.randn(256, 151936, device="cuda", generator=gen) * 3).bfloat16()
+    seed, step, rows = torch.tensor(13, device="cuda"), torch.tensor(5, device="cuda"), torch.arange(256, device="cuda")
+    sampler = Sampler(key, compiled=True)
+    sampler(logits, None, seed, rows, step)
+    out = torch.zeros(256, dtype=torch.long, device="cuda")
+    graph = capture_graph(lambda: out.copy_(sampler(logits, None, seed, rows, step)[0]), [],
+                          torch.cuda.graph_pool_handle())
+    graph.replay()
+    assert sampler.last_path == "fused" and sampler.fallback_reason is None
+    compiled = Sampler(key, compiled=True, fused=False)
+    via_compiled, compiled_lp = compiled(logits, None, seed, rows, step, True)
+    eager, _ = _select(logits, key, None, seed, rows, step, True, search=False)
+    assert compiled.last_path == "compiled"
+    assert (out == via_compiled).float().mean() >= 0.99 and (out == eager).float().mean() >= 0.99
+    tokens, logprobs = sampler(logits, None, seed, rows, step, True)
+    same = tokens == via_compiled
+    assert torch.allclose(logprobs[same], compiled_lp[same], atol=1e-4)
+    few, few_lp = fused_nucleus.sample_plain(logits[:8], temperature, seed, rows[:8], step, True)
+    assert torch.equal(few, tokens[:8]) and torch.equal(few_lp, logprobs[:8])

@@ -23,6 +23,9 @@ Each pass keeps per-lane partial results in registers and reduces across the pro
    (same hash, same ``(seed, sample id, token index, token id)`` keys, computed in uint32), and the kept
    mass for the log-probability.
 
+Plain temperature sampling (top-p 1, the on-policy setting) takes step 4 alone over every token
+(:func:`sample_plain`: one pass over the row, a second for the log-probability's maximum).
+
 Semantics are those of HF's ``TopPLogitsWarper`` after temperature; masses are summed in another order
 (and with the GPU's fast ``exp``), so, as with the compiled path, a token can differ from the eager
 (sorting) path only where a cumulative mass lies within rounding of ``1 - top_p``. Covers temperature +
@@ -98,6 +101,58 @@ def supports(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     """:func:`applies`, for 2-D floating logits on a CUDA device, with triton importable."""
     return (logits.dim() == 2 and logits.is_floating_point() and logits.device.type == "cuda"
             and applies(temperature, top_k, top_p, penalised, logits.shape[-1]) and available() is None)
+
+
+def applies_plain(temperature: float, top_k: int, top_p: float, penalised: bool, vocab: int) -> bool:
+    """Whether :func:`sample_plain` computes this selection: sampling (T > 0) with top_p 1 (every token kept), no
+    top-k, no repetition penalty (the on-policy setting)."""
+    return temperature > 0.0 and top_p >= 1.0 and (top_k <= 0 or top_k >= vocab) and not penalised
+
+
+def supports_plain(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, penalised: bool) -> bool:
+    """:func:`applies_plain`, for 2-D floating logits on a CUDA device, with triton importable."""
+    return (logits.dim() == 2 and logits.is_floating_point() and logits.device.type == "cuda"
+            and applies_plain(temperature, top_k, top_p, penalised, logits.shape[-1]) and available() is None)
+
+
+def sample_plain(logits: torch.Tensor, temperature: float, seed: torch.Tensor, rows: torch.Tensor, step: torch.Tensor,
+                 with_logprobs: bool, chunk_tokens: Optional[int] = None):
+    """``(tokens [B] int64, logprobs [B] fp32 or None)``: one sample per row of ``logits [B, V]`` from the whole
+    softmax of ``logits / temperature`` (top-p 1): the Gumbel-max draw of :func:`sample_top_p` with every token kept,
+    so no boundary search runs: one pass over the row (two with ``with_logprobs``, whose first finds each chunk's
+    largest logit), then one program per row picks the best chunk. The noise and the tie order are the compiled
+    path's (:func:`rollout.ops.sampling.uniform_noise`; the first index among equal values). ``chunk_tokens`` as for
+    :func:`sample_top_p` (0: one chunk per row)."""
+    k = _split_kernels()
+    num_rows, vocab = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device) if with_logprobs else tokens
+    if not num_rows:
+        return tokens, (logprobs if with_logprobs else None)
+    step = step.reshape(-1)
+    span = CHUNK_TOKENS if chunk_tokens is None else int(chunk_tokens)
+    chunks = chunk_count(vocab, span)
+    span = span if chunks > 1 else vocab
+    cells = num_rows * chunks
+    floats = torch.empty(cells * 4, dtype=torch.float32, device=logits.device)
+    top, best, score, kept = torch.split(floats, [cells] * 4)
+    ints = torch.empty(cells * 2, dtype=torch.int32, device=logits.device)
+    low, index = torch.split(ints, [cells] * 2)
+    per_program = min(CHUNKS_PER_PROGRAM, chunks)
+    grid, width = (num_rows, -(-chunks // per_program)), pow2_at_least(chunks, 2)
+    common = dict(BLOCK=SPLIT_BLOCK, num_warps=SPLIT_WARPS)
+    scale = temperature != 1.0
+    if with_logprobs:
+        k.chunk_stats[grid](logits, logits.stride(0), vocab, span, top, low, chunks, per_program,
+                            SHIFT=key_shift(logits.dtype), **common)
+    k.draw_all[grid](logits, logits.stride(0), vocab, span, top, seed.reshape(1), rows, step,
+                     1 if step.numel() > 1 else 0, best, index, score, kept, chunks, per_program, float(temperature),
+                     SCALE=scale, WITH_LOGPROBS=with_logprobs, CHUNKS=width, **common)
+    k.finish[(num_rows,)](top, best, index, score, kept, tokens, logprobs, chunks, float(temperature), SCALE=scale,
+                          WITH_LOGPROBS=with_logprobs, CHUNKS=width, num_warps=1)
+    return tokens, (logprobs if with_logprobs else None)
 
 
 def key_shift(dtype: torch.dtype) -> int:

@@ -204,3 +204,38 @@ def finish(top_ptr, best_ptr, index_ptr, score_ptr, kept_ptr, tokens_ptr, logpro
         kept = tl.sum(tl.load(kept_ptr + row * chunks + cs, mask=in_row, other=0.0), 0)
         top = scaled(row_top(top_ptr, row, chunks, CHUNKS), temperature, SCALE)
         tl.store(logprobs_ptr + row, (score - top) - tl.log(kept))
+
+
+@triton.jit
+def draw_all(logits_ptr, row_stride, vocab, span, top_ptr, seed_ptr, rows_ptr, step_ptr, step_stride, best_ptr,
+             index_ptr, score_ptr, kept_ptr, chunks, per_program, temperature,
+             SCALE: tl.constexpr, WITH_LOGPROBS: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    """Plain sampling (top-p 1): :func:`draw` with every token kept, so no search ran before it; ``top_ptr`` (each
+    chunk's largest raw logit, from :func:`chunk_stats`) is read only for the log-probability's mass."""
+    row, group = tl.program_id(0), tl.program_id(1)
+    if WITH_LOGPROBS:
+        top = scaled(row_top(top_ptr, row, chunks, CHUNKS), temperature, SCALE)
+    base = noise_base(seed_ptr, rows_ptr, step_ptr, step_stride, row)
+    row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+    offs = tl.arange(0, BLOCK)
+    for chunk in range(group * per_program, tl.minimum((group + 1) * per_program, chunks)):
+        begin = chunk * span
+        end = tl.minimum(begin + span, vocab)
+        lane_best = tl.full((BLOCK,), float("-inf"), tl.float32)
+        lane_idx = tl.full((BLOCK,), 2 ** 31 - 1, tl.int32)
+        lane_score = tl.zeros((BLOCK,), tl.float32)
+        lane_kept = tl.zeros((BLOCK,), tl.float32)
+        for start in range(begin, end, BLOCK):
+            idx = start + offs
+            s = scaled(logits_at(row_ptr, idx, end), temperature, SCALE)
+            kept = idx < end
+            lane_best, lane_idx, lane_score = gumbel_update(idx, s, kept, base, lane_best, lane_idx, lane_score)
+            if WITH_LOGPROBS:
+                lane_kept += tl.where(kept, tl.exp(s - top), 0.0)
+        best, best_idx = lane_argmax(lane_best, lane_idx)
+        at = row * chunks + chunk
+        tl.store(best_ptr + at, best)
+        tl.store(index_ptr + at, best_idx)
+        if WITH_LOGPROBS:
+            tl.store(score_ptr + at, tl.max(tl.where(lane_idx == best_idx, lane_score, float("-inf")), 0))
+            tl.store(kept_ptr + at, tl.sum(lane_kept, 0))

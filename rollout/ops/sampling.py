@@ -183,7 +183,9 @@ class Sampler:
 
     ``fused`` (with ``compiled``): temperature + top-p sampling on CUDA logits without top-k or a
     repetition penalty runs the Triton nucleus of :mod:`rollout.ops.fused_nucleus` instead (same
-    keys, same semantics); if it raises, the compiled functions take over for good, with the reason.
+    keys, same semantics), and plain temperature sampling (top-p 1) its one-pass Gumbel-max
+    (``fused_nucleus.sample_plain``: the same noise and tie order, so the same tokens); if either raises,
+    the compiled functions take over for good, with the reason.
     """
 
     def __init__(self, key: SamplerKey, compiled: bool, fused: bool = True, chunk_tokens: Optional[int] = None):
@@ -192,7 +194,7 @@ class Sampler:
         """The fused kernels' tokens per program (``RolloutConfig.sampler.chunk_tokens``; None: their default)."""
         self.fallback_reason: Optional[str] = None
         """Why the compiled functions (or the fused kernel) were dropped (None: never built or still in use)."""
-        self._fused = bool(compiled and fused and not key.is_greedy and key.top_p < 1.0 and key.top_k <= 0)
+        self._fused = bool(compiled and fused and not key.is_greedy and key.top_k <= 0)
         self.last_path = "eager"
         """What the latest call ran: ``"fused"``, ``"compiled"`` or ``"eager"``."""
         self._compiled: dict[bool, object] = {}
@@ -209,7 +211,8 @@ class Sampler:
 
     @property
     def is_fused(self) -> bool:
-        """Whether CUDA calls of this key run the Triton nucleus (until it raises)."""
+        """Whether CUDA calls of this key run the Triton kernels (the nucleus, or top-p 1's plain draw) until they
+        raise."""
         return self._fused
 
     def _drop(self, where: str, exc: Exception) -> None:
@@ -220,15 +223,22 @@ class Sampler:
                  rows: torch.Tensor, step: torch.Tensor, with_logprobs: bool = False):
         key = self.key
         penalised = seen is not None and key.repetition_penalty != 1.0
-        if self._fused and fused_nucleus.supports(logits, key.temperature, key.top_k, key.top_p, penalised):
+        plain = key.top_p >= 1.0
+        supports = fused_nucleus.supports_plain if plain else fused_nucleus.supports
+        if self._fused and supports(logits, key.temperature, key.top_k, key.top_p, penalised):
             try:
-                result = fused_nucleus.sample_top_p(logits, key.temperature, key.top_p, seed, rows, step,
-                                                    bool(with_logprobs), chunk_tokens=self.chunk_tokens)
+                if plain:
+                    result = fused_nucleus.sample_plain(logits, key.temperature, seed, rows, step, bool(with_logprobs),
+                                                        chunk_tokens=self.chunk_tokens)
+                else:
+                    result = fused_nucleus.sample_top_p(logits, key.temperature, key.top_p, seed, rows, step,
+                                                        bool(with_logprobs), chunk_tokens=self.chunk_tokens)
                 self.last_path = "fused"
                 return result
             except Exception as exc:  # noqa: BLE001 - the compiled sampler still works; stats say why
                 self._fused = False
-                self.fallback_reason = f"fused nucleus kernel raised {exc!r:.300}; using the compiled sampler"
+                what = "plain sampling" if plain else "nucleus"
+                self.fallback_reason = f"fused {what} kernel raised {exc!r:.300}; using the compiled sampler"
         fn = self._compiled.get(bool(with_logprobs))
         if fn is not None:
             try:
