@@ -131,6 +131,52 @@ def test_negative_teacher_prompt_ids_are_refused(opsd_step):
                             teacher_prompt_attention_mask=torch.ones_like(MASK))
 
 
+def test_a_rank_that_refused_its_inputs_makes_every_rank_raise():
+    """A rank whose inputs failed their checks sends ``REFUSED_FIGURES`` through the step's all-gather: every other
+    rank raises naming it (that rank raises its own error, which names the field)."""
+    from rollout.opsd.ranks import REFUSED_FIGURES, RankFigures, check_figures
+
+    with pytest.raises(ValueError, match=r"^batch: refused on data-parallel rank 1: that rank's error names the field"):
+        check_figures([RankFigures(5, 1, 1, 2, 40), REFUSED_FIGURES], 512)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(teacher_prompt_ids=IDS[:2], teacher_prompt_attention_mask=MASK[:2]), r"^teacher_prompt_ids: "),  # rows
+    (dict(teacher_prompt_ids=IDS), r"^teacher_prompt_ids: "),  # no mask
+])
+def test_train_on_batch_joins_the_collectives_before_raising_its_own_error(opsd_step, monkeypatch, kwargs, message):
+    """Inputs refused on this rank (teacher prompts of another row count, or without a mask) raise their own error
+    only after the step's all-gather, with ``REFUSED_FIGURES`` (raising before it left the other data-parallel ranks
+    waiting in it); nothing trains."""
+    from rollout.opsd import step as step_module
+    from rollout.opsd.ranks import REFUSED_FIGURES
+
+    sent = []
+    gather = step_module.gather_figures
+    monkeypatch.setattr(step_module, "gather_figures", lambda local, *a: sent.append(local) or gather(local, *a))
+    step, before = opsd_step
+    with pytest.raises(ValueError, match=message):
+        step.train_on_batch(_batch(), **kwargs)
+    assert sent == [REFUSED_FIGURES]
+    assert all(torch.equal(a, b) for a, b in zip(before, step.student_module.parameters()))
+
+
+def test_a_distill_input_refusal_joins_the_collectives_too(opsd_step, monkeypatch):
+    """Unequal response starts with teacher prompts (``distill_inputs`` refuses them) take the same way."""
+    from rollout.opsd import step as step_module
+    from rollout.opsd.ranks import REFUSED_FIGURES
+
+    sent = []
+    gather = step_module.gather_figures
+    monkeypatch.setattr(step_module, "gather_figures", lambda local, *a: sent.append(local) or gather(local, *a))
+    step, _ = opsd_step
+    good = _batch()
+    uneven = dataclasses.replace(good, response_start_idx=torch.tensor([6, 5, 6]))
+    with pytest.raises(ValueError, match=r"^response_start_idx: must be equal in every row"):
+        step.train_on_batch(uneven, teacher_prompt_ids=IDS, teacher_prompt_attention_mask=MASK)
+    assert sent == [REFUSED_FIGURES]
+
+
 # ---- ProfileConfig and the OPSD_* variables -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, message", [

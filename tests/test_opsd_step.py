@@ -281,6 +281,9 @@ def test_deepspeed_steps_train_the_student_only(stage, kinds, world_size, extra)
                 assert out["self"]["micro_batches"] == [4, 4]  # 2 prompts x 2 samples, one row each
         # token counts 10 and 30 on two ranks: weights n * world / total = 0.5 and 1.5
         assert [out["rank_weight"] for out in outs] == ([1.0] if world_size == 1 else [0.5, 1.5])
+        if world_size == 2:  # rank 1's teacher prompts refused: both ranks raise, neither waits in a collective
+            assert outs[0]["refusal"].startswith("batch: refused on data-parallel rank 1: "), outs[0]["refusal"]
+            assert outs[1]["refusal"].startswith("teacher_prompt_ids: "), outs[1]["refusal"]
         if world_size == 2:  # each rank distils its own prompts
             assert outs[0]["tokens0"] != outs[1]["tokens0"]
 

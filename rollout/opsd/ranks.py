@@ -32,6 +32,8 @@ class RankFigures:
     """Largest token id of the rank's batch (-1: the batch has no rows)."""
     min_token_id: int = 0
     """Smallest token id of the rank's batch and teacher prompts."""
+    refused: int = 0
+    """1: the rank refused its own inputs before the step (it raises its own error; the others name the rank)."""
 
 
 def gather_figures(local: RankFigures, group=None, device: torch.device = torch.device("cpu")) -> list[RankFigures]:
@@ -53,6 +55,7 @@ def check_figures(figures: list[RankFigures], teacher_vocab_size: int) -> None:
     """The same ValueError on every rank when any rank's batch cannot be distilled."""
     for rank, figure in enumerate(figures):
         where = "" if len(figures) == 1 else f" on data-parallel rank {rank}"
+        require(not figure.refused, "batch", f"refused{where}: that rank's error names the field")
         require(figure.max_token_id >= 0 or figure.num_positions > 0, "batch", f"has no rows{where} (nothing to distil "
                 "on)")
         require(figure.num_positions > 0, "mask", f"the batch{where} has no response position to distil on "
@@ -73,3 +76,6 @@ def rank_weight(figures: list[RankFigures], local: RankFigures) -> float:
 
 #: The figures of a rank whose batch has no rows: :func:`check_figures` refuses them on every rank.
 EMPTY_FIGURES = RankFigures(0, 0, 0, 0, -1)
+#: The figures of a rank that refused its own inputs (a ValueError naming the field) before the step's collectives: it
+#: takes part in them with these, then raises its error; :func:`check_figures` makes every other rank raise too.
+REFUSED_FIGURES = RankFigures(0, 0, 0, 0, -1, 0, 1)

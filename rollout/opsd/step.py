@@ -67,7 +67,7 @@ from rollout.opsd.fused_loss import fused_jsd_loss
 from rollout.opsd.logit_cache import TeacherLogitCache
 from rollout.opsd.losses import generalized_jsd_loss
 from rollout.opsd.micro_batches import AUTO, MicroBatchPlan, Span, agree, plan_micro_batches
-from rollout.opsd.ranks import EMPTY_FIGURES, RankFigures, check_figures, gather_figures, rank_weight
+from rollout.opsd.ranks import EMPTY_FIGURES, REFUSED_FIGURES, RankFigures, check_figures, gather_figures, rank_weight
 from rollout.opsd.student import EngineStudent, PlainStudent, is_training_engine
 from rollout.opsd.teacher import TeacherStream, check_teacher_tokens, expanded_teacher_prompts
 from rollout.request import RolloutBatch, RolloutRequest
@@ -197,15 +197,26 @@ class OPSDStep:
         require(isinstance(batch, RolloutBatch), "batch", f"must be a RolloutBatch; got {type(batch).__name__}")
         start = time.perf_counter()
         with stage(stages.STEP):
-            teacher_prompts = expanded_teacher_prompts(teacher_prompt_ids, teacher_prompt_attention_mask,
-                                                       batch.batch_size, 1)
-            loss, num_tokens, breakdown = self._distill(batch, teacher_prompts, PhaseTimer())
+            try:
+                teacher_prompts, refusal = expanded_teacher_prompts(teacher_prompt_ids, teacher_prompt_attention_mask,
+                                                                    batch.batch_size, 1), None
+            except ValueError as exc:  # raised after the step's collectives, which the other ranks wait in
+                teacher_prompts, refusal = None, exc
+            loss, num_tokens, breakdown = self._distill(batch, teacher_prompts, PhaseTimer(), refusal=refusal)
         return StepResult(loss, num_tokens, (time.perf_counter() - start) * 1e3, None, None, None, batch, breakdown)
 
     # ---- the step, phase by phase -------------------------------------------------------------
-    def _distill(self, batch: RolloutBatch, teacher_prompts, timer: PhaseTimer, rollout: str = ""):
-        """Plan, then teacher + student per micro-batch, then the optimizer: ``(loss, positions, breakdown)``."""
-        inputs = distill_inputs(batch, teacher_prompts) if batch.batch_size else None  # None: refused below, everywhere
+    def _distill(self, batch: RolloutBatch, teacher_prompts, timer: PhaseTimer, rollout: str = "",
+                 refusal: Optional[ValueError] = None):
+        """Plan, then teacher + student per micro-batch, then the optimizer: ``(loss, positions, breakdown)``.
+        ``refusal``: this rank's inputs were refused before the step; it is raised after the collectives (raising here
+        would leave the other data-parallel ranks waiting in them), and every other rank raises too."""
+        inputs = None  # None: refused below, on every rank
+        if refusal is None and batch.batch_size:
+            try:
+                inputs = distill_inputs(batch, teacher_prompts)
+            except ValueError as exc:
+                refusal = exc
         config = self.config
         self.student_path, self.student_path_reason, adapters = self._student_path()
         with contextlib.ExitStack() as weights:
@@ -213,8 +224,11 @@ class OPSDStep:
                 with timer.phase(stages.STUDENT_FORWARD), stage(stages.GATHER):  # booked to the student's passes
                     weights.enter_context(zero.gathered(self._gather_target, "once"))
             if inputs is None:  # the others' collectives, then the error every rank raises (not this rank's alone)
-                check_figures(gather_figures(EMPTY_FIGURES, self._trainer.data_parallel_group, batch.input_ids.device),
-                              self.teacher_vocab_size)
+                figures = gather_figures(EMPTY_FIGURES if refusal is None else REFUSED_FIGURES,
+                                         self._trainer.data_parallel_group, batch.input_ids.device)
+                if refusal is not None:
+                    raise refusal
+                check_figures(figures, self.teacher_vocab_size)
             budget = sizing.budget_bytes(config.max_micro_batch_gib, inputs.ids.device, self.train_path == "packed") \
                 if config.max_student_rows == AUTO else None
             plan = plan_micro_batches(inputs.stats, config.max_student_rows, config.max_teacher_rows, self.row_cost,

@@ -117,7 +117,24 @@ def run(kind: str) -> dict:
         out["per_forward_path"] = [other.student_path, other.student_path_reason]
     if WITH_SELF:
         out["self"] = self_distillation(engine, tokenizer)
+    if torch.distributed.get_world_size() == 2:
+        out["refusal"] = refusal_on_one_rank(step, results[-1].batch)
     return out
+
+
+def refusal_on_one_rank(step, batch) -> str:
+    """Rank 1 passes teacher prompts of another row count, rank 0 its good batch: each must raise (its message is
+    returned), and neither may wait for the other (rank 1 raised before the step's collectives, and rank 0 hung in
+    them, before the refusal joined them)."""
+    kwargs = {}
+    if rank() == 1:
+        ids = batch.input_ids[:1, :3]
+        kwargs = dict(teacher_prompt_ids=ids, teacher_prompt_attention_mask=torch.ones_like(ids))
+    try:
+        step.train_on_batch(batch, **kwargs)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
 
 
 def figures_weight(num_positions: int) -> float:
