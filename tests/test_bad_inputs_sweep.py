@@ -124,6 +124,23 @@ def test_train_on_batch_refuses_before_training(opsd_step, change, message):
     assert all(torch.equal(a, b) for a, b in zip(before, step.student_module.parameters()))
 
 
+@pytest.mark.parametrize("where", ["batch", "teacher prompts"])
+def test_soft_masks_are_refused(opsd_step, where):
+    """A mask holding values other than 0 and 1 (0.5: weights, not a token mask) was taken as 1 wherever non-zero,
+    silently; now refused naming the field, before training."""
+    step, before = opsd_step
+    good = _batch()
+    if where == "batch":
+        soft = good.attention_mask.float()
+        soft[0, -1] = 0.5
+        with pytest.raises(ValueError, match=r"^attention_mask: must hold 0 and 1 only .*; 1 entries"):
+            step.train_on_batch(dataclasses.replace(good, attention_mask=soft))
+    else:
+        with pytest.raises(ValueError, match=rf"^attention_mask: must hold 0 and 1 only .*; {int(MASK.sum())} entries"):
+            step.train_on_batch(good, teacher_prompt_ids=IDS, teacher_prompt_attention_mask=MASK * 2)
+    assert all(torch.equal(a, b) for a, b in zip(before, step.student_module.parameters()))
+
+
 def test_negative_teacher_prompt_ids_are_refused(opsd_step):
     step, _ = opsd_step
     with pytest.raises(ValueError, match=r"^input_ids: token ids must be >= 0; got -1 "):

@@ -78,9 +78,14 @@ def distill_inputs(batch: RolloutBatch, teacher_prompts: Optional[tuple]) -> Dis
     per_row = torch.stack([loss_mask.sum(dim=1), extent, _first_real_column(batch.attention_mask),
                            _first_real_column(teacher_mask), (batch.attention_mask != 0).sum(dim=1)])  # [5, N]
     lowest = torch.minimum(batch.input_ids.min(), teacher_ids.min()).view(1)
-    host = torch.cat([per_row.flatten(), batch.input_ids.max().view(1).to(per_row.dtype),
+    masks = (batch.attention_mask,) + ((teacher_mask[:, :teacher_col],) if teacher_prompts is not None else ())
+    soft = sum(((m != 0) & (m != 1)).sum() for m in masks).view(1)  # entries neither 0 nor 1
+    host = torch.cat([per_row.flatten(), batch.input_ids.max().view(1).to(per_row.dtype), soft.to(per_row.dtype),
                       lowest.to(per_row.dtype)]).tolist()  # one sync
     lowest = int(host.pop())  # refused by ranks.check_figures on every rank, not here on one (the others would wait)
+    soft = int(host.pop())  # a ValueError here is raised by the step after its collectives (OPSDStep._distill)
+    require(soft == 0, "attention_mask", f"must hold 0 and 1 only (a token mask, not weights); {soft} entries of the "
+            "batch's (or its teacher prompts') masks are neither")
     rows = batch.batch_size
     counts, extents, firsts, teacher_firsts, tokens = (tuple(host[i * rows:(i + 1) * rows]) for i in range(5))
     stats = RowStats(counts, extents, firsts, teacher_firsts, start_col, teacher_col, tokens)
