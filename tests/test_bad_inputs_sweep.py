@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import gzip
 import importlib
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -192,6 +193,44 @@ def test_a_distill_input_refusal_joins_the_collectives_too(opsd_step, monkeypatc
     with pytest.raises(ValueError, match=r"^response_start_idx: must be equal in every row"):
         step.train_on_batch(uneven, teacher_prompt_ids=IDS, teacher_prompt_attention_mask=MASK)
     assert sent == [REFUSED_FIGURES]
+
+
+# ---- counts on the command line: ASCII digits only -------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, value", [("3", 3), (" +3 ", 3), ("-2", -2), ("0", 0), ("٣", None), ("1_0", None),
+                                         ("²", None), ("3.0", None), ("", None), ("0x10", None), (None, None)])
+def test_command_line_ints_take_ascii_digits_only(text, value):
+    """``int()`` reads other scripts' digits ('٣' is 3) and underscores ('1_0' is 10); a count on the command line
+    does not."""
+    from instrumentation.config import parse_int_text
+
+    assert parse_int_text(text) == value
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "٣"], r"argument --batch-size: invalid int value: '٣'"),
+    (["--steps", "1_0"], r"argument --steps: invalid int value: '1_0'"),
+    (["--max-student-rows", "٣"], r"argument --max-student-rows: expected auto, all or an int >= 1"),
+])
+def test_the_main_jobs_counts_refuse_other_digits(capsys, argv, message):
+    from rollout import job as job_lib
+
+    with pytest.raises(SystemExit):
+        job_lib.parse_args(argv)
+    assert re.search(message, capsys.readouterr().err)
+    assert job_lib.parse_args(["--batch-size", "3", "--steps", "10"]).job.batch_size == 3
+
+
+def test_trace_and_benchmark_counts_refuse_other_digits():
+    from benchmarks.harness.cli import int_at_least
+    from traces.cli import parse_args
+
+    with pytest.raises(argparse.ArgumentTypeError, match=r"must be an int >= 1; got '٣'"):
+        int_at_least(1)("٣")
+    assert int_at_least(1)("3") == 3
+    with pytest.raises(SystemExit):
+        parse_args(["trace.json", "--kernels", "٣"])
+    assert parse_args(["trace.json", "--kernels", "3"]).kernels == 3
 
 
 # ---- ProfileConfig and the OPSD_* variables -------------------------------------------------------------------------

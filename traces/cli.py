@@ -16,7 +16,7 @@ import os
 import sys
 
 from instrumentation import stages as S
-from instrumentation.config import parse_bool
+from instrumentation.config import parse_bool, parse_int_text
 from traces.runs import csv_cell, group_by_run
 from traces.diff import baseline_problem, diff_columns, diff_headline, diff_rows, diff_values, format_diff, noise_note
 from traces.findings import format_findings, report_findings
@@ -64,11 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _kernels_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
+    value = parse_int_text(text)
+    if value is None or value < 0:
         raise argparse.ArgumentTypeError(f"--kernels must be an integer >= 0; got {text!r}")
     return value
 

@@ -6,16 +6,15 @@ import argparse
 import math
 import os
 
+from instrumentation.config import parse_int_text
+
 
 def int_at_least(minimum: int):
     """An argparse ``type``: an int >= ``minimum`` (argparse names the flag: ``argument --pairs: must be an int >=
     2; got '0'``)."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
+        value = parse_int_text(text)  # ASCII digits: int() also reads '٣' as 3
         if value is None or value < minimum:
             raise argparse.ArgumentTypeError(f"must be an int >= {minimum}; got {text!r}")
         return value

@@ -23,10 +23,23 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from instrumentation.config import parse_int_text
 from rollout.checks import require
 from rollout.config import MOVED, REMOVED, RolloutConfig, setting_names
 from rollout.opsd.config import OPSDConfig
 from rollout.opsd.job import JobConfig, ModelNames
+
+
+def integer(text: str) -> int:
+    """``int`` for argparse in ASCII digits only (``int('٣')`` is 3, ``int('1_0')`` 10); argparse names the flag of
+    another value ("invalid int value")."""
+    value = parse_int_text(text)
+    if value is None:
+        raise ValueError(f"not an int in ASCII digits: {text!r}")
+    return value
+
+
+integer.__name__ = "int"  # argparse's message: "invalid int value: '...'"
 
 
 def switch(text: str) -> bool:
@@ -41,10 +54,7 @@ def rows_setting(text: str):
     of a bad value, with the accepted ones)."""
     if text in ("auto", "all"):
         return None if text == "all" else text
-    try:
-        rows = int(text)
-    except ValueError:
-        rows = 0
+    rows = parse_int_text(text) or 0
     if rows < 1:
         raise argparse.ArgumentTypeError(f"expected auto, all or an int >= 1 (rows); got {text!r}")
     return rows
@@ -71,35 +81,35 @@ FLAGS = {
     "--student": ("job", "student", str, "student: HF name, local dir, shape name or smollm2-135m"),
     "--teacher": ("job", "teacher", str, "teacher: HF name, local dir, shape name, smollm2-135m or 'self'"),
     "--deepspeed-config": ("job", "deepspeed_config", str, "DeepSpeed JSON config file"),
-    "--zero-stage": ("job", "zero_stage", int, "ZeRO stage, overrides the config's"),
-    "--lora": ("job", "lora", int, "peft LoRA rank (train adapters only)"),
-    "--batch-size": ("job", "batch_size", int, "prompts per step and rank"),
-    "--samples-per-prompt": ("job", "samples_per_prompt", int, "responses per prompt"),
-    "--max-new-tokens": ("job", "max_new_tokens", int, "response budget"),
-    "--prompt-len": ("job", "prompt_len", int, "synthetic prompt length"),
+    "--zero-stage": ("job", "zero_stage", integer, "ZeRO stage, overrides the config's"),
+    "--lora": ("job", "lora", integer, "peft LoRA rank (train adapters only)"),
+    "--batch-size": ("job", "batch_size", integer, "prompts per step and rank"),
+    "--samples-per-prompt": ("job", "samples_per_prompt", integer, "responses per prompt"),
+    "--max-new-tokens": ("job", "max_new_tokens", integer, "response budget"),
+    "--prompt-len": ("job", "prompt_len", integer, "synthetic prompt length"),
     "--sampling-temperature": ("job", "sampling_temperature", float, "rollout temperature"),
-    "--steps": ("job", "steps", int, "training steps"),
+    "--steps": ("job", "steps", integer, "training steps"),
     "--lr": ("job", "lr", float, "AdamW learning rate (None: 1e-5 for smollm2-135m, else 5e-3)"),
-    "--seed": ("job", "seed", int, "seed"),
+    "--seed": ("job", "seed", integer, "seed"),
     "--route": ("rollout", "route", str, "rollout route: ordinary, continuous or auto"),
-    "--keep-cache": ("rollout", "keep_cache", int, "1: keep the KV cache between rollouts, 0: release it"),
+    "--keep-cache": ("rollout", "keep_cache", integer, "1: keep the KV cache between rollouts, 0: release it"),
     "--gather": ("rollout", "gather", str, "ZeRO-3 rollout gathering: once or per_forward"),
     "--max-cache-gib": ("rollout", "max_cache_gib", float, "cap on a rollout's KV cache, GiB (None: free memory)"),
-    "--teacher-offload": ("job", "teacher_offload", int,
+    "--teacher-offload": ("job", "teacher_offload", integer,
                           "1: teacher in an inference-only ZeRO-3 engine, parameters offloaded to host"),
     "--json-out": ("job", "json_out", str, "rank 0 writes the run's JSON report (all ranks) here"),
     "--peak-tflops": ("job", "peak_tflops", float,
                       "the device's peak TFLOP/s for MFU and the work rooflines (default: a listed GPU's)"),
     "--peak-tbps": ("job", "peak_tbps", float,
                     "the device's copy TB/s (read + written) for the work rooflines (default: measured or listed)"),
-    "--print-every": ("job", "print_every", int, "print 2 rollout rows decoded every N steps (0: never)"),
+    "--print-every": ("job", "print_every", integer, "print 2 rollout rows decoded every N steps (0: never)"),
     "--max-student-rows": ("opsd", "max_student_rows", rows_setting, "rows per student micro-batch: auto, all or N"),
     "--max-teacher-rows": ("opsd", "max_teacher_rows", rows_setting, "rows per teacher forward: auto, all or N"),
     "--max-micro-batch-gib": ("opsd", "max_micro_batch_gib", float, "micro-batch memory budget for auto"),
     "--train-path": ("opsd", "train_path", str, "teacher/student passes: auto, packed (varlen, fused loss) or padded"),
     "--beta": ("opsd", "beta", float, "generalized JSD beta (0 forward KL, 1 reverse KL)"),
     "--temperature": ("opsd", "temperature", float, "loss temperature"),
-    "--teacher-top-k": ("opsd", "teacher_top_k", int, "cache the teacher's top-k logits only"),
+    "--teacher-top-k": ("opsd", "teacher_top_k", integer, "cache the teacher's top-k logits only"),
     "--logit-cache": ("opsd", "logit_cache_location", str, "teacher logit cache: device or host"),
     "--coalesce-gradients": ("opsd", "coalesce_gradients", switch,
                              "1: a ZeRO-3 student gathered once reduces its gradients once a step, 0: every micro-batch"),
