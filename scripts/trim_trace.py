@@ -24,15 +24,24 @@ import os
 import sys
 import zlib
 
+from instrumentation.config import parse_int_text
 from instrumentation.export import write_atomic
 from traces.trim import DROP_ORDER, drop_categories, step_index, step_ranges, trim_events
+
+
+def _step_arg(text: str) -> int:
+    """A step index in ASCII digits (``int()`` also reads '٣' as 3)."""
+    value = parse_int_text(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"--step must be an integer; got {text!r}")
+    return value
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("source", help="a Chrome trace (.json or .json.gz)")
     p.add_argument("output", help="where to write the trimmed trace (gzip)")
-    p.add_argument("--step", type=int, default=None, help="training step to keep (default: the last)")
+    p.add_argument("--step", type=_step_arg, default=None, help="training step to keep (default: the last)")
     p.add_argument("--stage", default="opsd/step", help="range name of a step (default opsd/step)")
     p.add_argument("--max-mb", type=_max_mb_arg, default=5.0, help="largest output, MB of gzip (default 5)")
     return p.parse_args(argv)

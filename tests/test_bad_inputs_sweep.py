@@ -231,6 +231,10 @@ def test_trace_and_benchmark_counts_refuse_other_digits():
     with pytest.raises(SystemExit):
         parse_args(["trace.json", "--kernels", "٣"])
     assert parse_args(["trace.json", "--kernels", "3"]).kernels == 3
+    trim = importlib.import_module("scripts.trim_trace")
+    with pytest.raises(SystemExit):
+        trim.parse_args(["in.json", "out.json.gz", "--step", "٣"])
+    assert trim.parse_args(["in.json", "out.json.gz", "--step", "3"]).step == 3
 
 
 # ---- ProfileConfig and the OPSD_* variables -------------------------------------------------------------------------
