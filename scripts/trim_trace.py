@@ -20,12 +20,12 @@ import argparse
 import gzip
 import json
 import math
-import os
 import sys
 import zlib
 
 from instrumentation.config import parse_int_text
 from instrumentation.export import write_atomic
+from instrumentation.paths import output_problem
 from traces.trim import DROP_ORDER, drop_categories, step_index, step_ranges, trim_events
 
 
@@ -66,17 +66,12 @@ class StepError(InputError):
 
 
 def check_output(path: str, source: str = "") -> None:
-    """:class:`InputError` when ``path`` cannot be the output (checked before the source is read): among others,
-    the source itself (it was overwritten by its own trimmed copy)."""
-    if not path:
-        raise InputError("output: empty path")
-    if source and os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source):
-        raise InputError(f"{path}: output is the source file; give another path (it would be overwritten)")
-    if os.path.isdir(path):
-        raise InputError(f"{path}: output is a directory")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise InputError(f"{path}: output folder {folder} does not exist")
+    """:class:`InputError` when ``path`` cannot be the output (checked before the source is read;
+    :func:`instrumentation.paths.output_problem`): among others, the source itself (it was overwritten by its own
+    trimmed copy)."""
+    why = output_problem(path, source=source or None)
+    if why:
+        raise InputError(f"{path}: output {why}; give another path")
 
 
 def load(path: str) -> dict:

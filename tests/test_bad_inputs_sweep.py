@@ -195,6 +195,31 @@ def test_a_distill_input_refusal_joins_the_collectives_too(opsd_step, monkeypatc
     assert sent == [REFUSED_FIGURES]
 
 
+# ---- a path to write: one set of rules (instrumentation.paths) --------------------------------------------------------
+
+@pytest.mark.parametrize("path, create, why", [
+    ("", False, "is empty"), ("  ", True, "is empty"), (None, False, "is empty"), ("a\0b.json", True,
+                                                                                  "contains a NUL character"),
+    ("{tmp}", False, "is a directory"), ("{tmp}/x/", True, "ends in a separator (a directory)"),
+    ("{tmp}/x/..", True, "names a directory"), ("{tmp}/no/x.json", False, "is in the folder {tmp}/no, which does not exist"),
+    ("{tmp}/no/deeper/x.json", True, None), ("{tmp}/file.txt/x.json", True, "is under {tmp}/file.txt, which is not a directory"),
+    ("{tmp}/x.json", False, None),
+])
+def test_output_paths_follow_one_set_of_rules(tmp_path, path, create, why):
+    """``--json-out`` (folders created), the benchmarks' result files and trim_trace's output (folders must exist)
+    share ``output_problem``: each words its own error around the same reason."""
+    from instrumentation.paths import output_problem
+
+    (tmp_path / "file.txt").write_text("x")
+    fill = (lambda text: text.replace("{tmp}", str(tmp_path))) if path else (lambda text: text)
+    expected = None if why is None else fill(why)
+    assert output_problem(fill(path) if isinstance(path, str) else path, create_folder=create) == expected
+    source = tmp_path / "in.json"
+    source.write_text("{}")
+    assert output_problem(str(tmp_path / "." / "in.json"), source=str(source)) == \
+        "is the source file (it would be overwritten)"
+
+
 # ---- counts on the command line: ASCII digits only -------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, value", [("3", 3), (" +3 ", 3), ("-2", -2), ("0", 0), ("٣", None), ("1_0", None),
@@ -329,7 +354,7 @@ def test_trim_refuses_its_own_source_as_output(tmp_path, capsys):
     source.write_bytes(TRACE.read_bytes())
     assert _script("trim_trace").main([str(source), str(tmp_path / "." / source.name)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.endswith("output is the source file; give another path (it would be overwritten)") and "\n" not in err
+    assert err.endswith("output is the source file (it would be overwritten); give another path") and "\n" not in err
     assert source.read_bytes() == TRACE.read_bytes()  # was overwritten by its own trimmed copy
 
 
@@ -370,16 +395,17 @@ def _started(*args, **kwargs):
 BENCHMARK_FLAGS = [  # module, the work it would start, argv, the message
     ("step", "measure_rates", ["--steps", "0"], "argument --steps: must be an int >= 1; got '0'"),
     ("step", "measure_rates", ["--steps", "-1"], "argument --steps: must be an int >= 1; got '-1'"),  # quoted 0
-    ("step", "measure_rates", ["--out", ""], "argument --out: must be a file path; got ''"),
+    ("step", "measure_rates", ["--out", ""], "argument --out: '' is empty; give a file path"),
     ("step", "measure_rates", ["--cells", ""], "argument --cells: '' not among"),
     ("step", "measure_rates", ["--cells", "small,bogus"], "argument --cells: ['bogus'] not among"),  # KeyError
     ("step", "measure_rates", ["--check-tokens", "0"], "argument --check-tokens: must be an int >= 1"),
     ("jsd", "measure_rates", ["--temperature", "nan"], "argument --temperature: must be a finite number > 0"),
-    ("jsd", "measure_rates", ["--json", ""], "argument --json: must be a file path"),
+    ("jsd", "measure_rates", ["--json", ""], "argument --json: '' is empty; give a file path"),
     ("optimizer", "parent", ["--lr", "nan"], "argument --lr: must be a finite number > 0; got 'nan'"),
     ("optimizer", "parent", ["--port", "70000"], "argument --port: must be an int in [1, 65535]; got '70000'"),
     ("optimizer", "parent", ["--tokens", "0"], "argument --tokens: must be an int >= 2"),
-    ("optimizer", "parent", ["--out", "/nonexistent-folder/x.json"], "argument --out: the folder"),
+    ("optimizer", "parent", ["--out", "/nonexistent-folder/x.json"],
+     "argument --out: '/nonexistent-folder/x.json' is in the folder /nonexistent-folder, which does not exist"),
     ("multigpu", "run_variant", ["--timeout", "nan"], "argument --timeout: must be a finite number > 0"),
     ("planner", "plan_rows", ["--repeats", "0"], "argument --repeats: must be an int >= 1"),  # a traceback
     ("keep_cache", "load_model", ["--batch-size", "0"], "argument --batch-size: must be an int >= 1"),  # IndexError

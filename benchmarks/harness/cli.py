@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
 from instrumentation.config import parse_int_text
+from instrumentation.paths import output_problem
 
 
 def int_at_least(minimum: int):
@@ -56,15 +56,11 @@ def finite_number(low: float = -math.inf, *, above: bool = False):
 
 
 def out_path(text: str) -> str:
-    """An argparse ``type``: a file path to write, checked before any model is built: not empty, no NUL, not a
-    directory, in a folder that exists (an empty ``--out`` ran the benchmark and then wrote nowhere)."""
-    if not text.strip() or "\0" in text:
-        raise argparse.ArgumentTypeError(f"must be a file path; got {text!r}")
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path")
-    folder = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"the folder {folder!r} of {text!r} does not exist")
+    """An argparse ``type``: a file path to write, checked before any model is built
+    (:func:`instrumentation.paths.output_problem`: an empty ``--out`` ran the benchmark and then wrote nowhere)."""
+    why = output_problem(text)
+    if why:
+        raise argparse.ArgumentTypeError(f"{text!r} {why}; give a file path")
     return text
 
 

@@ -9,11 +9,11 @@ a one-line ``ValueError`` naming the flag; ``rollout.job.check_job`` gathers the
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Optional
 
+from instrumentation.paths import output_problem
 from instrumentation.runfiles import env_int
 from rollout.checks import is_int
 from rollout.opsd.packed import config_unsupported_reason
@@ -58,22 +58,13 @@ class ModelFacts:
 
 # ---- the report path ----------------------------------------------------------------------------------------------
 def check_json_out(path: Optional[str]) -> None:
-    """``--json-out`` must name a file (not empty, not a directory, not ending in a separator) in a directory this
-    process can create or write (checked now: the report is written after the last step)."""
+    """``--json-out`` must name a file in a directory this process can create or write (checked now: the report is
+    written after the last step); :func:`instrumentation.paths.output_problem`'s rules."""
     if path is None:
         return
-    name = os.path.basename(path)
-    why = "is empty" if not path else "is a directory" if os.path.isdir(path) else "ends in a separator (a " \
-        "directory)" if not name else "names a directory" if name in (".", "..") else None
+    why = output_problem(path, create_folder=True)
     if why:
         raise ValueError(f"--json-out {path!r}: {why}; name a file (run.json)")
-    existing = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"--json-out {path}: {existing} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--json-out {path}: the directory {existing} is not writable")
 
 
 # ---- the models against the flags ---------------------------------------------------------------------------------
