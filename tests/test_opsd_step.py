@@ -404,7 +404,7 @@ def no_model(*args, **kwargs):
     (["--rollout", "kernels.cuda_graphs=1"], ["kernels.cuda_graphs: must be a bool; got 1"]),
     (["--rollout", "kernels.prefill_graph_tokens=-1"], ["kernels.prefill_graph_tokens:", "0: off"]),
     (["--rollout", "kernels.decode_attention='flash'"], ["kernels.decode_attention:", "'triton'"]),
-    (["--keep-cache", "2"], ["keep_cache: must be 0 or 1; got 2"]),
+    (["--keep-cache", "2"], ["argument --keep-cache: expected 0 or 1; got '2'"]),
     (["--max-cache-gib", "0"], ["max_cache_gib:", "> 0"]),
 ])
 def test_a_bad_rollout_setting_fails_before_any_model_is_built(train_opsd, monkeypatch, capsys, argv, words):

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from instrumentation.config import parse_int_text
-from rollout.checks import require
 from rollout.config import MOVED, REMOVED, RolloutConfig, setting_names
 from rollout.opsd.config import OPSDConfig
 from rollout.opsd.job import JobConfig, ModelNames
@@ -92,7 +91,7 @@ FLAGS = {
     "--lr": ("job", "lr", float, "AdamW learning rate (None: 1e-5 for smollm2-135m, else 5e-3)"),
     "--seed": ("job", "seed", integer, "seed"),
     "--route": ("rollout", "route", str, "rollout route: ordinary, continuous or auto"),
-    "--keep-cache": ("rollout", "keep_cache", integer, "1: keep the KV cache between rollouts, 0: release it"),
+    "--keep-cache": ("rollout", "keep_cache", switch, "1: keep the KV cache between rollouts, 0: release it"),
     "--gather": ("rollout", "gather", str, "ZeRO-3 rollout gathering: once or per_forward"),
     "--max-cache-gib": ("rollout", "max_cache_gib", float, "cap on a rollout's KV cache, GiB (None: free memory)"),
     "--teacher-offload": ("job", "teacher_offload", integer,
@@ -172,12 +171,8 @@ class MovedFlag(argparse.Action):
 
 
 def rollout_config(common: dict, settings: dict) -> RolloutConfig:
-    """The job's one ``RolloutConfig``: the defaults with the common flags' values and the ``--rollout``
-    settings applied (``--keep-cache`` is 0 or 1)."""
-    if "keep_cache" in common:
-        keep = common["keep_cache"]
-        require(keep in (0, 1), "keep_cache", f"must be 0 or 1; got {keep!r}")
-        common = {**common, "keep_cache": bool(keep)}
+    """The job's one ``RolloutConfig``: the defaults with the common flags' values (``--keep-cache`` already a bool:
+    :func:`switch`) and the ``--rollout`` settings applied."""
     return RolloutConfig().with_settings({**common, **settings})
 
 
