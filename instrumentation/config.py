@@ -72,16 +72,6 @@ def _is_uint(text: str) -> bool:
     return _UINT_RE.fullmatch(text) is not None
 
 
-_INT_RE = re.compile(r"\s*[+-]?[0-9]{1,4000}\s*", re.ASCII)  # int() refuses more than 4,300 digits
-
-
-def parse_int_text(text: str) -> Optional[int]:
-    """The int ``text`` spells in ASCII digits (a sign and surrounding blanks allowed), else None: ``int()`` also reads
-    other scripts' digits (``int('٣')`` is 3) and underscores (``int('1_0')`` is 10), which a command-line count
-    should not."""
-    return int(text) if isinstance(text, str) and _INT_RE.fullmatch(text) else None
-
-
 def parse_run_name(value, source: str = "run_name") -> Optional[str]:
     """None, or a plain directory name that cannot leave the output directory."""
     if value is None:

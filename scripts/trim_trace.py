@@ -23,9 +23,8 @@ import math
 import sys
 import zlib
 
-from instrumentation.config import parse_int_text
+from instrumentation.cli_values import output_problem, parse_int_text
 from instrumentation.export import write_atomic
-from instrumentation.paths import output_problem
 from traces.trim import DROP_ORDER, drop_categories, step_index, step_ranges, trim_events
 
 
@@ -67,7 +66,7 @@ class StepError(InputError):
 
 def check_output(path: str, source: str = "") -> None:
     """:class:`InputError` when ``path`` cannot be the output (checked before the source is read;
-    :func:`instrumentation.paths.output_problem`): among others, the source itself (it was overwritten by its own
+    :func:`instrumentation.cli_values.output_problem`): among others, the source itself (it was overwritten by its own
     trimmed copy)."""
     why = output_problem(path, source=source or None)
     if why:

@@ -195,7 +195,7 @@ def test_a_distill_input_refusal_joins_the_collectives_too(opsd_step, monkeypatc
     assert sent == [REFUSED_FIGURES]
 
 
-# ---- a path to write: one set of rules (instrumentation.paths) --------------------------------------------------------
+# ---- a path to write: one set of rules (instrumentation.cli_values) --------------------------------------------------------
 
 @pytest.mark.parametrize("path, create, why", [
     ("", False, "is empty"), ("  ", True, "is empty"), (None, False, "is empty"), ("a\0b.json", True,
@@ -208,7 +208,7 @@ def test_a_distill_input_refusal_joins_the_collectives_too(opsd_step, monkeypatc
 def test_output_paths_follow_one_set_of_rules(tmp_path, path, create, why):
     """``--json-out`` (folders created), the benchmarks' result files and trim_trace's output (folders must exist)
     share ``output_problem``: each words its own error around the same reason."""
-    from instrumentation.paths import output_problem
+    from instrumentation.cli_values import output_problem
 
     (tmp_path / "file.txt").write_text("x")
     fill = (lambda text: text.replace("{tmp}", str(tmp_path))) if path else (lambda text: text)
@@ -227,7 +227,7 @@ def test_output_paths_follow_one_set_of_rules(tmp_path, path, create, why):
 def test_command_line_ints_take_ascii_digits_only(text, value):
     """``int()`` reads other scripts' digits ('٣' is 3) and underscores ('1_0' is 10); a count on the command line
     does not."""
-    from instrumentation.config import parse_int_text
+    from instrumentation.cli_values import parse_int_text
 
     assert parse_int_text(text) == value
 

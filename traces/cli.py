@@ -16,7 +16,8 @@ import os
 import sys
 
 from instrumentation import stages as S
-from instrumentation.config import parse_bool, parse_int_text
+from instrumentation.cli_values import parse_int_text
+from instrumentation.config import parse_bool
 from traces.runs import csv_cell, group_by_run
 from traces.diff import baseline_problem, diff_columns, diff_headline, diff_rows, diff_values, format_diff, noise_note
 from traces.findings import format_findings, report_findings

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from instrumentation.config import parse_int_text
-from instrumentation.paths import output_problem
+from instrumentation.cli_values import output_problem, parse_int_text
 
 
 def int_at_least(minimum: int):
@@ -57,7 +56,7 @@ def finite_number(low: float = -math.inf, *, above: bool = False):
 
 def out_path(text: str) -> str:
     """An argparse ``type``: a file path to write, checked before any model is built
-    (:func:`instrumentation.paths.output_problem`: an empty ``--out`` ran the benchmark and then wrote nowhere)."""
+    (:func:`instrumentation.cli_values.output_problem`: an empty ``--out`` ran the benchmark and then wrote nowhere)."""
     why = output_problem(text)
     if why:
         raise argparse.ArgumentTypeError(f"{text!r} {why}; give a file path")

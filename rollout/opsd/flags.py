@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from instrumentation.config import parse_int_text
+from instrumentation.cli_values import parse_int_text
 from rollout.config import MOVED, REMOVED, RolloutConfig, setting_names
 from rollout.opsd.config import OPSDConfig
 from rollout.opsd.job import JobConfig, ModelNames

@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from instrumentation.paths import output_problem
+from instrumentation.cli_values import output_problem
 from instrumentation.runfiles import env_int
 from rollout.checks import is_int
 from rollout.opsd.packed import config_unsupported_reason
@@ -59,7 +59,7 @@ class ModelFacts:
 # ---- the report path ----------------------------------------------------------------------------------------------
 def check_json_out(path: Optional[str]) -> None:
     """``--json-out`` must name a file in a directory this process can create or write (checked now: the report is
-    written after the last step); :func:`instrumentation.paths.output_problem`'s rules."""
+    written after the last step); :func:`instrumentation.cli_values.output_problem`'s rules."""
     if path is None:
         return
     why = output_problem(path, create_folder=True)

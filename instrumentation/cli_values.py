@@ -1,11 +1,22 @@
-"""A path this process will write, checked before any work (no torch): one set of rules for the main job's
-``--json-out``, the benchmarks' result files and ``trim_trace.py``'s output, each of which words its own error
-around :func:`output_problem`'s reason."""
+"""Values the tools read from their command lines, checked before any work (no torch): counts in ASCII digits
+(:func:`parse_int_text`), and a path this process will write (:func:`output_problem`: one set of rules for the main
+job's ``--json-out``, the benchmarks' result files and ``trim_trace.py``'s output, each of which words its own error
+around the reason)."""
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
+
+_INT_RE = re.compile(r"\s*[+-]?[0-9]{1,4000}\s*", re.ASCII)  # int() refuses more than 4,300 digits
+
+
+def parse_int_text(text: str) -> Optional[int]:
+    """The int ``text`` spells in ASCII digits (a sign and surrounding blanks allowed), else None: ``int()`` also reads
+    other scripts' digits (``int('٣')`` is 3) and underscores (``int('1_0')`` is 10), which a command-line count
+    should not."""
+    return int(text) if isinstance(text, str) and _INT_RE.fullmatch(text) else None
 
 
 def output_problem(path, *, source: Optional[str] = None, create_folder: bool = False) -> Optional[str]:
