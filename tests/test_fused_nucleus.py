@@ -318,11 +318,13 @@ def test_supports_refuses_cpu_logits_and_missing_triton(monkeypatch):
         fused_nucleus.available.cache_clear()
 
 
-def _route_to_kernel(monkeypatch, kernel):
-    """CPU logits count as supported (the device check aside, ``applies`` decides); ``kernel`` runs."""
-    monkeypatch.setattr(fused_nucleus, "supports",
-                        lambda logits, t, k, p, penalised: fused_nucleus.applies(t, k, p, penalised, logits.shape[-1]))
-    monkeypatch.setattr(fused_nucleus, "sample_top_p", kernel)
+def _route_to_kernel(monkeypatch, kernel, plain=False):
+    """CPU logits count as supported (the device check aside, ``applies`` decides); ``kernel`` runs: the nucleus
+    (``sample_top_p``), or with ``plain`` the plain draw of top-p 1 (``sample_plain``)."""
+    applies = fused_nucleus.applies_plain if plain else fused_nucleus.applies
+    monkeypatch.setattr(fused_nucleus, "supports_plain" if plain else "supports",
+                        lambda logits, t, k, p, penalised: applies(t, k, p, penalised, logits.shape[-1]))
+    monkeypatch.setattr(fused_nucleus, "sample_plain" if plain else "sample_top_p", kernel)
 
 
 def test_sampler_runs_the_kernel_where_it_applies(interpreted, stable_sort, monkeypatch):
@@ -349,16 +351,20 @@ def test_sampler_runs_the_kernel_where_it_applies(interpreted, stable_sort, monk
     assert with_top_k.last_path == "compiled"
 
 
-def test_sampler_falls_back_when_the_kernel_raises(monkeypatch):
+@pytest.mark.parametrize("top_p, what", [(0.8, "nucleus"), (1.0, "plain sampling")])
+def test_sampler_falls_back_when_the_kernel_raises(monkeypatch, top_p, what):
+    """The nucleus kernel, or top-p 1's plain draw, raising: the compiled sampler takes over for good, the reason
+    names the kernel and its error, and the tokens are the eager sampler's."""
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel today")
 
-    _route_to_kernel(monkeypatch, broken)
-    key = SamplerKey(0.9, 0, 0.8, 1.0)
+    _route_to_kernel(monkeypatch, broken, plain=top_p >= 1.0)
+    key = SamplerKey(0.9, 0, top_p, 1.0)
     sampler = Sampler(key, compiled=True)
     logits = _logits(3, 300, 2.0, 4, torch.float32, False)
     args = (torch.tensor(5), torch.arange(3), torch.tensor(0))
     tokens, _ = sampler(logits, None, *args)
+    assert f"fused {what} kernel raised" in sampler.fallback_reason
     assert "no kernel today" in sampler.fallback_reason and sampler.last_path in ("compiled", "eager")
     expected, _ = _select(logits, key, None, *args, False, search=False)
     assert torch.equal(tokens, expected)
@@ -511,16 +517,10 @@ def test_the_plain_draw_applies_to_temperature_alone(kwargs, applies):
     assert not fused_nucleus.supports_plain(torch.zeros(2, 10), 1.0, 0, 1.0, False)  # CPU tensors: other paths
 
 
-def _route_plain(monkeypatch, kernel):
-    monkeypatch.setattr(fused_nucleus, "supports_plain", lambda logits, t, k, p, penalised:
-                        fused_nucleus.applies_plain(t, k, p, penalised, logits.shape[-1]))
-    monkeypatch.setattr(fused_nucleus, "sample_plain", kernel)
-
-
 def test_sampler_runs_the_plain_draw_at_top_p_1(interpreted, monkeypatch):
     """A compiled Sampler of a temperature-only key calls the plain draw (interpreted here) and returns the eager
     sampler's tokens; ``fused=False`` keeps the compiled path."""
-    _route_plain(monkeypatch, interpreted.sample_plain)
+    _route_to_kernel(monkeypatch, interpreted.sample_plain, plain=True)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the "compiled" functions run eagerly here
     logits = _logits(5, 800, 3.0, 2, torch.bfloat16, True)
     args = (torch.tensor(78), torch.arange(5), torch.tensor(4))
@@ -533,24 +533,6 @@ def test_sampler_runs_the_plain_draw_at_top_p_1(interpreted, monkeypatch):
     unfused = Sampler(key, compiled=True, fused=False)
     unfused(logits, None, *args)
     assert unfused.last_path == "compiled"
-
-
-def test_sampler_falls_back_when_the_plain_draw_raises(monkeypatch):
-    def broken(*args, **kwargs):
-        raise RuntimeError("no plain kernel today")
-
-    _route_plain(monkeypatch, broken)
-    key = SamplerKey(0.9, 0, 1.0, 1.0)
-    sampler = Sampler(key, compiled=True)
-    logits = _logits(3, 300, 2.0, 4, torch.float32, False)
-    args = (torch.tensor(5), torch.arange(3), torch.tensor(0))
-    tokens, _ = sampler(logits, None, *args)
-    assert "fused plain sampling kernel raised" in sampler.fallback_reason
-    assert "no plain kernel today" in sampler.fallback_reason and sampler.last_path in ("compiled", "eager")
-    expected, _ = _select(logits, key, None, *args, False, search=False)
-    assert torch.equal(tokens, expected)
-    sampler(logits, None, *args)
-    assert sampler.last_path != "fused" and not sampler.is_fused
 
 
 @pytest.mark.gpu

@@ -23,7 +23,7 @@ from rollout.testing import shaped_model
 PARTS = ("attention", "sampler", "step", "skinny", "prefill", "shared")
 #: ``--kernel-variant``: the step whose kernels ``--kernels`` lists.
 KERNEL_VARIANTS = {"default": KernelConfig(), "no-skinny": KernelConfig(skinny_rows=0),
-                   "residual-in-place": KernelConfig(residual_in_place=not KernelConfig().residual_in_place)}
+                   "residual-copied": KernelConfig(residual_in_place=False)}
 
 
 @dataclass
@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(wide batches: --rows 128 256)")
     parser.add_argument("--kernel-variant", choices=sorted(KERNEL_VARIANTS), default="default",
                         help="--kernels: list the kernels of the routes' default step, or of it without the skinny "
-                             "o projection, or with kernels.residual_in_place flipped")
+                             "o projection, or with the residual copied before o and down are added "
+                             "(kernels.residual_in_place=False)")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"], choices=PARTS,
                         help="which tables to time")
     parser.add_argument("--shared-windows", type=lambda s: tuple(int(v) for v in s.split(",")), nargs="+",

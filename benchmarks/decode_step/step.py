@@ -61,8 +61,7 @@ ROUTE_DEFAULT = StepVariant(KernelConfig())
 ROUTE_AB = {"gate_up": ("fuse_gate_up", False, "gate|up as one GEMM"),
             "rotary_kernel": ("rotary_kernel", False, "the rotary+write kernel"),
             "skinny": ("skinny_rows", 0, "the skinny o projection"),
-            "residual_in_place": ("residual_in_place", not KernelConfig().residual_in_place,
-                                  "o and down added into the residual in place")}
+            "residual_in_place": ("residual_in_place", False, "o and down added into the residual in place")}
 
 
 def decode_step_fn(model, rows: int, live: int, step: StepVariant, device: str = "cuda"):

@@ -124,15 +124,11 @@ def sample_plain(logits: torch.Tensor, temperature: float, seed: torch.Tensor, r
     path's (:func:`rollout.ops.sampling.uniform_noise`; the first index among equal values). ``chunk_tokens`` as for
     :func:`sample_top_p` (0: one chunk per row)."""
     k = _split_kernels()
+    logits, tokens, logprobs, span = _prepared(logits, with_logprobs, chunk_tokens)
     num_rows, vocab = logits.shape
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device) if with_logprobs else tokens
     if not num_rows:
         return tokens, (logprobs if with_logprobs else None)
     step = step.reshape(-1)
-    span = CHUNK_TOKENS if chunk_tokens is None else int(chunk_tokens)
     chunks = chunk_count(vocab, span)
     span = span if chunks > 1 else vocab
     cells = num_rows * chunks
@@ -171,13 +167,9 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, seed: t
     ``CHUNK_TOKENS``; 0: one program per row).
     """
     kernel = _kernel()
+    logits, tokens, logprobs, span = _prepared(logits, with_logprobs, chunk_tokens)
     num_rows, vocab = logits.shape
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device) if with_logprobs else tokens
     step = step.reshape(-1)
-    span = CHUNK_TOKENS if chunk_tokens is None else int(chunk_tokens)
     chunks = chunk_count(vocab, span)
     if num_rows and chunks > 1:
         _sample_chunked(logits, span, chunks, float(temperature), _tau(top_p), seed=seed.reshape(1), rows=rows,
@@ -190,6 +182,17 @@ def sample_top_p(logits: torch.Tensor, temperature: float, top_p: float, seed: t
             ARITY=arity(num_rows, logits.device), BLOCK=BLOCK,
             num_warps=NUM_WARPS)
     return tokens, (logprobs if with_logprobs else None)
+
+
+def _prepared(logits: torch.Tensor, with_logprobs: bool, chunk_tokens: Optional[int]):
+    """What both samplers start from: ``(logits with a contiguous last dimension, tokens [B] int64, logprobs [B]
+    fp32 (the tokens' buffer when not asked), tokens of a row per program)``."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_rows = logits.shape[0]
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device) if with_logprobs else tokens
+    return logits, tokens, logprobs, CHUNK_TOKENS if chunk_tokens is None else int(chunk_tokens)
 
 
 def chunk_count(vocab: int, chunk_tokens: Optional[int] = None) -> int:

@@ -129,6 +129,26 @@ def tie_members(logits_ptr, row_stride, vocab, span, top_ptr, low_ptr, below_ptr
 
 
 @triton.jit
+def draw_lanes(BLOCK: tl.constexpr):
+    """A chunk's per-lane Gumbel-max state before its first block: best value, its index, its score, kept mass."""
+    return (tl.full((BLOCK,), float("-inf"), tl.float32), tl.full((BLOCK,), 2 ** 31 - 1, tl.int32),
+            tl.zeros((BLOCK,), tl.float32), tl.zeros((BLOCK,), tl.float32))
+
+
+@triton.jit
+def store_draw(best_ptr, index_ptr, score_ptr, kept_ptr, at, lane_best, lane_idx, lane_score, lane_kept,
+               WITH_LOGPROBS: tl.constexpr):
+    """A chunk's draw, reduced over its lanes, at cell ``at``: the best value and its first index; with
+    log-probabilities the best token's score and the chunk's kept mass."""
+    best, best_idx = lane_argmax(lane_best, lane_idx)
+    tl.store(best_ptr + at, best)
+    tl.store(index_ptr + at, best_idx)
+    if WITH_LOGPROBS:
+        tl.store(score_ptr + at, tl.max(tl.where(lane_idx == best_idx, lane_score, float("-inf")), 0))
+        tl.store(kept_ptr + at, tl.sum(lane_kept, 0))
+
+
+@triton.jit
 def draw(logits_ptr, row_stride, vocab, span, top_ptr, low_ptr, below_ptr, total_ptr, count_ptr,
          seed_ptr, rows_ptr, step_ptr, step_stride, best_ptr, index_ptr, score_ptr, kept_ptr,
          rows, chunks, per_program, passes, temperature, tau,
@@ -158,10 +178,7 @@ def draw(logits_ptr, row_stride, vocab, span, top_ptr, low_ptr, below_ptr, total
         begin = chunk * span
         end = tl.minimum(begin + span, vocab)
         seen = tl.zeros((), tl.int32)
-        lane_best = tl.full((BLOCK,), float("-inf"), tl.float32)
-        lane_idx = tl.full((BLOCK,), 2 ** 31 - 1, tl.int32)
-        lane_score = tl.zeros((BLOCK,), tl.float32)
-        lane_kept = tl.zeros((BLOCK,), tl.float32)
+        lane_best, lane_idx, lane_score, lane_kept = draw_lanes(BLOCK)
         for start in range(begin, end, BLOCK):
             idx = start + offs
             raw = logits_at(row_ptr, idx, end)
@@ -177,13 +194,8 @@ def draw(logits_ptr, row_stride, vocab, span, top_ptr, low_ptr, below_ptr, total
             lane_best, lane_idx, lane_score = gumbel_update(idx, s, kept, base, lane_best, lane_idx, lane_score)
             if WITH_LOGPROBS:
                 lane_kept += tl.where(kept, tl.exp(s - top), 0.0)
-        best, best_idx = lane_argmax(lane_best, lane_idx)
-        at = row * chunks + chunk
-        tl.store(best_ptr + at, best)
-        tl.store(index_ptr + at, best_idx)
-        if WITH_LOGPROBS:
-            tl.store(score_ptr + at, tl.max(tl.where(lane_idx == best_idx, lane_score, float("-inf")), 0))
-            tl.store(kept_ptr + at, tl.sum(lane_kept, 0))
+        store_draw(best_ptr, index_ptr, score_ptr, kept_ptr, row * chunks + chunk, lane_best, lane_idx, lane_score,
+                   lane_kept, WITH_LOGPROBS)
 
 
 @triton.jit
@@ -221,10 +233,7 @@ def draw_all(logits_ptr, row_stride, vocab, span, top_ptr, seed_ptr, rows_ptr, s
     for chunk in range(group * per_program, tl.minimum((group + 1) * per_program, chunks)):
         begin = chunk * span
         end = tl.minimum(begin + span, vocab)
-        lane_best = tl.full((BLOCK,), float("-inf"), tl.float32)
-        lane_idx = tl.full((BLOCK,), 2 ** 31 - 1, tl.int32)
-        lane_score = tl.zeros((BLOCK,), tl.float32)
-        lane_kept = tl.zeros((BLOCK,), tl.float32)
+        lane_best, lane_idx, lane_score, lane_kept = draw_lanes(BLOCK)
         for start in range(begin, end, BLOCK):
             idx = start + offs
             s = scaled(logits_at(row_ptr, idx, end), temperature, SCALE)
@@ -232,10 +241,5 @@ def draw_all(logits_ptr, row_stride, vocab, span, top_ptr, seed_ptr, rows_ptr, s
             lane_best, lane_idx, lane_score = gumbel_update(idx, s, kept, base, lane_best, lane_idx, lane_score)
             if WITH_LOGPROBS:
                 lane_kept += tl.where(kept, tl.exp(s - top), 0.0)
-        best, best_idx = lane_argmax(lane_best, lane_idx)
-        at = row * chunks + chunk
-        tl.store(best_ptr + at, best)
-        tl.store(index_ptr + at, best_idx)
-        if WITH_LOGPROBS:
-            tl.store(score_ptr + at, tl.max(tl.where(lane_idx == best_idx, lane_score, float("-inf")), 0))
-            tl.store(kept_ptr + at, tl.sum(lane_kept, 0))
+        store_draw(best_ptr, index_ptr, score_ptr, kept_ptr, row * chunks + chunk, lane_best, lane_idx, lane_score,
+                   lane_kept, WITH_LOGPROBS)
