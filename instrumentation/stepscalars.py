@@ -12,7 +12,8 @@ Written by a profiler session (modes ``timers`` and ``1``) next to the per-stage
   ``opsd/step``, or outside any stage) over the step's host time, a fraction. An event pair measures the
   stream's span between two points, gaps between kernels included, so this is an upper bound of the trace
   report's GPU busy (kernel union); what it shows is the share of the step during which the GPU had a stage's
-  work in front of it, and so the host time outside any stage. Absent without a device clock (the CPU);
+  work in front of it, and so the host time outside any stage. Above 1 where the host ran ahead of the device (a
+  step with no host sync). Absent without a device clock (the CPU);
 * ``opsd/step_peak_allocated_mib`` / ``opsd/step_peak_reserved_mib``: the caching allocator's peaks during the
   step (:data:`instrumentation.backends.STEP_PEAKS`: kept across the per-phase resets); CUDA only;
 * ``opsd/<stage>/x_roofline``: the stage's GPU ms over its roofline ms, for the stages with a work record

@@ -323,7 +323,10 @@ def test_timers_mode_on_cuda_writes_gpu_ms_every_step_and_reuses_events(tmp_path
     assert all(v > 0 for _, v in scalars["opsd/decode/gpu_ms"])
     assert not any(tag.endswith("/peak_allocated_mib") for tag in scalars)  # no per-stage allocator reads
     assert [s for s, _ in scalars["opsd/step_peak_allocated_mib"]] == list(range(1, 6))  # one read per step
-    assert all(0 < v <= 1.05 for _, v in scalars["opsd/step_gpu_busy"])
+    # positive; not bounded by 1 here: this step has no host sync, so the host may run ahead of the device and a
+    # step's event time can exceed its host time (it read above 1.05 on an H200 on 2026-12-04)
+    assert [s for s, _ in scalars["opsd/step_gpu_busy"]] == list(range(1, 6))
+    assert all(v > 0 for _, v in scalars["opsd/step_gpu_busy"])
     assert pool > 0  # resolved events went back to the pool
 
 
