@@ -41,6 +41,7 @@ ENTRY_KERNELS = {
                                             "decode_attention_merge"),
     "rollout.ops.skinny_linear_kernel": ("skinny_linear",),
     "rollout.ops.rotary_write_kernel": ("rotary_write",),
+    "rollout.ops.rms_scaled_kernel": ("rotary_write_rms", "silu_mul_rms"),
     "rollout.ops.jsd_kernel": ("jsd_rows",),
     "rollout.ops.nucleus_kernel": ("nucleus_sample",),
     "rollout.ops.nucleus_split_kernel": ("chunk_stats", "search_pass", "tie_members", "draw", "finish", "draw_all"),
@@ -258,6 +259,36 @@ def rotary_cases() -> list[tuple[str, Callable]]:
             ("rotary + cache write fp32", lambda: call(torch.float32, 4, 2, 64))]
 
 
+def rms_scaled_cases() -> list[tuple[str, Callable]]:
+    import torch
+
+    from rollout.ops import rms_scaled as rs
+
+    def rotary(dtype, heads, kv_heads, dim, hidden, bias, batch=8, length=64):
+        qkv = torch.zeros(batch, (heads + 2 * kv_heads) * dim, dtype=dtype)
+        h = torch.ones(batch, hidden, dtype=dtype)
+        cos = torch.ones(batch, 1, dim, dtype=dtype)
+        cache = torch.zeros(batch, kv_heads, length, dim, dtype=dtype)
+        rs.rotary_write_rms(qkv, h, qkv[0] if bias else None, cos, cos.clone(), cache, cache.clone(),
+                            torch.zeros(batch, dtype=torch.long), eps=1e-6, heads=heads, kv_heads=kv_heads,
+                            head_dim=dim, interpret=True)
+
+    def silu(dtype, rows, inter, hidden):
+        sms, rs._sms = rs._sms, lambda device: 132  # the H200's count: the blocks a CUDA call would take
+        try:
+            rs.silu_mul_rms(torch.zeros(rows, 2 * inter, dtype=dtype), torch.ones(rows, hidden, dtype=dtype),
+                            eps=1e-6, interpret=True)
+        finally:
+            rs._sms = sms
+
+    return [("RMS-scaled rotary + cache write bf16, bias", lambda: rotary(torch.bfloat16, 16, 2, 128, 2048, True)),
+            ("RMS-scaled rotary + cache write fp32", lambda: rotary(torch.float32, 4, 2, 64, 200, False)),
+            ("RMS-scaled SiLU-mul bf16, 256 rows (4096 columns a program)",
+             lambda: silu(torch.bfloat16, 256, 11008, 2048)),
+            ("RMS-scaled SiLU-mul bf16, 8 rows (512 columns a program)", lambda: silu(torch.bfloat16, 8, 11008, 2048)),
+            ("RMS-scaled SiLU-mul fp32", lambda: silu(torch.float32, 4, 1000, 300))]
+
+
 def loss_cases() -> list[tuple[str, Callable]]:
     import torch
 
@@ -343,7 +374,8 @@ def main(argv=None) -> int:
     original = JITFunction.run
     JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiler.run(fn, *a, grid=grid, warmup=warmup, **kw)
     try:
-        run_cases(compiler, attention_cases() + linear_cases() + rotary_cases() + loss_cases() + sampler_cases())
+        run_cases(compiler, attention_cases() + linear_cases() + rotary_cases() + rms_scaled_cases() + loss_cases()
+                  + sampler_cases())
     finally:
         JITFunction.run = original
     print(f"triton {triton.__version__}, target cuda sm_{'/'.join(map(str, args.arch))}")

@@ -19,7 +19,7 @@ def _differences(a: KernelConfig, b: KernelConfig) -> dict:
 
 def test_the_routes_default_step_is_the_default_kernel_config():
     assert ROUTE_DEFAULT.kernels == KernelConfig() and not ROUTE_DEFAULT.additive_mask and not ROUTE_DEFAULT.grouped
-    assert ROUTE_DEFAULT.name.endswith("fused gate|up, rotary+write kernel, skinny o projection, o and down added in place")
+    assert ROUTE_DEFAULT.name.endswith("fused gate|up, rotary+write kernel, skinny o projection, o and down added in place, norms folded")
 
 
 @pytest.mark.parametrize("flag", sorted(ROUTE_AB))

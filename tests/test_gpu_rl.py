@@ -236,3 +236,31 @@ def test_residual_in_place_gives_the_same_tokens_fp32(setup, route, slots):
     residual, captured in graphs on both routes (with the skinny o projection at its default rows and without it)."""
     _same_tokens_for_each(setup, route, slots, "residual_in_place", (True, False))
     _same_tokens_for_each(setup, route, slots, "residual_in_place", (True, False), skinny_rows=0)
+
+
+@cuda
+@ROUTES_AND_SLOTS
+def test_fold_norms_gives_the_same_tokens_fp32(setup, route, slots, monkeypatch):
+    """``fold_norms`` (norm gains drawn from [0.5, 1.5], the model's ragged EOS kept): the same greedy and
+    seeded-sampled tokens in fp32 as the unfolded step, captured in graphs on both routes (with the skinny o projection
+    at its default rows and without it); the folded call ran both kernels that scale by 1/RMS, compiled."""
+    import copy
+
+    from rollout.ops import rms_scaled
+    from tests.test_fold_norms import _gained
+
+    model, ids, mask, tok = setup
+    gained = _gained(copy.deepcopy(model), seed=7)
+    calls = Counter()
+    for name in ("rotary_write_rms", "silu_mul_rms"):
+        monkeypatch.setattr(rms_scaled, name, (lambda fn, key: lambda *a, **k: calls.update([key]) or fn(*a, **k))(
+            getattr(rms_scaled, name), name))
+
+    def ran_kernels(ro, fold):
+        assert (calls["rotary_write_rms"] > 0 and calls["silu_mul_rms"] > 0) == fold
+        assert rms_scaled.failure(ids.device) is None
+        calls.clear()
+
+    _same_tokens_for_each((gained, ids, mask, tok), route, slots, "fold_norms", (True, False), ran_kernels)
+    _same_tokens_for_each((gained, ids, mask, tok), route, slots, "fold_norms", (True, False), ran_kernels,
+                          skinny_rows=0)

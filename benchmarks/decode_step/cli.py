@@ -23,7 +23,7 @@ from rollout.testing import shaped_model
 PARTS = ("attention", "sampler", "step", "skinny", "prefill", "shared")
 #: ``--kernel-variant``: the step whose kernels ``--kernels`` lists.
 KERNEL_VARIANTS = {"default": KernelConfig(), "no-skinny": KernelConfig(skinny_rows=0),
-                   "residual-copied": KernelConfig(residual_in_place=False)}
+                   "residual-copied": KernelConfig(residual_in_place=False), "norms-unfolded": KernelConfig(fold_norms=False)}
 
 
 @dataclass
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kernel-variant", choices=sorted(KERNEL_VARIANTS), default="default",
                         help="--kernels: list the kernels of the routes' default step, or of it without the skinny "
                              "o projection, or with the residual copied before o and down are added "
-                             "(kernels.residual_in_place=False)")
+                             "(kernels.residual_in_place=False), or with the norms run apart (kernels.fold_norms=False)")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"], choices=PARTS,
                         help="which tables to time")
     parser.add_argument("--shared-windows", type=lambda s: tuple(int(v) for v in s.split(",")), nargs="+",

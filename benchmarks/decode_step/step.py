@@ -46,7 +46,9 @@ class StepVariant:
                 + (", fused gate|up" if k.fuse_gate_up else "")
                 + (", rotary+write kernel" if k.rotary_kernel else "")
                 + (", skinny o projection" if k.skinny_rows else "")
-                + (", o and down added in place" if k.residual_in_place else ""))
+                + (", o and down added in place" if k.residual_in_place else "")
+                + (", norms folded" if k.fold_norms and (k.rotary_kernel or k.fuse_gate_up and k.residual_in_place)
+                   else ""))
 
 
 def variant(additive_mask: bool = False, grouped: bool = False, **kernels) -> StepVariant:
@@ -61,7 +63,8 @@ ROUTE_DEFAULT = StepVariant(KernelConfig())
 ROUTE_AB = {"gate_up": ("fuse_gate_up", False, "gate|up as one GEMM"),
             "rotary_kernel": ("rotary_kernel", False, "the rotary+write kernel"),
             "skinny": ("skinny_rows", 0, "the skinny o projection"),
-            "residual_in_place": ("residual_in_place", False, "o and down added into the residual in place")}
+            "residual_in_place": ("residual_in_place", False, "o and down added into the residual in place"),
+            "fold_norms": ("fold_norms", False, "the norm gains folded into the fused copies, 1/RMS in the kernels")}
 
 
 def decode_step_fn(model, rows: int, live: int, step: StepVariant, device: str = "cuda"):

@@ -22,7 +22,7 @@ import torch
 
 from rollout.config import KernelConfig, RolloutConfig
 from rollout.model import prefill
-from rollout.ops import decode_attention, rotary_write, skinny_linear
+from rollout.ops import decode_attention, rms_scaled, rotary_write, skinny_linear
 from rollout.model.step import (FusedGateUp, FusedQKV, StepFns, StepParts, WeightMirror, compiled_step_fns,
                                 spec_and_weights, unsupported_reason)
 
@@ -84,6 +84,12 @@ class FastStep:
         when compiling is on, else the eager ones."""
         spec, weights = spec_and_weights(self.model)
         done = self._refreshed if self._refreshed is not None else set()
+        rotary_kernel = self._rotary_kernel(device)
+        qkv_folds, gate_up_folds = self._folds(device, rotary_kernel)
+        if self.fused_qkv is not None:
+            self.fused_qkv.fold_norm = qkv_folds
+        if self.fused_gate_up is not None:
+            self.fused_gate_up.fold_norm = gate_up_folds
         copies = [c for c in (self.fused_qkv, self.fused_gate_up) if c is not None]
         for held in copies:  # q, k, v, gate, up become views of these kept buffers
             weights = held.refresh(weights, copy="copies" not in done)
@@ -104,13 +110,30 @@ class FastStep:
         if attention_path(kernels.decode_attention, device) == "triton":
             fns = dataclasses.replace(fns, attention=decode_attention.attention,
                                       shared_prefix_rows=kernels.shared_prefix_rows)
-        if (kernels.rotary_kernel and self.fused_qkv is not None and device.type == "cuda"
-                and decode_attention.available() is None and rotary_write.failure(device) is None):
+        if qkv_folds:
+            fns = dataclasses.replace(fns, rotary_write_rms=rms_scaled.rotary_write_rms)
+        if gate_up_folds:
+            fns = dataclasses.replace(fns, silu_mul_rms=rms_scaled.silu_mul_rms)
+        if rotary_kernel:
             fns = dataclasses.replace(fns, rotary_write=rotary_write.rotary_write)
             if kernels.skinny_rows and self.fused_gate_up is not None and skinny_linear.failure(device) is None:
                 fns = dataclasses.replace(fns, skinny_linear=skinny_linear.skinny_linear,
                                           skinny_rows=min(kernels.skinny_rows, skinny_linear.MAX_ROWS))
         return StepParts(spec, weights, fns)
+
+    def _rotary_kernel(self, device: torch.device) -> bool:
+        """Whether decode steps rotate and write the cache with the Triton kernel (``kernels.rotary_kernel``)."""
+        return (self.kernels.rotary_kernel and self.fused_qkv is not None and device.type == "cuda"
+                and decode_attention.available() is None and rotary_write.failure(device) is None)
+
+    def _folds(self, device: torch.device, rotary_kernel: bool) -> tuple[bool, bool]:
+        """Whether the norm gains go into the q|k|v and the gate|up copies (``kernels.fold_norms``): only where the
+        decode step's kernels that scale by 1/RMS run (CUDA, triton, no earlier failure)."""
+        kernels = self.kernels
+        ok = (kernels.fold_norms and device.type == "cuda" and decode_attention.available() is None
+              and rms_scaled.failure(device) is None)
+        return (ok and rotary_kernel,
+                ok and self.fused_gate_up is not None and kernels.residual_in_place)
 
     def release_copies(self) -> None:
         """Drop the fused q|k|v and gate|up weights (``keep_cache=False``: rebuilt at the next call)."""
@@ -118,10 +141,10 @@ class FastStep:
             if copies is not None:
                 copies.clear()
 
-    def new_copy_bytes(self) -> int:
+    def new_copy_bytes(self, device: Optional[torch.device] = None) -> int:
         """Device bytes the fused weight copies will allocate at the next call (0 for those already held),
         from the model's config (so also under ZeRO-3, whose parameters are partitioned): the memory budget
-        counts them before the call allocates anything."""
+        counts them before the call allocates anything. ``device``: the call's (None: as if no norm is folded)."""
         config = self.model.config
         hidden, layers = config.hidden_size, config.num_hidden_layers
         heads = config.num_attention_heads
@@ -136,6 +159,10 @@ class FastStep:
             total += layers * (heads + 2 * kv_heads) * head_dim * (hidden + int(has_bias)) * itemsize
         if self.fused_gate_up is not None and not self.fused_gate_up.nbytes:
             total += layers * 2 * config.intermediate_size * hidden * itemsize
+        if device is not None:  # each folded copy also holds a vector of ones (the record's gain)
+            folds = self._folds(device, self._rotary_kernel(device))
+            total += sum(hidden * itemsize for held, fold in zip((self.fused_qkv, self.fused_gate_up), folds)
+                         if fold and not held.nbytes)
         return total
 
     @property

@@ -209,7 +209,7 @@ class Runner:
         cap = self.config.max_cache_gib
         free = free_device_bytes(device)
         if free is not None:  # the kept cache is reused or replaced; weight copies not yet held are allocated
-            free += self.pool.nbytes - (self.fast_step.new_copy_bytes() if decode.is_fast else 0)
+            free += self.pool.nbytes - (self.fast_step.new_copy_bytes(device) if decode.is_fast else 0)
             if self._prefill_graphs_for(decode) is not None:
                 free -= self.prefill_graphs.new_bytes(self.model)
         budget = Budget(None if cap is None else int(cap * GIB), free)

@@ -69,6 +69,8 @@ def _layer_rest(fns: "StepFns", h, attn, w: LayerWeights, eps: float, skinny: bo
         h.addmm_(attn.reshape(rows, -1), w.o.t())
     else:
         return layer_output(fns, h, attn, w, eps)
+    if in_place and fns.silu_mul_rms is not None:  # the norm's gain folded into w.gate_up
+        return h.addmm_(fns.silu_mul_rms(torch.mm(h, w.gate_up.t()), h, eps=eps), w.down.t())
     if in_place:
         return h.addmm_(fns.gate_up_silu(h, w.post_norm, w.gate_up, eps), w.down.t())
     return fns.gate_up_mlp(h, w.post_norm, w.gate_up, w.down, eps)
@@ -112,6 +114,15 @@ class StepFns:
     """When set (and q|k|v are fused), decode steps compute ``qkv_projection`` and hand it to this function,
     which rotates q and k and writes k and v into the cache (``RolloutConfig.kernels.rotary_kernel``: the one Triton
     kernel of :mod:`rollout.ops.rotary_write`); it takes precedence over ``attention_inputs_qkv_write``."""
+    rotary_write_rms: object = None
+    """Only where the input norms' gains are folded into the fused q|k|v copies (``RolloutConfig.kernels.fold_norms``):
+    decode steps multiply the residual stream itself by the copy (no norm) and hand the product and the residual to
+    this function, which scales each row by its 1/RMS, adds the bias, rotates and writes the cache
+    (:func:`rollout.ops.rms_scaled.rotary_write_rms`); it takes precedence over ``rotary_write``."""
+    silu_mul_rms: object = None
+    """Only where the post-attention norms' gains are folded into the fused gate|up copies: with
+    ``residual_in_place``, decode steps multiply the residual itself by the copy and take the activation from this
+    function (:func:`rollout.ops.rms_scaled.silu_mul_rms`) instead of ``gate_up_silu``."""
 
 
 def compile_piece(fn, mode: str | None = None, options: dict | None = None):
@@ -172,7 +183,11 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
     eps = spec.rms_eps
     skinny = (fns.skinny_linear is not None and fns.rotary_write is not None and tokens.shape[0] <= fns.skinny_rows)
     for i, w in enumerate(weights.layers):
-        if fns.rotary_write is not None and w.qkv is not None:
+        if fns.rotary_write_rms is not None and w.qkv is not None:  # the norm's gain folded into w.qkv
+            q = fns.rotary_write_rms(torch.mm(h, w.qkv.t()), h, w.qkv_bias, cos, sin, key_cache[i], value_cache[i],
+                                     cols, eps=eps, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+                                     head_dim=spec.head_dim)
+        elif fns.rotary_write is not None and w.qkv is not None:
             qkv = fns.qkv_projection(h, w.input_norm, w.qkv, w.qkv_bias, eps)
             q = fns.rotary_write(qkv, cos, sin, key_cache[i], value_cache[i], cols, heads=spec.num_heads,
                                  kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)

@@ -210,18 +210,42 @@ class _ConcatenatedCopies:
     a kept buffer per tensor group): new weights are always what the step reads, and the addresses stay
     fixed for captured graphs."""
 
-    def __init__(self):
+    def __init__(self, fold_norm: bool = False):
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self.fold_norm = fold_norm
+        """The RMSNorm gain before these projections is multiplied into the copy (each input column by its gain) and
+        the record's gain becomes ones (``RolloutConfig.kernels.fold_norms``): ``rms_norm(h, ones) @ copy.T`` is
+        what ``rms_norm(h, gain) @ weight.T`` was, so every reader of the record stays right, and a decode step may
+        scale the product of the raw residual by each row's RMS instead (:mod:`rollout.ops.rms_scaled`)."""
+        self._folded: bool | None = None
+        """``fold_norm`` when the buffers were last written (a change forces the next refresh to copy)."""
 
-    def _buffer(self, key, parts: list, copy: bool = True) -> torch.Tensor:
-        """The kept concatenation of ``parts``; ``copy=False`` skips the copy into a buffer already held (a
-        second refresh within one call)."""
+    def _buffer(self, key, parts: list, copy: bool = True, gain: torch.Tensor | None = None) -> torch.Tensor:
+        """The kept concatenation of ``parts`` (times ``gain`` along the input dimension when given); ``copy=False``
+        skips the copy into a buffer already held (a second refresh within one call)."""
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
         held = self._buffers.get(key)
         buffer = kept_buffer(self._buffers, key, shape, parts[0])
         if copy or buffer is not held:
             torch.cat(parts, out=buffer)
+            if gain is not None:
+                buffer.mul_(gain.to(buffer.dtype))
         return buffer
+
+    def _copies(self, copy: bool) -> bool:
+        """Whether this refresh writes the buffers: ``copy``, or ``fold_norm`` changed since they were written."""
+        copy = copy or self._folded != self.fold_norm
+        self._folded = self.fold_norm
+        return copy
+
+    def _norm(self, gain: torch.Tensor) -> torch.Tensor:
+        """The gain the refreshed record carries: ``gain`` itself, or with ``fold_norm`` a kept vector of ones (one
+        for every layer, at a fixed address for captured graphs)."""
+        if not self.fold_norm:
+            return gain
+        held = self._buffers.get((-1, "ones"))
+        ones = kept_buffer(self._buffers, (-1, "ones"), gain.shape, gain)
+        return ones if ones is held else ones.fill_(1)
 
     def clear(self) -> None:
         self._buffers = {}
@@ -247,9 +271,9 @@ class FusedQKV(_ConcatenatedCopies):
     def refresh(self, weights: "DecoderWeights", copy: bool = True) -> "DecoderWeights":
         """``weights`` with each layer's ``qkv`` (and ``qkv_bias``) set to its kept concatenation, and ``q``,
         ``k``, ``v`` (and their biases) set to views of it: the same values at fixed addresses."""
-        layers = []
+        layers, copy = [], self._copies(copy)
         for i, w in enumerate(weights.layers):
-            qkv = self._buffer((i, "w"), [w.q, w.k, w.v], copy)
+            qkv = self._buffer((i, "w"), [w.q, w.k, w.v], copy, w.input_norm if self.fold_norm else None)
             biases = (w.q_bias, w.k_bias, w.v_bias)
             bias = None
             outs = [w.q.shape[0], w.k.shape[0], w.v.shape[0]]
@@ -262,7 +286,8 @@ class FusedQKV(_ConcatenatedCopies):
                 q_bias, k_bias, v_bias = bias.split(outs)
                 views = {name: view for name, view, b in (("q_bias", q_bias, w.q_bias), ("k_bias", k_bias, w.k_bias),
                                                            ("v_bias", v_bias, w.v_bias)) if b is not None}
-            layers.append(dataclasses.replace(w, qkv=qkv, qkv_bias=bias, q=q, k=k, v=v, **views))
+            layers.append(dataclasses.replace(w, qkv=qkv, qkv_bias=bias, q=q, k=k, v=v,
+                                              input_norm=self._norm(w.input_norm), **views))
         return dataclasses.replace(weights, layers=layers)
 
 
@@ -276,9 +301,9 @@ class FusedGateUp(_ConcatenatedCopies):
 
     def refresh(self, weights: "DecoderWeights", copy: bool = True) -> "DecoderWeights":
         """``weights`` with each layer's ``gate_up`` set to its kept concatenation, ``gate`` and ``up`` to views."""
-        layers = []
+        layers, copy = [], self._copies(copy)
         for i, w in enumerate(weights.layers):
-            gate_up = self._buffer((i, "gate_up"), [w.gate, w.up], copy)
+            gate_up = self._buffer((i, "gate_up"), [w.gate, w.up], copy, w.post_norm if self.fold_norm else None)
             gate, up = gate_up.split([w.gate.shape[0], w.up.shape[0]])
-            layers.append(dataclasses.replace(w, gate_up=gate_up, gate=gate, up=up))
+            layers.append(dataclasses.replace(w, gate_up=gate_up, gate=gate, up=up, post_norm=self._norm(w.post_norm)))
         return dataclasses.replace(weights, layers=layers)

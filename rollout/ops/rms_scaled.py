@@ -1,0 +1,152 @@
+"""A decode step's two consumers of an RMSNorm whose gain is folded into the next weights
+(``RolloutConfig.kernels.fold_norms``): each scales the product of the raw residual by the row's 1/RMS itself.
+
+``rms_norm(h, gain) @ W.T`` equals ``rstd(h) * (h @ (W * gain).T)`` with ``rstd(h) = rsqrt(mean(h^2) + eps)`` per row.
+With the gains folded into the fused q|k|v and gate|up copies (:class:`rollout.model.weights.FusedQKV`,
+:class:`~rollout.model.weights.FusedGateUp`), a decode step's GEMMs read the residual stream itself, and
+the row's 1/RMS is computed where the product is consumed:
+
+- ``rotary_write_rms(qkv, h, bias, cos, sin, key_layer, value_layer, cols, *, eps, heads, kv_heads, head_dim)``:
+  :func:`rollout.ops.rotary_write.rotary_write` of ``qkv * rstd(h) + bias`` (``qkv = h @ Wqkv.T``, no bias);
+- ``silu_mul_rms(gate_up, h, *, eps)``: ``silu(g * rstd(h)) * (u * rstd(h))`` of ``gate_up = h @ Wgu.T = [g | u]``.
+
+Why: a norm kernel a layer and norm (73 launches of ~2 us in the 3B step at 256 rows) goes; the row's RMS costs each
+program a read of one residual row (4 KB at hidden size 2048) from L2. Arithmetic is in fp32, rounded once. Where the
+kernels cannot run (no triton, not CUDA unless ``interpret``, a head dimension that is not a power of two, strided
+rows) the same arithmetic runs in PyTorch; a kernel that fails to compile or launch warns once and leaves the PyTorch
+path to every later call on that device.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from rollout.ops.decode_attention import available
+from rollout.ops.fallback import launch_or_fall_back
+
+_FAILED: dict = {}
+"""device -> why a kernel of this module failed there."""
+
+PROGRAMS_PER_SM = 4
+"""``silu_mul_rms`` splits each row into blocks (of 512 columns at least) until the grid has about this many
+programs per streaming multiprocessor."""
+
+
+def failure(device: torch.device) -> Optional[str]:
+    return _FAILED.get(str(device))
+
+
+def unsupported_reason(tensors, head_dim: int = 16, interpret: bool = False) -> Optional[str]:
+    """None when the kernels run on ``tensors`` (the first is the product); else why the PyTorch path runs."""
+    if available() is not None:
+        return available()
+    if not interpret and not tensors[0].is_cuda:
+        return "not a CUDA tensor"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head dimension {head_dim} is not a power of two >= 16"
+    if any(t.dim() != 2 or t.stride(1) != 1 for t in tensors):
+        return "the product and residual rows must be 2-D with contiguous rows"
+    return _FAILED.get(str(tensors[0].device))
+
+
+def rstd(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """``[B, 1]`` fp32: 1 / RMS of each row of ``h``, as the model's RMSNorm computes it."""
+    return torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rotary_write_rms_reference(qkv, h, bias, cos, sin, key_layer, value_layer, cols, *, eps: float, heads: int,
+                               kv_heads: int, head_dim: int):
+    """The same result in PyTorch (fp32 from the product to the rotary, rounded once): the fallback and the tests'
+    reference."""
+    batch = qkv.shape[0]
+    x = qkv.float() * rstd(h, eps)
+    if bias is not None:
+        x = x + bias.float()
+    q, k, v = x.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    half = head_dim // 2
+    c, s = cos.reshape(batch, 1, head_dim).float(), sin.reshape(batch, 1, head_dim).float()
+
+    def rotate(y, n):
+        y = y.reshape(batch, n, head_dim)
+        return (y * c + torch.cat((-y[..., half:], y[..., :half]), dim=-1) * s).to(qkv.dtype)
+
+    key_layer.index_copy_(2, cols, rotate(k, kv_heads).unsqueeze(2))
+    value_layer.index_copy_(2, cols, v.reshape(batch, kv_heads, 1, head_dim).to(qkv.dtype))
+    return rotate(q, heads).unsqueeze(2)
+
+
+def silu_mul_rms_reference(gate_up, h, *, eps: float):
+    """The same result in PyTorch: ``silu(g * r) * (u * r)`` in fp32, rounded once."""
+    g, u = (gate_up.float() * rstd(h, eps)).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u).to(gate_up.dtype)
+
+
+def rotary_write_rms(qkv, h, bias, cos, sin, key_layer, value_layer, cols, *, eps: float, heads: int,
+                     kv_heads: int, head_dim: int, interpret: bool = False) -> torch.Tensor:
+    """Rotated q ``[B, Hq, 1, D]`` of ``qkv * rstd(h) + bias``; k (rotated) and v written into the cache column
+    ``cols`` (module docstring)."""
+    args = (qkv, h, bias, cos, sin, key_layer, value_layer, cols)
+    shape = dict(eps=eps, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    if unsupported_reason((qkv, h), head_dim, interpret) is not None or key_layer.stride(3) != 1 \
+            or value_layer.stride(3) != 1:
+        return rotary_write_rms_reference(*args, **shape)
+    return launch_or_fall_back(
+        _FAILED, str(qkv.device), "RMS-scaled rotary/cache-write kernel",
+        f"the PyTorch path runs instead on {qkv.device}", lambda: _launch_rotary(*args, **shape),
+        lambda: rotary_write_rms_reference(*args, **shape))
+
+
+def silu_mul_rms(gate_up, h, *, eps: float, interpret: bool = False) -> torch.Tensor:
+    """``[B, I]``: ``silu(g * rstd(h)) * (u * rstd(h))`` of ``gate_up = [g | u]`` (module docstring)."""
+    if unsupported_reason((gate_up, h), interpret=interpret) is not None:
+        return silu_mul_rms_reference(gate_up, h, eps=eps)
+    return launch_or_fall_back(
+        _FAILED, str(gate_up.device), "RMS-scaled SiLU-mul kernel", f"the PyTorch path runs instead on {gate_up.device}",
+        lambda: _launch_silu(gate_up, h, eps), lambda: silu_mul_rms_reference(gate_up, h, eps=eps))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def silu_block(rows: int, inter: int, sms: int) -> int:
+    """Columns per program of ``silu_mul_rms``: the largest power of two (at least 512, at most the row rounded up)
+    that still gives each streaming multiprocessor about ``PROGRAMS_PER_SM`` programs."""
+    blocks = max(1, -(-PROGRAMS_PER_SM * sms // max(rows, 1)))
+    return max(512, min(_pow2(inter), _pow2(-(-inter // blocks))))
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _launch_rotary(qkv, h, bias, cos, sin, key_layer, value_layer, cols, *, eps, heads, kv_heads, head_dim):
+    from rollout.ops import rms_scaled_kernel as kernels
+
+    batch, hidden = h.shape
+    q = torch.empty(batch, heads, 1, head_dim, dtype=qkv.dtype, device=qkv.device)
+    cos2, sin2 = cos.reshape(batch, head_dim), sin.reshape(batch, head_dim)
+    kernels.rotary_write_rms[(batch,)](
+        qkv, h, bias if bias is not None else qkv, cos2, sin2, q, key_layer, value_layer, cols, float(eps),
+        qkv.stride(0), h.stride(0), cos2.stride(0), sin2.stride(0), key_layer.stride(0), key_layer.stride(1),
+        key_layer.stride(2), value_layer.stride(0), value_layer.stride(1), value_layer.stride(2),
+        HIDDEN=hidden, BLOCK_H=_pow2(hidden), HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim,
+        BLOCK_HEADS=_pow2(heads + 2 * kv_heads), HAS_BIAS=bias is not None, num_warps=4)
+    return q
+
+
+def _launch_silu(gate_up, h, eps):
+    from rollout.ops import rms_scaled_kernel as kernels
+
+    batch, hidden = h.shape
+    inter = gate_up.shape[1] // 2
+    out = torch.empty(batch, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = silu_block(batch, inter, _sms(gate_up.device))
+    kernels.silu_mul_rms[(batch, -(-inter // block))](
+        gate_up, h, out, float(eps), gate_up.stride(0), h.stride(0), out.stride(0), HIDDEN=hidden,
+        BLOCK_H=_pow2(hidden), INTER=inter, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return out

@@ -1,0 +1,254 @@
+"""``RolloutConfig.kernels.fold_norms``: the RMSNorm gains before q|k|v and gate|up folded into the fused weight
+copies, and decode steps that scale the raw residual's products by each row's 1/RMS in two kernels
+(``rollout/ops/rms_scaled.py``: on the CPU through Triton's interpreter, on CUDA compiled).
+
+The kernels equal their PyTorch references and the unfolded arithmetic (norm, projection, rotary / SiLU-mul); the
+folded copies hold ``weight * gain`` with ones in the record, refreshed again when the setting changes; a step on
+the folded record gives HF generate's greedy tokens (fp32, norm gains made non-trivial) on both routes with the
+kernels in every decode layer and no norm piece there, and the same seeded samples as the unfolded step; the
+setting only folds where the kernels run."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from rollout import KernelConfig, Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+from rollout.model import step
+from rollout.model.pieces import gate_up_silu, qkv_projection, rotary
+from rollout.model.weights import FusedGateUp, FusedQKV, spec_and_weights
+from rollout.ops import rms_scaled as rs
+from rollout.ops import rotary_write as rw
+from rollout.testing import TinyTokenizer, random_prompts, tiny_model
+from tests.conftest import hf_greedy, response_of, with_step_pieces
+from tests.test_decode_attention import device  # noqa: F401 - the fixture
+
+NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
+EPS = 1e-6
+
+
+def _gained(model, seed: int):
+    """``model`` with every RMSNorm gain drawn from [0.5, 1.5] (HF initializes them to ones: folding would be
+    invisible)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
+    return model
+
+
+def _cache(rows, kv_heads, dim, dtype, dev, gen):
+    cache = torch.randn(2, rows, kv_heads, 12, dim, generator=gen).to(dtype).to(dev)
+    return cache[0, :, :, 2:], cache[1, :, :, 2:]  # strided views, as the static cache's
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,hidden,bias", [(4, 2, 16, 64, True), (16, 2, 128, 2048, True),
+                                                           (6, 6, 32, 200, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_kernel_equals_its_reference_and_the_unfolded_arithmetic(device, heads, kv_heads, dim, hidden, bias,
+                                                                        dtype):
+    gen = torch.Generator().manual_seed(heads + hidden)
+    rows, width = 3, (heads + 2 * kv_heads) * dim
+    h = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype).to(device)
+    weight = (torch.randn(width, hidden, generator=gen) / hidden ** 0.5).to(dtype).to(device)
+    gain = (torch.rand(hidden, generator=gen) + 0.5).to(dtype).to(device)
+    b = torch.randn(width, generator=gen).to(dtype).to(device) if bias else None
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    cos, sin = rotary(torch.randint(0, 500, (rows,), generator=gen).to(device), inv_freq.to(device), 1.0, dtype)
+    cols = torch.tensor([5], device=device)
+    shape = dict(eps=EPS, heads=heads, kv_heads=kv_heads, head_dim=dim)
+    product = h @ (weight * gain).t()
+    caches = [_cache(rows, kv_heads, dim, dtype, device, torch.Generator().manual_seed(1)) for _ in range(3)]
+    before = caches[0][0].clone()
+    got = rs.rotary_write_rms(product, h, b, cos, sin, *caches[0], cols, **shape, interpret=True)
+    ref = rs.rotary_write_rms_reference(product, h, b, cos, sin, *caches[1], cols, **shape)
+    unfolded = rw.rotary_write_reference(qkv_projection(h, gain, weight, b, EPS), cos, sin, *caches[2], cols,
+                                         heads=heads, kv_heads=kv_heads, head_dim=dim)
+    same = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert got.shape == (rows, heads, 1, dim) and got.dtype == dtype
+    for mine, theirs in ((got, ref), (caches[0][0], caches[1][0]), (caches[0][1], caches[1][1])):
+        torch.testing.assert_close(mine.float(), theirs.float(), **same)
+    loose = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=6e-2, atol=6e-2)
+    for mine, theirs in ((got, unfolded), (caches[0][0], caches[2][0]), (caches[0][1], caches[2][1])):
+        torch.testing.assert_close(mine.float(), theirs.float(), **loose)
+    others = [c for c in range(before.shape[2]) if c != 5]
+    assert torch.equal(caches[0][0][:, :, others], before[:, :, others])
+
+
+@pytest.mark.parametrize("rows,inter,hidden", [(3, 100, 64), (5, 1500, 300), (1, 2048, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_kernel_equals_its_reference_and_the_unfolded_piece(device, rows, inter, hidden, dtype):
+    gen = torch.Generator().manual_seed(rows + inter)
+    h = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype).to(device)
+    weight = (torch.randn(2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype).to(device)
+    gain = (torch.rand(hidden, generator=gen) + 0.5).to(dtype).to(device)
+    product = h @ (weight * gain).t()
+    got = rs.silu_mul_rms(product, h, eps=EPS, interpret=True)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    same = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), rs.silu_mul_rms_reference(product, h, eps=EPS).float(), **same)
+    loose = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=6e-2, atol=6e-2)
+    torch.testing.assert_close(got.float(), gate_up_silu(h, gain, weight, EPS).float(), **loose)
+
+
+def test_silu_blocks_fill_the_device():
+    assert rs.silu_block(256, 11008, 132) == 4096  # 3 programs a row, 768 in all
+    assert rs.silu_block(8, 11008, 132) == 512  # the smallest block: 22 a row
+    assert rs.silu_block(64, 11008, 132) == 2048
+    assert rs.silu_block(1, 100, 132) == 512  # never below 512 columns (masked)
+
+
+def test_failing_kernels_warn_once_and_fall_back(device, monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    product, h = torch.randn(2, 64, generator=gen).to(device), torch.randn(2, 16, generator=gen).to(device)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for you")
+
+    monkeypatch.setattr(rs, "_launch_silu", broken)
+    monkeypatch.setattr(rs, "_FAILED", {})
+    with pytest.warns(RuntimeWarning, match="no kernel for you"):
+        got = rs.silu_mul_rms(product, h, eps=EPS, interpret=True)
+    torch.testing.assert_close(got, rs.silu_mul_rms_reference(product, h, eps=EPS))
+    assert "no kernel for you" in rs.failure(product.device)
+    assert "no kernel for you" in rs.unsupported_reason((product, h), interpret=True)
+
+
+def test_unsupported_inputs_take_the_pytorch_path():
+    product, h = torch.randn(2, 64), torch.randn(2, 16)
+    assert rs.unsupported_reason((product, h), 24, interpret=True).startswith("head dimension 24")
+    assert rs.unsupported_reason((product, h.t()), interpret=True).startswith("the product and residual")
+    assert rs.unsupported_reason((product, h)) in ("not a CUDA tensor", rs.available())
+
+
+def test_folded_copies_hold_weight_times_gain_and_refresh_when_the_setting_changes():
+    model = _gained(tiny_model("qwen2", seed=31), seed=1)
+    _, weights = spec_and_weights(model)
+    w = weights.layers[0]
+    qkv, gate_up = FusedQKV(fold_norm=True), FusedGateUp(fold_norm=True)
+    folded = gate_up.refresh(qkv.refresh(weights)).layers[0]
+    torch.testing.assert_close(folded.qkv, torch.cat([w.q, w.k, w.v]) * w.input_norm, rtol=0, atol=0)
+    torch.testing.assert_close(folded.gate_up, torch.cat([w.gate, w.up]) * w.post_norm, rtol=0, atol=0)
+    torch.testing.assert_close(folded.qkv_bias, torch.cat([w.q_bias, w.k_bias, w.v_bias]), rtol=0, atol=0)
+    assert torch.equal(folded.input_norm, torch.ones_like(w.input_norm))
+    assert torch.equal(folded.post_norm, torch.ones_like(w.post_norm))
+    assert not torch.equal(w.input_norm, torch.ones_like(w.input_norm))  # the model's own gains untouched
+    qkv.fold_norm = False  # a second refresh of the same call (copy=False) must not keep the folded values
+    plain = qkv.refresh(weights, copy=False).layers[0]
+    torch.testing.assert_close(plain.qkv, torch.cat([w.q, w.k, w.v]), rtol=0, atol=0)
+    assert plain.input_norm is w.input_norm
+
+
+def _forced(ro, kernels: bool):
+    """``ro``'s step folds the norms on the CPU (the setting folds only where the kernels run: CUDA); ``kernels``:
+    with the interpreted kernels (else their PyTorch paths) and counting calls."""
+    fast = ro.runner.fast_step
+    fast._folds = lambda device, rotary_kernel: (True, True)
+    calls = {"rotary": 0, "silu": 0, "norm": 0}
+
+    def counted(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    pieces = dict(qkv_projection=counted("norm", step.qkv_projection), gate_up_silu=counted("norm", step.gate_up_silu))
+    if kernels:
+        pieces.update(rotary_write_rms=counted("rotary", functools.partial(rs.rotary_write_rms, interpret=True)),
+                      silu_mul_rms=counted("silu", functools.partial(rs.silu_mul_rms, interpret=True)))
+    with_step_pieces(ro, **pieces)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # q/k/v biases, none
+@pytest.mark.parametrize("route", ["ordinary", "continuous"])
+def test_folded_step_gives_hf_greedy_tokens(device, family, route):
+    model = _gained(tiny_model(family, seed=32), seed=2).to(device)
+    ids, mask = random_prompts(3, 8, seed=6, vocab_size=model.config.vocab_size, min_len=2)
+    ids, mask = ids.to(device), mask.to(device)
+    ro = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(cuda_graphs=False, fold_norms=True)))
+    calls = _forced(ro, kernels=True)
+    new = 6
+    out = ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=new, temperature=0.0,
+                                                                continuous_batch_size=2))
+    layers = model.config.num_hidden_layers
+    decode_layer_calls = calls["rotary"]
+    assert decode_layer_calls >= (new - 1) * layers and decode_layer_calls % layers == 0
+    assert calls["silu"] == decode_layer_calls  # every decode layer: both kernels, no norm piece
+    assert calls["norm"] == 0
+    for row in range(ids.shape[0]):
+        assert response_of(out, row) == hf_greedy(model, ids[row], mask[row], new)
+
+
+def test_folded_step_samples_as_the_unfolded_one():
+    model = _gained(tiny_model("qwen2", seed=33), seed=3)
+    ids, mask = random_prompts(3, 8, seed=9, vocab_size=model.config.vocab_size, min_len=3)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, top_p=0.9, n_samples_per_prompt=2, seed=5)
+    runs = []
+    for fold in (True, False):
+        ro = Rollout(model, NO_EOS, RolloutConfig(kernels=KernelConfig(fold_norms=fold)))
+        if fold:
+            _forced(ro, kernels=False)  # the kernels' PyTorch paths (what runs where triton cannot)
+        runs.append(ro.generate(RolloutRequest(ids, mask), sampling).input_ids)
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_setting_folds_only_where_the_kernels_run(monkeypatch):
+    """A CUDA call's parts (built without a GPU here) carry the kernels and ones in the record; a CPU call's do not;
+    without ``residual_in_place`` gate|up is not folded; the setting is a bool."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    step.compiled_step_fns.cache_clear()
+    try:
+        model = _gained(tiny_model("qwen2", seed=34), seed=4)
+        ro = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(fold_norms=True)))
+        cuda = ro.runner.fast_step.parts(torch.device("cuda"), mirrored=False)
+        assert cuda.fns.rotary_write_rms is rs.rotary_write_rms and cuda.fns.silu_mul_rms is rs.silu_mul_rms
+        assert torch.equal(cuda.weights.layers[0].input_norm, torch.ones(model.config.hidden_size))
+        cpu = ro.runner.fast_step.parts(torch.device("cpu"), mirrored=False)
+        assert cpu.fns.rotary_write_rms is None and cpu.fns.silu_mul_rms is None
+        assert torch.equal(cpu.weights.layers[0].input_norm, model.model.layers[0].input_layernorm.weight)
+        copied = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(fold_norms=True,
+                                                                                     residual_in_place=False)))
+        parts = copied.runner.fast_step.parts(torch.device("cuda"), mirrored=False)
+        assert parts.fns.rotary_write_rms is rs.rotary_write_rms and parts.fns.silu_mul_rms is None
+        assert torch.equal(parts.weights.layers[0].post_norm, model.model.layers[0].post_attention_layernorm.weight)
+    finally:
+        step.compiled_step_fns.cache_clear()
+    with pytest.raises(ValueError, match="kernels.fold_norms"):
+        KernelConfig(fold_norms=1)
+
+
+def test_the_budget_counts_the_ones_where_norms_fold():
+    model = tiny_model("qwen2", seed=35)
+    fast = Rollout(model, TinyTokenizer(), RolloutConfig(kernels=KernelConfig(fold_norms=True))).runner.fast_step
+    plain = fast.new_copy_bytes()
+    fast._folds = lambda device, rotary_kernel: (True, True)
+    assert fast.new_copy_bytes(torch.device("cpu")) == plain + 2 * model.config.hidden_size * 4
+    fast.parts(torch.device("cpu"), mirrored=False)
+    assert fast.nbytes == plain + 2 * model.config.hidden_size * 4  # what the call then holds
+    assert fast.new_copy_bytes(torch.device("cpu")) == 0
+
+
+def test_decode_logits_fold_equals_unfolded_fp32():
+    """One step over random cache contents: the folded record with the kernels' PyTorch paths equals the unfolded
+    step (fp32, 1e-5)."""
+    from rollout.executors.decode import FastStep
+    from tests.test_residual_in_place import _step_inputs
+
+    model = _gained(tiny_model("llama", seed=36), seed=5)
+    plain = FastStep(model, KernelConfig(), mirror_weights=False).parts(torch.device("cpu"), mirrored=False)
+    folding = FastStep(model, KernelConfig(fold_norms=True), mirror_weights=False)
+    folding._folds = lambda device, rotary_kernel: (True, True)
+    folded = folding.parts(torch.device("cpu"), mirrored=False)
+    folded = dataclasses.replace(folded, fns=dataclasses.replace(folded.fns, rotary_write_rms=rs.rotary_write_rms,
+                                                                 silu_mul_rms=rs.silu_mul_rms))
+    keys, values, tokens, positions, col, keep = _step_inputs(model, 4, 9)
+    with torch.no_grad():
+        got = step.decode_logits(folded, keys.clone(), values.clone(), tokens, positions, col, keep)
+        want = step.decode_logits(plain, keys.clone(), values.clone(), tokens, positions, col, keep)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
