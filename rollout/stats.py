@@ -53,6 +53,10 @@ class DecodeStats:
     attention: str = "hf"
     """The decode step's attention: ``"triton"`` (``rollout.ops.decode_attention``), ``"sdpa"``, or ``"hf"`` when
     the HF layers decode (``RolloutConfig.kernels.decode_attention``; SDPA where the kernel cannot run)."""
+    norms_folded: bool = False
+    """The decode steps ran on fused weight copies that carry the norm gains, scaling by each row's 1/RMS in their
+    kernels (``RolloutConfig.kernels.fold_norms``: CUDA with triton): bf16 tokens round otherwise than the unfolded
+    step's."""
     forwards: int = 0
     """Decode steps (one forward over the live batch each)."""
     rows: int = 0
@@ -89,12 +93,14 @@ class DecodeStats:
             self.eager_steps += 1
 
     def settle_path(self, intended: str, reason: Optional[str], capture_failure: Optional[str],
-                    attention: str) -> None:
+                    attention: str, norms_folded: bool = False) -> None:
         """``path`` and its reason from what the steps did: ``"graph"`` only when every step replayed a graph;
         ``reason`` (why the call was not meant to use graphs) unless a failed capture explains eager steps of a
-        call meant for graphs. ``attention``: the step's attention piece (``"hf"`` on the HF path)."""
+        call meant for graphs. ``attention``: the step's attention piece (``"hf"`` on the HF path);
+        ``norms_folded``: the step's weight copies carry the norm gains."""
         self.fallback_reason = reason
         self.attention = attention
+        self.norms_folded = norms_folded and intended != "hf"
         if intended == "hf" or not self.forwards:
             self.path = intended  # no step ran: the path the call would have taken
         elif self.graph_steps and not self.eager_steps:

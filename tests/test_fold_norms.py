@@ -10,7 +10,6 @@ setting only folds where the kernels run."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
@@ -238,17 +237,66 @@ def test_decode_logits_fold_equals_unfolded_fp32():
     """One step over random cache contents: the folded record with the kernels' PyTorch paths equals the unfolded
     step (fp32, 1e-5)."""
     from rollout.executors.decode import FastStep
-    from tests.test_residual_in_place import _step_inputs
 
     model = _gained(tiny_model("llama", seed=36), seed=5)
-    plain = FastStep(model, KernelConfig(), mirror_weights=False).parts(torch.device("cpu"), mirrored=False)
     folding = FastStep(model, KernelConfig(fold_norms=True), mirror_weights=False)
     folding._folds = lambda device, rotary_kernel: (True, True)
     folded = folding.parts(torch.device("cpu"), mirrored=False)
-    folded = dataclasses.replace(folded, fns=dataclasses.replace(folded.fns, rotary_write_rms=rs.rotary_write_rms,
-                                                                 silu_mul_rms=rs.silu_mul_rms))
-    keys, values, tokens, positions, col, keep = _step_inputs(model, 4, 9)
+    assert folded.fns.rotary_write_rms is rs.rotary_write_rms and folded.fns.silu_mul_rms is rs.silu_mul_rms
+    _assert_logits_equal_the_unfolded_step(model, folded, rows=4, live=9)
+
+
+def _assert_logits_equal_the_unfolded_step(model, folded, rows: int, live: int):
+    """One decode step of ``folded`` parts over random cache contents equals the default CPU step's (fp32, 1e-5)."""
+    from rollout.executors.decode import FastStep
+    from tests.test_residual_in_place import _step_inputs
+
+    plain = FastStep(model, KernelConfig(), mirror_weights=False).parts(torch.device("cpu"), mirrored=False)
+    keys, values, tokens, positions, col, keep = _step_inputs(model, rows, live)
     with torch.no_grad():
         got = step.decode_logits(folded, keys.clone(), values.clone(), tokens, positions, col, keep)
         want = step.decode_logits(plain, keys.clone(), values.clone(), tokens, positions, col, keep)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_folded_copies_pass_through_the_weight_mirror_within_one_call():
+    """Under ZeRO-3 with graphs the record goes through the weight mirror: the folded copies and their ones pass as
+    they are (fixed addresses, not mirrored twice), a second ``parts`` of the same call reuses them, and the step's
+    logits equal the unfolded step's (fp32)."""
+    from rollout.executors.decode import FastStep
+
+    model = _gained(tiny_model("qwen2", seed=37), seed=6)
+    fast = FastStep(model, KernelConfig(fold_norms=True), mirror_weights=True)
+    fast._folds = lambda device, rotary_kernel: (True, True)
+    with fast.one_call():
+        first = fast.parts(torch.device("cpu"), mirrored=True)
+        again = fast.parts(torch.device("cpu"), mirrored=True)
+    held = {t.data_ptr() for copies in (fast.fused_qkv, fast.fused_gate_up) for t in copies.buffers}
+    layer = first.weights.layers[0]
+    assert {layer.qkv.data_ptr(), layer.gate_up.data_ptr(), layer.input_norm.data_ptr(),
+            layer.post_norm.data_ptr()} <= held
+    assert torch.equal(layer.input_norm, torch.ones_like(layer.input_norm))
+    assert first.weights.signature() == again.weights.signature()
+    _assert_logits_equal_the_unfolded_step(model, again, rows=3, live=7)
+
+
+def test_the_call_says_whether_norms_were_folded():
+    """``CallStats.decode.norms_folded``: from the call's decode choice (a CUDA choice is built without a GPU here:
+    it folds by default, not with the setting off, nor without the rotary kernel and fused gate|up, nor on the HF
+    path); a CPU call does not fold and says so."""
+    pytest.importorskip("triton")
+    from rollout.executors.decode import choose_decode
+
+    model = tiny_model("qwen2", seed=38)
+    cuda = torch.device("cuda")
+
+    def folded(**kernels):
+        return choose_decode(RolloutConfig(kernels=KernelConfig(**kernels)), model, False, cuda).norms_folded
+
+    assert folded() and not folded(fold_norms=False) and not folded(fast_decode=False)
+    assert not folded(rotary_kernel=False, fuse_gate_up=False) and folded(rotary_kernel=False)
+    assert not choose_decode(RolloutConfig(), model, False, torch.device("cpu")).norms_folded
+    ids, mask = random_prompts(2, 5, seed=1, vocab_size=model.config.vocab_size)
+    ro = Rollout(model, NO_EOS, RolloutConfig())
+    ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=3, temperature=0.0))
+    assert ro.last_stats.decode.norms_folded is False and ro.last_stats.decode.path == "fast_eager"

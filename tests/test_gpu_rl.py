@@ -258,6 +258,7 @@ def test_fold_norms_gives_the_same_tokens_fp32(setup, route, slots, monkeypatch)
 
     def ran_kernels(ro, fold):
         assert (calls["rotary_write_rms"] > 0 and calls["silu_mul_rms"] > 0) == fold
+        assert ro.last_stats.decode.norms_folded == fold
         assert rms_scaled.failure(ids.device) is None
         calls.clear()
 

@@ -45,6 +45,8 @@ class DecodeChoice:
     cuda_graphs: bool = True
     """``RolloutConfig.kernels.cuda_graphs``: with it off the continuous route decodes from per-call tensors
     (nothing kept between calls) instead of its graph-ready static buffers."""
+    norms_folded: bool = False
+    """Our step's weight copies carry the norm gains (``RolloutConfig.kernels.fold_norms``, :func:`norm_folds`)."""
 
     @property
     def is_fast(self) -> bool:
@@ -122,18 +124,11 @@ class FastStep:
         return StepParts(spec, weights, fns)
 
     def _rotary_kernel(self, device: torch.device) -> bool:
-        """Whether decode steps rotate and write the cache with the Triton kernel (``kernels.rotary_kernel``)."""
-        return (self.kernels.rotary_kernel and self.fused_qkv is not None and device.type == "cuda"
-                and decode_attention.available() is None and rotary_write.failure(device) is None)
+        return rotary_kernel_runs(self.kernels, device)
 
     def _folds(self, device: torch.device, rotary_kernel: bool) -> tuple[bool, bool]:
-        """Whether the norm gains go into the q|k|v and the gate|up copies (``kernels.fold_norms``): only where the
-        decode step's kernels that scale by 1/RMS run (CUDA, triton, no earlier failure)."""
-        kernels = self.kernels
-        ok = (kernels.fold_norms and device.type == "cuda" and decode_attention.available() is None
-              and rms_scaled.failure(device) is None)
-        return (ok and rotary_kernel,
-                ok and self.fused_gate_up is not None and kernels.residual_in_place)
+        """:func:`norm_folds` of this step's settings (``rotary_kernel``: :meth:`_rotary_kernel` on ``device``)."""
+        return norm_folds(self.kernels, device, rotary_kernel)
 
     def release_copies(self) -> None:
         """Drop the fused q|k|v and gate|up weights (``keep_cache=False``: rebuilt at the next call)."""
@@ -171,6 +166,22 @@ class FastStep:
         return sum(held.nbytes for held in (self.mirror, self.fused_qkv, self.fused_gate_up) if held is not None)
 
 
+def norm_folds(kernels: KernelConfig, device: torch.device, rotary_kernel: bool) -> tuple[bool, bool]:
+    """Whether the norm gains go into the q|k|v and the gate|up copies (``kernels.fold_norms``): only where the
+    decode step's kernels that scale by 1/RMS run (CUDA, triton, no earlier failure); q|k|v where the rotary kernel
+    runs (``rotary_kernel``), gate|up where it is fused and the residual is added in place."""
+    ok = (kernels.fold_norms and device.type == "cuda" and decode_attention.available() is None
+          and rms_scaled.failure(device) is None)
+    return ok and rotary_kernel, ok and kernels.fuse_gate_up and kernels.residual_in_place
+
+
+def rotary_kernel_runs(kernels: KernelConfig, device: torch.device) -> bool:
+    """Whether decode steps rotate and write the cache with the Triton kernel (``kernels.rotary_kernel``, with fused
+    q|k|v, on CUDA, triton importable, no earlier failure)."""
+    return (kernels.rotary_kernel and kernels.fuse_qkv and device.type == "cuda" and decode_attention.available() is None
+            and rotary_write.failure(device) is None)
+
+
 def attention_path(setting: str, device: torch.device) -> str:
     """The attention our step runs for ``RolloutConfig.kernels.decode_attention``: ``"triton"`` where the kernel can
     (CUDA, triton importable, no earlier failure of the kernel on this device), else ``"sdpa"``."""
@@ -190,13 +201,14 @@ def choose_decode(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool,
         return DecodeChoice("hf", reason, "hf", "hf", kernels.cuda_graphs)
     prefill_path = prefill.attention_path(device, next(model.parameters()).dtype) if kernels.fast_prefill else "hf"
     attention = attention_path(kernels.decode_attention, device)
+    folded = any(norm_folds(kernels, device, rotary_kernel_runs(kernels, device)))
     if not kernels.cuda_graphs:
         return DecodeChoice("fast_eager", "eager fast step: kernels.cuda_graphs disabled in RolloutConfig",
-                            prefill_path, attention, cuda_graphs=False)
+                            prefill_path, attention, cuda_graphs=False, norms_folded=folded)
     if device.type != "cuda":
         return DecodeChoice("fast_eager", f"eager fast step: device {device.type} has no CUDA graphs", prefill_path,
-                            attention)
-    return DecodeChoice("graph", None, prefill_path, attention)
+                            attention, norms_folded=folded)
+    return DecodeChoice("graph", None, prefill_path, attention, norms_folded=folded)
 
 
 def _hf_reason(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool,

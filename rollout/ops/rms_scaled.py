@@ -26,6 +26,7 @@ import torch
 
 from rollout.ops.decode_attention import available
 from rollout.ops.fallback import launch_or_fall_back
+from rollout.ops.rotary_write import rotate_and_write
 
 _FAILED: dict = {}
 """device -> why a kernel of this module failed there."""
@@ -61,21 +62,9 @@ def rotary_write_rms_reference(qkv, h, bias, cos, sin, key_layer, value_layer, c
                                kv_heads: int, head_dim: int):
     """The same result in PyTorch (fp32 from the product to the rotary, rounded once): the fallback and the tests'
     reference."""
-    batch = qkv.shape[0]
     x = qkv.float() * rstd(h, eps)
-    if bias is not None:
-        x = x + bias.float()
-    q, k, v = x.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    half = head_dim // 2
-    c, s = cos.reshape(batch, 1, head_dim).float(), sin.reshape(batch, 1, head_dim).float()
-
-    def rotate(y, n):
-        y = y.reshape(batch, n, head_dim)
-        return (y * c + torch.cat((-y[..., half:], y[..., :half]), dim=-1) * s).to(qkv.dtype)
-
-    key_layer.index_copy_(2, cols, rotate(k, kv_heads).unsqueeze(2))
-    value_layer.index_copy_(2, cols, v.reshape(batch, kv_heads, 1, head_dim).to(qkv.dtype))
-    return rotate(q, heads).unsqueeze(2)
+    return rotate_and_write(x if bias is None else x + bias.float(), cos, sin, key_layer, value_layer, cols,
+                            heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=qkv.dtype)
 
 
 def silu_mul_rms_reference(gate_up, h, *, eps: float):

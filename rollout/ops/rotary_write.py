@@ -48,17 +48,26 @@ def failure(device: torch.device) -> Optional[str]:
 def rotary_write_reference(qkv, cos, sin, key_layer, value_layer, cols, *, heads: int, kv_heads: int,
                            head_dim: int):
     """The same result in PyTorch (fp32 rotary, rounded once): the fallback and the tests' reference."""
-    batch = qkv.shape[0]
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return rotate_and_write(qkv.float(), cos, sin, key_layer, value_layer, cols, heads=heads, kv_heads=kv_heads,
+                            head_dim=head_dim, dtype=qkv.dtype)
+
+
+def rotate_and_write(x, cos, sin, key_layer, value_layer, cols, *, heads: int, kv_heads: int, head_dim: int,
+                     dtype: torch.dtype):
+    """The PyTorch arithmetic after the kernels' input (this module's and
+    :func:`rollout.ops.rms_scaled.rotary_write_rms`'s): q and k of the fp32 ``x [B, (Hq + 2 Hkv) D]`` rotated, each
+    result rounded once to ``dtype``; k and v written into the cache column ``cols``; q ``[B, Hq, 1, D]`` returned."""
+    batch = x.shape[0]
+    q, k, v = x.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     half = head_dim // 2
     c, s = cos.reshape(batch, 1, head_dim).float(), sin.reshape(batch, 1, head_dim).float()
 
-    def rotate(x, n):
-        x = x.reshape(batch, n, head_dim).float()
-        return (x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s).to(qkv.dtype)
+    def rotate(y, n):
+        y = y.reshape(batch, n, head_dim)
+        return (y * c + torch.cat((-y[..., half:], y[..., :half]), dim=-1) * s).to(dtype)
 
     key_layer.index_copy_(2, cols, rotate(k, kv_heads).unsqueeze(2))
-    value_layer.index_copy_(2, cols, v.reshape(batch, kv_heads, 1, head_dim))
+    value_layer.index_copy_(2, cols, v.reshape(batch, kv_heads, 1, head_dim).to(dtype))
     return rotate(q, heads).unsqueeze(2)
 
 

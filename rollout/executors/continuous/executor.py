@@ -51,7 +51,8 @@ class ContinuousExecutor:
                 self.pool.release()
                 if not self.pool.keep:
                     self.release()
-        result.stats.decode.settle_path(choice.path, choice.reason, self.graphs.fallback_reason, choice.attention)
+        result.stats.decode.settle_path(choice.path, choice.reason, self.graphs.fallback_reason, choice.attention,
+                                        choice.norms_folded)
         settle_stats(call, result.stats)
         return Generation(result.generated, result.logprobs, result.stats)
 

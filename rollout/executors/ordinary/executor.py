@@ -57,7 +57,8 @@ class OrdinaryExecutor:
                 if not self.pool.keep:
                     self.release()
         stats = state.stats
-        stats.decode.settle_path(choice.path, choice.reason, self.graphs.fallback_reason, choice.attention)
+        stats.decode.settle_path(choice.path, choice.reason, self.graphs.fallback_reason, choice.attention,
+                                 choice.norms_folded)
         stats.decode.num_steps = stats.decode.steps = state.num_steps
         stats.cache.num_slots, stats.cache.capacity, stats.cache.nbytes = rows, capacity, cache.nbytes
         settle_stats(call, stats)
