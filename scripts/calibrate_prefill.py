@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from benchmarks.harness.cli import int_at_least, out_path
+from instrumentation.cli_values import parse_int_text
 from rollout import KernelConfig, Rollout, RolloutConfig, RolloutRequest, RoutingConfig, SamplingConfig
 from rollout.cache.aligned import AlignedKVCache
 from rollout.cache.pool import ScratchArena
@@ -281,6 +283,21 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in str(text).split(",") if x]
 
 
+def _positive_list(text: str) -> str:
+    """An argparse ``type``: a comma list of ints >= 1 in ASCII digits (``int()`` reads '٣' as 3), kept as text."""
+    if not all((parse_int_text(x) or 0) >= 1 for x in text.split(",")):
+        raise argparse.ArgumentTypeError(f"must be a comma list of ints >= 1; got {text!r}")
+    return text
+
+
+def _shapes(text: str) -> str:
+    """An argparse ``type``: ``BxL,...`` shapes, each a pair of ints >= 1 (ASCII digits), kept as text."""
+    if not all(len(s.split("x")) == 2 and all((parse_int_text(v) or 0) >= 1 for v in s.split("x"))
+               for s in text.split(",")):
+        raise argparse.ArgumentTypeError(f"must be BxL,... shapes of ints >= 1; got {text!r}")
+    return text
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(GRIDS), default="tiny",
@@ -288,21 +305,21 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attention implementation")
-    parser.add_argument("--batches", help="comma-separated batch sizes of the grid (default per --model)")
-    parser.add_argument("--lengths", help="comma-separated prompt lengths of the grid (default per --model)")
-    parser.add_argument("--decode-shapes", help="BxL,... shapes of the decode measurement")
-    parser.add_argument("--decode-steps", type=int, help="extra decode steps measured")
-    parser.add_argument("--max-tokens", type=int, default=65536, help="skip grid shapes with B*L above this")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--batches", type=_positive_list, help="comma-separated batch sizes of the grid (default per --model)")
+    parser.add_argument("--lengths", type=_positive_list, help="comma-separated prompt lengths of the grid (default per --model)")
+    parser.add_argument("--decode-shapes", type=_shapes, help="BxL,... shapes of the decode measurement")
+    parser.add_argument("--decode-steps", type=int_at_least(1), help="extra decode steps measured")
+    parser.add_argument("--max-tokens", type=int_at_least(1), default=65536, help="skip grid shapes with B*L above this")
+    parser.add_argument("--threads", type=int_at_least(1), default=1,
                         help="CPU threads for torch on --device cpu (1: stable timings on a shared machine)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per cell (median; sweep: mean)")
-    parser.add_argument("--output", default="prefill_calibration.json")
+    parser.add_argument("--repeats", type=int_at_least(1), default=5, help="timed calls per cell (median; sweep: mean)")
+    parser.add_argument("--output", type=out_path, default="prefill_calibration.json")
     parser.add_argument("--sweep", action="store_true", help="evaluate Auto with --cost-config instead")
     parser.add_argument("--cost-config", help="calibration JSON for --sweep")
     parser.add_argument("--ignore-metadata", help="comma-separated metadata keys not to check (e.g. source_sha256)")
     parser.add_argument("--workloads", choices=sorted(WORKLOADS), help="default: small (tiny), seed004 (3b)")
-    parser.add_argument("--max-new-tokens", type=int, default=4, help="response budget of the sweep (EOS off)")
-    parser.add_argument("--json", help="also write the sweep rows here")
+    parser.add_argument("--max-new-tokens", type=int_at_least(1), default=4, help="response budget of the sweep (EOS off)")
+    parser.add_argument("--json", type=out_path, help="also write the sweep rows here")
     args = parser.parse_args(argv)
     if args.sweep and not args.cost_config:
         parser.error("--sweep needs --cost-config")

@@ -361,9 +361,12 @@ def missing_kernels(results: list[Compiled]) -> list[str]:
 
 
 def main(argv=None) -> int:
+    from benchmarks.harness.cli import int_at_least, out_path
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", type=int, nargs="+", default=[90], help="CUDA compute capabilities x10")
-    parser.add_argument("--json", metavar="FILE", help="write every variant's record here")
+    parser.add_argument("--arch", type=int_at_least(70), nargs="+", default=[90],
+                        help="CUDA compute capabilities x10 (70 and up; ASCII digits)")
+    parser.add_argument("--json", metavar="FILE", type=out_path, help="write every variant's record here")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("TRITON_INTERPRET is set: interpreted kernels cannot be compiled; unset it")

@@ -262,6 +262,36 @@ def test_trace_and_benchmark_counts_refuse_other_digits():
     assert trim.parse_args(["in.json", "out.json.gz", "--step", "3"]).step == 3
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--repeats", "٣"], r"argument --repeats: must be an int >= 1; got '٣'"),
+    (["--threads", "0"], r"argument --threads: must be an int >= 1; got '0'"),
+    (["--decode-steps", "1_0"], r"argument --decode-steps: must be an int >= 1; got '1_0'"),
+    (["--batches", "1,0"], r"argument --batches: must be a comma list of ints >= 1; got '1,0'"),
+    (["--lengths", "8,٣2"], r"argument --lengths: must be a comma list of ints >= 1"),
+    (["--decode-shapes", "8x"], r"argument --decode-shapes: must be BxL,... shapes of ints >= 1; got '8x'"),
+    (["--output", "."], r"argument --output: '.' is a directory; give a file path"),
+])
+def test_the_developer_tools_refuse_bad_counts_before_any_work(argv, message, capsys):
+    """calibrate_prefill.py's counts and lists took ``int()`` (other scripts' digits, underscores, zero), and its
+    output paths were checked only when written, after the measurements."""
+    calibrate = importlib.import_module("scripts.calibrate_prefill")
+    with pytest.raises(SystemExit):
+        calibrate.parse_args(argv)
+    assert re.search(message, capsys.readouterr().err)
+    good = calibrate.parse_args(["--batches", "1,4", "--decode-shapes", "8x32,4x128", "--repeats", "3"])
+    assert (good.batches, good.decode_shapes, good.repeats) == ("1,4", "8x32,4x128", 3)
+
+
+@pytest.mark.parametrize("argv, message", [(["--arch", "9"], r"argument --arch: must be an int >= 70; got '9'"),
+                                           (["--arch", "٩0"], r"argument --arch: must be an int >= 70"),
+                                           (["--json", "."], r"argument --json: '.' is a directory")])
+def test_check_kernels_refuses_bad_flags(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit):
+        importlib.import_module("scripts.check_kernels").main(argv)
+    assert re.search(message, capsys.readouterr().err)
+
+
 # ---- ProfileConfig and the OPSD_* variables -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, message", [
