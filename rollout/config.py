@@ -190,7 +190,8 @@ class KernelConfig:
     scale each product by the row's 1/RMS inside the rotary kernel and a SiLU-mul kernel
     (``rollout.ops.rms_scaled``) instead of running a norm kernel before each GEMM (on the H200's 3B step at 256 rows:
     5.13 against 5.37 ms; at 8 rows 2.67 against 2.78). bf16 rounds differently: the weight times its gain is rounded
-    once in the copy, the normalized input not at all."""
+    once in the copy, the normalized input not at all. float16 models keep their norms (the raw residual's products
+    can pass float16's range)."""
 
     def __post_init__(self) -> None:
         _require_bools(self, "kernels", ("fast_decode", "fast_prefill", "cuda_graphs", "compile", "fused_kv_write",

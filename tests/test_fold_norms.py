@@ -208,6 +208,9 @@ def test_setting_folds_only_where_the_kernels_run(monkeypatch):
         cuda = ro.runner.fast_step.parts(torch.device("cuda"), mirrored=False)
         assert cuda.fns.rotary_write_rms is rs.rotary_write_rms and cuda.fns.silu_mul_rms is rs.silu_mul_rms
         assert torch.equal(cuda.weights.layers[0].input_norm, torch.ones(model.config.hidden_size))
+        half = Rollout(tiny_model("qwen2", seed=34, dtype=torch.float16), TinyTokenizer(),
+                       RolloutConfig(kernels=KernelConfig(fold_norms=True)))
+        assert half.runner.fast_step.parts(torch.device("cuda"), mirrored=False).fns.rotary_write_rms is None
         cpu = ro.runner.fast_step.parts(torch.device("cpu"), mirrored=False)
         assert cpu.fns.rotary_write_rms is None and cpu.fns.silu_mul_rms is None
         assert torch.equal(cpu.weights.layers[0].input_norm, model.model.layers[0].input_layernorm.weight)
@@ -295,6 +298,9 @@ def test_the_call_says_whether_norms_were_folded():
 
     assert folded() and not folded(fold_norms=False) and not folded(fast_decode=False)
     assert not folded(rotary_kernel=False, fuse_gate_up=False) and folded(rotary_kernel=False)
+    half = tiny_model("qwen2", seed=38, dtype=torch.float16)  # fp16 keeps its norms (the raw products' range)
+    assert not choose_decode(RolloutConfig(), half, False, cuda).norms_folded
+    assert choose_decode(RolloutConfig(), half.to(torch.bfloat16), False, cuda).norms_folded
     assert not choose_decode(RolloutConfig(), model, False, torch.device("cpu")).norms_folded
     ids, mask = random_prompts(2, 5, seed=1, vocab_size=model.config.vocab_size)
     ro = Rollout(model, NO_EOS, RolloutConfig())

@@ -128,7 +128,7 @@ class FastStep:
 
     def _folds(self, device: torch.device, rotary_kernel: bool) -> tuple[bool, bool]:
         """:func:`norm_folds` of this step's settings (``rotary_kernel``: :meth:`_rotary_kernel` on ``device``)."""
-        return norm_folds(self.kernels, device, rotary_kernel)
+        return norm_folds(self.kernels, device, rotary_kernel, next(self.model.parameters()).dtype)
 
     def release_copies(self) -> None:
         """Drop the fused q|k|v and gate|up weights (``keep_cache=False``: rebuilt at the next call)."""
@@ -166,12 +166,19 @@ class FastStep:
         return sum(held.nbytes for held in (self.mirror, self.fused_qkv, self.fused_gate_up) if held is not None)
 
 
-def norm_folds(kernels: KernelConfig, device: torch.device, rotary_kernel: bool) -> tuple[bool, bool]:
+#: Weight dtypes whose models fold their norms: float16 does not, since the raw residual's products (the row's RMS
+#: times the normalized ones) can pass its largest value (65,504) where the normalized products do not.
+FOLD_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def norm_folds(kernels: KernelConfig, device: torch.device, rotary_kernel: bool,
+               dtype: torch.dtype) -> tuple[bool, bool]:
     """Whether the norm gains go into the q|k|v and the gate|up copies (``kernels.fold_norms``): only where the
-    decode step's kernels that scale by 1/RMS run (CUDA, triton, no earlier failure); q|k|v where the rotary kernel
-    runs (``rotary_kernel``), gate|up where it is fused and the residual is added in place."""
-    ok = (kernels.fold_norms and device.type == "cuda" and decode_attention.available() is None
-          and rms_scaled.failure(device) is None)
+    decode step's kernels that scale by 1/RMS run (CUDA, triton, no earlier failure) and the weights' ``dtype`` is
+    one of :data:`FOLD_DTYPES`; q|k|v where the rotary kernel runs (``rotary_kernel``), gate|up where it is fused and
+    the residual is added in place."""
+    ok = (kernels.fold_norms and device.type == "cuda" and dtype in FOLD_DTYPES
+          and decode_attention.available() is None and rms_scaled.failure(device) is None)
     return ok and rotary_kernel, ok and kernels.fuse_gate_up and kernels.residual_in_place
 
 
@@ -201,7 +208,7 @@ def choose_decode(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool,
         return DecodeChoice("hf", reason, "hf", "hf", kernels.cuda_graphs)
     prefill_path = prefill.attention_path(device, next(model.parameters()).dtype) if kernels.fast_prefill else "hf"
     attention = attention_path(kernels.decode_attention, device)
-    folded = any(norm_folds(kernels, device, rotary_kernel_runs(kernels, device)))
+    folded = any(norm_folds(kernels, device, rotary_kernel_runs(kernels, device), next(model.parameters()).dtype))
     if not kernels.cuda_graphs:
         return DecodeChoice("fast_eager", "eager fast step: kernels.cuda_graphs disabled in RolloutConfig",
                             prefill_path, attention, cuda_graphs=False, norms_folded=folded)
