@@ -42,7 +42,23 @@ def response_of(batch, row: int) -> list[int]:
     return batch.input_ids[row, start:][keep].tolist()
 
 
-__all__ = ["TinyTokenizer", "random_prompts", "hf_greedy", "response_of"]
+def assert_setting_keeps_hf_greedy(family: str, route: str, setting: str, *, seed: int, prompt_seed: int) -> None:
+    """A tiny ``family`` model decoded greedily (fp32, 4 prompts, 7 new tokens, no EOS) on ``route`` with the
+    ``RolloutConfig.kernels`` field ``setting`` on and off: the same tokens, and each row HF ``generate``'s."""
+    from rollout import KernelConfig, Rollout, RolloutConfig, RolloutRequest, SamplingConfig
+
+    model = tiny_model(family, seed=seed)
+    ids, mask = random_prompts(4, 9, seed=prompt_seed, vocab_size=model.config.vocab_size, min_len=2)
+    sampling = SamplingConfig(max_new_tokens=7, temperature=0.0, continuous_batch_size=2)
+    no_eos = TinyTokenizer(pad_token_id=0, eos_token_id=None)
+    runs = {flag: Rollout(model, no_eos, RolloutConfig(route=route, kernels=KernelConfig(**{setting: flag})))
+            .generate(RolloutRequest(ids, mask), sampling) for flag in (True, False)}
+    assert torch.equal(runs[True].input_ids, runs[False].input_ids)
+    for row in range(ids.shape[0]):
+        assert response_of(runs[True], row) == hf_greedy(model, ids[row], mask[row], 7)
+
+
+__all__ = ["TinyTokenizer", "random_prompts", "hf_greedy", "response_of", "assert_setting_keeps_hf_greedy"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -114,30 +114,30 @@ def test_failing_kernels_warn_once_and_fall_back(device, monkeypatch):
         got = rs.silu_mul_rms(product, h, eps=EPS, interpret=True)
     torch.testing.assert_close(got, rs.silu_mul_rms_reference(product, h, eps=EPS))
     assert "no kernel for you" in rs.failure(product.device)
-    assert "no kernel for you" in rs.unsupported_reason((product, h), interpret=True)
+    assert "no kernel for you" in rs.unsupported_reason(product, h, interpret=True)
 
 
 def test_unsupported_inputs_take_the_pytorch_path():
     product, h = torch.randn(2, 64), torch.randn(2, 16)
-    assert rs.unsupported_reason((product, h), 24, interpret=True).startswith("head dimension 24")
-    assert rs.unsupported_reason((product, h.t()), interpret=True).startswith("the product and residual")
-    assert rs.unsupported_reason((product, h)) in ("not a CUDA tensor", rs.available())
+    cache = torch.zeros(2, 1, 4, 24)
+    assert rs.rotary_problem(torch.randn(2, 72), h, cache, cache, 24, interpret=True).startswith("head dimension 24")
+    assert rs.unsupported_reason(product, h.t(), interpret=True).startswith("the product and residual")
+    assert rs.unsupported_reason(product, h) in ("not a CUDA tensor", rs.available())
 
 
 def test_folded_copies_hold_weight_times_gain_and_refresh_when_the_setting_changes():
     model = _gained(tiny_model("qwen2", seed=31), seed=1)
     _, weights = spec_and_weights(model)
     w = weights.layers[0]
-    qkv, gate_up = FusedQKV(fold_norm=True), FusedGateUp(fold_norm=True)
-    folded = gate_up.refresh(qkv.refresh(weights)).layers[0]
+    qkv, gate_up = FusedQKV(), FusedGateUp()
+    folded = gate_up.refresh(qkv.refresh(weights, fold=True), fold=True).layers[0]
     torch.testing.assert_close(folded.qkv, torch.cat([w.q, w.k, w.v]) * w.input_norm, rtol=0, atol=0)
     torch.testing.assert_close(folded.gate_up, torch.cat([w.gate, w.up]) * w.post_norm, rtol=0, atol=0)
     torch.testing.assert_close(folded.qkv_bias, torch.cat([w.q_bias, w.k_bias, w.v_bias]), rtol=0, atol=0)
     assert torch.equal(folded.input_norm, torch.ones_like(w.input_norm))
     assert torch.equal(folded.post_norm, torch.ones_like(w.post_norm))
     assert not torch.equal(w.input_norm, torch.ones_like(w.input_norm))  # the model's own gains untouched
-    qkv.fold_norm = False  # a second refresh of the same call (copy=False) must not keep the folded values
-    plain = qkv.refresh(weights, copy=False).layers[0]
+    plain = qkv.refresh(weights, copy=False).layers[0]  # a second refresh (copy=False), unfolded: not the folded values
     torch.testing.assert_close(plain.qkv, torch.cat([w.q, w.k, w.v]), rtol=0, atol=0)
     assert plain.input_norm is w.input_norm
 

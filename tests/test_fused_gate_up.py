@@ -12,7 +12,7 @@ from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig, Kern
 from rollout.model import step
 from rollout.model.step import FusedGateUp, spec_and_weights
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
-from tests.conftest import hf_greedy, response_of, with_step_pieces
+from tests.conftest import assert_setting_keeps_hf_greedy, hf_greedy, response_of, with_step_pieces
 
 NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
 
@@ -30,16 +30,7 @@ def _qkv_bytes(model) -> int:
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("route", ["ordinary", "continuous"])
 def test_same_tokens_as_two_projections_and_hf(family, route):
-    model = tiny_model(family, seed=11)
-    ids, mask = random_prompts(4, 9, seed=6, vocab_size=model.config.vocab_size, min_len=2)
-    sampling = SamplingConfig(max_new_tokens=7, temperature=0.0, continuous_batch_size=2)
-    fused = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(fuse_gate_up=True))).generate(
-        RolloutRequest(ids, mask), sampling)
-    plain = Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(fuse_gate_up=False))).generate(
-        RolloutRequest(ids, mask), sampling)
-    assert torch.equal(fused.input_ids, plain.input_ids)
-    for row in range(ids.shape[0]):
-        assert response_of(fused, row) == hf_greedy(model, ids[row], mask[row], 7)
+    assert_setting_keeps_hf_greedy(family, route, "fuse_gate_up", seed=11, prompt_seed=6)
 
 
 def test_the_fused_piece_runs_in_decode_and_prefill(monkeypatch):

@@ -327,14 +327,12 @@ def _route_to_kernel(monkeypatch, kernel, plain=False):
     monkeypatch.setattr(fused_nucleus, "sample_plain" if plain else "sample_top_p", kernel)
 
 
-def test_sampler_runs_the_kernel_where_it_applies(interpreted, stable_sort, monkeypatch):
-    """A compiled Sampler of a temperature/top-p key calls the kernel (here interpreted on the CPU) and
-    returns what the eager sampler returns; ``fused=False`` or a repetition penalty keep the other paths."""
-    _route_to_kernel(monkeypatch, interpreted.sample_top_p)
+def _fused_and_unfused(monkeypatch, kernel, key, plain: bool, seed: int, args: tuple):
+    """A compiled Sampler of ``key`` routed to ``kernel`` (interpreted here) returns the eager sampler's tokens and
+    log-probabilities through the fused path, and ``fused=False`` takes the compiled one. Returns the logits."""
+    _route_to_kernel(monkeypatch, kernel, plain=plain)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the "compiled" functions run eagerly here
-    logits = _logits(5, 800, 3.0, 1, torch.bfloat16, True)
-    args = (torch.tensor(77), torch.arange(5), torch.tensor(3))
-    key = SamplerKey(1.0, 0, 0.9, 1.0)
+    logits = _logits(5, 800, 3.0, seed, torch.bfloat16, True)
     sampler = Sampler(key, compiled=True)
     tokens, logprobs = sampler(logits, None, *args, with_logprobs=True)
     expected, expected_lp = _select(logits, key, None, *args, True, search=False)
@@ -343,6 +341,14 @@ def test_sampler_runs_the_kernel_where_it_applies(interpreted, stable_sort, monk
     unfused = Sampler(key, compiled=True, fused=False)
     unfused(logits, None, *args)
     assert unfused.last_path == "compiled"
+    return logits
+
+
+def test_sampler_runs_the_kernel_where_it_applies(interpreted, stable_sort, monkeypatch):
+    """A compiled Sampler of a temperature/top-p key calls the kernel (here interpreted on the CPU) and
+    returns what the eager sampler returns; ``fused=False`` or a repetition penalty keep the other paths."""
+    args = (torch.tensor(77), torch.arange(5), torch.tensor(3))
+    logits = _fused_and_unfused(monkeypatch, interpreted.sample_top_p, SamplerKey(1.0, 0, 0.9, 1.0), False, 1, args)
     penalised = Sampler(SamplerKey(1.0, 0, 0.9, 1.3), compiled=True)
     penalised(logits, torch.zeros(5, 800, dtype=torch.bool), *args)
     assert penalised.last_path == "compiled"
@@ -520,19 +526,8 @@ def test_the_plain_draw_applies_to_temperature_alone(kwargs, applies):
 def test_sampler_runs_the_plain_draw_at_top_p_1(interpreted, monkeypatch):
     """A compiled Sampler of a temperature-only key calls the plain draw (interpreted here) and returns the eager
     sampler's tokens; ``fused=False`` keeps the compiled path."""
-    _route_to_kernel(monkeypatch, interpreted.sample_plain, plain=True)
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the "compiled" functions run eagerly here
-    logits = _logits(5, 800, 3.0, 2, torch.bfloat16, True)
     args = (torch.tensor(78), torch.arange(5), torch.tensor(4))
-    key = SamplerKey(1.0, 0, 1.0, 1.0)
-    sampler = Sampler(key, compiled=True)
-    tokens, logprobs = sampler(logits, None, *args, with_logprobs=True)
-    expected, expected_lp = _select(logits, key, None, *args, True, search=False)
-    assert sampler.is_fused and sampler.last_path == "fused" and torch.equal(tokens, expected)
-    assert torch.allclose(logprobs, expected_lp, atol=2e-6)
-    unfused = Sampler(key, compiled=True, fused=False)
-    unfused(logits, None, *args)
-    assert unfused.last_path == "compiled"
+    _fused_and_unfused(monkeypatch, interpreted.sample_plain, SamplerKey(1.0, 0, 1.0, 1.0), True, 2, args)
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ from rollout import KernelConfig, Rollout, RolloutConfig, RolloutRequest, Sampli
 from rollout.model import step
 from rollout.model.step import StepFns, decode_logits
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
-from tests.conftest import hf_greedy, response_of, with_step_pieces
+from tests.conftest import assert_setting_keeps_hf_greedy, with_step_pieces
 
 NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
 
@@ -22,14 +22,7 @@ NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("route", ["ordinary", "continuous"])
 def test_same_tokens_as_hf_and_the_copying_step(family, route):
-    model = tiny_model(family, seed=21)
-    ids, mask = random_prompts(4, 9, seed=8, vocab_size=model.config.vocab_size, min_len=2)
-    sampling = SamplingConfig(max_new_tokens=7, temperature=0.0, continuous_batch_size=2)
-    runs = {flag: Rollout(model, NO_EOS, RolloutConfig(route=route, kernels=KernelConfig(residual_in_place=flag)))
-            .generate(RolloutRequest(ids, mask), sampling) for flag in (True, False)}
-    assert torch.equal(runs[True].input_ids, runs[False].input_ids)
-    for row in range(ids.shape[0]):
-        assert response_of(runs[True], row) == hf_greedy(model, ids[row], mask[row], 7)
+    assert_setting_keeps_hf_greedy(family, route, "residual_in_place", seed=21, prompt_seed=8)
 
 
 def test_seeded_samples_match_the_copying_step():

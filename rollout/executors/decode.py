@@ -86,15 +86,13 @@ class FastStep:
         when compiling is on, else the eager ones."""
         spec, weights = spec_and_weights(self.model)
         done = self._refreshed if self._refreshed is not None else set()
-        rotary_kernel = self._rotary_kernel(device)
+        rotary_kernel = rotary_kernel_runs(self.kernels, device)
         qkv_folds, gate_up_folds = self._folds(device, rotary_kernel)
-        if self.fused_qkv is not None:
-            self.fused_qkv.fold_norm = qkv_folds
-        if self.fused_gate_up is not None:
-            self.fused_gate_up.fold_norm = gate_up_folds
         copies = [c for c in (self.fused_qkv, self.fused_gate_up) if c is not None]
-        for held in copies:  # q, k, v, gate, up become views of these kept buffers
-            weights = held.refresh(weights, copy="copies" not in done)
+        if self.fused_qkv is not None:  # q, k, v, gate, up become views of these kept buffers
+            weights = self.fused_qkv.refresh(weights, copy="copies" not in done, fold=qkv_folds)
+        if self.fused_gate_up is not None:
+            weights = self.fused_gate_up.refresh(weights, copy="copies" not in done, fold=gate_up_folds)
         done.add("copies")
         if mirrored and self.mirror is not None:  # the rest through the mirror (the copies' views pass as they are)
             weights = self.mirror.refresh(weights, copy="mirror" not in done,
@@ -123,11 +121,8 @@ class FastStep:
                                           skinny_rows=min(kernels.skinny_rows, skinny_linear.MAX_ROWS))
         return StepParts(spec, weights, fns)
 
-    def _rotary_kernel(self, device: torch.device) -> bool:
-        return rotary_kernel_runs(self.kernels, device)
-
     def _folds(self, device: torch.device, rotary_kernel: bool) -> tuple[bool, bool]:
-        """:func:`norm_folds` of this step's settings (``rotary_kernel``: :meth:`_rotary_kernel` on ``device``)."""
+        """:func:`norm_folds` of this step's settings (``rotary_kernel``: :func:`rotary_kernel_runs` on ``device``)."""
         return norm_folds(self.kernels, device, rotary_kernel, next(self.model.parameters()).dtype)
 
     def release_copies(self) -> None:
@@ -155,7 +150,7 @@ class FastStep:
         if self.fused_gate_up is not None and not self.fused_gate_up.nbytes:
             total += layers * 2 * config.intermediate_size * hidden * itemsize
         if device is not None:  # each folded copy also holds a vector of ones (the record's gain)
-            folds = self._folds(device, self._rotary_kernel(device))
+            folds = self._folds(device, rotary_kernel_runs(self.kernels, device))
             total += sum(hidden * itemsize for held, fold in zip((self.fused_qkv, self.fused_gate_up), folds)
                          if fold and not held.nbytes)
         return total

@@ -208,17 +208,17 @@ class WeightMirror:
 class _ConcatenatedCopies:
     """Persistent concatenations of weight tensors, refreshed in place at every call (one ``torch.cat`` into
     a kept buffer per tensor group): new weights are always what the step reads, and the addresses stay
-    fixed for captured graphs."""
+    fixed for captured graphs.
 
-    def __init__(self, fold_norm: bool = False):
+    A refresh with ``fold`` (``RolloutConfig.kernels.fold_norms``) multiplies the RMSNorm gain before these projections
+    into the copy (each input column by its gain) and gives the record a gain of ones: ``rms_norm(h, ones) @ copy.T``
+    is what ``rms_norm(h, gain) @ weight.T`` was, so every reader of the record stays right, and a decode step may
+    scale the product of the raw residual by each row's RMS instead (:mod:`rollout.ops.rms_scaled`)."""
+
+    def __init__(self):
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
-        self.fold_norm = fold_norm
-        """The RMSNorm gain before these projections is multiplied into the copy (each input column by its gain) and
-        the record's gain becomes ones (``RolloutConfig.kernels.fold_norms``): ``rms_norm(h, ones) @ copy.T`` is
-        what ``rms_norm(h, gain) @ weight.T`` was, so every reader of the record stays right, and a decode step may
-        scale the product of the raw residual by each row's RMS instead (:mod:`rollout.ops.rms_scaled`)."""
         self._folded: bool | None = None
-        """``fold_norm`` when the buffers were last written (a change forces the next refresh to copy)."""
+        """``fold`` of the refresh that last wrote the buffers (another value makes the next refresh copy)."""
 
     def _buffer(self, key, parts: list, copy: bool = True, gain: torch.Tensor | None = None) -> torch.Tensor:
         """The kept concatenation of ``parts`` (times ``gain`` along the input dimension when given); ``copy=False``
@@ -232,16 +232,16 @@ class _ConcatenatedCopies:
                 buffer.mul_(gain.to(buffer.dtype))
         return buffer
 
-    def _copies(self, copy: bool) -> bool:
-        """Whether this refresh writes the buffers: ``copy``, or ``fold_norm`` changed since they were written."""
-        copy = copy or self._folded != self.fold_norm
-        self._folded = self.fold_norm
+    def _copies(self, copy: bool, fold: bool) -> bool:
+        """Whether this refresh writes the buffers: ``copy``, or ``fold`` differs from the refresh that wrote them."""
+        copy = copy or self._folded != fold
+        self._folded = fold
         return copy
 
-    def _norm(self, gain: torch.Tensor) -> torch.Tensor:
-        """The gain the refreshed record carries: ``gain`` itself, or with ``fold_norm`` a kept vector of ones (one
-        for every layer, at a fixed address for captured graphs)."""
-        if not self.fold_norm:
+    def _norm(self, gain: torch.Tensor, fold: bool) -> torch.Tensor:
+        """The gain the refreshed record carries: ``gain`` itself, or with ``fold`` a kept vector of ones (one for
+        every layer, at a fixed address for captured graphs)."""
+        if not fold:
             return gain
         held = self._buffers.get((-1, "ones"))
         ones = kept_buffer(self._buffers, (-1, "ones"), gain.shape, gain)
@@ -268,12 +268,13 @@ class FusedQKV(_ConcatenatedCopies):
     ~1/8 of the weights for a 3B Qwen2.5 (377 MB).
     """
 
-    def refresh(self, weights: "DecoderWeights", copy: bool = True) -> "DecoderWeights":
+    def refresh(self, weights: "DecoderWeights", copy: bool = True, fold: bool = False) -> "DecoderWeights":
         """``weights`` with each layer's ``qkv`` (and ``qkv_bias``) set to its kept concatenation, and ``q``,
-        ``k``, ``v`` (and their biases) set to views of it: the same values at fixed addresses."""
-        layers, copy = [], self._copies(copy)
+        ``k``, ``v`` (and their biases) set to views of it: the same values at fixed addresses. ``fold``: the input
+        norm's gain multiplied into the copy (:class:`_ConcatenatedCopies`)."""
+        layers, copy = [], self._copies(copy, fold)
         for i, w in enumerate(weights.layers):
-            qkv = self._buffer((i, "w"), [w.q, w.k, w.v], copy, w.input_norm if self.fold_norm else None)
+            qkv = self._buffer((i, "w"), [w.q, w.k, w.v], copy, w.input_norm if fold else None)
             biases = (w.q_bias, w.k_bias, w.v_bias)
             bias = None
             outs = [w.q.shape[0], w.k.shape[0], w.v.shape[0]]
@@ -287,7 +288,7 @@ class FusedQKV(_ConcatenatedCopies):
                 views = {name: view for name, view, b in (("q_bias", q_bias, w.q_bias), ("k_bias", k_bias, w.k_bias),
                                                            ("v_bias", v_bias, w.v_bias)) if b is not None}
             layers.append(dataclasses.replace(w, qkv=qkv, qkv_bias=bias, q=q, k=k, v=v,
-                                              input_norm=self._norm(w.input_norm), **views))
+                                              input_norm=self._norm(w.input_norm, fold), **views))
         return dataclasses.replace(weights, layers=layers)
 
 
@@ -299,11 +300,13 @@ class FusedGateUp(_ConcatenatedCopies):
     launch instead of two. The cost is memory: the copy is ~58% of the weights for a 3B Qwen2.5 (3.2 GB).
     """
 
-    def refresh(self, weights: "DecoderWeights", copy: bool = True) -> "DecoderWeights":
-        """``weights`` with each layer's ``gate_up`` set to its kept concatenation, ``gate`` and ``up`` to views."""
-        layers, copy = [], self._copies(copy)
+    def refresh(self, weights: "DecoderWeights", copy: bool = True, fold: bool = False) -> "DecoderWeights":
+        """``weights`` with each layer's ``gate_up`` set to its kept concatenation, ``gate`` and ``up`` to views.
+        ``fold``: the post-attention norm's gain multiplied into the copy (:class:`_ConcatenatedCopies`)."""
+        layers, copy = [], self._copies(copy, fold)
         for i, w in enumerate(weights.layers):
-            gate_up = self._buffer((i, "gate_up"), [w.gate, w.up], copy, w.post_norm if self.fold_norm else None)
+            gate_up = self._buffer((i, "gate_up"), [w.gate, w.up], copy, w.post_norm if fold else None)
             gate, up = gate_up.split([w.gate.shape[0], w.up.shape[0]])
-            layers.append(dataclasses.replace(w, gate_up=gate_up, gate=gate, up=up, post_norm=self._norm(w.post_norm)))
+            layers.append(dataclasses.replace(w, gate_up=gate_up, gate=gate, up=up,
+                                              post_norm=self._norm(w.post_norm, fold)))
         return dataclasses.replace(weights, layers=layers)

@@ -19,14 +19,14 @@ path to every later call on that device.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
-from rollout.ops.decode_attention import available
+from rollout.checks import pow2_at_least
+from rollout.ops.decode_attention import available, sm_count
 from rollout.ops.fallback import launch_or_fall_back
-from rollout.ops.rotary_write import rotate_and_write
+from rollout.ops.rotary_write import input_problem, rotate_and_write
 
 _FAILED: dict = {}
 """device -> why a kernel of this module failed there."""
@@ -40,17 +40,21 @@ def failure(device: torch.device) -> Optional[str]:
     return _FAILED.get(str(device))
 
 
-def unsupported_reason(tensors, head_dim: int = 16, interpret: bool = False) -> Optional[str]:
-    """None when the kernels run on ``tensors`` (the first is the product); else why the PyTorch path runs."""
+def unsupported_reason(product: torch.Tensor, h: torch.Tensor, interpret: bool = False) -> Optional[str]:
+    """None when the kernels run on a product and its residual rows ``h``; else why the PyTorch path runs."""
     if available() is not None:
         return available()
-    if not interpret and not tensors[0].is_cuda:
+    if not interpret and not product.is_cuda:
         return "not a CUDA tensor"
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        return f"head dimension {head_dim} is not a power of two >= 16"
-    if any(t.dim() != 2 or t.stride(1) != 1 for t in tensors):
+    if any(t.dim() != 2 or t.stride(1) != 1 for t in (product, h)):
         return "the product and residual rows must be 2-D with contiguous rows"
-    return _FAILED.get(str(tensors[0].device))
+    return _FAILED.get(str(product.device))
+
+
+def rotary_problem(qkv, h, key_layer, value_layer, head_dim: int, interpret: bool = False) -> Optional[str]:
+    """None when :func:`rotary_write_rms` runs its kernel; else why the PyTorch path runs (the rotary kernel's input
+    rules, :func:`rollout.ops.rotary_write.input_problem`, then this module's)."""
+    return input_problem(qkv, key_layer, value_layer, head_dim, interpret) or unsupported_reason(qkv, h, interpret)
 
 
 def rstd(h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,8 +83,7 @@ def rotary_write_rms(qkv, h, bias, cos, sin, key_layer, value_layer, cols, *, ep
     ``cols`` (module docstring)."""
     args = (qkv, h, bias, cos, sin, key_layer, value_layer, cols)
     shape = dict(eps=eps, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
-    if unsupported_reason((qkv, h), head_dim, interpret) is not None or key_layer.stride(3) != 1 \
-            or value_layer.stride(3) != 1:
+    if rotary_problem(qkv, h, key_layer, value_layer, head_dim, interpret) is not None:
         return rotary_write_rms_reference(*args, **shape)
     return launch_or_fall_back(
         _FAILED, str(qkv.device), "RMS-scaled rotary/cache-write kernel",
@@ -90,27 +93,22 @@ def rotary_write_rms(qkv, h, bias, cos, sin, key_layer, value_layer, cols, *, ep
 
 def silu_mul_rms(gate_up, h, *, eps: float, interpret: bool = False) -> torch.Tensor:
     """``[B, I]``: ``silu(g * rstd(h)) * (u * rstd(h))`` of ``gate_up = [g | u]`` (module docstring)."""
-    if unsupported_reason((gate_up, h), interpret=interpret) is not None:
+    if unsupported_reason(gate_up, h, interpret) is not None:
         return silu_mul_rms_reference(gate_up, h, eps=eps)
     return launch_or_fall_back(
         _FAILED, str(gate_up.device), "RMS-scaled SiLU-mul kernel", f"the PyTorch path runs instead on {gate_up.device}",
         lambda: _launch_silu(gate_up, h, eps), lambda: silu_mul_rms_reference(gate_up, h, eps=eps))
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def silu_block(rows: int, inter: int, sms: int) -> int:
     """Columns per program of ``silu_mul_rms``: the largest power of two (at least 512, at most the row rounded up)
     that still gives each streaming multiprocessor about ``PROGRAMS_PER_SM`` programs."""
     blocks = max(1, -(-PROGRAMS_PER_SM * sms // max(rows, 1)))
-    return max(512, min(_pow2(inter), _pow2(-(-inter // blocks))))
+    return max(512, min(pow2_at_least(inter, 1), pow2_at_least(-(-inter // blocks), 1)))
 
 
-@functools.lru_cache(maxsize=None)
 def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return sm_count(device.index or 0) if device.type == "cuda" else 1
 
 
 def _launch_rotary(qkv, h, bias, cos, sin, key_layer, value_layer, cols, *, eps, heads, kv_heads, head_dim):
@@ -123,8 +121,8 @@ def _launch_rotary(qkv, h, bias, cos, sin, key_layer, value_layer, cols, *, eps,
         qkv, h, bias if bias is not None else qkv, cos2, sin2, q, key_layer, value_layer, cols, float(eps),
         qkv.stride(0), h.stride(0), cos2.stride(0), sin2.stride(0), key_layer.stride(0), key_layer.stride(1),
         key_layer.stride(2), value_layer.stride(0), value_layer.stride(1), value_layer.stride(2),
-        HIDDEN=hidden, BLOCK_H=_pow2(hidden), HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim,
-        BLOCK_HEADS=_pow2(heads + 2 * kv_heads), HAS_BIAS=bias is not None, num_warps=4)
+        HIDDEN=hidden, BLOCK_H=pow2_at_least(hidden, 1), HEADS=heads, KV_HEADS=kv_heads, DIM=head_dim,
+        BLOCK_HEADS=pow2_at_least(heads + 2 * kv_heads, 1), HAS_BIAS=bias is not None, num_warps=4)
     return q
 
 
@@ -137,5 +135,5 @@ def _launch_silu(gate_up, h, eps):
     block = silu_block(batch, inter, _sms(gate_up.device))
     kernels.silu_mul_rms[(batch, -(-inter // block))](
         gate_up, h, out, float(eps), gate_up.stride(0), h.stride(0), out.stride(0), HIDDEN=hidden,
-        BLOCK_H=_pow2(hidden), INTER=inter, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+        BLOCK_H=pow2_at_least(hidden, 1), INTER=inter, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return out

@@ -30,6 +30,13 @@ _FAILED: dict = {}
 def unsupported_reason(qkv: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor, head_dim: int,
                        interpret: bool = False) -> Optional[str]:
     """None when :func:`rotary_write` runs the kernel on these inputs; else why the PyTorch path runs."""
+    return input_problem(qkv, key_layer, value_layer, head_dim, interpret) or _FAILED.get(str(qkv.device))
+
+
+def input_problem(qkv: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor, head_dim: int,
+                  interpret: bool = False) -> Optional[str]:
+    """Why a rotary and cache-write kernel cannot take these inputs (this module's, or
+    :func:`rollout.ops.rms_scaled.rotary_write_rms`), recorded failures aside; None when it can."""
     if available() is not None:
         return available()
     if not interpret and not qkv.is_cuda:
@@ -38,7 +45,7 @@ def unsupported_reason(qkv: torch.Tensor, key_layer: torch.Tensor, value_layer: 
         return f"head dimension {head_dim} is not a power of two >= 16"
     if qkv.dim() != 2 or qkv.stride(1) != 1 or key_layer.stride(3) != 1 or value_layer.stride(3) != 1:
         return "q|k|v rows and the cache's head dimension must be contiguous"
-    return _FAILED.get(str(qkv.device))
+    return None
 
 
 def failure(device: torch.device) -> Optional[str]:
