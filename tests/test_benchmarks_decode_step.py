@@ -53,3 +53,35 @@ def test_the_timed_steps_compute_the_same_logits():
     assert outputs[0].shape == (3, model.config.vocab_size)
     for other in outputs[1:]:
         torch.testing.assert_close(other, outputs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_silu_launches_parse_as_block_and_warps():
+    args = cli.build_parser().parse_args(["--parts", "silu", "--silu-launches", "2048,8", "64,1"])
+    assert args.parts == ["silu"] and args.silu_launches == [(2048, 8), (64, 1)]
+    assert all(len(launch) == 2 for launch in cli.build_parser().parse_args([]).silu_launches)
+
+
+@pytest.mark.parametrize("value", ["2048", "2048,8,2", "48,4", "2048,3", "\u0663\u0662,4", "0,4", "64,"])
+def test_a_bad_silu_launch_is_refused_before_any_work(value, capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--parts", "silu", "--silu-launches", value])
+    assert "--silu-launches: invalid parse_launch value" in capsys.readouterr().err
+
+
+def test_the_silu_table_has_a_row_per_launch_and_checks_each_against_the_reference(monkeypatch):
+    """The table's plumbing on the CPU (the PyTorch path stands in for the kernel, a counter for the graph timer):
+    the default launch, each asked launch, inductor's compiled reference and the unfolded SiLU·mul, each run over
+    every layer's inputs and compared with the reference where the arithmetic is the same."""
+    from benchmarks.decode_step import norms
+
+    runs = []
+    monkeypatch.setattr(norms, "graph_ms", lambda fn, iters: (runs.append(len(fn())), 2.0)[1])
+    rows = norms.silu_variants(4, 64, 96, 3, [(16, 1), (64, 2)], device="cpu")
+    names = [r["variant"].split(":")[0] for r in rows]
+    assert names == ["kernel, default launch (block 512, warps 4)", "kernel, block 16, warps 1",
+                     "kernel, block 64, warps 2", "PyTorch reference, compiled (inductor)",
+                     "unfolded step's SiLU·mul, compiled (no RMS"]
+    assert runs == [3] * 5 and all(r["ms"] == 2.0 and r["part"] == "silu_mul_rms x3" for r in rows)
+    gbs = 3 * 4 * (3 * 96 + 64) * 2 / 1e9 / 2.0 * 1e3
+    assert all(f"{gbs:.0f} GB/s" in r["variant"] for r in rows)
+    assert [r["variant"].endswith("max |diff| 0") for r in rows] == [True] * 4 + [False]

@@ -94,6 +94,27 @@ def test_silu_kernel_equals_its_reference_and_the_unfolded_piece(device, rows, i
     torch.testing.assert_close(got.float(), gate_up_silu(h, gain, weight, EPS).float(), **loose)
 
 
+@pytest.mark.parametrize("block,warps", [(16, 1), (64, 2), (256, 4), (1024, 8)])
+def test_every_silu_launch_gives_the_reference(device, block, warps):
+    """A launch other than the default (``--parts silu`` times them): blocks that cut the row into 1 to 7 programs,
+    the last one partly masked, give what the default launch gives."""
+    gen = torch.Generator().manual_seed(block)
+    h = (torch.randn(3, 48, generator=gen) * 3).to(device)
+    product = (torch.randn(3, 200, generator=gen) * 20).to(device)
+    got = rs.silu_mul_rms(product, h, eps=EPS, interpret=True, block=block, warps=warps)
+    torch.testing.assert_close(got, rs.silu_mul_rms_reference(product, h, eps=EPS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, rs.silu_mul_rms(product, h, eps=EPS, interpret=True), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("launch,field", [(dict(block=48), "block"), (dict(block=8), "block"), (dict(block=True), "block"),
+                                          (dict(block=64.0), "block"), (dict(warps=3), "warps"), (dict(warps=64), "warps"),
+                                          (dict(warps=0), "warps")])
+def test_a_silu_launch_the_kernel_cannot_take_is_refused_by_name(launch, field):
+    product, h = torch.randn(2, 8), torch.randn(2, 4)
+    with pytest.raises(ValueError, match=f"^{field}: must be None or a power of two"):
+        rs.silu_mul_rms(product, h, eps=EPS, **launch)
+
+
 def test_silu_blocks_fill_the_device():
     assert rs.silu_block(256, 11008, 132) == 4096  # 3 programs a row, 768 in all
     assert rs.silu_block(8, 11008, 132) == 512  # the smallest block: 22 a row

@@ -1,5 +1,5 @@
 """Where a wide decode step's time goes (3B shape, bf16, CUDA): attention variants, the sampler, whole steps, the
-GEMMs and the skinny kernel, the packed prefill (``python -m benchmarks.decode_step``; was
+GEMMs and the skinny kernel, the folded norms' SiLU·mul kernel, the packed prefill (``python -m benchmarks.decode_step``; was
 ``scripts/profile_decode_step.py``).
 
 Each variant is captured in a CUDA graph and replayed (no launch gaps), median of its replays timed with CUDA events
@@ -13,7 +13,9 @@ batched-GEMM attention). One table; ``--json`` writes the result file.
   python -m benchmarks.decode_step --parts step --blas cublas cublaslt  # the BLAS A/B
   python -m benchmarks.decode_step --parts shared --rows 128 --live 1024
   python -m benchmarks.decode_step --parts skinny --rows 8 32 --kernels
+  python -m benchmarks.decode_step --parts silu --rows 64 256 --silu-launches 2048,8 4096,8
 
 Modules: ``attention`` (attention, shared-prefix and sampler pieces), ``step`` (whole steps from ``KernelConfig``,
-BLAS, the step's kernels, one profiled call), ``kernels`` (GEMMs, the skinny kernel, the prefill), ``cli``.
+BLAS, the step's kernels, one profiled call), ``kernels`` (GEMMs, the skinny kernel, the prefill), ``norms`` (the
+SiLU·mul kernel's launches), ``cli``.
 """

@@ -12,6 +12,7 @@ import torch
 from benchmarks.decode_step.attention import Geometry, SharedWindow, attention_variants, sampler_variants, \
     shared_prefix_variants
 from benchmarks.decode_step.kernels import gemm_variants, prefill_variants, skinny_variants
+from benchmarks.decode_step.norms import parse_launch, silu_variants
 from benchmarks.decode_step.step import ROUTE_AB, StepVariant, blas_ab, blas_backend, profile_call, \
     step_kernels, step_variant_list, time_steps
 from benchmarks.harness import results
@@ -20,7 +21,7 @@ from benchmarks.harness.table import fmt, markdown_table
 from rollout.config import BLAS_LIBRARIES, KernelConfig
 from rollout.testing import shaped_model
 
-PARTS = ("attention", "sampler", "step", "skinny", "prefill", "shared")
+PARTS = ("attention", "sampler", "step", "skinny", "prefill", "shared", "silu")
 #: ``--kernel-variant``: the step whose kernels ``--kernels`` lists.
 KERNEL_VARIANTS = {"default": KernelConfig(), "no-skinny": KernelConfig(skinny_rows=0),
                    "residual-copied": KernelConfig(residual_in_place=False), "norms-unfolded": KernelConfig(fold_norms=False)}
@@ -67,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--parts skinny: launch shapes block_n,block_k,warps,stages, or "
                              "block_m,block_n,block_k,warps,stages with the rows in tiles of block_m "
                              "(wide batches: --rows 128 256)")
+    parser.add_argument("--silu-launches", type=parse_launch, nargs="+",
+                        default=[(512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 4), (4096, 8),
+                                 (4096, 16), (8192, 8), (8192, 16)],
+                        help="--parts silu: launches block,warps of the folded norms' SiLU·mul kernel besides its "
+                             "default (block: columns per program, a power of two >= 16; warps: a power of two <= 32)")
     parser.add_argument("--kernel-variant", choices=sorted(KERNEL_VARIANTS), default="default",
                         help="--kernels: list the kernels of the routes' default step, or of it without the skinny "
                              "o projection, or with the residual copied before o and down are added "
@@ -107,6 +113,8 @@ def rows_of_count(model, rows: int, args) -> list[dict]:
         launches = [tuple(int(v) for v in launch.split(",")) for launch in args.skinny_launches]
         out += skinny_variants(rows, cfg.hidden_size, cfg.intermediate_size,
                                (geo.heads + 2 * geo.kv_heads) * geo.head_dim, geo.layers, launches)
+    if "silu" in args.parts:
+        out += silu_variants(rows, cfg.hidden_size, cfg.intermediate_size, geo.layers, args.silu_launches)
     if "prefill" in args.parts:
         out += prefill_variants(model, rows, args.prefill_lengths, args.prefill_graph_tokens)
     if "step" in args.parts and args.blas:

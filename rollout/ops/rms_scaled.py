@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from rollout.checks import pow2_at_least
+from rollout.checks import is_int, pow2_at_least, require
 from rollout.ops.decode_attention import available, sm_count
 from rollout.ops.fallback import launch_or_fall_back
 from rollout.ops.rotary_write import input_problem, rotate_and_write
@@ -91,13 +91,26 @@ def rotary_write_rms(qkv, h, bias, cos, sin, key_layer, value_layer, cols, *, ep
         lambda: rotary_write_rms_reference(*args, **shape))
 
 
-def silu_mul_rms(gate_up, h, *, eps: float, interpret: bool = False) -> torch.Tensor:
-    """``[B, I]``: ``silu(g * rstd(h)) * (u * rstd(h))`` of ``gate_up = [g | u]`` (module docstring)."""
+def silu_mul_rms(gate_up, h, *, eps: float, interpret: bool = False, block: Optional[int] = None,
+                 warps: Optional[int] = None) -> torch.Tensor:
+    """``[B, I]``: ``silu(g * rstd(h)) * (u * rstd(h))`` of ``gate_up = [g | u]`` (module docstring). ``block``,
+    ``warps``: the kernel's launch (columns per program, a power of two >= 16, and warps per program, a power of two
+    <= 32); by default :func:`silu_block` and :func:`silu_warps` (``python -m benchmarks.decode_step --parts silu``
+    times others)."""
+    check_silu_launch(block, warps)
     if unsupported_reason(gate_up, h, interpret) is not None:
         return silu_mul_rms_reference(gate_up, h, eps=eps)
     return launch_or_fall_back(
         _FAILED, str(gate_up.device), "RMS-scaled SiLU-mul kernel", f"the PyTorch path runs instead on {gate_up.device}",
-        lambda: _launch_silu(gate_up, h, eps), lambda: silu_mul_rms_reference(gate_up, h, eps=eps))
+        lambda: _launch_silu(gate_up, h, eps, block, warps), lambda: silu_mul_rms_reference(gate_up, h, eps=eps))
+
+
+def check_silu_launch(block: Optional[int], warps: Optional[int]) -> None:
+    """``ValueError`` naming ``block`` or ``warps`` unless each is None or a launch :func:`silu_mul_rms` takes."""
+    require(block is None or (is_int(block) and block >= 16 and block == pow2_at_least(block, 1)), "block",
+            f"must be None or a power of two >= 16; got {block!r}")
+    require(warps is None or (is_int(warps) and 1 <= warps <= 32 and warps == pow2_at_least(warps, 1)), "warps",
+            f"must be None or a power of two in [1, 32]; got {warps!r}")
 
 
 def silu_block(rows: int, inter: int, sms: int) -> int:
@@ -105,6 +118,11 @@ def silu_block(rows: int, inter: int, sms: int) -> int:
     that still gives each streaming multiprocessor about ``PROGRAMS_PER_SM`` programs."""
     blocks = max(1, -(-PROGRAMS_PER_SM * sms // max(rows, 1)))
     return max(512, min(pow2_at_least(inter, 1), pow2_at_least(-(-inter // blocks), 1)))
+
+
+def silu_warps(block: int) -> int:
+    """Warps per program of ``silu_mul_rms`` for ``block`` columns."""
+    return 4 if block <= 1024 else 8
 
 
 def _sms(device: torch.device) -> int:
@@ -126,14 +144,14 @@ def _launch_rotary(qkv, h, bias, cos, sin, key_layer, value_layer, cols, *, eps,
     return q
 
 
-def _launch_silu(gate_up, h, eps):
+def _launch_silu(gate_up, h, eps, block=None, warps=None):
     from rollout.ops import rms_scaled_kernel as kernels
 
     batch, hidden = h.shape
     inter = gate_up.shape[1] // 2
     out = torch.empty(batch, inter, dtype=gate_up.dtype, device=gate_up.device)
-    block = silu_block(batch, inter, _sms(gate_up.device))
+    block = int(block) if block else silu_block(batch, inter, _sms(gate_up.device))
     kernels.silu_mul_rms[(batch, -(-inter // block))](
         gate_up, h, out, float(eps), gate_up.stride(0), h.stride(0), out.stride(0), HIDDEN=hidden,
-        BLOCK_H=pow2_at_least(hidden, 1), INTER=inter, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+        BLOCK_H=pow2_at_least(hidden, 1), INTER=inter, BLOCK=block, num_warps=int(warps) if warps else silu_warps(block))
     return out
