@@ -163,7 +163,7 @@ def main(argv=None) -> list[JsdRow]:
     configs = []
     for config in args.configs:
         block, _, warps = config.partition("x")
-        if not (block.isdigit() and warps.isdigit() and int(block) > 0 and int(block) & (int(block) - 1) == 0
+        if not (block.isascii() and block.isdigit() and warps.isascii() and warps.isdigit() and int(block) > 0 and int(block) & (int(block) - 1) == 0
                 and int(warps) in (1, 2, 4, 8, 16, 32)):
             parser.error(f"--configs: expected BLOCKxWARPS, BLOCK a power of two, WARPS 1..32; got {config!r}")
         configs.append((config, int(block), int(warps)))

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from benchmarks.harness import results
+from benchmarks.harness.cli import int_at_least, int_tuple, out_path
 from benchmarks.harness.device import graph_ms
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.table import fmt, markdown_table
@@ -253,21 +254,20 @@ def main(argv=None) -> list[SamplerRow]:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sampler", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[32, 256])
-    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--rows", type=int_at_least(1), nargs="+", default=[32, 256])
+    parser.add_argument("--vocab", type=int_at_least(2), default=151936)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--iters", type=int_at_least(1), default=50)
     parser.add_argument("--old-compiled", action="store_true", help="also torch.compile the previous implementation")
-    parser.add_argument("--kernel-configs", nargs="*", default=[],
+    parser.add_argument("--kernel-configs", type=int_tuple(2, 3, sep="x"), nargs="*", default=[],
                         help="extra BLOCKxWARPS[xARITY] configs of the one-program-per-row kernel, e.g. 2048x8 512x4x8")
-    parser.add_argument("--chunk-configs", nargs="*", default=[],
+    parser.add_argument("--chunk-configs", type=int_tuple(3, 4, 5, sep="x"), nargs="*", default=[],
                         help="extra TOKENSxBLOCKxWARPS[xARITY[xPER_PROGRAM]] configs of the chunked kernels, e.g. "
                              "8192x2048x8x16; a fifth field fixes the chunks per program")
     parser.add_argument("--skip-compiled", action="store_true", help="leave out the compiled search variants")
-    parser.add_argument("--json", help="write the result file here")
+    parser.add_argument("--json", type=out_path, help="write the result file here")
     args = parser.parse_args(argv)
-    configs = [tuple(int(v) for v in c.split("x")) for c in args.kernel_configs]
-    chunk_configs = [tuple(int(v) for v in c.split("x")) for c in args.chunk_configs]
+    configs, chunk_configs = args.kernel_configs, args.chunk_configs
     global _SKIP_COMPILED
     _SKIP_COMPILED = args.skip_compiled
     if not torch.cuda.is_available():

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from benchmarks.harness import results
+from benchmarks.harness.cli import finite_number, int_at_least, out_path
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.rounds import Rounds, run_rounds
 from benchmarks.harness.table import markdown_table
@@ -72,15 +73,14 @@ def run_cases(cases: dict[str, list[list[str]]], repeats: int) -> list[SummaryRo
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks.trace_summary", description=__doc__.splitlines()[0])
-    p.add_argument("--size-mb", type=float, default=1024, help="uncompressed size of the whole set")
-    p.add_argument("--num-ranks", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--size-mb", type=finite_number(0.0, above=True), default=1024,
+                   help="uncompressed size of the whole set")
+    p.add_argument("--num-ranks", type=int_at_least(1), default=2)
+    p.add_argument("--repeats", type=int_at_least(1), default=1)
     p.add_argument("--workdir", default=None, help="where the traces go (default: a temp dir)")
     p.add_argument("--skip-json-load", action="store_true")
-    p.add_argument("--json", help="write the result file here")
+    p.add_argument("--json", type=out_path, help="write the result file here")
     args = p.parse_args(argv)
-    if args.size_mb <= 0 or args.num_ranks < 1 or args.repeats < 1:
-        p.error("--size-mb must be > 0, --num-ranks and --repeats >= 1")
     workdir = args.workdir or tempfile.mkdtemp(prefix="opsd_bench_")
     os.makedirs(workdir, exist_ok=True)
     paths = []

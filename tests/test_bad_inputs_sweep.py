@@ -444,6 +444,15 @@ BENCHMARK_FLAGS = [  # module, the work it would start, argv, the message
     ("keep_cache", "load_model", ["--device", "cuda:99"], "argument --device: 'cuda:99': this machine has"),
     ("postprocess", "measure", ["--device", "xpu"], "argument --device: must be cpu or cuda[:N]; got 'xpu'"),
     ("postprocess", "measure", ["--repeats", "0"], "argument --repeats: must be an int >= 1"),
+    ("jsd", "measure_rates", ["--configs", "\u0668x4"], "--configs: expected BLOCKxWARPS"),  # int() read 8
+    ("sampler", "bench_case", ["--rows", "0"], "argument --rows: must be an int >= 1"),
+    ("sampler", "bench_case", ["--iters", "1_0"], "argument --iters: must be an int >= 1"),
+    ("sampler", "bench_case", ["--kernel-configs", "2048x8x2x1"], "argument --kernel-configs: must be 2 or 3 'x'-separated"),
+    ("sampler", "bench_case", ["--chunk-configs", "8192x2048"], "argument --chunk-configs: must be 3 or 4 or 5 'x'-sep"),
+    ("sampler", "bench_case", ["--json", ""], "argument --json: '' is empty; give a file path"),
+    ("trace_summary", "write_synthetic_trace", ["--num-ranks", "\u0663"], "argument --num-ranks: must be an int >= 1"),
+    ("trace_summary", "write_synthetic_trace", ["--size-mb", "nan"], "argument --size-mb: must be a finite number > 0"),
+    ("trace_summary", "write_synthetic_trace", ["--json", ""], "argument --json: '' is empty; give a file path"),
 ]
 
 
@@ -458,8 +467,12 @@ def test_benchmark_flags_are_refused_before_any_work(module, work, argv, message
 
 
 def test_the_shared_types_accept_good_values():
-    from benchmarks.harness.cli import finite_number, int_in, names_among, out_path
+    from benchmarks.harness.cli import finite_number, int_in, int_tuple, names_among, out_path
     assert finite_number(0.0, above=True)("1e-3") == 1e-3 and int_in(1, 65535)("29610") == 29610
+    assert int_tuple(2)("256, 384") == (256, 384) and int_tuple(4, 5, minimum=0)("0,64,64,4,4") == (0, 64, 64, 4, 4)
+    for text in ("256", "256,384,1", "256,0", "256,\u0663", "256,1_0"):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be 2 comma-separated ints >= 1"):
+            int_tuple(2)(text)
     assert names_among({"a": 1, "b": 2})(" a, b ") == ("a", "b") and out_path("x.json") == "x.json"
     with pytest.raises(argparse.ArgumentTypeError):
         finite_number(0.0, above=True)("0")

@@ -2,6 +2,7 @@
 ``KernelConfig()``, an A/B flips one setting), and the steps it times compute what the routes' step computes."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -61,11 +62,39 @@ def test_silu_launches_parse_as_block_and_warps():
     assert all(len(launch) == 2 for launch in cli.build_parser().parse_args([]).silu_launches)
 
 
-@pytest.mark.parametrize("value", ["2048", "2048,8,2", "48,4", "2048,3", "\u0663\u0662,4", "0,4", "64,"])
-def test_a_bad_silu_launch_is_refused_before_any_work(value, capsys):
+@pytest.mark.parametrize("value,reason", [
+    ("2048", "must be 2 comma-separated ints >= 1"), ("2048,8,2", "must be 2 comma-separated ints >= 1"),
+    ("\u0663\u0662,4", "must be 2 comma-separated ints >= 1"), ("0,4", "must be 2 comma-separated ints >= 1"),
+    ("64,", "must be 2 comma-separated ints >= 1"), ("48,4", "block: must be None or a power of two >= 16"),
+    ("2048,3", "warps: must be None or a power of two in \\[1, 32\\]")])
+def test_a_bad_silu_launch_is_refused_by_name_before_any_work(value, reason, capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["--parts", "silu", "--silu-launches", value])
-    assert "--silu-launches: invalid parse_launch value" in capsys.readouterr().err
+    assert re.search(f"argument --silu-launches: {reason}.*got '{value}'", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--rows", "0"], "--rows"), (["--rows", "\u0663"], "--rows"), (["--live", "-1"], "--live"),
+    (["--samples", "0"], "--samples"), (["--prefill-lengths", "1_6"], "--prefill-lengths"),
+    (["--prefill-graph-tokens", "0"], "--prefill-graph-tokens"), (["--shared-windows", "256"], "--shared-windows"),
+    (["--skinny-launches", "16,256,4"], "--skinny-launches"), (["--skinny-launches", "16,0,4,4"], "--skinny-launches"),
+    (["--json", ""], "--json")])
+def test_the_benchmarks_flags_are_checked_before_the_model_is_built(argv, flag, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "shaped_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_a_shared_window_outside_the_live_columns_is_refused_before_the_model_is_built(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "shaped_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(SystemExit):
+        cli.main(["--parts", "shared", "--live", "512", "--shared-windows", "256,384", "300,300", "256,600"])
+    assert "--shared-windows: each prefix,filled needs prefix < filled <= --live 512; got 300,300 256,600" in \
+        capsys.readouterr().err
+    args = cli.build_parser().parse_args(["--skinny-launches", "0,64,64,4,4", "16,256,4,4"])
+    assert args.skinny_launches == [(0, 64, 64, 4, 4), (16, 256, 4, 4)] and cli.window_problem(args) is None
+    assert all(len(launch) in (4, 5) for launch in cli.build_parser().parse_args([]).skinny_launches)
 
 
 def test_the_silu_table_has_a_row_per_launch_and_checks_each_against_the_reference(monkeypatch):

@@ -16,6 +16,7 @@ from benchmarks.decode_step.norms import parse_launch, silu_variants
 from benchmarks.decode_step.step import ROUTE_AB, StepVariant, blas_ab, blas_backend, profile_call, \
     step_kernels, step_variant_list, time_steps
 from benchmarks.harness import results
+from benchmarks.harness.cli import int_at_least, int_tuple, out_path
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.table import fmt, markdown_table
 from rollout.config import BLAS_LIBRARIES, KernelConfig
@@ -38,14 +39,30 @@ class StepRow:
     """Attention: GB of keys and values the layers read."""
 
 
+def _skinny_launch(text: str) -> tuple:
+    """An argparse ``type`` for ``--skinny-launches``: 4 ints >= 1, or 5 with a first (block_m) >= 0."""
+    launch = int_tuple(4, 5, minimum=0)(text)
+    if min(launch[-4:]) < 1:
+        raise argparse.ArgumentTypeError(f"block_n, block_k, warps and stages must be >= 1; got {text!r}")
+    return launch
+
+
+def window_problem(args) -> Optional[str]:
+    """Why ``--shared-windows`` cannot be timed at ``--live`` columns (checked before the model is built), or None."""
+    bad = [f"{p},{f}" for p, f in args.shared_windows if not p < f <= args.live]
+    if "shared" in args.parts and bad:
+        return f"--shared-windows: each prefix,filled needs prefix < filled <= --live {args.live}; got {' '.join(bad)}"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from benchmarks import decode_step
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_step", description=decode_step.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[32, 256])
-    parser.add_argument("--live", type=int, default=512)
-    parser.add_argument("--json", help="write the result file here")
+    parser.add_argument("--rows", type=int_at_least(1), nargs="+", default=[32, 256])
+    parser.add_argument("--live", type=int_at_least(1), default=512, help="cached columns each row attends")
+    parser.add_argument("--json", type=out_path, help="write the result file here")
     parser.add_argument("--profile-call", action="store_true", help="also profile one 64x4 x 256+256 sampled call")
     parser.add_argument("--kernels", action="store_true",
                         help="also the kernels of the routes' default step and GEMM variants")
@@ -63,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument("--" + flag.replace("_", "-"), action="store_true",
                             help=f"step: only the routes' default step and the same with kernels.{setting}="
                                  f"{flipped} ({what}), in two rounds")
-    parser.add_argument("--skinny-launches", nargs="+", default=["16,256,4,4", "16,512,4,3", "16,128,4,6", "16,256,2,4",
-                                                                 "32,128,4,4", "32,256,8,3"],
+    parser.add_argument("--skinny-launches", type=_skinny_launch, nargs="+",
+                        default=[(16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (16, 256, 2, 4), (32, 128, 4, 4),
+                                 (32, 256, 8, 3)],
                         help="--parts skinny: launch shapes block_n,block_k,warps,stages, or "
                              "block_m,block_n,block_k,warps,stages with the rows in tiles of block_m "
                              "(wide batches: --rows 128 256)")
@@ -79,17 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "(kernels.residual_in_place=False), or with the norms run apart (kernels.fold_norms=False)")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"], choices=PARTS,
                         help="which tables to time")
-    parser.add_argument("--shared-windows", type=lambda s: tuple(int(v) for v in s.split(",")), nargs="+",
+    parser.add_argument("--shared-windows", type=int_tuple(2), nargs="+",
                         default=[(256, 384), (256, 300), (768, 820)],
                         help="--parts shared: prefix,filled column counts (within --live)")
-    parser.add_argument("--samples", type=int, default=4, help="--parts shared: rows per prompt")
+    parser.add_argument("--samples", type=int_at_least(1), default=4, help="--parts shared: rows per prompt")
     parser.add_argument("--blas", nargs="+", default=[], choices=BLAS_LIBRARIES,
                         help="step: only the routes' default step under each of these BLAS backends "
                              "(torch.backends.cuda.preferred_blas_library), in two rounds; with --kernels the "
                              "GEMM table under each too")
-    parser.add_argument("--prefill-lengths", nargs="+", type=int, default=[16, 64, 256],
+    parser.add_argument("--prefill-lengths", nargs="+", type=int_at_least(1), default=[16, 64, 256],
                         help="--parts prefill: prompt lengths (every row all real tokens)")
-    parser.add_argument("--prefill-graph-tokens", type=int, default=16384,
+    parser.add_argument("--prefill-graph-tokens", type=int_at_least(1), default=16384,
                         help="--parts prefill: RolloutConfig.kernels.prefill_graph_tokens of the graph variant")
     return parser
 
@@ -110,9 +128,8 @@ def rows_of_count(model, rows: int, args) -> list[dict]:
         out += [dict(rows=rows, part="sampler", variant=name, ms=ms)
                 for name, ms in sampler_variants(rows, cfg.vocab_size).items()]
     if "skinny" in args.parts:
-        launches = [tuple(int(v) for v in launch.split(",")) for launch in args.skinny_launches]
         out += skinny_variants(rows, cfg.hidden_size, cfg.intermediate_size,
-                               (geo.heads + 2 * geo.kv_heads) * geo.head_dim, geo.layers, launches)
+                               (geo.heads + 2 * geo.kv_heads) * geo.head_dim, geo.layers, args.skinny_launches)
     if "silu" in args.parts:
         out += silu_variants(rows, cfg.hidden_size, cfg.intermediate_size, geo.layers, args.silu_launches)
     if "prefill" in args.parts:
@@ -134,7 +151,10 @@ def rows_of_count(model, rows: int, args) -> list[dict]:
 
 def main(argv=None) -> list[StepRow]:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if window_problem(args):
+        parser.error(window_problem(args))
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.decode_step needs a CUDA device")
     model = shaped_model("qwen25-3b", dtype=torch.bfloat16, device="cuda")

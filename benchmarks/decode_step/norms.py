@@ -5,9 +5,12 @@ count)."""
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness.cli import int_tuple
 from benchmarks.harness.device import graph_ms
 from rollout.model.step import compile_piece
 from rollout.ops import rms_scaled
@@ -17,13 +20,13 @@ EPS = 1e-6
 
 
 def parse_launch(text: str) -> tuple[int, int]:
-    """``"block,warps"`` of ``--silu-launches``: a power of two >= 16 columns per program and a power of two in
-    [1, 32] warps (argparse reports the ValueError)."""
-    fields = text.split(",")
-    if len(fields) != 2 or not all(f.isascii() and f.isdigit() for f in fields):
-        raise ValueError(f"expected block,warps (two ASCII integers); got {text!r}")
-    block, warps = int(fields[0]), int(fields[1])
-    rms_scaled.check_silu_launch(block, warps)
+    """An argparse ``type`` for ``--silu-launches``: ``"block,warps"``, a launch
+    :func:`rollout.ops.rms_scaled.check_silu_launch` accepts."""
+    block, warps = int_tuple(2)(text)
+    try:
+        rms_scaled.check_silu_launch(block, warps)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; got {text!r}") from None
     return block, warps
 
 

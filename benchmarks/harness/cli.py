@@ -35,6 +35,22 @@ def int_in(minimum: int, maximum: int):
     return parse
 
 
+def int_tuple(*lengths: int, minimum: int = 1, sep: str = ","):
+    """An argparse ``type``: ints >= ``minimum`` in ASCII digits separated by ``sep``, as many as one of ``lengths``,
+    as a tuple (a launch shape, a window: each was read with ``int()`` only when the table using it ran)."""
+    counts = " or ".join(str(n) for n in lengths)
+    words = "comma-separated" if sep == "," else f"{sep!r}-separated"
+
+    def parse(text: str) -> tuple:
+        values = tuple(parse_int_text(v) for v in text.split(sep))
+        if len(values) not in lengths or any(v is None or v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"must be {counts} {words} ints >= {minimum}; got {text!r}")
+        return values
+
+    parse.__name__ = f"{counts} ints"
+    return parse
+
+
 def finite_number(low: float = -math.inf, *, above: bool = False):
     """An argparse ``type``: a finite number >= ``low`` (``above``: > ``low``); ``nan``, ``inf`` are refused (they ran
     a whole benchmark before)."""
