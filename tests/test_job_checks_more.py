@@ -14,7 +14,7 @@ import torch
 
 from rollout import job as job_lib
 from rollout.opsd import ds_config_checks
-from rollout.opsd.console import loss_warning
+from rollout.opsd.console import ProgressBar, loss_warning
 from rollout.opsd.engines import deepspeed_config, model_dtype, teacher_engine_config
 from rollout.opsd.report import write_json
 from scripts import train_opsd
@@ -217,3 +217,19 @@ def test_the_closing_profile_lines_name_the_cause(capsys):
     assert capsys.readouterr().out.splitlines() == [
         "profiling on, but no step was recorded: OPSD_PROFILE_STEPS names steps 5,6,7, and the run stopped at step 1",
         "run directory: /runs/a", "trace (no recorded step in it): /runs/a/rank0.t.json"]
+
+
+def test_the_progress_bar_in_a_log_is_one_line_per_step(capsys):
+    """stderr not a terminal (pytest's capture, a log file): the bar is written once per step done, not again after
+    every stdout line (it was written after each of a step's 3-4 lines)."""
+    bar = ProgressBar(2, enabled=True)
+    for step in range(2):
+        bar.update()
+        for line in ("[k/2] step", "  phases", "  rollout"):
+            bar.write(line)
+    bar.close()
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["[k/2] step", "  phases", "  rollout"] * 2
+    assert err.splitlines() == ["[############............] 1/2", "[########################] 2/2"]
+    ProgressBar(2, enabled=False).write("quiet")
+    assert capsys.readouterr() == ("", "")

@@ -45,11 +45,14 @@ def loss_warning(index: int, loss: float) -> Optional[str]:
 
 
 class ProgressBar:
-    """A one-line progress bar on stderr; :meth:`write` prints a stdout line above it."""
+    """A one-line progress bar on stderr; :meth:`write` prints a stdout line above it. Where stderr is not a terminal
+    (a log file, CI) the bar is a line of its own, written once per step done rather than after every line."""
 
     def __init__(self, total: int, enabled: bool, width: int = 24):
         self.total, self.enabled, self.width, self.done = total, enabled, width, 0
         self.tty = enabled and sys.stderr.isatty()
+        self._logged = None
+        """Without a terminal: the ``done`` count whose bar line was written last."""
         if self.tty:
             self._draw()
 
@@ -65,6 +68,10 @@ class ProgressBar:
         self.done += 1
 
     def _draw(self) -> None:
+        if not self.tty:
+            if self._logged == self.done:
+                return
+            self._logged = self.done
         filled = self.width * self.done // self.total
         bar = f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total}"
         sys.stderr.write(("\r" + bar) if self.tty else bar + "\n")
