@@ -153,7 +153,7 @@ class Rollout:
         ids = request.prompt_ids.to(device, non_blocking=True)
         mask = request.prompt_attention_mask.to(device, non_blocking=True)
         layout = checked_layout(ids, mask, self.model.config.vocab_size, sampling.max_new_tokens,
-                                self.runner.context_limit)
+                                self.runner.context_limit, self.runner.context_source)
         prepared = self.runner.prepare(ids, mask, layout, sampling, self.eos_token_ids,
                                        budgets)  # refuses what cannot fit
         with stage(stages.PLAN):

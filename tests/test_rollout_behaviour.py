@@ -201,9 +201,11 @@ def test_value_errors_name_the_field(qwen):
         ro.generate(RolloutRequest(ids, mask * 2), SamplingConfig(max_new_tokens=2))
     with pytest.raises(ValueError, match="prompt_ids"):
         ro.generate(RolloutRequest(ids + 10_000, mask), SamplingConfig(max_new_tokens=2))
-    with pytest.raises(ValueError, match="max_new_tokens"):  # 4 + 509 > 512 positions: no silent truncation
+    with pytest.raises(ValueError, match=r"^max_new_tokens: .* = 513 exceeds the context limit 512 \(the model's "
+                                         r"max_position_embeddings\)$"):  # 4 + 509 > 512 positions: no silent truncation
         ro.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=509))
-    with pytest.raises(ValueError, match="max_new_tokens"):
+    with pytest.raises(ValueError, match=r"^max_new_tokens: .* = 6 exceeds the context limit 5 "
+                                         r"\(RolloutConfig.max_context\)$"):  # says where the limit was set
         Rollout(qwen, TOK, RolloutConfig(max_context=5)).generate(RolloutRequest(ids, mask),
                                                                   SamplingConfig(max_new_tokens=2))
     with pytest.raises(ValueError, match="sampling"):

@@ -100,6 +100,11 @@ class Runner:
         return self.config.max_context or compat.context_limit(self.model)
 
     @property
+    def context_source(self) -> str:
+        """Where :attr:`context_limit` is read, for the error that cites it."""
+        return "RolloutConfig.max_context" if self.config.max_context else "the model's max_position_embeddings"
+
+    @property
     def cost_model(self):
         """The prefill cost model (``RolloutConfig.routing.cost_model`` resolved once, with this model's geometry)."""
         if self._cost_model is None:
