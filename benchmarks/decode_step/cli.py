@@ -153,8 +153,9 @@ def main(argv=None) -> list[StepRow]:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    if window_problem(args):
-        parser.error(window_problem(args))
+    problem = window_problem(args)
+    if problem:
+        parser.error(problem)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.decode_step needs a CUDA device")
     model = shaped_model("qwen25-3b", dtype=torch.bfloat16, device="cuda")
