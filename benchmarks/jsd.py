@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.harness import results
-from benchmarks.harness.cli import finite_number, int_at_least, out_path
+from benchmarks.harness.cli import finite_number, int_at_least, int_tuple, out_path
 from benchmarks.harness.device import measure_rates, rates_meta
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.models import default_device, device_arg
@@ -162,11 +162,13 @@ def main(argv=None) -> list[JsdRow]:
             parser.error(f"--betas: each must be in [0, 1]; got {beta}")
     configs = []
     for config in args.configs:
-        block, _, warps = config.partition("x")
-        if not (block.isascii() and block.isdigit() and warps.isascii() and warps.isdigit() and int(block) > 0 and int(block) & (int(block) - 1) == 0
-                and int(warps) in (1, 2, 4, 8, 16, 32)):
+        try:
+            block, warps = int_tuple(2, sep="x")(config)  # the shared rules for a command line's ints
+        except argparse.ArgumentTypeError:
+            block = warps = 0
+        if not (block > 0 and block & (block - 1) == 0 and warps in (1, 2, 4, 8, 16, 32)):
             parser.error(f"--configs: expected BLOCKxWARPS, BLOCK a power of two, WARPS 1..32; got {config!r}")
-        configs.append((config, int(block), int(warps)))
+        configs.append((config, block, warps))
     kernels = []
     for spec in args.kernel:
         label, sep, path = spec.partition("=")

@@ -89,10 +89,9 @@ class FastStep:
         rotary_kernel = rotary_kernel_runs(self.kernels, device)
         qkv_folds, gate_up_folds = self._folds(device, rotary_kernel)
         copies = [c for c in (self.fused_qkv, self.fused_gate_up) if c is not None]
-        if self.fused_qkv is not None:  # q, k, v, gate, up become views of these kept buffers
-            weights = self.fused_qkv.refresh(weights, copy="copies" not in done, fold=qkv_folds)
-        if self.fused_gate_up is not None:
-            weights = self.fused_gate_up.refresh(weights, copy="copies" not in done, fold=gate_up_folds)
+        for held, fold in zip((self.fused_qkv, self.fused_gate_up), (qkv_folds, gate_up_folds)):
+            if held is not None:  # q, k, v, gate, up become views of these kept buffers
+                weights = held.refresh(weights, copy="copies" not in done, fold=fold)
         done.add("copies")
         if mirrored and self.mirror is not None:  # the rest through the mirror (the copies' views pass as they are)
             weights = self.mirror.refresh(weights, copy="mirror" not in done,
