@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from typing import Optional
 
 _INT_RE = re.compile(r"\s*[+-]?[0-9]{1,4000}\s*", re.ASCII)  # int() refuses more than 4,300 digits
@@ -21,15 +22,23 @@ def parse_int_text(text: str) -> Optional[int]:
 
 def output_problem(path, *, source: Optional[str] = None, create_folder: bool = False) -> Optional[str]:
     """Why ``path`` cannot be a file this process writes, or None. Refused: a non-string, empty or blank path, a NUL
-    character, a directory (also a name ending in a separator, ``.`` or ``..``), ``source`` itself (the file being
-    read, which the output would overwrite), and a folder that does not exist; with ``create_folder`` (the writer
-    creates missing folders) the nearest existing ancestor must instead be a directory this process may write."""
+    character, a directory (also a name ending in a separator, ``.`` or ``..``), a block device or a socket (a
+    character device or a named pipe is written where it is: ``instrumentation.export.write_atomic``), ``source``
+    itself (the file being read, which the output would overwrite), and a folder that does not exist; with
+    ``create_folder`` (the writer creates missing folders) the nearest existing ancestor must instead be a directory
+    this process may write."""
     if not isinstance(path, str) or not path.strip():
         return "is empty"
     if "\0" in path:
         return "contains a NUL character"
     if os.path.isdir(path):
         return "is a directory"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0
+    if stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
+        return f"is a {'block device' if stat.S_ISBLK(mode) else 'socket'}, not a file"
     name = os.path.basename(path)
     if not name:
         return "ends in a separator (a directory)"

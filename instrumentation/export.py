@@ -24,8 +24,12 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import shutil
+import stat
+import sys
 import time
+from typing import Union
 
 from instrumentation.config import PARTIAL_SUFFIX
 
@@ -74,9 +78,52 @@ def check_trace(path: str) -> None:
         raise ExportError("written trace is not a complete Chrome trace (truncated JSON)")
 
 
+#: This process's descriptors by path: ``/dev/fd/N`` and ``/proc/{self,thread-self,PID}/fd/N``.
+_DESCRIPTOR = re.compile(r"/(?:dev|proc/(self|thread-self|[0-9]+))/fd/([0-9]+)")
+
+
+def written_in_place(path: str) -> Union[int, str, None]:
+    """Where :func:`write_atomic` writes ``path`` in place instead of renaming a new file over it: this process's
+    descriptor (an int) for ``/dev/stdout``, ``/dev/fd/N`` or ``/proc/self/fd/N``, written through the descriptor
+    itself so that the process's later lines come after the report; ``path`` for a character device, a named pipe
+    or another path of ``/proc``; None for a file. A rename there replaced the device node or the link itself (as
+    root, ``/dev/null`` became a plain file for every process of the machine), or the log behind ``/dev/stdout``."""
+    start = path
+    for _ in range(40):  # the kernel's own limit on links in a row
+        match = _DESCRIPTOR.fullmatch(os.path.abspath(path))
+        if match and match.group(1) in (None, "self", "thread-self", str(os.getpid())):
+            return int(match.group(2))
+        folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+        if folder == "/proc" or folder.startswith("/proc/"):
+            return start
+        if not os.path.islink(path):
+            break
+        path = os.path.join(folder, os.readlink(path))
+    try:
+        mode = os.stat(start).st_mode
+    except OSError:
+        return None
+    return start if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode) else None
+
+
 def write_atomic(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` through ``path.tmpPID`` and a rename, so a reader never sees half a file and a
-    failed write (``OSError``, raised) leaves no temporary file behind. The reports' and the trimmed traces' writer."""
+    failed write (``OSError``, raised) leaves no temporary file behind. The reports' and the trimmed traces' writer.
+    A symbolic link keeps pointing where it did: its target is replaced. A stream (:func:`written_in_place`) is
+    written where it is (nothing to rename there)."""
+    stream = written_in_place(path)
+    if isinstance(stream, int):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(stream, view):]
+        return
+    if stream is not None:
+        with open(stream, "ab") as handle:
+            handle.write(data)
+        return
+    path = os.path.realpath(path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as handle:
@@ -125,4 +172,5 @@ def export_trace(prof, run_dir: str, rank: int) -> str:
     return final
 
 
-__all__ = ["ExportError", "TRACE_SUFFIX", "check_trace", "compress", "export_trace", "trace_file_name"]
+__all__ = ["ExportError", "TRACE_SUFFIX", "check_trace", "compress", "export_trace", "trace_file_name", "write_atomic",
+           "written_in_place"]

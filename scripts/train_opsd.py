@@ -73,7 +73,7 @@ from rollout.job import parse_args as parse_job_args
 from rollout.opsd.console import ProgressBar, banner_line, loss_warning, summary_line
 from rollout.opsd.engines import init_distributed
 from rollout.opsd.job import JobConfig
-from rollout.opsd.report import PeakMemory, StepFlops, gather_rank_reports, rank_report, run_report, write_json
+from rollout.opsd.report import PeakMemory, StepFlops, gather_rank_reports, rank_report, run_report, save_report
 from rollout.real_model import decode_responses
 
 #: The ``--local_rank`` value a launcher passed (the deepspeed launcher does), None when none was.
@@ -187,7 +187,7 @@ def export_peak_rates(job: JobConfig, environ=os.environ) -> None:
             environ[var] = repr(float(value))
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     job, opsd_config = parse_args(argv)
     export_peak_rates(job)
     try:  # every OPSD_* variable, a run name already taken, the flags against the models, the DeepSpeed config and
@@ -210,18 +210,26 @@ def main(argv=None) -> None:
         print(summary_line(results))
     if rank == 0 or prof.selected:
         print_profile(prof)
+    status = 0  # 1: the report went elsewhere than --json-out (said on stderr)
     if job.json_out is not None:
         per_rank = gather_rank_reports(rank_report(results, memory, prof, rank=rank, device=device, build_s=build_s,
                                                    local_rank_arg=local_rank_arg))
         if rank == 0:
-            write_json(job.json_out, run_report(job, opsd_config, step, per_rank, local_rank_arg=local_rank_arg))
-            print(f"report: {job.json_out}")
+            where, why = save_report(job.json_out, run_report(job, opsd_config, step, per_rank,
+                                                              local_rank_arg=local_rank_arg))
+            if why is None:
+                print(f"report: {where}")
+            else:
+                print(f"error: --json-out {job.json_out}: cannot write ({why}); the report is in {where}",
+                      file=sys.stderr)
+                status = 1
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    return status
 
 
 if __name__ == "__main__":
-    main()
+    status = main()
     # Everything is written, flushed and the process group destroyed: leave without interpreter
     # finalization. DeepSpeed keeps references to communication objects whose C++ destructors, run
     # during finalization, can take the GIL from a communication thread and abort the process
@@ -232,4 +240,4 @@ if __name__ == "__main__":
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)

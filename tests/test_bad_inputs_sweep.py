@@ -530,3 +530,115 @@ def test_an_empty_batch_on_one_rank_is_refused_by_every_rank():
         check_figures([EMPTY_FIGURES, RankFigures(5, 1, 1, 2, 40)], 512)
     with pytest.raises(ValueError, match=r"^batch: has no rows \(nothing to distil on\)"):
         check_figures([EMPTY_FIGURES], 512)
+
+
+# ---- outputs that are not plain files (stop 48) ---------------------------------------------------------------------
+
+def test_a_named_pipe_is_written_where_it_is(tmp_path):
+    """``--json-out /dev/null`` (or ``/dev/full``) renamed a file over the device node: as root, /dev/null became a plain
+    file holding the report, for every process of the machine. A named pipe in a test folder shows the same rename."""
+    import os
+    import stat
+    import threading
+
+    from instrumentation.export import write_atomic, written_in_place
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    write_atomic(str(fifo), b'{"a": 1}\n')
+    reader.join(timeout=30)
+    assert got == [b'{"a": 1}\n'] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert written_in_place("/dev/null") == "/dev/null" and written_in_place(str(tmp_path / "run.json")) is None
+    assert written_in_place("/dev/stdout") == 1 and written_in_place("/dev/fd/2") == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+def test_a_descriptor_path_writes_through_the_descriptor_instead_of_replacing_its_file(tmp_path):
+    """``--json-out /dev/stdout`` with stdout redirected to a log: following the links to the log and renaming a new
+    file over it replaced the log (its earlier lines gone, the process's later lines into the unlinked file). The
+    report goes through the descriptor, between the lines written before and after it."""
+    import os
+
+    from instrumentation.export import write_atomic
+
+    log = tmp_path / "log.txt"
+    with open(log, "w") as handle:
+        handle.write("step 0\n")
+        handle.flush()
+        inode = os.stat(log).st_ino
+        write_atomic(f"/proc/self/fd/{handle.fileno()}", b"{}\n")
+        handle.write("done\n")
+    assert os.stat(log).st_ino == inode and log.read_text() == "step 0\n{}\ndone\n"
+
+
+def test_a_symbolic_link_keeps_pointing_at_the_replaced_file(tmp_path):
+    from instrumentation.export import write_atomic
+
+    (tmp_path / "runs").mkdir()
+    target = tmp_path / "runs" / "7.json"
+    target.write_text("old")
+    link = tmp_path / "latest.json"
+    link.symlink_to(target)
+    write_atomic(str(link), b"new")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["7.json"]
+
+
+def test_a_socket_is_refused_as_an_output(tmp_path):
+    import socket
+
+    from instrumentation.cli_values import output_problem
+
+    path = tmp_path / "s"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        assert output_problem(str(path)) == "is a socket, not a file"
+    assert output_problem("/dev/null") is None  # written where it is
+
+
+def test_a_report_that_cannot_be_written_goes_to_the_temporary_folder(tmp_path, monkeypatch):
+    """The report of a finished run is not lost to a full disk: it lands in the system's temporary folder, and the
+    main job says where (stderr) and exits 1."""
+    import json
+
+    from rollout.opsd import report
+
+    monkeypatch.setattr(report.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    where, why = report.save_report(str(tmp_path / "file.txt" / "run.json"), {"loss": float("nan"), "steps": 2})
+    assert why and where.startswith(str(tmp_path / "tmp" / "opsd-report-")) and where.endswith(".json")
+    assert json.loads(Path(where).read_text()) == {"loss": None, "steps": 2}
+    assert report.save_report(str(tmp_path / "run.json"), {"steps": 2}) == (str(tmp_path / "run.json"), None)
+
+
+def test_the_main_job_says_where_its_report_went_and_exits_1(tmp_path):
+    """The whole job, its own process, with a disk that is full when the report is written."""
+    import json
+    import os
+    import subprocess
+
+    wanted = str(tmp_path / "run.json")
+    run = f"""
+import errno, os, runpy, sys
+from rollout.opsd import report
+real = report.write_json
+def full_disk(path, doc):
+    if path == {wanted!r}:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    real(path, doc)
+report.write_json = full_disk
+sys.argv = ["train_opsd.py", "--steps", "1", "--print-every", "0", "--json-out", {wanted!r}]
+runpy.run_path({str(ROOT / "scripts" / "train_opsd.py")!r}, run_name="__main__")
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), OPSD_PROFILE="0", TMPDIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    line = [text for text in proc.stderr.splitlines() if text.startswith("error: --json-out")]
+    assert proc.returncode == 1 and len(line) == 1, proc.stderr[-3000:]
+    assert "cannot write (No space left on device); the report is in " + str(tmp_path / "opsd-report-") in line[0]
+    saved = line[0].rsplit(" ", 1)[1]
+    assert json.loads(Path(saved).read_text())["ranks"][0]["losses"] and not os.path.exists(wanted)

@@ -1,5 +1,6 @@
 """The main job's figures (``scripts/train_opsd.py``): each step's MFU, the peak memory, and the JSON report
-of every rank (:func:`rank_report`, :func:`gather_rank_reports`, :func:`run_report`, :func:`write_json`).
+of every rank (:func:`rank_report`, :func:`gather_rank_reports`, :func:`run_report`, :func:`write_json`,
+:func:`save_report`).
 """
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ import dataclasses
 import json
 import os
 import statistics
-from typing import Optional
+import sys
+import tempfile
+from typing import Optional, Tuple
 
 import torch
 
@@ -217,3 +220,24 @@ def write_json(path: str, doc: dict) -> None:
     never sees half a file; a failed write leaves no ``*.tmpPID`` file)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_atomic(path, (json.dumps(finite_json(doc), indent=2, allow_nan=False) + "\n").encode("utf-8"))
+
+
+def save_report(path: str, doc: dict) -> Tuple[str, Optional[str]]:
+    """Write the run's report to ``path`` (:func:`write_json`). When that fails at the end of the run (a full disk, a
+    folder removed meanwhile, ``/dev/full``), the report goes to a new ``opsd-report-*.json`` file of the system's
+    temporary folder instead, and if that fails too, to stderr: the run's figures are not lost. Returns (where the
+    report is, why ``path`` could not take it; None when it did)."""
+    try:
+        write_json(path, doc)
+        return path, None
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    try:
+        handle, fallback = tempfile.mkstemp(prefix="opsd-report-", suffix=".json")
+        os.close(handle)
+        write_json(fallback, doc)
+        return fallback, why
+    except OSError:
+        sys.stderr.write(json.dumps(finite_json(doc), indent=2, allow_nan=False) + "\n")
+        sys.stderr.flush()
+        return "stderr (above)", why
