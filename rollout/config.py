@@ -56,8 +56,9 @@ class SamplingConfig:
     continuous_batch_size: Optional[int] = None
     """Slots for continuous batching (ignored by the ordinary route)."""
     repetition_penalty: float = 1.0
-    """HF semantics (1 disables), in :data:`REPETITION_PENALTY_RANGE` ([1e-6, 1e6]): applied in fp32 over the padded
-    history (prompt incl. padding + response)."""
+    """HF semantics (1 disables), in :data:`REPETITION_PENALTY_RANGE` ([1e-6, 1e6]): applied in fp32 over the history,
+    the prompt from its first real token on (left padding not counted: ``rollout.ops.sampling.prompt_history``) and
+    the response."""
     seed: Optional[int] = None
     """Same inputs + same seed -> same samples, in ``[0, 2**32)``. None uses torch's global RNG."""
     return_logprobs: bool = False

@@ -28,7 +28,11 @@ def llama():
 
 def hf_greedy(model, ids_row: torch.Tensor, mask_row: torch.Tensor, max_new_tokens: int, *, eos=None, pad=0,
               repetition_penalty: float = 1.0) -> list[int]:
-    """Response tokens of HF ``generate`` on one prompt alone (its own padding kept), greedy, fp32."""
+    """Response tokens of HF ``generate`` on one prompt alone, greedy, fp32. The row's left padding is cut (a prompt
+    alone has none; a masked hole after its first token stays): transformers 5.17 counts a left-padded row's pad ids in
+    the repetition history where 5.24 does not, and without padding both give the prompt's own tokens."""
+    first = int(mask_row.nonzero()[0])
+    ids_row, mask_row = ids_row[first:], mask_row[first:]
     out = model.generate(ids_row[None], attention_mask=mask_row[None], max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=pad, eos_token_id=eos,
                          repetition_penalty=repetition_penalty, temperature=None, top_p=None, top_k=None)

@@ -6,7 +6,7 @@ import torch
 
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
 from rollout.ops.masks import prompt_positions
-from rollout.ops.sampling import sampled_logprobs
+from rollout.ops.sampling import prompt_history, sampled_logprobs
 from rollout.request import FINISH_BUDGET, FINISH_EOS
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
 
@@ -34,7 +34,8 @@ def _direct_logprobs(model, batch, sampling, row: int) -> torch.Tensor:
     width = int(mask[0, start:].sum())
     out = []
     for k in range(width):
-        history = ids[:, :start + k]  # the padded prompt and the response so far (HF semantics)
+        # the prompt from its first real token on and the response so far (HF semantics)
+        history = torch.cat([prompt_history(ids[:, :start], mask[:, :start]), ids[:, start:start + k]], dim=1)
         seen = torch.zeros((1, model.config.vocab_size), dtype=torch.bool).scatter_(1, history, True)
         out.append(sampled_logprobs(logits[start + k - 1:start + k], sampling, seen, ids[0, start + k:start + k + 1]))
     return torch.cat(out)

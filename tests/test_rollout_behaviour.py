@@ -23,6 +23,23 @@ def test_repetition_penalty_matches_hf_on_the_padded_batch(qwen):
     assert not torch.equal(plain.input_ids, batch.input_ids), "the penalty must change something here"
 
 
+@pytest.mark.parametrize("route", ["ordinary", "continuous"])
+def test_repetition_penalty_does_not_count_the_left_padding(qwen, route):
+    """A row's tokens do not depend on how much left padding its batch gave it. The history counted the pad ids, so
+    this one-token prompt (the model's greedy choice at step 4 is the pad id 0, HF 5.24's answer) came out
+    [14, 169, 183, 386]: 0 was penalised because the row was padded."""
+    from tests.conftest import hf_greedy, response_of
+
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.0, repetition_penalty=1.3)
+    alone = torch.tensor([[292]]), torch.tensor([[1]])
+    padded = torch.tensor([[0] * 7 + [292], [5, 6, 7, 8, 9, 10, 11, 12]]), torch.tensor([[0] * 7 + [1], [1] * 8])
+    rows = [Rollout(qwen, TOK, RolloutConfig(route=route)).generate(RolloutRequest(*request), sampling)
+            for request in (alone, padded)]
+    assert response_of(rows[0], 0) == response_of(rows[1], 0) == [14, 169, 183, 0]
+    assert response_of(rows[0], 0) == hf_greedy(qwen, alone[0][0], alone[1][0], 4, repetition_penalty=1.3)
+    assert response_of(rows[1], 1) == hf_greedy(qwen, padded[0][1], padded[1][1], 4, repetition_penalty=1.3)
+
+
 @pytest.mark.parametrize("sampling", [
     dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.8),
     dict(temperature=0.9, top_k=50, top_p=0.9, repetition_penalty=1.2),

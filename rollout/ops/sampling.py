@@ -55,6 +55,17 @@ def uniform_noise(seed: torch.Tensor, rows: torch.Tensor, step: torch.Tensor, vo
     return (bits.float() + 0.5) * (1.0 / 4294967296.0)
 
 
+def prompt_history(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The prompt ids ``[N, T_p]`` (int64) a row's repetition history starts from, as HF ``generate`` counts them
+    (transformers 5.24): every position from the row's first real token on (a masked hole after it counts, as there),
+    not the left padding before it; those positions repeat the row's first real token, counted anyway. Counting the
+    padding (as transformers 5.17 does) penalised the pad id in the rows that had padding only, so a row's tokens
+    depended on the other prompts of its batch."""
+    first = (mask != 0).int().argmax(dim=1, keepdim=True)  # [N, 1]
+    lead = torch.arange(ids.shape[1], device=ids.device)[None, :] < first
+    return torch.where(lead, ids.gather(1, first), ids).long()
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """HF semantics: for every token id present in the history (``seen [B, V]`` bool), divide a
     positive logit by ``penalty`` and multiply a negative one by it."""

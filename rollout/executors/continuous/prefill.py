@@ -5,8 +5,8 @@ A pass is one bucket through the HF layers; with the packed prefill (``ctx.fast_
 whole admission wave, whose buckets then only group attention and the KV copies (planned on
 ``CostModel.packed(copy_kv=True, ...)``). Shared prefill: a prompt with ``n`` samples is one row of its
 bucket; its keys/values are copied into its ``n`` slots and its logits repeated, so each sample selects
-its own first token. Repetition penalty: each slot's ``seen`` starts from the request's original padded
-prompt row (pad tokens included, as the ordinary route and HF ``generate`` on that row do).
+its own first token. Repetition penalty: each slot's ``seen`` starts from the request's prompt row from its first
+real token on (``rollout.ops.sampling.prompt_history``, as the ordinary route and HF ``generate`` count it).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from instrumentation import stages
 from rollout.executors.continuous.state import RunState, emit, extent, row_data
 from rollout.model import hf
 from rollout.model.prefill import prefill_logits
+from rollout.ops.sampling import prompt_history
 from rollout.plan.layout import RowSpans
 from rollout.plan.planner import plan_prefill_buckets
 
@@ -102,11 +103,12 @@ def _pass_logits(run: RunState, scratch, ids, mask, admissions, plan) -> torch.T
 
 
 def _reset_seen(run: RunState, dst: torch.Tensor, row_prompt: torch.Tensor) -> None:
-    """The admitted slots' repetition history: the original padded prompt row, pad tokens included."""
+    """The admitted slots' repetition history: their prompt rows from the first real token on (``prompt_history``)."""
     if run.seen is None:
         return
     fresh = torch.zeros((dst.shape[0], run.seen.shape[1]), dtype=torch.bool, device=run.seen.device)
-    fresh.scatter_(1, run.prompt_ids.index_select(0, row_prompt).long(), True)
+    fresh.scatter_(1, prompt_history(run.prompt_ids.index_select(0, row_prompt),
+                                     run.prompt_mask.index_select(0, row_prompt)), True)
     run.seen.index_copy_(0, dst, fresh)
 
 

@@ -25,7 +25,7 @@ from rollout.model import compat, hf
 from rollout.model.prefill import prefill_logits
 from rollout.ops import masks
 from rollout.ops.host import LaggedReads
-from rollout.ops.sampling import draw_seed
+from rollout.ops.sampling import draw_seed, prompt_history
 from rollout.plan.buckets import batch_bucket
 from rollout.stats import CallStats
 
@@ -80,7 +80,7 @@ def init_state(ctx: CallContext, ids, mask, capacity: int, buffers: Optional[Dec
             valid=masks.key_validity(mask, capacity), next_pos=mask.long().sum(dim=1),
             generated=torch.zeros((num_rows, sampling.max_new_tokens), dtype=torch.long, device=device),
             finished=torch.zeros(num_rows, dtype=torch.bool, device=device),
-            # seen: [N, V] — the padded history, padding included (HF semantics)
+            # seen: [N, V] — the history from each row's first real prompt token on (sampling.prompt_history)
             seen=torch.zeros((num_rows, ctx.vocab_size), dtype=torch.bool, device=device) if use_seen else None,
             seed=torch.full((), draw_seed(sampling), dtype=torch.long, device=device), rows=sample_ids,
             logprobs=torch.zeros((num_rows, sampling.max_new_tokens), device=device) if ctx.with_logprobs else None)
@@ -92,7 +92,7 @@ def init_state(ctx: CallContext, ids, mask, capacity: int, buffers: Optional[Dec
                             seen=buffers.seen[:num_rows] if use_seen else None, seed=buffers.seed,
                             rows=buffers.rows[:num_rows], logprobs=buffers.logprobs if ctx.with_logprobs else None)
     if state.seen is not None:
-        state.seen.scatter_(1, ids.long(), True)
+        state.seen.scatter_(1, prompt_history(ids, mask), True)
     state.mask_dtype = compat.mask_dtype(ctx.model)
     return state
 
