@@ -217,14 +217,15 @@ def _shared_inputs(ids, samples, prefix_end, last, length=150, heads=4, kv_heads
     ([0, 1, 2, 3, 4], 3, 150, 149),           # the prefix is the whole window
     ([6, 7, 8, 0, 1, 2], 3, 0, 60),           # an empty prefix
 ])
-@pytest.mark.parametrize("splits", [None, 1, 3])
-def test_shared_prefix_equals_sdpa(device, ids, samples, prefix_end, last, splits):
+@pytest.mark.parametrize("splits,prefix_splits", [(None, None), (1, 1), (3, 2)])
+def test_shared_prefix_equals_sdpa(device, ids, samples, prefix_end, last, splits, prefix_splits):
     """Rows holding copies of one prompt read it once (the prefix pass) and then their own columns: SDPA's
-    result for every layout of runs, prefix length and split count (fp32)."""
+    result for every layout of runs, prefix length and split count of each pass (fp32)."""
     q, k, v, keep, shared, last_col = _shared_inputs(ids, samples, prefix_end, last, device=device, seed=len(ids))
     assert da.shares_prefix(shared, 4, 2)
     expected = _sdpa(q, k, v, keep, 4, 2)
-    got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, last=last_col, shared=shared)
+    got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, last=last_col, shared=shared,
+                       prefix_splits=prefix_splits)
     assert da.failure(q.device) is None
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -323,11 +324,11 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
     SamplingConfig(max_new_tokens=8, temperature=0.0, n_samples_per_prompt=3),
     SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=7, n_samples_per_prompt=3),
 ], ids=["greedy", "sampled"])
-def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monkeypatch):
+def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
     """The ordinary route with the kernel reading each prompt's columns once for its samples (every batch
-    bucket, and prompts of any length: ``MIN_SHARED_PROMPT`` lowered to 1), prompts of different lengths and
+    bucket, and prompts of any length: ``kernels.shared_prefix_columns=1``), prompts of different lengths and
     rows ending at different steps (compactions into smaller buckets): the same tokens as the kernel reading
-    every row's copy, and, greedy, HF generate's per request (fp32). At the default ``MIN_SHARED_PROMPT``
+    every row's copy, and, greedy, HF generate's per request (fp32). At the default ``shared_prefix_columns``
     these 9-column prompts are not shared."""
     model, ids, mask, eos = _eos_setup(device, seed=3)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
@@ -336,15 +337,14 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling, monk
         Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), 1, short_calls,
                          attention=da.sdpa)
     short.generate(RolloutRequest(ids, mask), sampling)
-    assert ids.shape[1] < da.MIN_SHARED_PROMPT and short.last_stats.decode.shared_prefix_steps == 0
+    assert ids.shape[1] < KernelConfig().shared_prefix_columns and short.last_stats.decode.shared_prefix_steps == 0
     assert short_calls and not any(short_calls)
-    monkeypatch.setattr("rollout.executors.ordinary.executor.MIN_SHARED_PROMPT", 1)
     outputs, stats = [], []
     for rows in (1, 0):
         calls, lasts = [], []
         ro = _with_kernel(
-            Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), rows, calls,
-                          lasts=lasts)
+            Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(
+                cuda_graphs=False, shared_prefix_columns=1))), rows, calls, lasts=lasts)
         outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
         stats.append(ro.last_stats)
         assert calls and all(calls) == bool(rows) and any(calls) == bool(rows)

@@ -121,6 +121,10 @@ def shared_prefix_variants(rows: int, window: SharedWindow, geo: Geometry) -> li
              (f"last + each prompt once for its {samples} samples (shared)",
               lambda: decode_attention.attention(q, k, v, keep, scale, True, last=last, shared=shared),
               groups * prefix + rows * (window.filled - prefix))]
+    cases += [(f"shared, {n} program(s) a prompt",
+               lambda n=n: decode_attention.attention(q, k, v, keep, scale, True, last=last, shared=shared,
+                                                      prefix_splits=n),
+               groups * prefix + rows * (window.filled - prefix)) for n in (1, 2)]
     reference = cases[0][1]().float()
     part = f"attention x{geo.layers}, prefix {prefix}, filled {window.filled}, bucket {window.live}"
     out = []

@@ -51,14 +51,8 @@ SCAN = 1024
 #: Fewest tiles one split of a key window gets.
 MIN_SPLIT_TILES = 2
 #: Most queries in one tile of the shared-prefix pass (samples x query heads per KV head); beyond it the rows
-#: read their prompt one by one.
+#: read their prompt one by one. When the ordinary route shares: ``RolloutConfig.kernels.shared_prefix_columns``.
 MAX_SHARED_QUERIES = 128
-#: Fewest prompt columns for which the ordinary route shares them (``RolloutConfig.kernels.shared_prefix_rows``). On the
-#: H200 (3B shape, 36 layers, ``python -m benchmarks.decode_step --parts shared``, docs/BENCHMARKS.md) a 768-column
-#: prompt with 4 samples took 1.511 ms instead of 2.063 at 256 rows and 0.939 instead of 1.337 at 128, but a
-#: 256-column one 1.431 instead of 1.233 at 256 rows: short windows are bound by each program's chain of
-#: dependent loads, not by the bytes, and sharing adds a merge.
-MIN_SHARED_PROMPT = 512
 
 
 @dataclass(frozen=True)
@@ -164,19 +158,21 @@ def sm_count(index: int) -> int:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, gqa: bool, *,
               splits: Optional[int] = None, interpret: bool = False, block: int = BLOCK_L, warps: int = WARPS,
               stages: int = STAGES, last: Optional[torch.Tensor] = None,
-              shared: Optional[SharedPrefix] = None) -> torch.Tensor:
+              shared: Optional[SharedPrefix] = None, prefix_splits: Optional[int] = None) -> torch.Tensor:
     """Decode attention ``[B, Hq, 1, D]`` (module docstring); SDPA where the kernel cannot run. ``splits``:
     programs per (row, KV head) (default :func:`split_count`); ``interpret``: allow CPU tensors (tests, under
     ``TRITON_INTERPRET=1``); ``block``, ``warps``, ``stages``: launch parameters (module constants); ``last``:
     the last column any row attends (a scalar tensor; the columns after it are not read); ``shared``: rows
     sharing a prompt read it once (:class:`SharedPrefix`; used where ``samples x Hq / Hkv`` is at most
-    ``MAX_SHARED_QUERIES``)."""
+    ``MAX_SHARED_QUERIES``); ``prefix_splits``: programs per run of rows over its prompt (default
+    :func:`split_count` of the runs)."""
     if unsupported_reason(q, k, v, keep, interpret) is not None:
         return sdpa(q, k, v, keep, scale, gqa)
     key = _key(q, k)
     return launch_or_fall_back(_FAILED, key, "decode attention kernel", f"SDPA runs instead for {key}",
                                lambda: _launch(q, k, v, keep, scale, splits=splits, block=block, warps=warps,
-                                               stages=stages, last=last, shared=shared),
+                                               stages=stages, last=last, shared=shared,
+                                               prefix_splits=prefix_splits),
                                lambda: sdpa(q, k, v, keep, scale, gqa))
 
 
@@ -190,7 +186,8 @@ def shares_prefix(shared: Optional[SharedPrefix], heads: int, kv_heads: int) -> 
     return shared is not None and one_tile(shared.samples, heads, kv_heads)
 
 
-def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, shared=None) -> torch.Tensor:
+def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, shared=None,
+            prefix_splits=None) -> torch.Tensor:
     from rollout.ops import decode_attention_kernel as kernels
 
     rows, heads, _, dim = q.shape
@@ -203,7 +200,9 @@ def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, sh
     splits = max(1, min(int(splits), tiles))
     prefix = shares_prefix(shared, heads, kv_heads)
     # The prompt's shares: its programs that do work are one per run of rows, not one per row.
-    prefix_splits = min(split_count(-(-rows // shared.samples), kv_heads, length, sms, block), tiles) if prefix else 0
+    if prefix_splits is None and prefix:
+        prefix_splits = split_count(-(-rows // shared.samples), kv_heads, length, sms, block)
+    prefix_splits = max(1, min(int(prefix_splits), tiles)) if prefix else 0
     slots = prefix_splits + splits
     out = torch.empty(rows, heads, 1, dim, dtype=q.dtype, device=q.device)
     dim_pad = pow2_at_least(dim, 16)

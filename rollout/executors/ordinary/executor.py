@@ -13,7 +13,6 @@ from rollout.executors.graphs import EAGER, GraphSet, sampling_key
 from rollout.executors.ordinary.buffers import DecodeBuffers, decode_step
 from rollout.executors.ordinary.loop import PromptBatch, StaticDecode, generate_ordinary
 from rollout.executors.ordinary.order import RowOrder
-from rollout.ops.decode_attention import MIN_SHARED_PROMPT
 from rollout.plan.buckets import batch_bucket, length_bucket, length_round
 
 
@@ -48,7 +47,8 @@ class OrdinaryExecutor:
                 self.scratch = ScratchArena.like(cache.shape)
         try:
             # a prompt's samples read its columns once where the prompts are long enough for it to pay
-            sharing = order.num_samples if batch.ids.shape[1] >= MIN_SHARED_PROMPT else 1
+            long_prompts = choice.is_fast and batch.ids.shape[1] >= self.fast_step.kernels.shared_prefix_columns
+            sharing = order.num_samples if long_prompts else 1
             static = self.static_decode(ctx, choice, cache, num_rows, sharing) if choice.is_fast else None
             state = generate_ordinary(ctx, cache, batch, order, static, self.scratch)
         finally:
