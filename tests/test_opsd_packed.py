@@ -29,8 +29,10 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 def ragged_rows():
-    """Three rows: left-padded prompts, right-padded responses; loss masks over the last 5 columns."""
+    """Three rows: left-padded prompts, right-padded responses; loss masks over the last 5 columns. Row 1 holds
+    the pad id 0 as a real token (a sampled response may), before positions of the loss."""
     ids = torch.randint(3, 100, (3, 10), generator=torch.Generator().manual_seed(0))
+    ids[1, 4] = 0
     mask = torch.ones(3, 10, dtype=torch.long)
     mask[0, :3] = 0
     mask[1, 8:] = 0
@@ -109,7 +111,8 @@ def test_fast_teacher_forward_equals_hf_packed_forward(arch):
 def test_fast_student_forward_and_backward_equal_hf_packed(arch):
     """The student's pass through the pieces over its parameters (eager on the CPU), called through the model as
     the step calls it: hidden states and every parameter's gradient equal HF's packed forward, and the decoder's
-    own forward is back after the block."""
+    own forward is back after the block. The pad id's embedding row gets no gradient (HF's ``padding_idx``), though
+    row 1 holds that id as a real token (the pieces gave it one, found by a differential fuzz of the step)."""
     model = tiny_model(arch, seed=0)
     ids, mask, loss_mask = ragged_rows()
     rows = packed.pack(ids, mask, loss_mask)
@@ -130,6 +133,9 @@ def test_fast_student_forward_and_backward_equal_hf_packed(arch):
     assert set(fast_grads) == set(hf_grads) == {n for n, _ in model.named_parameters()} - {"lm_head.weight"}
     for name, grad in hf_grads.items():
         assert (fast_grads[name] - grad).norm() <= 1e-5 * grad.norm() + 1e-9, name
+    pad = model.config.pad_token_id
+    assert model.model.embed_tokens.padding_idx == pad == 0 and bool(((ids == pad) & (mask == 1)).any())
+    assert not fast_grads["model.embed_tokens.weight"][pad].any() and fast_grads["model.embed_tokens.weight"][3:].any()
 
 
 def test_fast_student_declines_what_its_pieces_do_not_compute():

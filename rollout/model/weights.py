@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Collection
+from typing import Collection, Optional
 
 import torch
 
@@ -27,6 +27,9 @@ class DecoderSpec:
     head_dim: int
     rms_eps: float
     attention_scaling: float
+    padding_idx: Optional[int] = None
+    """The embedding's ``padding_idx`` (HF's ``config.pad_token_id``): its row gets no gradient in a training pass,
+    as in HF's ``nn.Embedding``, even where a real token holds that id."""
 
     @property
     def piece_constants(self) -> dict:
@@ -148,7 +151,8 @@ def spec_and_weights(model: torch.nn.Module, *, trainable: bool = False) -> tupl
     spec = DecoderSpec(config.num_hidden_layers, config.num_attention_heads,
                        getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
                        float(getattr(inner.norm, "variance_epsilon", getattr(config, "rms_norm_eps", 1e-6))),
-                       float(getattr(inner.rotary_emb, "attention_scaling", 1.0)))
+                       float(getattr(inner.rotary_emb, "attention_scaling", 1.0)),
+                       getattr(inner.embed_tokens, "padding_idx", None))
     weights = DecoderWeights(read(inner.embed_tokens.weight), layers, read(inner.norm.weight), lm_head, lm_bias,
                              inner.rotary_emb.inv_freq)
     return spec, weights

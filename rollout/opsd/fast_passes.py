@@ -124,7 +124,7 @@ def _decoder_stack(parts: PassParts, rows: PackedRows) -> torch.Tensor:
     """Hidden states ``[T, H]`` after the last layer (before the final norm) of the packed tokens of ``rows``."""
     adapters, lora_fns = parts.adapters, parts.lora_fns
     spec, weights, fns = parts.step.spec, parts.step.weights, parts.step.fns
-    h = F.embedding(rows.input_ids[0], weights.embed)  # [T, H]
+    h = F.embedding(rows.input_ids[0], weights.embed, padding_idx=spec.padding_idx)  # [T, H]; as HF's gradient
     cos, sin = rotary(rows.position_ids[0], weights.inv_freq, spec.attention_scaling, h.dtype)
     _any_token_count(cos, sin)
     scale = spec.head_dim ** -0.5
