@@ -43,7 +43,7 @@ import torch
 
 from benchmarks.harness import results
 from benchmarks.harness.cli import int_at_least, names_among, out_path
-from benchmarks.harness.device import measure_rates, rates_meta
+from benchmarks.harness.device import measure_rates, rates_meta, release_memory
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.models import model_geometry, set_single_process_env
 from benchmarks.harness.rounds import round_order
@@ -197,9 +197,6 @@ def run_cell(cell: Cell, args, rates: Rates, device, rows: list) -> None:
                                                         f"student {steps[path].student_path}"))
             print(f"  {cell.name} {row.path} round {index}: step {wall:.2f} s, loss {result.loss:.5f}, "
                   + " | ".join(result.breakdown.lines()), flush=True)
-    del steps, base
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 #: The variants of ``--check``: (label, ``OPSDConfig`` settings, FlashAttention on, dtype).
@@ -262,8 +259,7 @@ def check_paths(args, device) -> list[str]:
     lines.append(f"check ({dtype}): " + compare("padded", "padded, 4-row micro-batches"))
     lines.append(f"check ({dtype}): " + compare("packed", "packed, per-row SDPA"))
     del student, teacher, grads
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)
     return lines
 
 
@@ -340,7 +336,7 @@ def kernel_profile(args, device, tokens: int = 7168, row_len: int = 1280, top: i
     lines += _profiled(student_pass(True), top, "the same through the compiled pieces")
     lines += _profiled(loss_pass, top, f"fused head + JSD loss forward and backward, {hidden.shape[0]} positions")
     del model, head
-    torch.cuda.empty_cache()
+    release_memory("cuda")
     return lines
 
 
@@ -409,6 +405,7 @@ def main(argv=None) -> None:
         except torch.OutOfMemoryError as exc:  # a cell that does not fit is a finding, not the end of the run
             print(f"  {cell.name}: out of memory ({str(exc).splitlines()[0]})", flush=True)
             notes.append(f"{cell.name}: out of memory")
+        release_memory(device)  # the cell's models, engines and rollout, before the next cell builds its own
         if args.out:
             results.write(args.out, {**meta, "notes": notes}, rows)
     print(table(rows))

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
+from benchmarks.harness.device import release_memory
 from benchmarks.harness.models import upstream_rollout
 from benchmarks.harness.rounds import Rounds, run_rounds
 from benchmarks.rl import busy
@@ -152,9 +152,7 @@ def release(runs: list[CandidateRun], device: str) -> None:
             run.rollout.shutdown()
         run.rollout = None
         run.call = None
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    release_memory(device)
 
 
 def rollout_for(bench: Bench, cand: Candidate, tok) -> Rollout:
