@@ -20,15 +20,21 @@ def test_longtail_lengths_are_long_tailed_within_the_budget_and_fixed_by_the_see
     assert 150 < mean < 220 and median < 0.75 * mean  # the issue's 100-300, and a long right tail
 
 
-def test_the_small_longtail_cell_runs_every_path_on_the_same_prompts_and_lengths(tmp_path):
-    out = tmp_path / "step.json"  # its own process: the benchmark sets the rendezvous variables and a process group
+def run_benchmark(*launch: str) -> subprocess.CompletedProcess:
+    """``python *launch`` in its own process (the benchmark sets the rendezvous variables and a process group),
+    from the repository, on the CPU's embedded tiny models; asserts it exited 0."""
     repo = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.step", "--cells", "longtail-small", "--paths",
-                           "packed,padded", "--steps", "1", "--student", "", "--teacher", "", "--out", str(out)],
-                          capture_output=True, text=True, cwd=repo, timeout=600,
-                          env={**env, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run([sys.executable, *launch, "--student", "", "--teacher", ""], capture_output=True, text=True,
+                          cwd=repo, timeout=600, env={**env, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def test_the_small_longtail_cell_runs_every_path_on_the_same_prompts_and_lengths(tmp_path):
+    out = tmp_path / "step.json"
+    run_benchmark("-m", "benchmarks.step", "--cells", "longtail-small", "--paths", "packed,padded", "--steps", "1",
+                  "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert sorted((r["path"], r["round"]) for r in rows) == [("packed", -1), ("packed", 0), ("padded", -1),
                                                               ("padded", 0)]
@@ -60,15 +66,9 @@ print("alive at each cell:", alive)
 
 
 def test_a_cell_starts_with_nothing_of_the_previous_cell_alive():
-    """Each cell builds its own models, engines and rollout; the previous cell's models must be gone by then. A ``del`` left
-    them to the cyclic collector (DeepSpeed engines hold cycles): on the H200 the long-tail cell then ran beside the
-    uniform cell's 3B models (peak 130.7 GiB, 2.19x its roofline against 1.71x). Here the collector is off, so only
-    the benchmark's own release can free them."""
-    repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-c", RELEASE_PROBE, "--cells", "small,longtail-small", "--paths", "packed",
-                           "--steps", "1", "--student", "", "--teacher", ""],
-                          capture_output=True, text=True, cwd=repo, timeout=600,
-                          env={**env, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    """Each cell builds its own models, engines and rollout; the previous cell's models must be gone by then. A
+    ``del`` left them to the cyclic collector (DeepSpeed engines hold cycles): on the H200 the long-tail cell then ran
+    beside the uniform cell's 3B models (peak 130.7 GiB, 2.19x its roofline against 1.71x). Here the collector is
+    off, so only the benchmark's own release can free them."""
+    proc = run_benchmark("-c", RELEASE_PROBE, "--cells", "small,longtail-small", "--paths", "packed", "--steps", "1")
     assert "alive at each cell: [0, 0]" in proc.stdout, proc.stdout[-2000:]

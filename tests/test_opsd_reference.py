@@ -61,7 +61,8 @@ def reference(student, teacher, batch: RolloutBatch, config: OPSDConfig, teacher
     loss = divergence(logits(student, ids, mask)[rows, cols], teacher_logits, config.beta, config.temperature,
                       config.teacher_top_k).mean()
     loss.backward()
-    return float(loss.detach()), {name: p.grad for name, p in student.named_parameters() if p.grad is not None}, len(rows)
+    grads = {name: p.grad for name, p in student.named_parameters() if p.grad is not None}
+    return float(loss.detach()), grads, len(rows)
 
 
 def lora(model):
