@@ -41,6 +41,7 @@ from benchmarks.harness.cli import finite_number, int_at_least, int_in, out_path
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.rounds import round_order
 from benchmarks.harness.table import markdown_table
+from rollout.opsd.ds_config_checks import MAX_LR
 
 VARIANTS = {"zero0": (0, None), "zero1": (1, None), "zero1-fp32-accum": (1, "fp32")}
 #: Parameters whose first elements are kept for the agreement check.
@@ -194,7 +195,7 @@ def main(argv=None) -> None:
     parser.add_argument("--student", default="qwen25-3b")
     parser.add_argument("--steps", type=int_at_least(4), default=6, help="optimizer steps per process (two untimed)")
     parser.add_argument("--tokens", type=int_at_least(2), default=256, help="tokens of the one row each step trains on")
-    parser.add_argument("--lr", type=finite_number(0.0, above=True), default=1e-3,
+    parser.add_argument("--lr", type=finite_number(0.0, above=True, high=MAX_LR), default=1e-3,
                         help="AdamW's rate: updates must exceed bf16's spacing for the comparison to mean anything")
     parser.add_argument("--rounds", type=int_at_least(1), default=2, help="processes per variant, ABBA order")
     parser.add_argument("--port", type=int_in(1, 65535), default=29610)

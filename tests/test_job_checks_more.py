@@ -59,6 +59,7 @@ def test_the_older_bfloat16_section_sets_the_models_dtype_as_deepspeed_reads_it(
     ({"fp16": {"enabled": 1}}, [], r"fp16.enabled must be true or false; got 1$"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}}, [], r"optimizer.params.lr must be a finite number >= 0"),
     ({"optimizer": {"type": "AdamW", "params": {"eps": -1}}}, [], r"optimizer.params.eps must be a finite number >= 0"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e31}}}, [], r"optimizer.params.lr must be at most 1e\+30 "),
     ({"optimizer": {"type": "Adam", "params": {"weight_decay": None}}}, [], r"optimizer.params.weight_decay must be"),
     ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}}, [], r"optimizer.params.betas must be two"),
     ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, [], r"max_grad_norm: DeepSpeed refuses it"),
@@ -80,11 +81,29 @@ def test_bad_deepspeed_values_are_refused_naming_the_key(monkeypatch, tmp_path, 
 
 @pytest.mark.parametrize("content", [{"optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
                                      {"optimizer": {"type": "adamw", "params": {"lr": 0, "betas": [0.9, 0.99]}}},
+                                     {"optimizer": {"type": "AdamW", "params": {"lr": 1e30, "weight_decay": 1}}},
                                      {"scheduler": {"type": "WarmupLR", "params": {}}},
                                      {"scheduler": {"type": "StepLR", "params": {"step_size": 10}}},
                                      {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"}}}])
 def test_optimizers_and_schedulers_deepspeed_builds_pass(tmp_path, content):
     assert _checked(tmp_path, content) is None
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_the_largest_rate_taken_is_one_adamw_steps_with_and_above_it_adamw_raises(foreach):
+    """``MAX_LR`` is where torch's AdamW still takes its first step (lr / (1 - beta1) passed as a float32 scalar) for
+    beta1 up to 1 - 1e-8; the fuzzed ``--lr 1e300`` raised there after the models were built. (A weight decay that
+    overflows gives infinite weights, no error: the job's divergence warning covers it.)"""
+    def first_step(lr, beta1, weight_decay):
+        param = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        param.grad = torch.ones(4, dtype=torch.bfloat16)
+        torch.optim.AdamW([param], lr=lr, betas=(beta1, 0.999), weight_decay=weight_decay, foreach=foreach).step()
+
+    for beta1 in (0.0, 0.9, 1 - 1e-8):
+        first_step(ds_config_checks.MAX_LR, beta1, 1.0)
+    for lr, beta1 in ((1e300, 0.9), (1e38, 0.9), (1e31, 1 - 1e-8)):
+        with pytest.raises(RuntimeError, match="overflow"):
+            first_step(lr, beta1, 0.01)
 
 
 def test_fp16_is_refused_where_the_device_has_none(monkeypatch, tmp_path):

@@ -51,9 +51,9 @@ def int_tuple(*lengths: int, minimum: int = 1, sep: str = ","):
     return parse
 
 
-def finite_number(low: float = -math.inf, *, above: bool = False):
-    """An argparse ``type``: a finite number >= ``low`` (``above``: > ``low``); ``nan``, ``inf`` are refused (they ran
-    a whole benchmark before)."""
+def finite_number(low: float = -math.inf, *, above: bool = False, high: float = math.inf):
+    """An argparse ``type``: a finite number >= ``low`` (``above``: > ``low``) and <= ``high``; ``nan``, ``inf`` are
+    refused (they ran a whole benchmark before)."""
     relation = ">" if above else ">="
 
     def parse(text: str) -> float:
@@ -61,8 +61,10 @@ def finite_number(low: float = -math.inf, *, above: bool = False):
             value = float(text)
         except ValueError:
             value = math.nan
-        if not math.isfinite(value) or value < low or (above and value == low):
-            bound = "" if low == -math.inf else f" {relation} {low:g}"
+        if not math.isfinite(value) or value < low or (above and value == low) or value > high:
+            bounds = ([] if low == -math.inf else [f"{relation} {low:g}"]) + ([] if high == math.inf else
+                                                                              [f"<= {high:g}"])
+            bound = f" {' and '.join(bounds)}" if bounds else ""
             raise argparse.ArgumentTypeError(f"must be a finite number{bound}; got {text!r}")
         return value
 

@@ -22,14 +22,19 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 #: fix its accelerator too early; ``tests/test_job_checks_more.py`` compares them with DeepSpeed's).
 DS_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
 DS_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-#: ``optimizer.params`` that must be finite numbers >= 0 where given (``betas``: two numbers in [0, 1)).
+#: The largest learning rate the job takes (``--lr``, ``optimizer.params.lr``, a schedule's rates). AdamW's first step
+#: moves each weight by lr / (1 - beta1), passed as a float32 scalar (at most 3.4e38): torch raises there, after the
+#: models are built, above about 3.4e37 with beta1 = 0.9. 1e30 holds for any beta1 up to 1 - 1e-8.
+MAX_LR = 1e30
+#: ``optimizer.params`` that must be finite numbers >= 0 where given (``betas``: two numbers in [0, 1); ``lr`` at
+#: most :data:`MAX_LR`).
 OPTIMIZER_NUMBERS = ("lr", "eps", "weight_decay")
 #: ``zero_optimization``'s offload sections and the devices DeepSpeed knows (``nvme`` needs ``nvme_path``).
 OFFLOADS, OFFLOAD_DEVICES = ("offload_param", "offload_optimizer"), ("none", "cpu", "nvme")
 
 #: What each kind of scheduler parameter must be, and its test (a trailing ``?`` in a kind also takes null).
 PARAM_KINDS = {
-    "lr": ("a finite number >= 0 or a list of them", lambda v: _lr(v) or (isinstance(v, list) and v != []
+    "lr": (f"a finite number in [0, {MAX_LR:g}] or a list of them", lambda v: _lr(v) or (isinstance(v, list) and v != []
                                                                          and all(_lr(x) for x in v))),
     "number": ("a finite number", is_number),
     "ratio": ("a finite number >= 0", lambda v: is_number(v) and v >= 0),
@@ -64,7 +69,7 @@ SCHEDULER_REQUIRED = {"OneCycle": ("cycle_min_lr", "cycle_max_lr"), "WarmupDecay
 
 
 def _lr(value) -> bool:
-    return is_number(value) and value >= 0
+    return is_number(value) and 0 <= value <= MAX_LR
 
 
 def _unique_keys(pairs: list) -> dict:
@@ -204,6 +209,8 @@ def check_optimizer(config: dict, where: str) -> None:
     for key in OPTIMIZER_NUMBERS:
         if key in params and not (is_number(params[key]) and params[key] >= 0):
             raise ValueError(f"{where}: optimizer.params.{key} must be a finite number >= 0; got {params[key]!r}")
+    _need(params.get("lr", 0) <= MAX_LR, where, "optimizer.params.lr",
+          f"at most {MAX_LR:g} (AdamW's float32 step overflows above it)", params.get("lr"))
     betas = params.get("betas", [0, 0])
     if not (isinstance(betas, list) and len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas)):
         raise ValueError(f"{where}: optimizer.params.betas must be two numbers in [0, 1); got {betas!r}")

@@ -12,6 +12,7 @@ from typing import Mapping, Optional
 
 from rollout.checks import is_int, is_number, require
 from rollout.config import MAX_SEED, RolloutConfig
+from rollout.opsd.ds_config_checks import MAX_LR
 
 #: ``--teacher self``: the student distils from itself.
 SELF_TEACHER = "self"
@@ -94,8 +95,10 @@ class JobConfig:
                 f"must be a finite number (<= 0: greedy); got {self.sampling_temperature!r}")
         require(self.zero_stage in (None, 0, 1, 2, 3), "zero_stage", f"must be 0, 1, 2 or 3; got {self.zero_stage!r}")
         require(self.lora is None or _is_count(self.lora, 1), "lora", f"must be a LoRA rank >= 1; got {self.lora!r}")
-        require(self.lr is None or (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0),
-                "lr", f"must be a finite number > 0; got {self.lr!r}")
+        require(self.lr is None or (isinstance(self.lr, (int, float)) and math.isfinite(self.lr)
+                                    and 0 < self.lr <= MAX_LR),
+                "lr", f"must be a finite number in (0, {MAX_LR:g}] (AdamW's float32 step overflows above it); "
+                      f"got {self.lr!r}")
         require(self.peak_tflops is None or (is_number(self.peak_tflops) and self.peak_tflops > 0),
                 "peak_tflops", f"must be a finite number > 0; got {self.peak_tflops!r}")
         require(self.peak_tbps is None or (is_number(self.peak_tbps) and self.peak_tbps > 0),
