@@ -13,12 +13,13 @@ PIP_TORCH_ARGS ?=
 TRANSFORMERS_OLDEST ?= transformers==5.17.0
 PYTEST_ARGS ?=
 # The first stage's test processes (pytest-xdist): "auto" is one per CPU core, at most PYTEST_MAX_WORKERS; 0 runs
-# the tests in pytest's own process. On 2 cores it took 552-558 s in 2 processes (2026-12-04; 775 s in one process
-# before its three slowest tests were cut by 99 s). The second stage stays in one process: its model-facing modules
-# load their models once per process (122 s in one, 139 s in 2 by file, 228 s in 2 by test).
+# the tests in pytest's own process. Each process gets its share of the cores for torch's threads (tests/conftest.py),
+# and a module marked with an xdist_group (tests/test_real_model.py: one model load) runs in one of them. The second
+# stage stays in one process: its model-facing modules load their models once per process (122 s in one, 139 s in 2
+# by file, 228 s in 2 by test).
 PYTEST_WORKERS ?= auto
 PYTEST_MAX_WORKERS ?= 4
-XDIST = -n $(PYTEST_WORKERS) --maxprocesses $(PYTEST_MAX_WORKERS)
+XDIST = -n $(PYTEST_WORKERS) --maxprocesses $(PYTEST_MAX_WORKERS) --dist loadgroup
 # On a CPU build of torch, the tests run our Triton kernel through Triton's interpreter (a CUDA build
 # brings its own pinned triton, which is left alone).
 TRITON_INTERP_SPEC ?= triton==3.9.0

@@ -28,6 +28,10 @@ from rollout import real_model  # noqa: E402
 from rollout.opsd import OPSDConfig, OPSDStep  # noqa: E402
 from tests.conftest import hf_greedy, response_of  # noqa: E402
 
+#: One test process runs the module under pytest-xdist (``make test``'s ``--dist loadgroup``): the model and the
+#: oracle are built once per process.
+pytestmark = pytest.mark.xdist_group("real_model")
+
 ROOT = Path(__file__).resolve().parent.parent
 #: Questions whose greedy answers end with EOS at different steps (checked by the first test).
 EOS_QUESTIONS = (
