@@ -30,7 +30,8 @@ TEST_ENV = HF_HUB_OFFLINE=1 OPSD_REQUIRE_REAL_MODEL=1
 DEMO_REAL_ARGS ?= --max-new-tokens 48 --sampling-temperature 0.7
 COMPAT_TESTS = tests/test_rollout_correctness.py tests/test_rollout_behaviour.py tests/test_compat.py \
 	tests/test_fast_decode.py tests/test_fast_prefill.py tests/test_routes.py tests/test_continuous.py \
-	tests/test_rollout_lora.py tests/test_real_model.py tests/test_opsd_packed.py tests/test_opsd_reference.py
+	tests/test_rollout_lora.py tests/test_real_model.py tests/test_real_model_cache.py tests/test_opsd_packed.py \
+	tests/test_opsd_reference.py
 
 .PHONY: demo demo-real test test-newest test-oldest bench-postprocess clean
 

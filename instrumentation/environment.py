@@ -7,7 +7,9 @@ value raises a one-line ``ValueError`` naming the variable and the values it acc
 * the ``OPSD_PROFILE*`` variables of :mod:`instrumentation.config` (an unknown ``OPSD_PROFILE*``
   name, e.g. the typo ``OPSD_PROFILE_STEP``, is refused with the known names);
 * ``OPSD_TRACEBACK`` (``opsd-summarize``: show tracebacks) and ``OPSD_REQUIRE_REAL_MODEL`` (tests):
-  a boolean; ``OPSD_WORKER_RESULT`` and ``OPSD_NVTX_LOG_DIR`` (test harness paths): any text;
+  a boolean; ``OPSD_WORKER_RESULT`` and ``OPSD_NVTX_LOG_DIR`` (test harness paths) and
+  ``OPSD_REAL_MODEL_CACHE`` (``rollout.real_model``: a folder, ``0`` for none; one it cannot use is
+  a warning there, not an error): any text;
 * ``OPSD_PEAK_TFLOPS`` / ``OPSD_PEAK_TBPS`` (the rates work records are divided by,
   :mod:`instrumentation.rates`): a finite number > 0;
 * with a file-writing mode (``1``, ``timers``) and an explicit ``OPSD_PROFILE_RUN_NAME``, on rank 0
@@ -34,7 +36,7 @@ from instrumentation.config import ENV_VARS, ProfileConfig, parse_bool
 PROFILE_PREFIX = "OPSD_PROFILE"
 #: The other OPSD_* variables of the project: name -> True when it is a boolean.
 OTHER_VARS = {"OPSD_TRACEBACK": True, "OPSD_REQUIRE_REAL_MODEL": True, "OPSD_WORKER_RESULT": False,
-              "OPSD_NVTX_LOG_DIR": False}
+              "OPSD_NVTX_LOG_DIR": False, "OPSD_REAL_MODEL_CACHE": False}
 
 
 def _check_names(environ: Mapping[str, str]) -> None:

@@ -9,21 +9,26 @@ its tokenizer and chat template (EOS = pad = ``<|im_end|>`` = 2). Nothing is dow
 
 Contents: locating the GGUF file (:func:`gguf_path`), its config's numbers from the file's header alone
 (:func:`header_config`, for the checks before anything is built), loading (:func:`load_smollm2`, cached per
-process), chat-templated left-padded prompts (:func:`chat_prompts`), the decoded responses of a
-rollout (:func:`decode_responses`), and the embedded prompt set of the self-distillation demo
-(:data:`QUESTIONS`, :data:`TEACHER_SYSTEM_PROMPT`).
+process, the conversion kept on disk between processes: :func:`cache_folder`, ``OPSD_REAL_MODEL_CACHE``),
+chat-templated left-padded prompts (:func:`chat_prompts`), the decoded responses of a rollout
+(:func:`decode_responses`), and the embedded prompt set of the self-distillation demo (:data:`QUESTIONS`,
+:data:`TEACHER_SYSTEM_PROMPT`).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import importlib.util
 import os
+import sys
 import types
 from typing import Optional, Sequence
 
 import torch
+
+from rollout.checks import require
 
 #: The ``--student`` / ``--teacher`` name of this model in ``scripts/train_opsd.py``.
 SMOLLM2_NAME = "smollm2-135m"
@@ -105,24 +110,117 @@ def header_config():
     return types.SimpleNamespace(**{field: meta.get(key) for field, key in keys.items()}, tie_word_embeddings=True)
 
 
-@functools.lru_cache(maxsize=None)
-def _pristine_model(dtype: torch.dtype):
-    """The dequantized model on the CPU in ``dtype`` (eval mode), loaded once per process and dtype."""
+#: Where the converted model is kept between processes: a folder, or ``0`` / empty for none. Default
+#: ``$XDG_CACHE_HOME/opsd/real-model`` (``~/.cache/opsd/real-model``).
+CACHE_ENV = "OPSD_REAL_MODEL_CACHE"
+#: Bumped when what a cache folder holds changes: older folders are then left alone.
+CACHE_FORMAT = 1
+
+
+def cache_folder() -> Optional[str]:
+    """The folder of this GGUF's conversion for this transformers version (``<root>/smollm2-135m-<key>``, the key a
+    hash of the file's path, size and mtime, the transformers version and :data:`CACHE_FORMAT`), or None where
+    :data:`CACHE_ENV` turns caching off. Raises as :func:`gguf_path` where the file is missing."""
+    root = os.environ.get(CACHE_ENV)
+    if root is None:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "opsd", "real-model")
+    elif root.strip() in ("", "0"):
+        return None
+    import transformers
+
+    path = os.path.realpath(gguf_path())
+    stat = os.stat(path)
+    key = f"{CACHE_FORMAT}|{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return os.path.join(root, f"{SMOLLM2_NAME}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+
+
+def gguf_model(dtype: torch.dtype):
+    """The model as transformers reads the GGUF itself (dequantized into ``dtype``, eval mode): ~20 s on a CPU,
+    most of it parsing the file's metadata three times."""
     from transformers import AutoModelForCausalLM
 
-    path = gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=GGUF_FILE, dtype=dtype,
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path()), gguf_file=GGUF_FILE, dtype=dtype,
                                                  attn_implementation="sdpa", local_files_only=True)
     return model.eval()
 
 
-@functools.lru_cache(maxsize=None)
-def _gguf_tokenizer():
-    """The GGUF's tokenizer as transformers reads it, once per process (~10 s on a CPU)."""
+def gguf_tokenizer():
+    """The tokenizer as transformers reads it from the GGUF (~8 s on a CPU)."""
     from transformers import AutoTokenizer
 
-    path = gguf_path()
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=GGUF_FILE, local_files_only=True)
+    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path()), gguf_file=GGUF_FILE, local_files_only=True)
+
+
+#: The parts of a cache folder, each in a folder of its own.
+CACHE_PARTS = ("model", "tokenizer")
+
+
+def convert(folder: str, part: str, source) -> None:
+    """Write ``part`` (``"model"``: ``source``'s weights as safetensors and its config; ``"tokenizer"``) into
+    ``folder/part``. Written into a temporary folder beside it and renamed, so a folder that exists is whole; where
+    another process renamed first, its folder stays. OSError where the disk refuses."""
+    import shutil
+    import tempfile
+
+    require(part in CACHE_PARTS, "part", f"must be one of {CACHE_PARTS}; got {part!r}")
+    os.makedirs(folder, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{part}-", dir=folder)
+    try:
+        if part == "model":
+            from safetensors.torch import save_model
+
+            config = copy.deepcopy(source.config)
+            config.__dict__.pop("quantization_config", None)  # the weights are dequantized: a plain checkpoint
+            config.save_pretrained(staging)
+            save_model(source, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        else:
+            source.save_pretrained(staging)
+        try:
+            os.rename(staging, os.path.join(folder, part))
+        except OSError:
+            if not os.path.isdir(os.path.join(folder, part)):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _load(part: str, dtype: Optional[torch.dtype] = None):
+    """``part`` from the cache folder, converted there first where it is missing; from the GGUF alone where caching
+    is off or the folder cannot be written or read (said on stderr)."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, source = cache_folder(), None
+    if folder is not None:
+        target = os.path.join(folder, part)
+        try:
+            if not os.path.isdir(target):
+                source = gguf_model(torch.float32) if part == "model" else gguf_tokenizer()
+                convert(folder, part, source)
+            if part == "model":
+                return AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation="sdpa",
+                                                            local_files_only=True).eval()
+            return AutoTokenizer.from_pretrained(target, local_files_only=True)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # a full disk, a damaged file
+            print(f"warning: the real model's {part} is read from the GGUF: its cache {target} cannot be used "
+                  f"({type(exc).__name__}: {exc!s:.200}); {CACHE_ENV}=0 turns the cache off", file=sys.stderr)
+    if part == "tokenizer":
+        return source if source is not None else gguf_tokenizer()
+    # transformers keeps the rotary buffers float32 at any dtype: a float32 model cast by .to() would not
+    return source if source is not None and dtype in (None, torch.float32) else gguf_model(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _pristine_model(dtype: torch.dtype):
+    """The dequantized model on the CPU in ``dtype`` (eval mode), loaded once per process and dtype: from the cache
+    folder (:func:`cache_folder`, ~0.3 s), which the first load on a machine writes from the GGUF (~20 s)."""
+    return _load("model", dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _gguf_tokenizer():
+    """The GGUF's tokenizer as transformers reads it, once per process (from the cache folder as the model)."""
+    return _load("tokenizer")
 
 
 #: The chat prompts of :data:`QUESTIONS` are far shorter than this (a test holds it): the main job tokenizes them
@@ -159,8 +257,9 @@ def _tokenizer(eos_token_id: int, pad_token_id: int):
 def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """``(model, tokenizer)``: SmolLM2-135M-Instruct in ``dtype`` on ``device``, SDPA attention, eval mode.
 
-    The GGUF is read and dequantized once per process and dtype (~10-20 s on a CPU); every call
-    returns its own copy of the weights, so a model one caller trains leaves the others' untouched.
+    The GGUF is read and dequantized once per machine (~20 s on a CPU) and kept as a plain checkpoint
+    (:func:`cache_folder`, 542 MB), which later processes load in ~0.3 s, once per process and dtype; every
+    call returns its own copy of the weights, so a model one caller trains leaves the others' untouched.
     The tokenizer is shared (one object per process).
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

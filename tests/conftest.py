@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("OPSD_PROFILE", "0")  # tests opt in to profiling explicitly
+if "OPSD_REAL_MODEL_CACHE" not in os.environ:  # the real model's conversion: this process's own, not the user's
+    os.environ["OPSD_REAL_MODEL_CACHE"] = tempfile.mkdtemp(prefix="opsd-real-model-")
+    atexit.register(shutil.rmtree, os.environ["OPSD_REAL_MODEL_CACHE"], True)
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors through its interpreter (tests/test_fused_nucleus.py). It must be
     # set before triton is imported: triton's own library functions are made interpreted at import.

@@ -46,7 +46,8 @@ THIRD_PARTY = {
     3: {"torch", "numpy", "transformers", "deepspeed", "peft", "instrumentation"},
 }
 #: Allowed everywhere from layer 4 up.
-ANY = {"torch", "numpy", "scipy", "transformers", "deepspeed", "peft", "instrumentation", "gguf", "triton"}
+ANY = {"torch", "numpy", "scipy", "transformers", "deepspeed", "peft", "instrumentation", "gguf", "triton",
+       "safetensors"}  # safetensors: real_model's conversion cache (a dependency of transformers)
 STDLIB = set(sys.stdlib_module_names)
 
 #: Rank of each of our top-level packages: a package imports only packages of a lower rank.

