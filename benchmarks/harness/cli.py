@@ -62,8 +62,9 @@ def finite_number(low: float = -math.inf, *, above: bool = False, high: float = 
         except ValueError:
             value = math.nan
         if not math.isfinite(value) or value < low or (above and value == low) or value > high:
-            bounds = ([] if low == -math.inf else [f"{relation} {low:g}"]) + ([] if high == math.inf else
-                                                                              [f"<= {high:g}"])
+            bounds = [f"{relation} {low:g}"] if low > -math.inf else []
+            if high < math.inf:
+                bounds.append(f"<= {high:g}")
             bound = f" {' and '.join(bounds)}" if bounds else ""
             raise argparse.ArgumentTypeError(f"must be a finite number{bound}; got {text!r}")
         return value

@@ -34,8 +34,8 @@ OFFLOADS, OFFLOAD_DEVICES = ("offload_param", "offload_optimizer"), ("none", "cp
 
 #: What each kind of scheduler parameter must be, and its test (a trailing ``?`` in a kind also takes null).
 PARAM_KINDS = {
-    "lr": (f"a finite number in [0, {MAX_LR:g}] or a list of them", lambda v: _lr(v) or (isinstance(v, list) and v != []
-                                                                         and all(_lr(x) for x in v))),
+    "lr": (f"a finite number in [0, {MAX_LR:g}] or a list of them",
+           lambda v: _lr(v) or (isinstance(v, list) and v != [] and all(_lr(x) for x in v))),
     "number": ("a finite number", is_number),
     "ratio": ("a finite number >= 0", lambda v: is_number(v) and v >= 0),
     "size": ("a finite number > 0", lambda v: is_number(v) and v > 0),
