@@ -4,10 +4,11 @@ outputs, then one kernel that adds their sum into ``out`` (:func:`addmm_split_`)
 Why: a decode step's down projection at 256 rows (``[256, 11008] @ [11008, 2048]``) has only 32 output tiles of
 128 x 128 for 132 multiprocessors, so cuBLAS cuts its inner dimension itself (split-K on 128 x 64 tiles, then its own
 reduction kernel): 0.93 ms over 36 layers on an H200 against a compute floor of 0.52 ms (``docs/BENCHMARKS.md``,
-section 1). Here the chunks are the batch of one ``bmm`` (no copy: strided views of ``x`` and ``weight``), so cuBLAS
-picks its tiles for a ``[splits, rows, K / splits] @ [splits, K / splits, N]`` problem, and the reduction adds the
-residual in the same pass. The arithmetic is that of ``addmm_``: fp32 accumulation, the residual added in fp32, one
-rounding into ``out``'s dtype (the sum's order differs, as between cuBLAS's own kernels).
+section 1; this form's figures: section 10). Here the chunks are the batch of one ``bmm`` (no copy: strided views of
+``x`` and ``weight``), so cuBLAS picks its tiles for a ``[splits, rows, K / splits] @ [splits, K / splits, N]``
+problem, and the reduction adds the residual in the same pass. The arithmetic is that of ``addmm_``: fp32
+accumulation, the residual added in fp32, one rounding into ``out``'s dtype (the sum's order differs, as between
+cuBLAS's own kernels).
 
 Where it cannot run (not CUDA unless ``interpret``, no triton, one split, an inner dimension that ``splits`` does not
 divide, operands other than 2-D with contiguous rows, or a ``bmm`` without fp32 outputs) ``out.addmm_`` runs; a
@@ -24,8 +25,9 @@ from rollout.ops.decode_attention import available
 from rollout.ops.fallback import launch_or_fall_back
 
 DOWN_SPLITS = 2
-"""Chunks of the down projection's inner dimension where ``RolloutConfig.kernels.down_split_rows`` applies (on an H100,
-36 layers at 256 rows: 1.021 ms with 2, 1.045 with 4, 1.286 with 8, against cuBLASLt's 1.218)."""
+"""Chunks of the down projection's inner dimension where ``RolloutConfig.kernels.down_split_rows`` applies (36 layers at
+256 rows: on an H100 1.021 ms with 2, 1.045 with 4, 1.286 with 8, against cuBLASLt's 1.218; on an H200 0.87, 0.85, 1.00
+against 0.92, but the whole step lost 1.6% there with 2)."""
 BLOCK = 1024
 """Elements of ``out`` one program of the reduction adds."""
 
