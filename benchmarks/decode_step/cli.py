@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--parts splitk: inner-dimension chunk counts of down and o (those that divide it)")
     parser.add_argument("--down-splits", type=int_at_least(2),
                         help="step: only the routes' default step and the same with the down projection in this many "
-                             "inner-dimension chunks (an experiment, not a setting), in two rounds")
+                             "inner-dimension chunks, in two rounds, under cuBLASLt (kernels.down_split_rows runs "
+                             "rollout.ops.split_k.DOWN_SPLITS chunks)")
     parser.add_argument("--prefill-lengths", nargs="+", type=int_at_least(1), default=[16, 64, 256],
                         help="--parts prefill: prompt lengths (every row all real tokens)")
     parser.add_argument("--prefill-graph-tokens", type=int_at_least(1), default=16384,
