@@ -183,9 +183,6 @@ class KernelConfig:
     """The fewest prompt columns (the batch's padded width) for which ``shared_prefix_rows`` shares them (H200, 3B, 256
     rows: 768 columns took 1.51 ms instead of 2.06, 256 columns with 128 decoded 1.43 instead of 1.23)."""
 
-    down_split_rows: int = 0
-    """On CUDA with ``residual_in_place``: decode steps of at least this many rows add the down projection as
-    ``rollout.ops.split_k.DOWN_SPLITS`` inner-dimension chunks (a batched GEMM, then one sum kernel). 0: off."""
     residual_in_place: bool = True
     """Decode steps add each layer's o and down projections into the residual stream in place (the GEMM's own
     beta-add; where gate|up are fused and o has no bias), instead of a GEMM that first copies the residual (on the
@@ -204,7 +201,7 @@ class KernelConfig:
         _require_bools(self, "kernels", ("fast_decode", "fast_prefill", "cuda_graphs", "compile", "fused_kv_write",
                                          "fuse_qkv", "fuse_gate_up", "rotary_kernel", "residual_in_place",
                                          "fold_norms"))
-        for name in ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows", "down_split_rows"):
+        for name in ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows"):
             value = getattr(self, name)
             require(is_int(value) and value >= 0, f"kernels.{name}", f"must be an int >= 0 (0: off); got {value!r}")
         require(is_int(self.shared_prefix_columns) and self.shared_prefix_columns >= 1, "kernels.shared_prefix_columns",
@@ -216,8 +213,7 @@ class KernelConfig:
                 f"must be one of {DECODE_ATTENTIONS}; got {self.decode_attention!r}")
         require(self.blas_library is None or self.blas_library in BLAS_LIBRARIES, "kernels.blas_library",
                 f"must be None or one of {BLAS_LIBRARIES}; got {self.blas_library!r}")
-        _as_python(self, ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows", "shared_prefix_columns",
-                          "down_split_rows"), ())
+        _as_python(self, ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows", "shared_prefix_columns"), ())
 
 
 @dataclass(frozen=True)

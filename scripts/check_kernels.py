@@ -42,7 +42,6 @@ ENTRY_KERNELS = {
     "rollout.ops.skinny_linear_kernel": ("skinny_linear",),
     "rollout.ops.rotary_write_kernel": ("rotary_write",),
     "rollout.ops.rms_scaled_kernel": ("rotary_write_rms", "silu_mul_rms"),
-    "rollout.ops.split_k_kernel": ("add_partials",),
     "rollout.ops.jsd_kernel": ("jsd_rows",),
     "rollout.ops.nucleus_kernel": ("nucleus_sample",),
     "rollout.ops.nucleus_split_kernel": ("chunk_stats", "search_pass", "tie_members", "draw", "finish", "draw_all"),
@@ -290,18 +289,6 @@ def rms_scaled_cases() -> list[tuple[str, Callable]]:
             ("RMS-scaled SiLU-mul fp32", lambda: silu(torch.float32, 4, 1000, 300))]
 
 
-def split_k_cases() -> list[tuple[str, Callable]]:
-    import torch
-
-    from rollout.ops import split_k
-
-    def call(dtype, splits, rows=256, n=2048):
-        split_k.add_partials_(torch.zeros(rows, n, dtype=dtype), torch.zeros(splits, rows, n), interpret=True)
-
-    return [("split-K sum + residual bf16, 2 chunks", lambda: call(torch.bfloat16, 2)),
-            ("split-K sum + residual fp32, 4 chunks", lambda: call(torch.float32, 4, rows=3, n=100))]
-
-
 def loss_cases() -> list[tuple[str, Callable]]:
     import torch
 
@@ -390,8 +377,8 @@ def main(argv=None) -> int:
     original = JITFunction.run
     JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiler.run(fn, *a, grid=grid, warmup=warmup, **kw)
     try:
-        run_cases(compiler, attention_cases() + linear_cases() + rotary_cases() + rms_scaled_cases() + split_k_cases()
-                  + loss_cases() + sampler_cases())
+        run_cases(compiler, attention_cases() + linear_cases() + rotary_cases() + rms_scaled_cases() + loss_cases()
+                  + sampler_cases())
     finally:
         JITFunction.run = original
     print(f"triton {triton.__version__}, target cuda sm_{'/'.join(map(str, args.arch))}")

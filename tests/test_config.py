@@ -72,8 +72,6 @@ def test_sampling_config_keeps_upstream_defaults():
     ({"kernels.skinny_rows": 8.0}, "kernels.skinny_rows"),
     ({"kernels.shared_prefix_rows": -1}, "kernels.shared_prefix_rows"),
     ({"kernels.shared_prefix_rows": 2.5}, "kernels.shared_prefix_rows"),
-    ({"kernels.down_split_rows": -1}, "kernels.down_split_rows"),
-    ({"kernels.down_split_rows": 2.0}, "kernels.down_split_rows"),
     ({"kernels.shared_prefix_columns": 0}, "kernels.shared_prefix_columns"),
     ({"kernels.shared_prefix_columns": True}, "kernels.shared_prefix_columns"),
 ])

@@ -11,9 +11,9 @@ import torch
 
 from benchmarks.decode_step.attention import Geometry, SharedWindow, attention_variants, sampler_variants, \
     shared_prefix_variants
-from benchmarks.decode_step.kernels import gemm_variants, prefill_variants, skinny_variants, split_k_variants
+from benchmarks.decode_step.kernels import gemm_variants, prefill_variants, skinny_variants
 from benchmarks.decode_step.norms import parse_launch, silu_variants
-from benchmarks.decode_step.step import ROUTE_AB, ROUTE_DEFAULT, StepVariant, blas_ab, blas_backend, profile_call, \
+from benchmarks.decode_step.step import ROUTE_AB, StepVariant, blas_ab, blas_backend, profile_call, \
     step_kernels, step_variant_list, time_steps
 from benchmarks.harness import results
 from benchmarks.harness.cli import int_at_least, int_tuple, out_path
@@ -22,7 +22,7 @@ from benchmarks.harness.table import fmt, markdown_table
 from rollout.config import BLAS_LIBRARIES, KernelConfig
 from rollout.testing import shaped_model
 
-PARTS = ("attention", "sampler", "step", "skinny", "prefill", "shared", "silu", "splitk")
+PARTS = ("attention", "sampler", "step", "skinny", "prefill", "shared", "silu")
 #: ``--kernel-variant``: the step whose kernels ``--kernels`` lists.
 KERNEL_VARIANTS = {"default": KernelConfig(), "no-skinny": KernelConfig(skinny_rows=0),
                    "residual-copied": KernelConfig(residual_in_place=False), "norms-unfolded": KernelConfig(fold_norms=False)}
@@ -104,13 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--blas", nargs="+", default=[], choices=BLAS_LIBRARIES,
                         help="step: only the routes' default step under each of these BLAS backends "
                              "(torch.backends.cuda.preferred_blas_library), in two rounds; with --kernels the "
-                             "GEMM table under each too, and --parts splitk's")
-    parser.add_argument("--splits", type=int_at_least(2), nargs="+", default=[2, 4, 8],
-                        help="--parts splitk: inner-dimension chunk counts of down and o (those that divide it)")
-    parser.add_argument("--down-splits", type=int_at_least(2),
-                        help="step: only the routes' default step and the same with the down projection in this many "
-                             "inner-dimension chunks, in two rounds, under cuBLASLt (kernels.down_split_rows runs "
-                             "rollout.ops.split_k.DOWN_SPLITS chunks)")
+                             "GEMM table under each too")
     parser.add_argument("--prefill-lengths", nargs="+", type=int_at_least(1), default=[16, 64, 256],
                         help="--parts prefill: prompt lengths (every row all real tokens)")
     parser.add_argument("--prefill-graph-tokens", type=int_at_least(1), default=16384,
@@ -138,20 +132,12 @@ def rows_of_count(model, rows: int, args) -> list[dict]:
                                (geo.heads + 2 * geo.kv_heads) * geo.head_dim, geo.layers, args.skinny_launches)
     if "silu" in args.parts:
         out += silu_variants(rows, cfg.hidden_size, cfg.intermediate_size, geo.layers, args.silu_launches)
-    if "splitk" in args.parts:
-        for backend in args.blas or [None]:
-            with blas_backend(backend):
-                table = split_k_variants(rows, cfg.hidden_size, cfg.intermediate_size, geo.heads * geo.head_dim,
-                                         geo.layers, args.splits)
-            out += [dict(r, variant=r["variant"] + (f"; BLAS {backend}" if backend else "")) for r in table]
     if "prefill" in args.parts:
         out += prefill_variants(model, rows, args.prefill_lengths, args.prefill_graph_tokens)
     if "step" in args.parts and args.blas:
         out += blas_ab(model, rows, args.live, args.blas)
     elif "step" in args.parts:
-        # the down-split A/B under the routes' BLAS backend (cuBLASLt), whose down GEMM it replaces
-        blas = ROUTE_DEFAULT.kernels.blas_library if args.down_splits else None
-        out += time_steps(model, rows, args.live, *step_variant_list(args), blas=blas)
+        out += time_steps(model, rows, args.live, *step_variant_list(args))
     if args.kernels:
         for backend in args.blas or [None]:
             with blas_backend(backend):

@@ -13,7 +13,7 @@ from benchmarks.harness.rounds import Rounds, Timer, time_rounds
 from rollout.config import KernelConfig
 from rollout.executors.decode import FastStep
 from rollout.model.step import compile_piece, rms_norm
-from rollout.ops import skinny_linear, split_k
+from rollout.ops import skinny_linear
 
 
 def prefill_variants(model, rows: int, lengths: list[int], max_tokens: int, rounds: int = 10) -> list[dict]:
@@ -90,47 +90,6 @@ def gemm_variants(rows: int, hidden: int, inter: int, q_dim: int, kv_dim: int, l
     for name, (kind, fn) in cases.items():
         ms = graph_ms(fn, 20)
         out[name] = (ms, layers * flops[kind] / (ms / 1000) / 1e12)
-    return out
-
-
-def split_k_variants(rows: int, hidden: int, inter: int, q_dim: int, layers: int, splits: list[int],
-                     rounds: int = 2) -> list[dict]:
-    """down and o added into the residual in place (as the step does), ``layers`` distinct weights in one CUDA graph:
-    cuBLAS's ``addmm_`` against the inner dimension cut into each count of ``splits`` chunks
-    (:func:`rollout.ops.split_k.addmm_split_`: one batched GEMM with fp32 outputs, one sum kernel that adds the
-    residual), and that batched GEMM alone (what the sum costs); ``rounds`` rounds, the order reversed every other
-    one; ms, the bf16 rate, and the max |diff| of one layer's result against ``addmm_``'s."""
-    def bf16(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * shape[-1] ** -0.5
-
-    out = []
-    for name, inner in (("down", inter), ("o", q_dim)):
-        r, x = bf16(rows, hidden), bf16(rows, inner)  # a fresh residual: the timed replays keep adding into it
-        weights = [bf16(hidden, inner) for _ in range(layers)]
-        flop = 2 * rows * inner * hidden * layers
-        expected = r.clone().addmm_(x, weights[0].t())
-        cases = {"addmm_ (cuBLAS)": lambda: [r.addmm_(x, w.t()) for w in weights]}
-        notes = {}
-        for n in splits:
-            if inner % n:
-                continue
-            cases[f"{n} splits"] = lambda n=n: [split_k.addmm_split_(r, x, w, n) for w in weights]
-            cases[f"{n} splits, batched GEMM alone"] = lambda n=n: [split_k.partial_products(x, w, n) for w in weights]
-            diff = (split_k.addmm_split_(r.clone(), x, weights[0], n).float() - expected.float()).abs().max()
-            notes[f"{n} splits"] = f", max |diff| {diff.item():.3g}"
-        times = {label: [] for label in cases}
-        for i in range(rounds):
-            for label in (list(cases) if i % 2 == 0 else list(cases)[::-1]):
-                try:
-                    times[label].append(graph_ms(cases[label], 20))
-                except Exception as exc:  # noqa: BLE001 - a form the backend refuses is reported, not fatal
-                    times[label].append(f"failed: {exc!r:.120}")
-        for label, ms in times.items():
-            ok = [t for t in ms if not isinstance(t, str)]
-            rate = f" ({flop / (statistics.median(ok) / 1e3) / 1e12:.0f} TFLOP/s)" if ok else ""
-            for t in ms:
-                out.append(dict(rows=rows, part=f"{name} + residual x{layers}",
-                                variant=f"{label}{rate}{notes.get(label, '')}", ms=t))
     return out
 
 

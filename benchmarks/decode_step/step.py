@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -17,7 +15,6 @@ from rollout.config import KernelConfig, SamplingConfig
 from rollout.executors import blas
 from rollout.executors.decode import FastStep
 from rollout.model.step import decode_logits, grouped_decode_attention
-from rollout.ops import split_k
 
 #: The step before the kernels of issue 15 (compiled pieces, fused q|k|v, SDPA attention): the base of the
 #: experiments. ``KernelConfig()`` itself is the step the routes run by default.
@@ -36,9 +33,6 @@ class StepVariant:
     layer's call under the cuDNN backend."""
     grouped: bool = False
     """The batched-GEMM attention ``grouped_decode_attention`` (compiled with the step's pieces)."""
-    down_splits: int = 0
-    """The down projection in this many inner-dimension chunks (``StepFns.add_down``: ``split_k.addmm_split_``; 0:
-    cuBLAS's GEMM)."""
 
     @property
     def name(self) -> str:
@@ -54,8 +48,7 @@ class StepVariant:
                 + (", skinny o projection" if k.skinny_rows else "")
                 + (", o and down added in place" if k.residual_in_place else "")
                 + (", norms folded" if k.fold_norms and (k.rotary_kernel or k.fuse_gate_up and k.residual_in_place)
-                   else "")
-                + (f", down in {self.down_splits} splits" if self.down_splits else ""))
+                   else ""))
 
 
 def variant(additive_mask: bool = False, grouped: bool = False, **kernels) -> StepVariant:
@@ -77,9 +70,6 @@ ROUTE_AB = {"gate_up": ("fuse_gate_up", False, "gate|up as one GEMM"),
 def decode_step_fn(model, rows: int, live: int, step: StepVariant, device: str = "cuda"):
     """One decode step of ``rows`` rows over ``live`` cached columns (random cache), as a closure."""
     parts = FastStep(model, step.kernels, mirror_weights=False).parts(torch.device(device), mirrored=False)
-    if step.down_splits:
-        add_down = functools.partial(split_k.addmm_split_, splits=step.down_splits)
-        parts = dataclasses.replace(parts, fns=dataclasses.replace(parts.fns, add_down=add_down))
     if step.grouped:
         attention = compiled_grouped_attention() if step.kernels.compile and device == "cuda" else \
             grouped_decode_attention
@@ -104,8 +94,6 @@ def step_ms(model, rows: int, live: int, step: StepVariant) -> float:
 def step_variant_list(args) -> tuple[list[StepVariant], int]:
     """The step variants the flags ask for and the rounds to time them in: eager, compiled, compiled + fused q|k|v,
     then the experiments, once; or one A/B of :data:`ROUTE_AB` alone, in two rounds (off, on, on, off)."""
-    if getattr(args, "down_splits", None):
-        return [StepVariant(ROUTE_DEFAULT.kernels, down_splits=args.down_splits), ROUTE_DEFAULT], 2
     for flag, (setting, off, _) in ROUTE_AB.items():
         if getattr(args, flag):
             return [StepVariant(dataclasses.replace(ROUTE_DEFAULT.kernels, **{setting: off})), ROUTE_DEFAULT], 2
@@ -121,21 +109,17 @@ def step_variant_list(args) -> tuple[list[StepVariant], int]:
     return out + [variant(compile_mode=m) for m in args.compile_modes], 1
 
 
-def time_steps(model, rows: int, live: int, steps: list[StepVariant], rounds: int,
-               blas: Optional[str] = None) -> list[dict]:
+def time_steps(model, rows: int, live: int, steps: list[StepVariant], rounds: int) -> list[dict]:
     """A row per timed step, in the harness's rounds (no warm-up call: each timing captures its own graph after two
-    warm-up runs); a step that fails is a row saying so. ``blas``: captured under this BLAS backend (None: the
-    process's, cuBLAS unless set)."""
+    warm-up runs); a step that fails is a row saying so."""
     out = []
-    suffix = f"; BLAS {blas}" if blas else ""
 
     def call(step, seed, timed):
         try:
-            with blas_backend(blas):
-                ms = step_ms(model, rows, live, step)
+            ms = step_ms(model, rows, live, step)
         except Exception as exc:  # noqa: BLE001 - an experiment that fails is reported, not fatal
             ms = f"failed: {exc!r:.120}"
-        out.append(dict(rows=rows, part="decode_logits", variant=step.name + suffix, ms=ms))
+        out.append(dict(rows=rows, part="decode_logits", variant=step.name, ms=ms))
 
     run_rounds(steps, Rounds(rounds, warmup=0), call)
     return out

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Collection, Optional
 
@@ -23,7 +22,7 @@ import torch
 
 from rollout.config import KernelConfig, RolloutConfig
 from rollout.model import prefill
-from rollout.ops import decode_attention, rms_scaled, rotary_write, skinny_linear, split_k
+from rollout.ops import decode_attention, rms_scaled, rotary_write, skinny_linear
 from rollout.model.step import (FusedGateUp, FusedQKV, StepFns, StepParts, WeightMirror, compiled_step_fns,
                                 spec_and_weights, unsupported_reason)
 
@@ -114,10 +113,6 @@ class FastStep:
             fns = dataclasses.replace(fns, rotary_write_rms=rms_scaled.rotary_write_rms)
         if gate_up_folds:
             fns = dataclasses.replace(fns, silu_mul_rms=rms_scaled.silu_mul_rms)
-        if kernels.down_split_rows and kernels.residual_in_place and device.type == "cuda" \
-                and split_k.failure(device) is None:
-            fns = dataclasses.replace(fns, add_down=functools.partial(split_k.add_down,
-                                                                      min_rows=kernels.down_split_rows))
         if rotary_kernel:
             fns = dataclasses.replace(fns, rotary_write=rotary_write.rotary_write)
             if kernels.skinny_rows and self.fused_gate_up is not None and skinny_linear.failure(device) is None:

@@ -70,17 +70,10 @@ def _layer_rest(fns: "StepFns", h, attn, w: LayerWeights, eps: float, skinny: bo
     else:
         return layer_output(fns, h, attn, w, eps)
     if in_place and fns.silu_mul_rms is not None:  # the norm's gain folded into w.gate_up
-        return _add_down(fns, h, fns.silu_mul_rms(torch.mm(h, w.gate_up.t()), h, eps=eps), w.down)
+        return h.addmm_(fns.silu_mul_rms(torch.mm(h, w.gate_up.t()), h, eps=eps), w.down.t())
     if in_place:
-        return _add_down(fns, h, fns.gate_up_silu(h, w.post_norm, w.gate_up, eps), w.down)
+        return h.addmm_(fns.gate_up_silu(h, w.post_norm, w.gate_up, eps), w.down.t())
     return fns.gate_up_mlp(h, w.post_norm, w.gate_up, w.down, eps)
-
-
-def _add_down(fns: "StepFns", h, act, down):
-    """``h += act @ down.T`` in place: cuBLAS's GEMM, or ``fns.add_down`` where set."""
-    if fns.add_down is not None:
-        return fns.add_down(h, act, down)
-    return h.addmm_(act, down.t())
 
 
 @dataclass(frozen=True)
@@ -130,10 +123,6 @@ class StepFns:
     """Only where the post-attention norms' gains are folded into the fused gate|up copies: with
     ``residual_in_place``, decode steps multiply the residual itself by the copy and take the activation from this
     function (:func:`rollout.ops.rms_scaled.silu_mul_rms`) instead of ``gate_up_silu``."""
-    add_down: object = None
-    """With ``residual_in_place``: ``add_down(h, act, down)`` adds the down projection into the residual in place
-    instead of ``h.addmm_(act, down.T)`` (``RolloutConfig.kernels.down_split_rows``:
-    :func:`rollout.ops.split_k.add_down`; ``python -m benchmarks.decode_step --down-splits`` times other counts)."""
 
 
 def compile_piece(fn, mode: str | None = None, options: dict | None = None):
