@@ -180,8 +180,13 @@ class KernelConfig:
     several samples per prompt and prompts of at least ``shared_prefix_columns`` columns, read each prompt's keys
     and values once for all of its samples. 0: off."""
     shared_prefix_columns: int = 512
-    """The fewest prompt columns (the batch's padded width) for which ``shared_prefix_rows`` shares them (H200, 3B, 256
-    rows: 768 columns took 1.51 ms instead of 2.06, 256 columns with 128 decoded 1.43 instead of 1.23)."""
+    """The fewest prompt columns (the batch's padded width) for which ``shared_prefix_rows`` shares them in a pass of
+    their own (H200, 3B, 256 rows: 768 columns took 1.51 ms instead of 2.06, 256 columns with 128 decoded 1.43 instead
+    of 1.23)."""
+    shared_prefix_first_row: bool = True
+    """Below ``shared_prefix_columns`` (with ``shared_prefix_rows``): each row reads its prompt's columns from the
+    first row of its prompt's run instead of its own copy, so the run's rows, launched side by side, read one copy
+    from memory and the GPU's L2 cache serves the others (no pass or merge of its own; the same result)."""
 
     residual_in_place: bool = True
     """Decode steps add each layer's o and down projections into the residual stream in place (the GEMM's own
@@ -200,7 +205,7 @@ class KernelConfig:
     def __post_init__(self) -> None:
         _require_bools(self, "kernels", ("fast_decode", "fast_prefill", "cuda_graphs", "compile", "fused_kv_write",
                                          "fuse_qkv", "fuse_gate_up", "rotary_kernel", "residual_in_place",
-                                         "fold_norms"))
+                                         "fold_norms", "shared_prefix_first_row"))
         for name in ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows"):
             value = getattr(self, name)
             require(is_int(value) and value >= 0, f"kernels.{name}", f"must be an int >= 0 (0: off); got {value!r}")

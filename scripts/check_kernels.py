@@ -197,13 +197,13 @@ def attention_cases() -> list[tuple[str, Callable]]:
 
     from rollout.ops import decode_attention as da
 
-    def call(dtype, heads, kv_heads, dim, *, rows=8, length=1024, splits=None, last=False, samples=0):
+    def call(dtype, heads, kv_heads, dim, *, rows=8, length=1024, splits=None, last=False, samples=0, first_row=False):
         q = torch.zeros(rows, heads, 1, dim, dtype=dtype)
         k = torch.zeros(rows, kv_heads, length, dim, dtype=dtype)
         keep = torch.ones(rows, 1, 1, length, dtype=torch.bool)
         shared = None
         if samples:
-            shared = da.SharedPrefix(torch.arange(rows, dtype=torch.long), samples, torch.tensor(length // 2))
+            shared = da.SharedPrefix(torch.arange(rows, dtype=torch.long), samples, torch.tensor(length // 2), first_row)
         da.attention(q, k, k.clone(), keep, dim ** -0.5, heads != kv_heads, splits=splits, interpret=True,
                      last=torch.tensor(length - 1) if last else None, shared=shared)
 
@@ -217,6 +217,10 @@ def attention_cases() -> list[tuple[str, Callable]]:
         ("attention fp16 head 80 (padded)", lambda: call(torch.float16, 4, 4, 80, splits=2)),
         ("attention shared prompt", lambda: call(bf16, 16, 2, 128, splits=2, samples=4)),
         ("attention shared prompt, last", lambda: call(bf16, 16, 2, 128, splits=2, samples=4, last=True)),
+        ("attention prompt from the first row, one program, last",
+         lambda: call(bf16, 16, 2, 128, splits=1, samples=4, last=True, first_row=True)),
+        ("attention prompt from the first row, split", lambda: call(bf16, 16, 2, 128, splits=2, samples=4,
+                                                                    first_row=True)),
     ]
 
 

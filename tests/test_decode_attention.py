@@ -210,13 +210,17 @@ def _shared_inputs(ids, samples, prefix_end, last, length=150, heads=4, kv_heads
     return q.to(device), k.to(device), v.to(device), keep.to(device), shared, torch.tensor(last, device=device)
 
 
-@pytest.mark.parametrize("ids,samples,prefix_end,last", [
+SHARED_LAYOUTS = [
     ([0, 1, 2, 3, 4, 5, 6, 7], 4, 70, 120),   # two prompts of four samples, in order
     ([0, 1, 5, 6, 3, 9, 2], 4, 70, 149),      # after compactions: runs of 2, 2, 1, 1 and a prompt split in two runs
     ([4, 5, 0, 2, 3, 1], 2, 33, 99),          # planned prompt order; one run cut by another prompt
     ([0, 1, 2, 3, 4], 3, 150, 149),           # the prefix is the whole window
     ([6, 7, 8, 0, 1, 2], 3, 0, 60),           # an empty prefix
-])
+]
+"""Rows (their sample ids), samples per prompt, the prompts' end and the last column of the shared-prompt tests."""
+
+
+@pytest.mark.parametrize("ids,samples,prefix_end,last", SHARED_LAYOUTS)
 @pytest.mark.parametrize("splits,prefix_splits", [(None, None), (1, 1), (3, 2)])
 def test_shared_prefix_equals_sdpa(device, ids, samples, prefix_end, last, splits, prefix_splits):
     """Rows holding copies of one prompt read it once (the prefix pass) and then their own columns: SDPA's
@@ -247,6 +251,50 @@ def test_shared_prefix_reads_one_copy_and_nothing_after_last(device):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     unshared = da.attention(q, poisoned_k, poisoned_v, keep, 0.25, True, interpret=True, last=last_col)
     assert torch.isnan(unshared[1]).all() and not torch.isnan(unshared[0]).any()
+
+
+@pytest.mark.parametrize("ids,samples,prefix_end,last", SHARED_LAYOUTS)
+@pytest.mark.parametrize("splits,block", [(None, 64), (3, 16)])
+def test_prompt_from_the_first_row_is_the_unshared_result(device, ids, samples, prefix_end, last, splits, block):
+    """Each row reading its prompt's columns from its run's first row (``SharedPrefix.first_row``) gives bitwise
+    the kernel's result over every row's own copy, and SDPA's within fp32 rounding, for every layout of runs, prefix
+    length, split count and tile size (tile edges moved onto the prompt's end: with 16-column tiles and a prompt
+    ending at column 70 the first tile starts before column 0)."""
+    q, k, v, keep, shared, last_col = _shared_inputs(ids, samples, prefix_end, last, device=device, seed=len(ids))
+    first_row = dataclasses.replace(shared, first_row=True)
+    assert da.shares_prefix(first_row, 4, 2)
+    got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, last=last_col, shared=first_row,
+                       block=block)
+    own = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, last=last_col, block=block)
+    assert da.failure(q.device) is None
+    assert torch.equal(got, own)
+    torch.testing.assert_close(got, _sdpa(q, k, v, keep, 4, 2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("samples,block", [(4, 64), (3, 16)])
+def test_prompt_from_the_first_row_reads_no_other_copy(device, samples, block):
+    """NaN in the prompt's whole tiles of every row but its run's first cannot reach the output (they are read from
+    the first row only; the tile holding the prompt's end, from each row's own copy), and NaN after the prompt's
+    end in the first rows reaches theirs only. Any number of samples is shared (no tile limit, unlike the prefix
+    pass's 128 queries)."""
+    ids, prefix_end, last = [0, 1, 2, 3, 4, 5, 6, 7], 70, 120
+    q, k, v, keep, shared, last_col = _shared_inputs(ids, samples, prefix_end, last, device=device, seed=3)
+    first_row = dataclasses.replace(shared, first_row=True)
+    expected = _sdpa(q, k, v, keep, 4, 2)
+    leads = [row for row in range(len(ids)) if row == 0 or ids[row - 1] // samples != ids[row] // samples]
+    for poisoned_rows, cols in ((sorted(set(range(len(ids))) - set(leads)), slice(0, prefix_end // block * block)),
+                                (leads, slice(prefix_end, None))):
+        poisoned_k, poisoned_v = k.clone(), v.clone()
+        poisoned_k[poisoned_rows, :, cols], poisoned_v[poisoned_rows, :, cols] = float("nan"), float("nan")
+        clean = [row for row in range(len(ids)) if cols.start == 0 or row not in leads]
+        for splits in (None, 1, 2):
+            got = da.attention(q, poisoned_k, poisoned_v, keep, 0.25, True, splits=splits, interpret=True,
+                               last=last_col, shared=first_row, block=block)
+            torch.testing.assert_close(got[clean], expected[clean], rtol=1e-5, atol=1e-5)
+            assert cols.start == 0 or torch.isnan(got[leads]).all()
+    assert da.shares_prefix(da.SharedPrefix(shared.ids, 17, shared.end, True), 16, 2)
+    assert not da.shares_prefix(da.SharedPrefix(shared.ids, 17, shared.end), 16, 2)
+    assert not da.shares_prefix(da.SharedPrefix(shared.ids, 1, shared.end, True), 16, 2)
 
 
 def test_shared_prefix_takes_one_prompt_end_for_every_row():
@@ -301,10 +349,11 @@ def _same_tokens_and_hf_greedy(outputs, sampling, model, ids, mask, eos) -> None
         _assert_hf_greedy(outputs[0], model, ids, mask, eos, sampling.max_new_tokens, sampling.n_samples_per_prompt)
 
 
-def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts: list | None = None):
+def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts: list | None = None,
+                 modes: list | None = None):
     """``ro``'s step with ``shared_prefix_rows`` and the kernel as its attention (interpreted on the CPU;
     ``attention``: another piece, e.g. SDPA); ``calls`` records whether each call was handed a ``SharedPrefix``
-    (and ``lasts`` whether it was handed the last column)."""
+    (``lasts`` whether it was handed the last column, ``modes`` each ``SharedPrefix.first_row``)."""
     original = ro.runner.fast_step.parts
     attend = attention or functools.partial(da.attention, interpret=True)
 
@@ -312,6 +361,8 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
         calls.append(kwargs.get("shared") is not None)
         if lasts is not None:
             lasts.append(kwargs.get("last") is not None)
+        if modes is not None and kwargs.get("shared") is not None:
+            modes.append(kwargs["shared"].first_row)
         return attend(*args, **kwargs)
 
     ro.runner.fast_step.parts = lambda dev, mirrored: dataclasses.replace(
@@ -327,34 +378,39 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
     SamplingConfig(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=7, n_samples_per_prompt=3),
 ], ids=["greedy", "sampled"])
 def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
-    """The ordinary route with the kernel reading each prompt's columns once for its samples (every batch
-    bucket, and prompts of any length: ``kernels.shared_prefix_columns=1``), prompts of different lengths and
-    rows ending at different steps (compactions into smaller buckets): the same tokens as the kernel reading
-    every row's copy, and, greedy, HF generate's per request (fp32). At the default ``shared_prefix_columns``
-    these 9-column prompts are not shared."""
+    """The ordinary route with the kernel reading each prompt's columns once for its samples in every batch bucket,
+    in a pass of their own (prompts of any length: ``kernels.shared_prefix_columns=1``) and, at the default
+    ``shared_prefix_columns``, which these 9-column prompts are under, from the first row of each prompt's run
+    (``shared_prefix_first_row``), with prompts of different lengths and rows ending at different steps
+    (compactions into smaller buckets): the same tokens as the kernel reading every row's copy, and, greedy, HF
+    generate's per request (fp32). Without ``shared_prefix_first_row`` these prompts are not shared."""
     model, ids, mask, eos = _eos_setup(device, seed=3)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
     short_calls = []
-    short = _with_kernel(
-        Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(cuda_graphs=False))), 1, short_calls,
-                         attention=da.sdpa)
+    short = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(
+        cuda_graphs=False, shared_prefix_first_row=False))), 1, short_calls, attention=da.sdpa)
     short.generate(RolloutRequest(ids, mask), sampling)
     assert ids.shape[1] < KernelConfig().shared_prefix_columns and short.last_stats.decode.shared_prefix_steps == 0
     assert short_calls and not any(short_calls)
     outputs, stats = [], []
-    for rows in (1, 0):
-        calls, lasts = [], []
-        ro = _with_kernel(
-            Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(
-                cuda_graphs=False, shared_prefix_columns=1))), rows, calls, lasts=lasts)
+    # the pass of their own: greedy only (each sampled step runs all 18 rows through the interpreter; the pass's
+    # kernel tests cover it)
+    arms = ((1, 1),) if sampling.is_greedy else ()
+    for rows, columns in arms + ((1, KernelConfig().shared_prefix_columns), (0, 1)):
+        calls, lasts, modes = [], [], []
+        ro = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(
+            cuda_graphs=False, shared_prefix_columns=columns))), rows, calls, lasts=lasts, modes=modes)
         outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
         stats.append(ro.last_stats)
         assert calls and all(calls) == bool(rows) and any(calls) == bool(rows)
         assert all(lasts)  # every step stops at the current column
-    assert stats[0].decode.shared_prefix_steps == stats[0].decode.forwards > 0
-    assert stats[0].cache.compactions >= 1 or not sampling.is_greedy  # greedy rows end early (sampled ones rarely)
-    assert stats[1].decode.shared_prefix_steps == 0
-    _same_tokens_and_hf_greedy(outputs, sampling, model, ids, mask, eos)
+        assert set(modes) == ({columns > 1} if rows else set())  # first_row below shared_prefix_columns
+    for shared in stats[:-1]:
+        assert shared.decode.shared_prefix_steps == shared.decode.forwards > 0
+        assert shared.cache.compactions >= 1 or not sampling.is_greedy  # greedy rows end early (sampled ones rarely)
+    assert stats[-1].decode.shared_prefix_steps == 0
+    for pair in zip(outputs, outputs[1:]):
+        _same_tokens_and_hf_greedy(pair, sampling, model, ids, mask, eos)
 
 
 def test_which_steps_share_the_prompt():
@@ -373,3 +429,7 @@ def test_which_steps_share_the_prompt():
     assert not shares_prefix(parts(0), 256, 4)  # off (and SDPA: FastStep leaves it 0)
     assert not shares_prefix(parts(32), 256, 1)  # one sample a prompt: nothing to share
     assert shares_prefix(parts(32), 256, 16) and not shares_prefix(parts(32), 256, 17)  # 17 x 8 > 128 queries
+    # from each run's first row: no tile limit; still the bucket's threshold and several samples a prompt
+    assert shares_prefix(parts(32), 256, 17, first_row=True) and shares_prefix(parts(32), 32, 2, first_row=True)
+    assert not shares_prefix(parts(32), 24, 4, first_row=True) and not shares_prefix(parts(32), 256, 1, first_row=True)
+    assert not shares_prefix(parts(0), 256, 4, first_row=True)

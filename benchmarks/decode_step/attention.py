@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +126,12 @@ def shared_prefix_variants(rows: int, window: SharedWindow, geo: Geometry) -> li
                lambda n=n: decode_attention.attention(q, k, v, keep, scale, True, last=last, shared=shared,
                                                       prefix_splits=n),
                groups * prefix + rows * (window.filled - prefix)) for n in (1, 2)]
+    # each row reads the prompt's whole tiles from its run's first row (memory serves them once, L2 the rest)
+    tiles = prefix // decode_attention.BLOCK_L * decode_attention.BLOCK_L
+    first_row = dataclasses.replace(shared, first_row=True)
+    cases.append((f"last + the prompt from each run's first row (shared first_row, {tiles} columns)",
+                  lambda: decode_attention.attention(q, k, v, keep, scale, True, last=last, shared=first_row),
+                  groups * tiles + rows * (window.filled - tiles)))
     reference = cases[0][1]().float()
     part = f"attention x{geo.layers}, prefix {prefix}, filled {window.filled}, bucket {window.live}"
     out = []

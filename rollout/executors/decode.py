@@ -222,9 +222,12 @@ def _hf_reason(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool,
     return unsupported_reason(model, fused)
 
 
-def shares_prefix(parts: StepParts, bucket: int, samples: int) -> bool:
+def shares_prefix(parts: StepParts, bucket: int, samples: int, first_row: bool = False) -> bool:
     """Whether an ordinary-route decode step of ``bucket`` rows reads each prompt's columns once for its ``samples``
-    rows (``RolloutConfig.kernels.shared_prefix_rows``, set only where the Triton attention runs; the kernel's tile
-    limit: :func:`decode_attention.one_tile`)."""
+    rows (``RolloutConfig.kernels.shared_prefix_rows``, set only where the Triton attention runs): ``first_row``, each
+    row from its run's first row (any ``samples`` > 1), else in a pass of their own (the kernel's tile limit:
+    :func:`decode_attention.one_tile`)."""
     rows = parts.fns.shared_prefix_rows
+    if first_row:
+        return 0 < rows <= bucket and samples > 1
     return 0 < rows <= bucket and decode_attention.one_tile(samples, parts.spec.num_heads, parts.spec.num_kv_heads)

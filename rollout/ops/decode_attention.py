@@ -18,9 +18,12 @@ arguments let a caller that knows more read less:
 - ``last`` (a scalar tensor): no row attends past this column (inclusive; masked for every row), so the
   columns after it are not read (the ordinary route's length bucket reaches up to 255 columns past it);
 - ``shared`` (:class:`SharedPrefix`): rows holding copies of one prompt's keys and values (the ``n`` samples
-  of a prompt) read that prompt's columns once for all of them, in one tile of ``n x Hq / Hkv`` queries,
+  of a prompt) read that prompt's columns once for all of them, either in one tile of ``n x Hq / Hkv`` queries,
   while other programs of the same launch read each row's own columns after the prompt
-  (``decode_attention_kernel.decode_attention_shared``); their partial softmaxes are merged as the splits' are.
+  (``decode_attention_kernel.decode_attention_shared``; their partial softmaxes are merged as the splits' are), or
+  (``SharedPrefix.first_row``) each row's program from the first row of its run, whose copy the run's other rows
+  read at the same time, so that memory serves it once and the L2 cache the rest: bitwise the result of reading
+  every row's own copy, with no pass or merge of its own.
 
 Where the kernel cannot run (no CUDA tensor, no triton, a GPU before compute capability 8.0, a float mask, more than
 one query) the call falls back to SDPA, so the function is safe to set anywhere; a kernel that fails to
@@ -70,6 +73,10 @@ class SharedPrefix:
     end: torch.Tensor
     """A scalar int64 tensor: the column where the prompts end (the first decode column; exclusive), as a column of
     the window, the same for every row."""
+    first_row: bool = False
+    """How the prompt is read once: False, by a pass of its own whose tile holds the queries of every row of a run
+    (then merged with the rows' own columns); True, by each row's own program from its run's first row, so the run's
+    rows, launched side by side, read one copy from memory and the L2 cache serves the rest (no pass, no merge)."""
 
     def __post_init__(self):
         if self.end.dim() != 0:
@@ -183,7 +190,9 @@ def one_tile(samples: int, heads: int, kv_heads: int) -> bool:
 
 def shares_prefix(shared: Optional[SharedPrefix], heads: int, kv_heads: int) -> bool:
     """Whether :func:`attention` reads the prompts of ``shared`` once per run of rows for these heads."""
-    return shared is not None and one_tile(shared.samples, heads, kv_heads)
+    if shared is None:
+        return False
+    return shared.samples > 1 if shared.first_row else one_tile(shared.samples, heads, kv_heads)
 
 
 def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, shared=None,
@@ -198,7 +207,8 @@ def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, sh
     if splits is None:
         splits = split_count(rows, kv_heads, length, sms, block)
     splits = max(1, min(int(splits), tiles))
-    prefix = shares_prefix(shared, heads, kv_heads)
+    first_row = shares_prefix(shared, heads, kv_heads) and shared.first_row
+    prefix = shares_prefix(shared, heads, kv_heads) and not first_row
     # The prompt's shares: its programs that do work are one per run of rows, not one per row.
     if prefix_splits is None and prefix:
         prefix_splits = split_count(-(-rows // shared.samples), kv_heads, length, sms, block)
@@ -221,9 +231,10 @@ def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, sh
             q, k, v, keep, shared.ids, shared.end, last_ptr, part, stat, *strides, rows, length, prefix_splits, splits,
             float(scale), SAMPLES=shared.samples, M_PAD=pow2_at_least(shared.samples * group, 16), **common)
     else:
+        ids, end, samples = (shared.ids, shared.end, shared.samples) if first_row else (out, out, 1)
         kernels.decode_attention_split[(rows, kv_heads, splits)](
-            q, k, v, keep, out, part, stat, last_ptr, *strides, out.stride(0), out.stride(1), length, splits,
-            float(scale), SINGLE=single, **common)
+            q, k, v, keep, out, part, stat, last_ptr, ids, end, *strides, out.stride(0), out.stride(1), length, splits,
+            float(scale), SINGLE=single, SAMPLES=samples, SAMPLES_PAD=pow2_at_least(samples, 1), **common)
     if not single:
         kernels.decode_attention_merge[(rows, heads)](
             part, stat, out, out.stride(0), out.stride(1), heads, slots,

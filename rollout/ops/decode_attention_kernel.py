@@ -7,9 +7,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _first_kept(keep_row, keep_sl, length, SCAN: tl.constexpr, BLOCK_L: tl.constexpr):
-    # The row's window starts at its first kept column (rounded down to a tile): the tiles of left padding
-    # before it are never read. The scan reads SCAN columns of the mask at a time and stops at the first block
+def _first_kept(keep_row, keep_sl, length, SCAN: tl.constexpr):
+    # The row's first kept column (``length`` when none is): its window starts there (rounded down to a tile by the
+    # caller), so the tiles of left padding before it are never read. The scan reads SCAN columns of the mask at a time and stops at the first block
     # with a kept column (one load for most rows): a scan tile by tile costs a dependent load per tile, ~20 us
     # over 1k columns.
     scan = tl.arange(0, SCAN)
@@ -20,22 +20,44 @@ def _first_kept(keep_row, keep_sl, length, SCAN: tl.constexpr, BLOCK_L: tl.const
         kept = tl.load(keep_row + cols * keep_sl, mask=cols < length, other=0) != 0
         first = tl.minimum(first, tl.min(tl.where(kept, cols, length), 0))
         start += SCAN
-    return (first // BLOCK_L) * BLOCK_L
+    return first
 
 
 @triton.jit
-def _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale,
+def _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale, k_lead, v_lead, end,
             ROWS: tl.constexpr, DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr,
-            PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+            PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, FIRST_ROW: tl.constexpr):
     # An online softmax of the ROWS queries q over columns [lo, hi) of one row's keys and values, in
     # BLOCK_L-column tiles (fp32 scores, probabilities cast to the values' dtype for the second product, as
     # SDPA's flash kernels do): the unnormalised sum, the running maximum and the softmax denominator.
     # DOT_FP32: both products on fp32 operands (only for triton's CPU interpreter, whose bf16 dot is wrong).
-    cols0 = tl.arange(0, BLOCK_L)
+    # FIRST_ROW: the tiles wholly before ``end`` are read from k_lead / v_lead instead of k_base / v_base: the same
+    # prompt's copy in its run's first row, which the run's other rows read at the same time, so the L2 cache serves
+    # them. The same tiles and values as reading k_base / v_base, so bitwise the same result; the tile that holds
+    # ``end`` is read from the row's own copy. Two loops, each over one base, keep the tile addresses a step apart
+    # (one loop choosing a base per tile took ~40 more registers on sm_90, a third loop for the tile holding ``end``
+    # ~60 more).
     top = tl.full((ROWS,), float("-inf"), tl.float32)
     total = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, DIM_PAD), tl.float32)
-    for start in range(lo, hi, BLOCK_L):
+    if FIRST_ROW:
+        edge = tl.minimum(tl.maximum((end // BLOCK_L) * BLOCK_L, lo), hi)  # lo and the tiles: multiples of BLOCK_L
+        acc, top, total = _tiles(q, acc, top, total, k_lead, v_lead, keep_row, k_sl, v_sl, keep_sl, lo, edge, hi, d,
+                                 d_ok, scale, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
+        acc, top, total = _tiles(q, acc, top, total, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, edge, hi, hi, d,
+                                 d_ok, scale, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
+    else:
+        acc, top, total = _tiles(q, acc, top, total, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, hi, d,
+                                 d_ok, scale, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
+    return acc, top, total
+
+
+@triton.jit
+def _tiles(q, acc, top, total, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, until, hi, d, d_ok, scale,
+           EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    # _window's online softmax carried on over the tiles starting in [lo, until), columns before hi.
+    cols0 = tl.arange(0, BLOCK_L)
+    for start in range(lo, until, BLOCK_L):
         cols = start + cols0
         c_ok = cols < hi
         keep = tl.load(keep_row + cols * keep_sl, mask=c_ok, other=0) != 0
@@ -92,18 +114,35 @@ def _store_partials(part_ptr, stat_ptr, slot, ok, acc, top, total, d, DIM_PAD: t
 
 
 @triton.jit
-def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, stat_ptr, last_ptr,
+def _run_lead(ids_ptr, b, SAMPLES: tl.constexpr, SAMPLES_PAD: tl.constexpr):
+    # The first row of b's run: the rows just before b (at most SAMPLES - 1) whose sample ids share b's
+    # id // SAMPLES (the copies of one prompt, adjacent in the batch), read in one load: the run starts after the
+    # last row of the SAMPLES up to b that holds another prompt.
+    back = tl.arange(0, SAMPLES_PAD)
+    rows = b - (SAMPLES - 1) + back
+    inside = (back < SAMPLES) & (rows >= 0)
+    keys = tl.load(ids_ptr + rows, mask=inside, other=0) // SAMPLES
+    other = (back < SAMPLES) & ((rows < 0) | (keys != tl.load(ids_ptr + b) // SAMPLES))
+    return tl.maximum(tl.max(tl.where(other, rows, -1), 0) + 1, b - (SAMPLES - 1))
+
+
+@triton.jit
+def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, stat_ptr, last_ptr, ids_ptr, end_ptr,
                            q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, keep_sb, keep_sl,
                            o_sb, o_sh, length, splits, scale,
                            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
                            DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr, SCAN: tl.constexpr,
                            SINGLE: tl.constexpr, LAST: tl.constexpr,
-                           PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+                           PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SAMPLES: tl.constexpr,
+                           SAMPLES_PAD: tl.constexpr):
     # One program: row b, KV head kv, one share (split) of the row's key window.
     # The GROUP query heads that share KV head kv are the rows of one tile, so each key and value is read
     # once per KV head. The window: from the row's first kept column to the end (LAST: to column *last_ptr,
     # inclusive: the columns after it are masked for every row, so they are not read). What is left is shared
     # among the splits in whole tiles.
+    # SAMPLES > 1: rows whose sample ids (ids_ptr) share id // SAMPLES hold copies of one prompt in columns
+    # [0, *end_ptr); each reads them from its run's first row, so the run's rows, launched side by side, read one
+    # copy between them from memory (the others hit the L2 cache) and need no pass or merge of their own.
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,9 +154,16 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
     q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     keep_row = keep_ptr + b * keep_sb
     stop = _window_end(length, last_ptr, LAST)
-    lo, hi = _share(_first_kept(keep_row, keep_sl, stop, SCAN, BLOCK_L), stop, split, splits, BLOCK_L)
+    first = _first_kept(keep_row, keep_sl, stop, SCAN)
+    k_lead, v_lead, end = k_ptr, v_ptr, 0
+    if SAMPLES > 1:
+        lead = _run_lead(ids_ptr, b, SAMPLES, SAMPLES_PAD)
+        k_lead, v_lead = k_ptr + lead * k_sb + kv * k_sh, v_ptr + lead * v_sb + kv * v_sh
+        end = tl.load(end_ptr).to(tl.int32)
+    lo, hi = _share((first // BLOCK_L) * BLOCK_L, stop, split, splits, BLOCK_L)
     acc, top, total = _window(q, k_ptr + b * k_sb + kv * k_sh, v_ptr + b * v_sb + kv * v_sh, keep_row, k_sl, v_sl,
-                              keep_sl, lo, hi, d, d_ok, scale, GROUP_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
+                              keep_sl, lo, hi, d, d_ok, scale, k_lead, v_lead, end, GROUP_PAD, DIM_PAD, EVEN_D,
+                              BLOCK_L, PRECISION, DOT_FP32, SAMPLES > 1)
     if SINGLE:  # one split: normalise here; a row with nothing kept gets zeros
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -173,9 +219,10 @@ def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, las
             m_ok = member < run
             q = tl.load(q_ptr + row[:, None] * q_sb + heads[:, None] * q_sh + d[None, :],
                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            lo, hi = _share(_first_kept(keep_row, keep_sl, end, SCAN, BLOCK_L), end, share, prefix_splits, BLOCK_L)
-            acc, top, total = _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale,
-                                      M_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
+            first = (_first_kept(keep_row, keep_sl, end, SCAN) // BLOCK_L) * BLOCK_L
+            lo, hi = _share(first, end, share, prefix_splits, BLOCK_L)
+            acc, top, total = _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale, 0, 0,
+                                      0, M_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32, False)
             _store_partials(part_ptr, stat_ptr, (row * heads_of_kv + heads) * slots + share, m_ok, acc, top, total,
                             d, DIM_PAD)
     else:
@@ -185,8 +232,8 @@ def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, las
         q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
                     other=0.0)
         lo, hi = _share(end, _window_end(length, last_ptr, LAST), share - prefix_splits, splits, BLOCK_L)
-        acc, top, total = _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale,
-                                  GROUP_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
+        acc, top, total = _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale, 0, 0, 0,
+                                  GROUP_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32, False)
         _store_partials(part_ptr, stat_ptr, (b * heads_of_kv + heads) * slots + share, g_ok, acc, top, total, d,
                         DIM_PAD)
 

@@ -101,14 +101,16 @@ class DecodeBuffers:
 
 def decode_step(parts: StepParts, cache, bufs: DecodeBuffers, shape: tuple[int, int], sampler: Sampler,
                 eos_ids: Optional[torch.Tensor], *, has_seen: bool, with_logprobs: bool = False,
-                samples: int = 1, budgets: bool = False) -> None:
+                samples: int = 1, first_row: bool = False, budgets: bool = False) -> None:
     """The captured work of one step over ``shape = (batch bucket, length bucket)``: logits, token choice,
     and every buffer update (no host sync). The attention reads no column past the current one (masked for
-    every row) and, where :func:`shares_prefix`, each prompt's columns once for its ``samples`` rows."""
+    every row) and, where :func:`shares_prefix`, each prompt's columns once for its ``samples`` rows (``first_row``:
+    each row from its run's first row, ``SharedPrefix.first_row``)."""
     bucket, length = shape
     keep = (bufs.valid[:bucket, :length] & (bufs.cols[:length] <= bufs.col))[:, None, None, :]
-    shared = SharedPrefix(bufs.rows[:bucket], samples, bufs.prefix_end) if shares_prefix(parts, bucket, samples) \
-        else None
+    shared = None
+    if shares_prefix(parts, bucket, samples, first_row):
+        shared = SharedPrefix(bufs.rows[:bucket], samples, bufs.prefix_end, first_row)
     logits = decode_logits(parts, cache.key_storage[:, :bucket], cache.value_storage[:, :bucket],
                            bufs.tokens[:bucket], bufs.positions[:bucket], bufs.col, keep, last=bufs.col, shared=shared)
     seen = bufs.seen[:bucket] if has_seen else None

@@ -46,10 +46,13 @@ class OrdinaryExecutor:
             if order.num_samples > 1 and self.scratch is None:
                 self.scratch = ScratchArena.like(cache.shape)
         try:
-            # a prompt's samples read its columns once where the prompts are long enough for it to pay
-            long_prompts = choice.is_fast and batch.ids.shape[1] >= self.fast_step.kernels.shared_prefix_columns
-            sharing = order.num_samples if long_prompts else 1
-            static = self.static_decode(ctx, choice, cache, num_rows, sharing) if choice.is_fast else None
+            # a prompt's samples read its columns once: in a pass of their own where the prompts are long enough for
+            # it to pay, else (kernels.shared_prefix_first_row) each from the first row of its prompt's run
+            kernels = self.fast_step.kernels if choice.is_fast else None
+            long_prompts = kernels is not None and batch.ids.shape[1] >= kernels.shared_prefix_columns
+            first_row = kernels is not None and not long_prompts and kernels.shared_prefix_first_row
+            sharing = order.num_samples if long_prompts or first_row else 1
+            static = self.static_decode(ctx, choice, cache, num_rows, sharing, first_row) if choice.is_fast else None
             state = generate_ordinary(ctx, cache, batch, order, static, self.scratch)
         finally:
             with ctx.stage(stages.CACHE_RELEASE):
@@ -66,10 +69,10 @@ class OrdinaryExecutor:
         return Generation(state.generated[:, :state.num_steps], logprobs, stats)
 
     def static_decode(self, ctx: CallContext, choice: DecodeChoice, cache, num_rows: int,
-                      samples: int = 1) -> StaticDecode:
+                      samples: int = 1, first_row: bool = False) -> StaticDecode:
         """Buffers for this call (reused while they fit) and its step function (graphs keyed per call);
         ``samples``: rows per prompt whose prompt's columns may be read once for all of them (1: every row
-        reads its own copy)."""
+        reads its own copy); ``first_row``: read by each row from its run's first row, not in a pass of their own."""
         sampling, device = ctx.sampling, ctx.device
         bucket = batch_bucket(num_rows)
         if self.buffers is None or not self.buffers.fits(bucket, cache.shape.capacity, sampling.max_new_tokens,
@@ -84,7 +87,7 @@ class OrdinaryExecutor:
         use_graphs = choice.path == "graph"
         budgets = ctx.row_budgets is not None
         key = (sampling_key(sampling), ctx.eos.ids, has_seen, cache.key_storage.data_ptr(),
-               tuple(cache.key_storage.shape), parts.weights.signature(), samples, budgets)
+               tuple(cache.key_storage.shape), parts.weights.signature(), samples, first_row, budgets)
         eos = self.eos_tensors.setdefault(ctx.eos.ids, ctx.eos.tensor) if use_graphs else ctx.eos.tensor
 
         def step(live_len: int, rows: int) -> str:
@@ -92,14 +95,14 @@ class OrdinaryExecutor:
 
             def work():
                 decode_step(parts, cache, bufs, shape, ctx.sampler, eos, has_seen=has_seen,
-                            with_logprobs=ctx.with_logprobs, samples=samples, budgets=budgets)
+                            with_logprobs=ctx.with_logprobs, samples=samples, first_row=first_row, budgets=budgets)
 
             if not use_graphs:
                 work()
                 return EAGER
             return self.graphs.replay((shape, key), work, bufs.mutable())
 
-        return StaticDecode(bufs, step, lambda rows: shares_prefix(parts, rows, samples))
+        return StaticDecode(bufs, step, lambda rows: shares_prefix(parts, rows, samples, first_row))
 
     def release(self) -> None:
         """Drop the static buffers, the prefill scratch and the captured graphs (``keep_cache=False``)."""
