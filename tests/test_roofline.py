@@ -57,6 +57,23 @@ def test_call_roofline_expands_samples_but_prefills_each_prompt_once():
     assert call_roofline_s([2, 3], 2, [1, 3, 1, 3], GEO, Rates(10.0, 1e12)) == pytest.approx(13.0 + 15.0 + 6.0)
 
 
+def test_a_prompt_read_once_for_its_live_samples():
+    """``samples``: a prompt's keys and values count once a step while any of its rows is live; the FLOPs do not
+    change. Prompts of 4 and 2 tokens, 2 samples each (rows 0, 1 and 2, 3), lengths 3, 2, 2, 2: at t=1 every row is
+    live, bytes 60 + 10 x (4 + 2 + 4 x 1) = 160 (per row: 60 + 10 x (4 + 4 + 2 + 2 + 4) = 220); at t=2 only row 0,
+    bytes 60 + 10 x (4 + 2) = 120 either way."""
+    prompts, lengths, rates = [4, 4, 2, 2], [3, 2, 2, 2], Rates(10.0, 1e12)
+    assert decode_roofline_s(prompts, lengths, GEO, rates) == pytest.approx(22.0 + 12.0)
+    assert decode_roofline_s(prompts, lengths, GEO, rates, samples=2) == pytest.approx(16.0 + 12.0)
+    flops_bound = Rates(1e12, 1.0)  # FLOPs: t=1 4 x 10 + 16 = 56, t=2 10 + 6 = 16, with or without the sharing
+    assert decode_roofline_s(prompts, lengths, GEO, flops_bound, samples=2) == pytest.approx(56.0 + 16.0)
+    assert decode_roofline_s(prompts, lengths, GEO, flops_bound) == pytest.approx(56.0 + 16.0)
+    one = call_roofline_s([4, 2], 2, lengths, GEO, rates, prompt_once=True)
+    assert one == pytest.approx(prefill_roofline_s([4, 2], GEO, rates) + 28.0)
+    assert call_roofline_s([4, 2], 1, [3, 2], GEO, rates, prompt_once=True) == call_roofline_s([4, 2], 1, [3, 2],
+                                                                                                 GEO, rates)
+
+
 def test_rates_from_the_printed_units_and_their_checks():
     rates = Rates.measured(4000.0, 750.0)
     assert (rates.copy_bytes_s, rates.gemm_flops_s) == (4e12, 7.5e14)

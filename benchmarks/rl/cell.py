@@ -131,11 +131,14 @@ def candidate_row(bench: Bench, cell: CellSpec, run: CandidateRun, prompt_lens: 
     walls = run.walls_ms
     tokens = [sum(lengths) for lengths in run.lengths]
     rooflines = [call_roofline_s(prompt_lens, cell.n, lengths, bench.geometry, bench.rates) for lengths in run.lengths]
+    once_ms = 1000.0 * statistics.mean(call_roofline_s(prompt_lens, cell.n, lengths, bench.geometry, bench.rates, True)
+                                       for lengths in run.lengths)
     prefill = prefill_roofline_s(prompt_lens, bench.geometry, bench.rates)
     drawn = common.get("seeds", 1) > 1  # the calls drew different tokens: lengths over all of them
     stats = length_stats([n for lengths in run.lengths for n in lengths] if drawn else run.lengths[-1])
     print(f"  {run.cand.name}: lengths mean {stats['mean']:.1f} p50 {stats['p50']} p90 {stats['p90']} "
-          f"max {stats['max']}; {statistics.mean(walls):.0f} ms", flush=True)
+          f"max {stats['max']}; {statistics.mean(walls):.0f} ms; roofline {statistics.mean(rooflines) * 1e3:.0f} ms, "
+          f"{once_ms:.0f} ms with each prompt read once a step", flush=True)
     wall = statistics.mean(walls)
     roofline_ms = statistics.mean(rooflines) * 1000.0
     same = None
@@ -150,7 +153,8 @@ def candidate_row(bench: Bench, cell: CellSpec, run: CandidateRun, prompt_lens: 
                 response_tokens=statistics.mean(tokens), tok_s=statistics.mean(tokens) / (wall / 1000.0),
                 wall_ms=wall, wall_ms_min=min(walls), wall_ms_max=max(walls), walls_ms=[round(w, 2) for w in walls],
                 roofline_ms=roofline_ms, prefill_roofline_ms=prefill * 1000.0,
-                x_roofline=wall / roofline_ms if roofline_ms > 0 else None,
+                x_roofline=wall / roofline_ms if roofline_ms > 0 else None, roofline_prompt_once_ms=once_ms,
+                x_roofline_prompt_once=wall / once_ms if once_ms > 0 else None,
                 gpu_busy_pct=run.busy[0], gpu_busy_note=run.busy[1],
                 peak_gib=max(run.peaks_bytes) / 2 ** 30 if run.peaks_bytes else None,
                 route=route if run.cand.route != "deepspeed" else "deepspeed-no-cb",

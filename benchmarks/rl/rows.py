@@ -41,6 +41,10 @@ class RlRow:
     roofline_ms: Optional[float] = None
     prefill_roofline_ms: Optional[float] = None
     x_roofline: Optional[float] = None
+    roofline_prompt_once_ms: Optional[float] = None
+    """The roofline with each prompt's keys and values read once a decode step for its live samples (``prompt_once``
+    of ``instrumentation.roofline.call_roofline_s``): what a step reading each prompt once must read."""
+    x_roofline_prompt_once: Optional[float] = None
     gpu_busy_pct: Optional[float] = None
     gpu_busy_note: str = ""
     peak_gib: Optional[float] = None
