@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import step as bench
+from tests.ds_util import free_port
 
 
 def test_longtail_lengths_are_long_tailed_within_the_budget_and_fixed_by_the_seed():
@@ -21,12 +22,14 @@ def test_longtail_lengths_are_long_tailed_within_the_budget_and_fixed_by_the_see
 
 
 def run_benchmark(*launch: str) -> subprocess.CompletedProcess:
-    """``python *launch`` in its own process (the benchmark sets the rendezvous variables and a process group),
-    from the repository, on the CPU's embedded tiny models; asserts it exited 0."""
+    """``python *launch`` in its own process (the benchmark sets the rendezvous variables and a process group, on a
+    free port of its own here: two such tests in parallel would both take the benchmark's default), from the
+    repository, on the CPU's embedded tiny models; asserts it exited 0."""
     repo = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, *launch, "--student", "", "--teacher", ""], capture_output=True, text=True,
-                          cwd=repo, timeout=600, env={**env, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+                          cwd=repo, timeout=600, env={**env, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1",
+                                                      "MASTER_PORT": str(free_port())})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
