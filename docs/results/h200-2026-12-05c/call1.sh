@@ -12,9 +12,9 @@ run shared 120 python -m benchmarks.decode_step --rows 256 128 --live 1280 --par
 grep -E "^\| (256|128) " $OUT/call1-shared.txt | cut -c1-250
 # the opsd-uniform rollout and the long-tail cell: the defaults (the prompt from each run's first row) against
 # kernels.shared_prefix_first_row=False, interleaved
-run rl 200 python -m benchmarks.rl --cells opsd-uniform --candidates auto --twin kernels.shared_prefix_first_row=False --repeats 3 --busy off --commit-label eba2827 --json $OUT/call1-rl.json
+run rl 200 python -m benchmarks.rl --cells opsd-uniform --candidates auto --twin kernels.shared_prefix_first_row=False --repeats 3 --busy off --commit-label 3cc4287 --json $OUT/call1-rl.json
 tail -5 $OUT/call1-rl.txt | cut -c1-250
-run rllong 150 python -m benchmarks.rl --cells longtail-64-1024 --candidates auto --twin kernels.shared_prefix_first_row=False --repeats 3 --busy off --commit-label eba2827 --eos-scales docs/results/h200-2026-12-01/rl-scales-3b.json --json $OUT/call1-rllong.json
+run rllong 150 python -m benchmarks.rl --cells longtail-64-1024 --candidates auto --twin kernels.shared_prefix_first_row=False --repeats 3 --busy off --commit-label 3cc4287 --eos-scales docs/results/h200-2026-12-01/rl-scales-3b.json --json $OUT/call1-rllong.json
 tail -5 $OUT/call1-rllong.txt | cut -c1-250
 # the OPSD step at RL scale (uniform and long-tail cells, 3 timed steps each) at the new defaults
 run step 280 python -m benchmarks.step --cells uniform,longtail --paths packed --steps 3 --out $OUT/call1-step.json

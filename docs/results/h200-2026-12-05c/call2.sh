@@ -12,8 +12,8 @@ run shared 120 python -m benchmarks.decode_step --rows 256 128 --live 1280 --par
 grep -E "^\| (256|128) " $OUT/call2-shared.txt | cut -c1-250
 # the opsd-uniform rollout and the long-tail cell: the defaults (the prompt from each run's first row) against
 # kernels.shared_prefix_first_row=False, interleaved
-run rl 200 python -m benchmarks.rl --cells opsd-uniform --candidates auto --twin kernels.shared_prefix_first_row=False --repeats 3 --busy off --commit-label eba2827 --json $OUT/call2-rl.json
+run rl 200 python -m benchmarks.rl --cells opsd-uniform --candidates auto --twin kernels.shared_prefix_first_row=False --repeats 3 --busy off --commit-label 3cc4287 --json $OUT/call2-rl.json
 tail -5 $OUT/call2-rl.txt | cut -c1-250
-run rllong 150 python -m benchmarks.rl --cells longtail-64-1024 --candidates auto --twin kernels.shared_prefix_first_row=False --repeats 3 --busy off --commit-label eba2827 --eos-scales docs/results/h200-2026-12-01/rl-scales-3b.json --json $OUT/call2-rllong.json
+run rllong 150 python -m benchmarks.rl --cells longtail-64-1024 --candidates auto --twin kernels.shared_prefix_first_row=False --repeats 3 --busy off --commit-label 3cc4287 --eos-scales docs/results/h200-2026-12-01/rl-scales-3b.json --json $OUT/call2-rllong.json
 tail -5 $OUT/call2-rllong.txt | cut -c1-250
 cat $D
