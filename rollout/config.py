@@ -177,17 +177,17 @@ class KernelConfig:
     each layer's o projection and residual add as one Triton kernel (``rollout.ops.skinny_linear``). 0: off."""
     shared_prefix_rows: int = 32
     """With the Triton attention on CUDA: ordinary-route decode steps of at least this many rows, in calls with
-    several samples per prompt, read each prompt's keys and values once for all of its samples (as
-    ``shared_prefix_first_row`` says). 0: off."""
-    shared_prefix_first_row: bool = True
-    """How ``shared_prefix_rows`` shares: each row reads its prompt's whole tiles from the first row of its prompt's
-    run instead of its own copy, so the run's rows, launched side by side, read one copy from memory and the L2 cache
-    serves the others (no pass or merge; bitwise the same result; H100, 3B, 256 rows, 704 columns of which 254 prompt:
-    2.60 ms, the pass 2.74, none 3.02). False: the pass, for prompts of at least ``shared_prefix_columns`` columns."""
+    several samples per prompt and prompts of at least ``shared_prefix_columns`` columns, read each prompt's keys
+    and values once for all of its samples. 0: off."""
     shared_prefix_columns: int = 512
-    """Without ``shared_prefix_first_row``: the fewest prompt columns (the batch's padded width) that the pass of their
-    own shares (H200, 3B, 256 rows: 768 columns took 1.51 ms instead of 2.06, 256 columns with 128 decoded 1.43
-    instead of 1.23)."""
+    """The fewest prompt columns (the batch's padded width) for which ``shared_prefix_rows`` shares them in a pass of
+    their own (H200, 3B, 256 rows: 768 columns took 1.51 ms instead of 2.06, 256 columns with 128 decoded 1.43 instead
+    of 1.23)."""
+    shared_prefix_first_row: bool = True
+    """Below ``shared_prefix_columns`` (with ``shared_prefix_rows``): each row reads its prompt's whole tiles from the
+    first row of its prompt's run instead of its own copy, so the run's rows, launched side by side, read one copy
+    from memory and the L2 cache serves the others (no pass or merge; bitwise the same result; H100, 3B, 256 rows, 704
+    columns of which 254 prompt: 2.60 ms, the pass 2.74, none 3.02; the opsd-uniform rollout 5.8% faster)."""
 
     residual_in_place: bool = True
     """Decode steps add each layer's o and down projections into the residual stream in place (the GEMM's own

@@ -378,12 +378,12 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
     SamplingConfig(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=7, n_samples_per_prompt=3),
 ], ids=["greedy", "sampled"])
 def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
-    """The ordinary route with the kernel reading each prompt's columns once for its samples in every batch bucket:
-    from the first row of each prompt's run (``kernels.shared_prefix_first_row``, the default) and, without it, in a
-    pass of their own (prompts of any length: ``shared_prefix_columns=1``), with prompts of different lengths and
-    rows ending at different steps (compactions into smaller buckets): the same tokens as the kernel reading every
-    row's copy, and, greedy, HF generate's per request (fp32). Without either, these 9-column prompts (under the
-    default ``shared_prefix_columns``) are not shared."""
+    """The ordinary route with the kernel reading each prompt's columns once for its samples in every batch bucket,
+    in a pass of their own (prompts of any length: ``kernels.shared_prefix_columns=1``) and, at the default
+    ``shared_prefix_columns``, which these 9-column prompts are under, from the first row of each prompt's run
+    (``shared_prefix_first_row``), with prompts of different lengths and rows ending at different steps
+    (compactions into smaller buckets): the same tokens as the kernel reading every row's copy, and, greedy, HF
+    generate's per request (fp32). Without ``shared_prefix_first_row`` these prompts are not shared."""
     model, ids, mask, eos = _eos_setup(device, seed=3)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
     short_calls = []
@@ -395,17 +395,16 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
     outputs, stats = [], []
     # the pass of their own: greedy only (each sampled step runs all 18 rows through the interpreter; the pass's
     # kernel tests cover it)
-    arms = ((1, False),) if sampling.is_greedy else ()
-    for rows, first_row in arms + ((1, True), (0, True)):
+    arms = ((1, 1),) if sampling.is_greedy else ()
+    for rows, columns in arms + ((1, KernelConfig().shared_prefix_columns), (0, 1)):
         calls, lasts, modes = [], [], []
         ro = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(
-            cuda_graphs=False, shared_prefix_first_row=first_row, shared_prefix_columns=1))), rows, calls,
-            lasts=lasts, modes=modes)
+            cuda_graphs=False, shared_prefix_columns=columns))), rows, calls, lasts=lasts, modes=modes)
         outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
         stats.append(ro.last_stats)
         assert calls and all(calls) == bool(rows) and any(calls) == bool(rows)
         assert all(lasts)  # every step stops at the current column
-        assert set(modes) == ({first_row} if rows else set())
+        assert set(modes) == ({columns > 1} if rows else set())  # first_row below shared_prefix_columns
     for shared in stats[:-1]:
         assert shared.decode.shared_prefix_steps == shared.decode.forwards > 0
         assert shared.cache.compactions >= 1 or not sampling.is_greedy  # greedy rows end early (sampled ones rarely)

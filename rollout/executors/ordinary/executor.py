@@ -46,11 +46,11 @@ class OrdinaryExecutor:
             if order.num_samples > 1 and self.scratch is None:
                 self.scratch = ScratchArena.like(cache.shape)
         try:
-            # a prompt's samples read its columns once: each from the first row of its prompt's run
-            # (kernels.shared_prefix_first_row), else in a pass of their own where the prompts are long enough for it
+            # a prompt's samples read its columns once: in a pass of their own where the prompts are long enough for
+            # it to pay, else (kernels.shared_prefix_first_row) each from the first row of its prompt's run
             kernels = self.fast_step.kernels if choice.is_fast else None
-            first_row = kernels is not None and kernels.shared_prefix_first_row
             long_prompts = kernels is not None and batch.ids.shape[1] >= kernels.shared_prefix_columns
+            first_row = kernels is not None and not long_prompts and kernels.shared_prefix_first_row
             sharing = order.num_samples if long_prompts or first_row else 1
             static = self.static_decode(ctx, choice, cache, num_rows, sharing, first_row) if choice.is_fast else None
             state = generate_ordinary(ctx, cache, batch, order, static, self.scratch)
