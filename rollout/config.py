@@ -187,7 +187,7 @@ class KernelConfig:
     """Below ``shared_prefix_columns`` (with ``shared_prefix_rows``): each row reads its prompt's whole tiles from the
     first row of its prompt's run instead of its own copy, so the run's rows, launched side by side, read one copy
     from memory and the L2 cache serves the others (no pass or merge; bitwise the same result; H100, 3B, 256 rows, 704
-    columns of which 254 prompt: 2.60 ms, the pass 2.74, none 3.02; the opsd-uniform rollout 5.8% faster)."""
+    columns of which 254 prompt: 2.60 ms, the pass 2.74-3.20, none 3.02; the opsd-uniform rollout 5.8% faster)."""
 
     residual_in_place: bool = True
     """Decode steps add each layer's o and down projections into the residual stream in place (the GEMM's own
