@@ -9,9 +9,9 @@ import triton.language as tl
 @triton.jit
 def _first_kept(keep_row, keep_sl, length, SCAN: tl.constexpr):
     # The row's first kept column (``length`` when none is): its window starts there (rounded down to a tile by the
-    # caller), so the tiles of left padding before it are never read. The scan reads SCAN columns of the mask at a time and stops at the first block
-    # with a kept column (one load for most rows): a scan tile by tile costs a dependent load per tile, ~20 us
-    # over 1k columns.
+    # caller), so the tiles of left padding before it are never read. The scan reads SCAN columns of the mask at a
+    # time and stops at the first block with a kept column (one load for most rows): a scan tile by tile costs a
+    # dependent load per tile, ~20 us over 1k columns.
     scan = tl.arange(0, SCAN)
     first = length
     start = 0
