@@ -354,9 +354,8 @@ def table(rows: list) -> str:
         teacher, student = dev("teacher_forward", "logit_cache"), dev("student_forward", "loss", "backward")
         out.append([cell, path, f"{med(lambda r: r.step_s):.2f}", f"{roof('step') / 1e3:.2f}",
                     f"{med(lambda r: r.step_s * 1e3 / r.roofline_ms['step']):.2f}",
-                    f"{dev('rollout') / 1e3:.2f} ({dev('rollout') / roof('rollout'):.2f}x"
-                    + (f"; {dev('rollout') / roof('rollout_prompt_once'):.2f}x, prompts once)"
-                       if all('rollout_prompt_once' in r.roofline_ms for r in sel) else ")"),
+                    f"{dev('rollout') / 1e3:.2f} ({dev('rollout') / roof('rollout'):.2f}x; "
+                    f"{dev('rollout') / roof('rollout_prompt_once'):.2f}x, prompts once)",
                     f"{teacher / 1e3:.2f} ({teacher / roof('teacher'):.2f}x)",
                     f"{student / 1e3:.2f} ({student / roof('student'):.2f}x)",
                     f"{dev('loss') / 1e3:.2f}", f"{dev('optimizer_step') / 1e3:.2f}",

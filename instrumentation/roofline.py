@@ -16,6 +16,7 @@ the measured figures (a 6.17 GB read at 4.25 TB/s: 1.45 ms).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -64,18 +65,20 @@ def decode_step_floor_s(geo: ModelGeometry, live_tokens: int, rates: Rates) -> f
 
 
 def decode_steps(prompt_lens: Sequence[int], response_lens: Sequence[int], geo: ModelGeometry,
-                 samples: int = 0) -> Iterator[tuple[float, float, int]]:
+                 samples: int = 1) -> Iterator[tuple[float, float, int]]:
     """``(bytes_t, flops_t, live rows)`` of every decode step t = 1 .. max(L) - 1.
 
     Row r (real prompt tokens P_r, realised response length L_r) is live at step t iff L_r > t (the first
     response token comes from the prefill's logits; step t produces token t + 1); its current length is
-    P_r + t. bytes_t = weight_bytes + kv_bytes_per_token * sum over live rows of (P_r + t);
-    flops_t = sum over live rows of [2 * (nonembedding_params + lm_head_params) + attn_flops_per_key * (P_r + t)].
-    ``samples`` > 0 (rows r // samples share one prompt): a prompt's keys and values count once a step while any of
-    its rows is live (what a step that reads each prompt once for its samples must read), the FLOPs as above.
+    P_r + t. bytes_t = weight_bytes + kv_bytes_per_token * [sum over live rows of t + sum over the prompts with a
+    live row of P]; flops_t = sum over live rows of [2 * (nonembedding_params + lm_head_params) + attn_flops_per_key *
+    (P_r + t)]. Rows r // ``samples`` share one prompt, read once a step for its live rows (1, the issue-15
+    roofline: every row its own prompt; n: what a step that reads each prompt once for its n samples must read).
     """
     if len(prompt_lens) != len(response_lens):
         raise ValueError(f"prompt_lens/response_lens: lengths differ ({len(prompt_lens)} vs {len(response_lens)})")
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples: must be an int >= 1; got {samples!r}")
     if not response_lens:
         return
     order = sorted(range(len(response_lens)), key=lambda i: response_lens[i])
@@ -83,26 +86,23 @@ def decode_steps(prompt_lens: Sequence[int], response_lens: Sequence[int], geo: 
     prompts = [prompt_lens[i] for i in order]
     dense = 2 * (geo.nonembedding_params + geo.lm_head_params)
     live, live_prompt, first = len(lens), sum(prompts), 0
-    rows_of = {} if samples > 0 else None  # prompt -> its live rows
-    for i in order if samples > 0 else ():
-        rows_of[i // samples] = rows_of.get(i // samples, 0) + 1
-    read_prompt = sum(prompt_lens[group * samples] for group in rows_of) if samples > 0 else live_prompt
+    rows_of = Counter(i // samples for i in order)  # prompt -> its live rows
+    read_prompt = sum(prompt_lens[group * samples] for group in rows_of)  # the prompts with a live row, once each
     for t in range(1, lens[-1]):
         while first < len(lens) and lens[first] <= t:  # rows that ended before step t leave
             live -= 1
             live_prompt -= prompts[first]
-            if samples > 0:
-                group = order[first] // samples
-                rows_of[group] -= 1
-                read_prompt -= prompts[first] if rows_of[group] == 0 else 0
+            group = order[first] // samples
+            rows_of[group] -= 1
+            read_prompt -= prompts[first] if rows_of[group] == 0 else 0
             first += 1
         context = live_prompt + live * t
-        read = (read_prompt if samples > 0 else live_prompt) + live * t
+        read = read_prompt + live * t
         yield geo.weight_bytes + geo.kv_bytes_per_token * read, live * dense + geo.attn_flops_per_key * context, live
 
 
 def decode_roofline_s(prompt_lens: Sequence[int], response_lens: Sequence[int], geo: ModelGeometry,
-                      rates: Rates, samples: int = 0) -> float:
+                      rates: Rates, samples: int = 1) -> float:
     """Sum over decode steps (:func:`decode_steps`, ``samples`` as there) of max(bytes_t / copy rate, flops_t / GEMM
     rate)."""
     return sum(max(step_bytes / rates.copy_bytes_s, step_flops / rates.gemm_flops_s)
@@ -129,7 +129,7 @@ def call_roofline_s(unique_prompt_lens: Sequence[int], n: int, response_lens: Se
     for its live samples (the issue-15 roofline, the default, reads them once per row)."""
     expanded = [p for p in unique_prompt_lens for _ in range(n)]
     return prefill_roofline_s(unique_prompt_lens, geo, rates) + decode_roofline_s(
-        expanded, response_lens, geo, rates, n if prompt_once else 0)
+        expanded, response_lens, geo, rates, n if prompt_once else 1)
 
 
 #: Bytes an AdamW step moves per parameter: reads fp32 master, gradient, both moments (16); writes master,

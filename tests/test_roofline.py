@@ -68,6 +68,8 @@ def test_a_prompt_read_once_for_its_live_samples():
     flops_bound = Rates(1e12, 1.0)  # FLOPs: t=1 4 x 10 + 16 = 56, t=2 10 + 6 = 16, with or without the sharing
     assert decode_roofline_s(prompts, lengths, GEO, flops_bound, samples=2) == pytest.approx(56.0 + 16.0)
     assert decode_roofline_s(prompts, lengths, GEO, flops_bound) == pytest.approx(56.0 + 16.0)
+    with pytest.raises(ValueError, match="samples"):
+        decode_roofline_s(prompts, lengths, GEO, rates, samples=0)
     one = call_roofline_s([4, 2], 2, lengths, GEO, rates, prompt_once=True)
     assert one == pytest.approx(prefill_roofline_s([4, 2], GEO, rates) + 28.0)
     assert call_roofline_s([4, 2], 1, [3, 2], GEO, rates, prompt_once=True) == call_roofline_s([4, 2], 1, [3, 2],

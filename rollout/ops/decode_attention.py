@@ -207,8 +207,8 @@ def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, sh
     if splits is None:
         splits = split_count(rows, kv_heads, length, sms, block)
     splits = max(1, min(int(splits), tiles))
-    first_row = shares_prefix(shared, heads, kv_heads) and shared.first_row
-    prefix = shares_prefix(shared, heads, kv_heads) and not first_row
+    sharing = shares_prefix(shared, heads, kv_heads)
+    first_row, prefix = sharing and shared.first_row, sharing and not shared.first_row
     # The prompt's shares: its programs that do work are one per run of rows, not one per row.
     if prefix_splits is None and prefix:
         prefix_splits = split_count(-(-rows // shared.samples), kv_heads, length, sms, block)

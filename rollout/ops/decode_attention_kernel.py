@@ -7,11 +7,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _first_kept(keep_row, keep_sl, length, SCAN: tl.constexpr):
-    # The row's first kept column (``length`` when none is): its window starts there (rounded down to a tile by the
-    # caller), so the tiles of left padding before it are never read. The scan reads SCAN columns of the mask at a
-    # time and stops at the first block with a kept column (one load for most rows): a scan tile by tile costs a
-    # dependent load per tile, ~20 us over 1k columns.
+def _first_kept(keep_row, keep_sl, length, SCAN: tl.constexpr, BLOCK_L: tl.constexpr):
+    # The row's window starts at its first kept column (rounded down to a tile): the tiles of left padding
+    # before it are never read. The scan reads SCAN columns of the mask at a time and stops at the first block
+    # with a kept column (one load for most rows): a scan tile by tile costs a dependent load per tile, ~20 us
+    # over 1k columns.
     scan = tl.arange(0, SCAN)
     first = length
     start = 0
@@ -20,7 +20,7 @@ def _first_kept(keep_row, keep_sl, length, SCAN: tl.constexpr):
         kept = tl.load(keep_row + cols * keep_sl, mask=cols < length, other=0) != 0
         first = tl.minimum(first, tl.min(tl.where(kept, cols, length), 0))
         start += SCAN
-    return first
+    return (first // BLOCK_L) * BLOCK_L
 
 
 @triton.jit
@@ -154,13 +154,12 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
     q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     keep_row = keep_ptr + b * keep_sb
     stop = _window_end(length, last_ptr, LAST)
-    first = _first_kept(keep_row, keep_sl, stop, SCAN)
     k_lead, v_lead, end = k_ptr, v_ptr, 0
     if SAMPLES > 1:
         lead = _run_lead(ids_ptr, b, SAMPLES, SAMPLES_PAD)
         k_lead, v_lead = k_ptr + lead * k_sb + kv * k_sh, v_ptr + lead * v_sb + kv * v_sh
         end = tl.load(end_ptr).to(tl.int32)
-    lo, hi = _share((first // BLOCK_L) * BLOCK_L, stop, split, splits, BLOCK_L)
+    lo, hi = _share(_first_kept(keep_row, keep_sl, stop, SCAN, BLOCK_L), stop, split, splits, BLOCK_L)
     acc, top, total = _window(q, k_ptr + b * k_sb + kv * k_sh, v_ptr + b * v_sb + kv * v_sh, keep_row, k_sl, v_sl,
                               keep_sl, lo, hi, d, d_ok, scale, k_lead, v_lead, end, GROUP_PAD, DIM_PAD, EVEN_D,
                               BLOCK_L, PRECISION, DOT_FP32, SAMPLES > 1)
@@ -219,8 +218,7 @@ def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, las
             m_ok = member < run
             q = tl.load(q_ptr + row[:, None] * q_sb + heads[:, None] * q_sh + d[None, :],
                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            first = (_first_kept(keep_row, keep_sl, end, SCAN) // BLOCK_L) * BLOCK_L
-            lo, hi = _share(first, end, share, prefix_splits, BLOCK_L)
+            lo, hi = _share(_first_kept(keep_row, keep_sl, end, SCAN, BLOCK_L), end, share, prefix_splits, BLOCK_L)
             acc, top, total = _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale, 0, 0,
                                       0, M_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32, False)
             _store_partials(part_ptr, stat_ptr, (row * heads_of_kv + heads) * slots + share, m_ok, acc, top, total,
