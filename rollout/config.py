@@ -188,12 +188,12 @@ class KernelConfig:
     first row of its prompt's run instead of its own copy, so the run's rows, launched side by side, read one copy
     from memory and the L2 cache serves the others (no pass or merge; bitwise the same result; H100, 3B, 256 rows, 704
     columns of which 254 prompt: 2.60 ms, the pass 2.74-3.20, none 3.02; the opsd-uniform rollout 5.8% faster)."""
-
+    shared_prefix_align: bool = True
+    """With ``shared_prefix_first_row``: prompts left-padded (masked) to end at a tile edge, so every tile is shared."""
     residual_in_place: bool = True
     """Decode steps add each layer's o and down projections into the residual stream in place (the GEMM's own
     beta-add; where gate|up are fused and o has no bias), instead of a GEMM that first copies the residual (on the
     H200's 3B step at 256 rows: 5.30 against 5.41 ms)."""
-
     fold_norms: bool = True
     """On CUDA with triton: the RMSNorm gains before q|k|v (with ``fuse_qkv`` and ``rotary_kernel``) and before gate|up
     (with ``fuse_gate_up`` and ``residual_in_place``) are multiplied into the fused weight copies, and decode steps
@@ -206,7 +206,7 @@ class KernelConfig:
     def __post_init__(self) -> None:
         _require_bools(self, "kernels", ("fast_decode", "fast_prefill", "cuda_graphs", "compile", "fused_kv_write",
                                          "fuse_qkv", "fuse_gate_up", "rotary_kernel", "residual_in_place",
-                                         "fold_norms", "shared_prefix_first_row"))
+                                         "fold_norms", "shared_prefix_first_row", "shared_prefix_align"))
         for name in ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows"):
             value = getattr(self, name)
             require(is_int(value) and value >= 0, f"kernels.{name}", f"must be an int >= 0 (0: off); got {value!r}")

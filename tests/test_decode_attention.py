@@ -350,10 +350,11 @@ def _same_tokens_and_hf_greedy(outputs, sampling, model, ids, mask, eos) -> None
 
 
 def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts: list | None = None,
-                 modes: list | None = None):
+                 modes: list | None = None, ends: list | None = None):
     """``ro``'s step with ``shared_prefix_rows`` and the kernel as its attention (interpreted on the CPU;
     ``attention``: another piece, e.g. SDPA); ``calls`` records whether each call was handed a ``SharedPrefix``
-    (``lasts`` whether it was handed the last column, ``modes`` each ``SharedPrefix.first_row``)."""
+    (``lasts`` whether it was handed the last column, ``modes`` each ``SharedPrefix.first_row``, ``ends`` its
+    prompts' end column)."""
     original = ro.runner.fast_step.parts
     attend = attention or functools.partial(da.attention, interpret=True)
 
@@ -363,6 +364,8 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
             lasts.append(kwargs.get("last") is not None)
         if modes is not None and kwargs.get("shared") is not None:
             modes.append(kwargs["shared"].first_row)
+        if ends is not None and kwargs.get("shared") is not None:
+            ends.append(int(kwargs["shared"].end))
         return attend(*args, **kwargs)
 
     ro.runner.fast_step.parts = lambda dev, mirrored: dataclasses.replace(
@@ -381,9 +384,10 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
     """The ordinary route with the kernel reading each prompt's columns once for its samples in every batch bucket,
     in a pass of their own (prompts of any length: ``kernels.shared_prefix_columns=1``) and, at the default
     ``shared_prefix_columns``, which these 9-column prompts are under, from the first row of each prompt's run
-    (``shared_prefix_first_row``), with prompts of different lengths and rows ending at different steps
-    (compactions into smaller buckets): the same tokens as the kernel reading every row's copy, and, greedy, HF
-    generate's per request (fp32). Without ``shared_prefix_first_row`` these prompts are not shared."""
+    (``shared_prefix_first_row``; padded in front to end at a tile edge, ``shared_prefix_align``, and, greedy, not),
+    with prompts of different lengths and rows ending at different steps (compactions into smaller buckets): the same
+    tokens as the kernel reading every row's copy, and, greedy, HF generate's per request (fp32). Without
+    ``shared_prefix_first_row`` these prompts are not shared."""
     model, ids, mask, eos = _eos_setup(device, seed=3)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
     short_calls = []
@@ -395,20 +399,28 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
     outputs, stats = [], []
     # the pass of their own: greedy only (each sampled step runs all 18 rows through the interpreter; the pass's
     # kernel tests cover it)
-    arms = ((1, 1),) if sampling.is_greedy else ()
-    for rows, columns in arms + ((1, KernelConfig().shared_prefix_columns), (0, 1)):
-        calls, lasts, modes = [], [], []
+    below = KernelConfig().shared_prefix_columns
+    arms = ((1, 1, True), (1, below, False)) if sampling.is_greedy else ()
+    for rows, columns, align in arms + ((1, below, True), (0, 1, True)):
+        calls, lasts, modes, ends = [], [], [], []
         ro = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(
-            cuda_graphs=False, shared_prefix_columns=columns))), rows, calls, lasts=lasts, modes=modes)
+            cuda_graphs=False, shared_prefix_columns=columns, shared_prefix_align=align))), rows, calls,
+            lasts=lasts, modes=modes, ends=ends)
         outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
         stats.append(ro.last_stats)
         assert calls and all(calls) == bool(rows) and any(calls) == bool(rows)
         assert all(lasts)  # every step stops at the current column
         assert set(modes) == ({columns > 1} if rows else set())  # first_row below shared_prefix_columns
+        # the first-row reads' prompts end at a tile edge (the 9 columns padded to 64) unless told not to; the pass's
+        # prompts are not padded
+        assert set(ends) == ({da.BLOCK_L if columns > 1 and align else ids.shape[1]} if rows else set())
     for shared in stats[:-1]:
         assert shared.decode.shared_prefix_steps == shared.decode.forwards > 0
         assert shared.cache.compactions >= 1 or not sampling.is_greedy  # greedy rows end early (sampled ones rarely)
     assert stats[-1].decode.shared_prefix_steps == 0
+    # the cache holds the padded prompts (64 columns) with the first-row reads, their own 9 columns unshared
+    assert (stats[-2].cache.capacity, stats[-1].cache.capacity) == (da.BLOCK_L + sampling.max_new_tokens,
+                                                                    ids.shape[1] + sampling.max_new_tokens)
     for later in outputs[2:]:  # HF generate's tokens checked once (below): the others equal them
         assert torch.equal(later.input_ids, outputs[0].input_ids)
         assert torch.equal(later.attention_mask, outputs[0].attention_mask)
@@ -435,3 +447,17 @@ def test_which_steps_share_the_prompt():
     assert shares_prefix(parts(32), 256, 17, first_row=True) and shares_prefix(parts(32), 32, 2, first_row=True)
     assert not shares_prefix(parts(32), 24, 4, first_row=True) and not shares_prefix(parts(32), 256, 1, first_row=True)
     assert not shares_prefix(parts(0), 256, 4, first_row=True)
+
+
+def test_how_an_ordinary_call_shares_its_prompts():
+    """``prompt_sharing``: a pass of their own from ``shared_prefix_columns`` on, below it the first-row reads
+    (padded to a tile edge with ``shared_prefix_align``), nothing on the HF path or with one sample a prompt."""
+    from rollout.executors.decode import prompt_sharing
+
+    kernels = KernelConfig()
+    assert prompt_sharing(kernels, kernels.shared_prefix_columns, 4) == (4, False, False)
+    assert prompt_sharing(kernels, 254, 4) == (4, True, True)
+    assert prompt_sharing(KernelConfig(shared_prefix_align=False), 254, 4) == (4, True, False)
+    assert prompt_sharing(KernelConfig(shared_prefix_first_row=False), 254, 4) == (1, False, False)
+    assert prompt_sharing(kernels, 254, 1) == (1, True, False)  # one sample: nothing to pad for
+    assert prompt_sharing(None, 254, 4) == (1, False, False)

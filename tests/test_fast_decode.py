@@ -195,7 +195,9 @@ def test_graph_decode_makes_no_host_sync_per_step():
     from rollout.plan.planner import CostModel
     ctx = CallContext(model, sampling, EosIds.on((), "cuda"), CostModel.from_model(model))
     choice = choose_decode(ro.config, model, False, torch.device("cuda"))
-    static = ro.runner.executors["ordinary"].static_decode(ctx, choice, ro.runner.pool._cache, 4)
+    executor = ro.runner.executors["ordinary"]
+    static = executor.static_decode(ctx, choice, ro.runner.pool._cache,
+                                    executor.fast_step.parts(torch.device("cuda"), mirrored=True), 4)
     bufs, step = static.buffers, static.step
     bufs.step.fill_(1)  # rewind to the first decode step (fill_ with a Python number: no sync)
     bufs.col.fill_(8)

@@ -36,6 +36,14 @@ def test_slots_follow_the_cap(route, cap_column_rows, expected):
     assert (plan.slots if plan else None) == expected
 
 
+def test_the_ordinary_route_counts_the_prompts_padded_to_a_tile_edge():
+    """Prompts read from each run's first row are padded in front to a tile edge (``prompt_multiple``), and the
+    ordinary route's need counts those columns."""
+    layout = PromptLayout((5, 9), (5, 9), 9)
+    plain, padded = (CallMemory(layout, 4, 8, 512, COLUMN, True, True, multiple).ordinary() for multiple in (1, 64))
+    assert (plain.rows, plain.columns) == (padded.rows, 9 + 8) and padded.columns == 64 + 8
+
+
 def test_static_buffers_give_up_their_rounded_capacity_when_it_costs_slots():
     call = _call(static=True)  # static buffers: capacity rounded up to 256 columns, batch buckets
     cap = 8 * 64 * COLUMN  # 8 slots at 64 columns, but only 2 at 256

@@ -231,3 +231,18 @@ def shares_prefix(parts: StepParts, bucket: int, samples: int, first_row: bool =
     if first_row:
         return 0 < rows <= bucket and samples > 1
     return 0 < rows <= bucket and decode_attention.one_tile(samples, parts.spec.num_heads, parts.spec.num_kv_heads)
+
+
+def prompt_sharing(kernels: Optional[KernelConfig], width: int, samples: int) -> tuple[int, bool, bool]:
+    """How an ordinary-route call's decode steps may read prompts of ``width`` columns with ``samples`` rows each
+    (``kernels``: our step's settings; None on the HF path): ``(sharing, first_row, align)``, the rows per prompt that
+    read its columns once (1: every row its own copy), whether each reads them from its run's first row
+    (``shared_prefix_first_row``, below ``shared_prefix_columns``; else a pass of their own) and whether the prompts
+    are padded in front to end at a tile edge (``shared_prefix_align``: :data:`decode_attention.BLOCK_L`). Which steps
+    share is :func:`shares_prefix`."""
+    if kernels is None:
+        return 1, False, False
+    long_prompts = width >= kernels.shared_prefix_columns
+    first_row = not long_prompts and kernels.shared_prefix_first_row
+    sharing = samples if long_prompts or first_row else 1
+    return sharing, first_row, first_row and sharing > 1 and kernels.shared_prefix_align

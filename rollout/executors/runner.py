@@ -23,12 +23,13 @@ from rollout.config import RolloutConfig, SamplingConfig
 from rollout.executors import blas
 from rollout.executors.context import CallContext, EosIds, Executor, Generation, Prompts, RouteCall, RowBudgets
 from rollout.executors.continuous.executor import ContinuousExecutor
-from rollout.executors.decode import DecodeChoice, FastStep, choose_decode
+from rollout.executors.decode import DecodeChoice, FastStep, choose_decode, prompt_sharing
 from rollout.executors.ordinary.executor import OrdinaryExecutor
 from rollout.executors.prefill_graph import PrefillGraphs
 from rollout.model import compat, zero
 from rollout.model.costs import cost_model_for
 from rollout.model.lora import LoraFuser
+from rollout.ops import decode_attention
 from rollout.ops.expand import expand_prompts
 from rollout.ops.sampling import sampler_fn
 from rollout.plan import routes
@@ -218,9 +219,11 @@ class Runner:
             if self._prefill_graphs_for(decode) is not None:
                 free -= self.prefill_graphs.new_bytes(self.model)
         budget = Budget(None if cap is None else int(cap * GIB), free)
+        align = decode.attention == "triton" and prompt_sharing(self.config.kernels, layout.padded_len,
+                                                                sampling.n_samples_per_prompt)[2]
         call = CallMemory(layout, sampling.n_samples_per_prompt, sampling.max_new_tokens, self.model.config.vocab_size,
                           cache_shape(self.model, 1, 1).column_bytes, decode.is_fast,
-                          decode.is_fast and decode.cuda_graphs)
+                          decode.is_fast and decode.cuda_graphs, decode_attention.BLOCK_L if align else 1)
         return slots_within_budget(call, self.config.route, sampling.continuous_batch_size, budget)
 
     @contextlib.contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from rollout.checks import round_up
 from rollout.plan.buckets import batch_bucket
 from rollout.plan.layout import PromptLayout, continuous_cache_shape, default_capacity
 
@@ -99,6 +100,9 @@ class CallMemory:
     """The ordinary route decodes from static buffers (our step): its cache holds a batch bucket of rows."""
     continuous_static_buffers: bool
     """The continuous route decodes from static buffers (our step with CUDA graphs on)."""
+    prompt_multiple: int = 1
+    """The ordinary route pads its prompts in front to a multiple of this many columns (its step reading each prompt
+    from its run's first row: ``rollout.executors.decode.prompt_sharing``)."""
 
     @property
     def num_rows(self) -> int:
@@ -106,7 +110,7 @@ class CallMemory:
 
     def ordinary(self) -> MemoryNeed:
         rows = batch_bucket(self.num_rows) if self.static_buffers else self.num_rows
-        columns = self.layout.padded_len + self.max_new_tokens
+        columns = round_up(self.layout.padded_len, self.prompt_multiple) + self.max_new_tokens
         return MemoryNeed(rows, columns, self.column_bytes, row_overhead_bytes(self.vocab_size, self.max_new_tokens,
                                                                                columns))
 

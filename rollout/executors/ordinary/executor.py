@@ -8,11 +8,13 @@ from instrumentation import stages
 from rollout.cache.pool import CachePool, ScratchArena
 from rollout.cache.static import cache_shape
 from rollout.executors.context import CallContext, Generation, RouteCall, settle_stats
-from rollout.executors.decode import DecodeChoice, FastStep, shares_prefix
+from rollout.executors.decode import DecodeChoice, FastStep, prompt_sharing, shares_prefix
 from rollout.executors.graphs import EAGER, GraphSet, sampling_key
 from rollout.executors.ordinary.buffers import DecodeBuffers, decode_step
 from rollout.executors.ordinary.loop import PromptBatch, StaticDecode, generate_ordinary
 from rollout.executors.ordinary.order import RowOrder
+from rollout.model.step import StepParts
+from rollout.ops import decode_attention
 from rollout.plan.buckets import batch_bucket, length_bucket, length_round
 
 
@@ -37,6 +39,13 @@ class OrdinaryExecutor:
         order = RowOrder.plan(prompts.layout, ctx.sampling.n_samples_per_prompt, call.plan.buckets,
                               call.plan.bucket_lengths)
         batch = PromptBatch(prompts.ids, prompts.mask, prompts.expanded_ids, prompts.expanded_mask)
+        # a prompt's samples read its columns once (in a pass of their own, or each from its run's first row, the
+        # prompts then padded to end at a tile edge where the first step shares, so that every prompt tile is shared)
+        parts = self.fast_step.parts(ctx.device, mirrored=True) if choice.is_fast else None
+        sharing, first_row, align = prompt_sharing(self.fast_step.kernels if parts else None, batch.ids.shape[1],
+                                                   order.num_samples)
+        if align and shares_prefix(parts, batch_bucket(batch.ids.shape[0]), sharing, first_row):
+            batch = batch.left_padded(decode_attention.BLOCK_L)
         num_rows = batch.ids.shape[0]
         rows = batch_bucket(num_rows) if choice.is_fast else num_rows
         capacity = batch.ids.shape[1] + ctx.sampling.max_new_tokens
@@ -46,13 +55,7 @@ class OrdinaryExecutor:
             if order.num_samples > 1 and self.scratch is None:
                 self.scratch = ScratchArena.like(cache.shape)
         try:
-            # a prompt's samples read its columns once: in a pass of their own where the prompts are long enough for
-            # it to pay, else (kernels.shared_prefix_first_row) each from the first row of its prompt's run
-            kernels = self.fast_step.kernels if choice.is_fast else None
-            long_prompts = kernels is not None and batch.ids.shape[1] >= kernels.shared_prefix_columns
-            first_row = kernels is not None and not long_prompts and kernels.shared_prefix_first_row
-            sharing = order.num_samples if long_prompts or first_row else 1
-            static = self.static_decode(ctx, choice, cache, num_rows, sharing, first_row) if choice.is_fast else None
+            static = self.static_decode(ctx, choice, cache, parts, num_rows, sharing, first_row) if parts else None
             state = generate_ordinary(ctx, cache, batch, order, static, self.scratch)
         finally:
             with ctx.stage(stages.CACHE_RELEASE):
@@ -68,9 +71,9 @@ class OrdinaryExecutor:
         logprobs = None if state.logprobs is None else state.logprobs[:, :state.num_steps]
         return Generation(state.generated[:, :state.num_steps], logprobs, stats)
 
-    def static_decode(self, ctx: CallContext, choice: DecodeChoice, cache, num_rows: int,
+    def static_decode(self, ctx: CallContext, choice: DecodeChoice, cache, parts: StepParts, num_rows: int,
                       samples: int = 1, first_row: bool = False) -> StaticDecode:
-        """Buffers for this call (reused while they fit) and its step function (graphs keyed per call);
+        """Buffers for this call (reused while they fit) and its step function (graphs keyed per call) over ``parts``;
         ``samples``: rows per prompt whose prompt's columns may be read once for all of them (1: every row
         reads its own copy); ``first_row``: read by each row from its run's first row, not in a pass of their own."""
         sampling, device = ctx.sampling, ctx.device
@@ -83,7 +86,6 @@ class OrdinaryExecutor:
             self.buffers = DecodeBuffers(bucket, length_round(cache.shape.capacity),
                                          length_round(sampling.max_new_tokens), ctx.vocab_size, device)
         bufs, has_seen = self.buffers, sampling.repetition_penalty != 1.0
-        parts = self.fast_step.parts(device, mirrored=True)
         use_graphs = choice.path == "graph"
         budgets = ctx.row_budgets is not None
         key = (sampling_key(sampling), ctx.eos.ids, has_seen, cache.key_storage.data_ptr(),

@@ -39,6 +39,15 @@ class PromptBatch:
     ids: torch.Tensor  # [B*n, T_p]
     mask: torch.Tensor  # [B*n, T_p]
 
+    def left_padded(self, multiple: int) -> "PromptBatch":
+        """The same prompts behind enough columns of padding (masked, never prefilled) that ``T_p`` is a multiple of
+        ``multiple``: the prompts then end at a tile edge, so reads of whole prompt tiles cover every prompt column."""
+        extra = -self.ids.shape[1] % multiple
+        if not extra:
+            return self
+        return PromptBatch(*(torch.cat([t.new_zeros(t.shape[0], extra), t], dim=1)
+                             for t in (self.prompt_ids, self.prompt_mask, self.ids, self.mask)))
+
 
 @dataclass(frozen=True)
 class StaticDecode:
