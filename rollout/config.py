@@ -183,11 +183,11 @@ class KernelConfig:
     """The fewest prompt columns (the batch's padded width) for which ``shared_prefix_rows`` shares them in a pass of
     their own (H200, 3B, 256 rows: 768 columns took 1.51 ms instead of 2.06, 256 columns with 128 decoded 1.43 instead
     of 1.23)."""
-    shared_prefix_first_row: bool = True
+    shared_prefix_first_row: bool = False
     """Below ``shared_prefix_columns`` (with ``shared_prefix_rows``): each row reads its prompt's whole tiles from the
-    first row of its prompt's run instead of its own copy, so the run's rows, launched side by side, read one copy
-    from memory and the L2 cache serves the others (no pass or merge; bitwise the same result; H100, 3B, 256 rows, 704
-    columns of which 254 prompt: 2.60 ms, the pass 2.74-3.20, none 3.02; the opsd-uniform rollout 5.8% faster)."""
+    first row of its prompt's run (read by the run's other rows at the same time, through the L2 cache) instead of its
+    own copy; bitwise the same result. Off: it pays on an H100 (opsd-uniform rollout 5.8% faster), not on the H200
+    (4.2% slower: its memory outruns the L2-served reads; 256 rows, 704 columns: 2.18 ms against 1.92)."""
     shared_prefix_align: bool = True
     """With ``shared_prefix_first_row``: prompts left-padded (masked) to end at a tile edge, so every tile is shared."""
     residual_in_place: bool = True

@@ -404,7 +404,8 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
     for rows, columns, align in arms + ((1, below, True), (0, 1, True)):
         calls, lasts, modes, ends = [], [], [], []
         ro = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(
-            cuda_graphs=False, shared_prefix_columns=columns, shared_prefix_align=align))), rows, calls,
+            cuda_graphs=False, shared_prefix_columns=columns, shared_prefix_first_row=True,
+            shared_prefix_align=align))), rows, calls,
             lasts=lasts, modes=modes, ends=ends)
         outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
         stats.append(ro.last_stats)
@@ -454,10 +455,11 @@ def test_how_an_ordinary_call_shares_its_prompts():
     (padded to a tile edge with ``shared_prefix_align``), nothing on the HF path or with one sample a prompt."""
     from rollout.executors.decode import prompt_sharing
 
-    kernels = KernelConfig()
+    kernels = KernelConfig(shared_prefix_first_row=True)
     assert prompt_sharing(kernels, kernels.shared_prefix_columns, 4) == (4, False, False)
     assert prompt_sharing(kernels, 254, 4) == (4, True, True)
-    assert prompt_sharing(KernelConfig(shared_prefix_align=False), 254, 4) == (4, True, False)
-    assert prompt_sharing(KernelConfig(shared_prefix_first_row=False), 254, 4) == (1, False, False)
+    assert prompt_sharing(KernelConfig(shared_prefix_first_row=True, shared_prefix_align=False), 254, 4) == (
+        4, True, False)
+    assert prompt_sharing(KernelConfig(), 254, 4) == (1, False, False)  # the default: each row its own copy
     assert prompt_sharing(kernels, 254, 1) == (1, True, False)  # one sample: nothing to pad for
     assert prompt_sharing(None, 254, 4) == (1, False, False)
