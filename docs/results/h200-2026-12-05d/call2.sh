@@ -8,6 +8,6 @@ run() { local name=$1 limit=$2; shift 2; echo "$name start $(date -u +%H:%M:%S)"
 run gemm 120 python -m benchmarks.gemm_layouts --rows 32 64 128 256 --json $OUT/call2-gemm.json
 cat $OUT/call2-gemm.txt | cut -c1-200
 # the opsd-uniform rollout at the new defaults (each row its own prompt copy), with one profiled call for GPU busy
-run rl 150 python -m benchmarks.rl --cells opsd-uniform --candidates auto --repeats 2 --commit-label HEAD --json $OUT/call2-rl.json
+run rl 150 python -m benchmarks.rl --cells opsd-uniform --candidates auto --repeats 2 --commit-label c110aa5 --json $OUT/call2-rl.json
 tail -3 $OUT/call2-rl.txt | cut -c1-250
 cat $D
