@@ -20,12 +20,14 @@ import torch
 from benchmarks.harness.device import graph_ms
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.results import write
+from benchmarks.harness.table import markdown_table
 
 #: The 3B shape's projections: name -> (K, N, adds into the residual).
 PROJECTIONS = {"q|k|v": (2048, 2560, False), "o": (2048, 2048, True), "gate|up": (2048, 22016, False),
                "down": (11008, 2048, True)}
 LAYERS = 36
 BACKENDS = ("cublaslt", "cublas")
+TODAY, KEPT = "W.t() (today)", "kept W.t().contiguous()"
 
 
 def _product(weights: list, residual: bool, x: torch.Tensor, h: torch.Tensor, out: torch.Tensor):
@@ -46,8 +48,7 @@ def time_layouts(rows: int, iters: int) -> list[dict]:
     for name, (k, n, residual) in PROJECTIONS.items():
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k ** -0.5
                    for _ in range(LAYERS)]
-        layouts = {"W.t() (today)": [w.t() for w in weights], "kept W.t().contiguous()": [
-            w.t().contiguous() for w in weights]}
+        layouts = {TODAY: [w.t() for w in weights], KEPT: [w.t().contiguous() for w in weights]}
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         flops = 2 * rows * k * n * LAYERS
         for backend in BACKENDS:
@@ -70,16 +71,13 @@ def time_layouts(rows: int, iters: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| projection | rows | backend | W.t() (today) ms | kept W.t().contiguous() ms | today / kept | "
-             "max \\|diff\\| |", "|---|---:|---|---:|---:|---:|---:|"]
+    """One line per projection, row count and backend: both layouts' ms, today's over the kept copy's, the max diff."""
     keyed = {(r["projection"], r["rows"], r["backend"], r["layout"]): r for r in rows}
-    for (name, count, backend, layout), row in keyed.items():
-        if layout != "W.t() (today)":
-            continue
-        kept = keyed[(name, count, backend, "kept W.t().contiguous()")]
-        lines.append(f"| {name} | {count} | {backend} | {row['ms']:.3f} | {kept['ms']:.3f} | "
-                     f"{row['ms'] / kept['ms']:.3f} | {row['max_diff']:.3g} |")
-    return "\n".join(lines)
+    lines = [(name, count, backend, row["ms"], kept["ms"], row["ms"] / kept["ms"], f"{row['max_diff']:.3g}")
+             for (name, count, backend, layout), row in keyed.items() if layout == TODAY
+             for kept in (keyed[(name, count, backend, KEPT)],)]
+    return markdown_table(["projection", "rows", "backend", f"{TODAY} ms", f"{KEPT} ms", "today / kept",
+                           "max |diff|"], lines)
 
 
 def main(argv=None) -> list[dict]:

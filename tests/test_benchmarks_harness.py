@@ -189,8 +189,8 @@ def test_the_table_printer():
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------------
-BENCHMARKS = ["ab", "call_memory", "decode_step", "jsd", "keep_cache", "multigpu", "optimizer", "overhead", "planner",
-              "postprocess", "profiler_cost", "rl", "sampler", "step", "suites", "trace_summary"]
+BENCHMARKS = ["ab", "call_memory", "decode_step", "gemm_layouts", "jsd", "keep_cache", "multigpu", "optimizer",
+              "overhead", "planner", "postprocess", "profiler_cost", "rl", "sampler", "step", "suites", "trace_summary"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
@@ -204,6 +204,19 @@ def test_every_benchmark_runs_as_a_module(name):
     tree = ast.parse(source)
     guards = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
     assert guards and "main(" in ast.unparse(guards[0])
+
+
+def test_gemm_layouts_table_pairs_each_layout_with_its_kept_copy():
+    """``benchmarks.gemm_layouts``' table: one line per projection, rows and backend, today's ms over the kept copy's."""
+    from benchmarks import gemm_layouts as g
+
+    rows = [{"projection": "down", "rows": 256, "backend": b, "layout": layout, "ms": ms, "max_diff": 0.0}
+            for b, layout, ms in (("cublaslt", g.TODAY, 0.9), ("cublaslt", g.KEPT, 1.0), ("cublas", g.KEPT, 0.5),
+                                  ("cublas", g.TODAY, 1.0))]
+    lines = g.table(rows).splitlines()
+    assert len(lines) == 4 and "today / kept" in lines[0]
+    assert [line.split("|")[3].strip() for line in lines[2:]] == ["cublaslt", "cublas"]
+    assert [line.split("|")[6].strip() for line in lines[2:]] == ["0.900", "2.000"]
 
 
 def test_scripts_keep_only_what_users_run():
