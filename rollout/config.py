@@ -183,13 +183,12 @@ class KernelConfig:
     """The fewest prompt columns (the batch's padded width) for which ``shared_prefix_rows`` shares them in a pass of
     their own (H200, 3B, 256 rows: 768 columns took 1.51 ms instead of 2.06, 256 columns with 128 decoded 1.43 instead
     of 1.23)."""
-    shared_prefix_first_row: bool = False
-    """Below ``shared_prefix_columns`` (with ``shared_prefix_rows``): each row reads its prompt's whole tiles from the
-    first row of its prompt's run (read by the run's other rows at the same time, through the L2 cache) instead of its
-    own copy; bitwise the same result. Off: it pays on an H100 (opsd-uniform rollout 5.8% faster), not on the H200
-    (4.2% slower: its memory outruns the L2-served reads; 256 rows, 704 columns: 2.18 ms against 1.92)."""
+    shared_prefix_first_row_rows: int = 128
+    """Below ``shared_prefix_columns``: decode steps of ``shared_prefix_rows`` up to this many rows read each prompt's
+    whole tiles from its run's first row, through the L2 cache (bitwise the same result). 0: off. H200, 3B, 704 columns:
+    128 rows 1.15 ms against 1.32, 256 rows 2.29 against 1.92 (an H100 gains at 256 rows: 2.60 against 3.02)."""
     shared_prefix_align: bool = True
-    """With ``shared_prefix_first_row``: prompts left-padded (masked) to end at a tile edge, so every tile is shared."""
+    """With ``shared_prefix_first_row_rows``: prompts left-padded (masked) to end at a tile edge: every tile shared."""
     residual_in_place: bool = True
     """Decode steps add each layer's o and down projections into the residual stream in place (the GEMM's own
     beta-add; where gate|up are fused and o has no bias), instead of a GEMM that first copies the residual (on the
@@ -206,8 +205,8 @@ class KernelConfig:
     def __post_init__(self) -> None:
         _require_bools(self, "kernels", ("fast_decode", "fast_prefill", "cuda_graphs", "compile", "fused_kv_write",
                                          "fuse_qkv", "fuse_gate_up", "rotary_kernel", "residual_in_place",
-                                         "fold_norms", "shared_prefix_first_row", "shared_prefix_align"))
-        for name in ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows"):
+                                         "fold_norms", "shared_prefix_align"))
+        for name in ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows", "shared_prefix_first_row_rows"):
             value = getattr(self, name)
             require(is_int(value) and value >= 0, f"kernels.{name}", f"must be an int >= 0 (0: off); got {value!r}")
         require(is_int(self.shared_prefix_columns) and self.shared_prefix_columns >= 1, "kernels.shared_prefix_columns",
@@ -219,7 +218,8 @@ class KernelConfig:
                 f"must be one of {DECODE_ATTENTIONS}; got {self.decode_attention!r}")
         require(self.blas_library is None or self.blas_library in BLAS_LIBRARIES, "kernels.blas_library",
                 f"must be None or one of {BLAS_LIBRARIES}; got {self.blas_library!r}")
-        _as_python(self, ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows", "shared_prefix_columns"), ())
+        _as_python(self, ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows", "shared_prefix_columns",
+                          "shared_prefix_first_row_rows"), ())
 
 
 @dataclass(frozen=True)

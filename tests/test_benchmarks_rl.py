@@ -261,6 +261,21 @@ def _check_rows(result, data, cell):
         assert row["stats"]["decode.path"] == "fast_eager" and "cache.num_slots" in row["stats"]
 
 
+def test_the_opsd_longtail_cell_ends_each_row_at_its_own_budget(tmp_path):
+    """``opsd-longtail``: EOS off, each row ends at the budget ``row_budgets`` draws for it (benchmarks.step's
+    long-tail lengths), so the realised lengths are those budgets, row by row."""
+    from benchmarks.rl.cells import CELLS as SPECS, row_budgets
+
+    result, data = _run(tmp_path, "opsd-longtail", "auto", max_prompts=4)
+    _check_rows(result, data, "opsd-longtail")
+    spec = next(c for c in SPECS if c.name == "opsd-longtail")
+    cell = dataclasses.replace(spec.scaled(SCALE_DIVISORS["small"]), num_prompts=4)
+    budgets = row_budgets(cell).tolist()
+    assert len(budgets) == 16 and len(set(budgets)) > 1 and max(budgets) <= cell.budget
+    assert response_lengths(result.batches[("opsd-longtail", "auto")]) == budgets
+    assert row_budgets(dataclasses.replace(cell, row_mean=None)) is None
+
+
 def test_end_to_end_wide_greedy(tmp_path):
     result, data = _run(tmp_path, "wide-greedy", "auto,ordinary,continuous/2")
     _check_rows(result, data, "wide-greedy")

@@ -74,6 +74,8 @@ def test_sampling_config_keeps_upstream_defaults():
     ({"kernels.shared_prefix_rows": 2.5}, "kernels.shared_prefix_rows"),
     ({"kernels.shared_prefix_columns": 0}, "kernels.shared_prefix_columns"),
     ({"kernels.shared_prefix_columns": True}, "kernels.shared_prefix_columns"),
+    ({"kernels.shared_prefix_first_row_rows": -1}, "kernels.shared_prefix_first_row_rows"),
+    ({"kernels.shared_prefix_first_row_rows": True}, "kernels.shared_prefix_first_row_rows"),
 ])
 def test_rollout_config_rejects_bad_values(settings, field):
     """Each bad value is refused with the setting's dotted name, whether set through ``with_settings`` or by

@@ -350,16 +350,18 @@ def _same_tokens_and_hf_greedy(outputs, sampling, model, ids, mask, eos) -> None
 
 
 def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts: list | None = None,
-                 modes: list | None = None, ends: list | None = None):
-    """``ro``'s step with ``shared_prefix_rows`` and the kernel as its attention (interpreted on the CPU;
-    ``attention``: another piece, e.g. SDPA); ``calls`` records whether each call was handed a ``SharedPrefix``
-    (``lasts`` whether it was handed the last column, ``modes`` each ``SharedPrefix.first_row``, ``ends`` its
-    prompts' end column)."""
+                 modes: list | None = None, ends: list | None = None, buckets: list | None = None):
+    """``ro``'s step with ``shared_prefix_rows`` (and its ``kernels.shared_prefix_first_row_rows``, as on a GPU) and
+    the kernel as its attention (interpreted on the CPU; ``attention``: another piece, e.g. SDPA); ``calls`` records
+    whether each call was handed a ``SharedPrefix`` (``lasts`` whether it was handed the last column, ``modes`` each
+    ``SharedPrefix.first_row``, ``ends`` its prompts' end column, ``buckets`` each call's rows)."""
     original = ro.runner.fast_step.parts
     attend = attention or functools.partial(da.attention, interpret=True)
 
     def kernel(*args, **kwargs):
         calls.append(kwargs.get("shared") is not None)
+        if buckets is not None:
+            buckets.append(args[0].shape[0])
         if lasts is not None:
             lasts.append(kwargs.get("last") is not None)
         if modes is not None and kwargs.get("shared") is not None:
@@ -369,8 +371,9 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
         return attend(*args, **kwargs)
 
     ro.runner.fast_step.parts = lambda dev, mirrored: dataclasses.replace(
-        original(dev, mirrored), fns=dataclasses.replace(original(dev, mirrored).fns, attention=kernel,
-                                                         shared_prefix_rows=shared_prefix_rows))
+        original(dev, mirrored), fns=dataclasses.replace(
+            original(dev, mirrored).fns, attention=kernel, shared_prefix_rows=shared_prefix_rows,
+            first_row_rows=ro.config.kernels.shared_prefix_first_row_rows))
     return ro
 
 
@@ -381,42 +384,45 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
     SamplingConfig(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=7, n_samples_per_prompt=3),
 ], ids=["greedy", "sampled"])
 def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
-    """The ordinary route with the kernel reading each prompt's columns once for its samples in every batch bucket,
-    in a pass of their own (prompts of any length: ``kernels.shared_prefix_columns=1``) and, at the default
-    ``shared_prefix_columns``, which these 9-column prompts are under, from the first row of each prompt's run
-    (``shared_prefix_first_row``; padded in front to end at a tile edge, ``shared_prefix_align``, and, greedy, not),
-    with prompts of different lengths and rows ending at different steps (compactions into smaller buckets): the same
-    tokens as the kernel reading every row's copy, and, greedy, HF generate's per request (fp32). Without
-    ``shared_prefix_first_row`` these prompts are not shared."""
+    """The ordinary route with the kernel reading each prompt's columns once for its samples, in a pass of their own
+    (prompts of any length: ``kernels.shared_prefix_columns=1``) and, at the default ``shared_prefix_columns``, which
+    these 9-column prompts are under, from the first row of each prompt's run (``shared_prefix_first_row_rows``; the
+    prompts padded in front to end at a tile edge, ``shared_prefix_align``, and, greedy, not; and, greedy, only in
+    steps of at most 16 rows), with prompts of different lengths and rows ending at different steps (compactions
+    into smaller buckets): the same tokens as the kernel reading every row's copy, and, greedy, HF generate's per
+    request (fp32). With ``shared_prefix_first_row_rows=0`` these prompts are not shared."""
     model, ids, mask, eos = _eos_setup(device, seed=3)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
     short_calls = []
     short = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(
-        cuda_graphs=False, shared_prefix_first_row=False))), 1, short_calls, attention=da.sdpa)
+        cuda_graphs=False, shared_prefix_first_row_rows=0))), 1, short_calls, attention=da.sdpa)
     short.generate(RolloutRequest(ids, mask), sampling)
     assert ids.shape[1] < KernelConfig().shared_prefix_columns and short.last_stats.decode.shared_prefix_steps == 0
     assert short_calls and not any(short_calls)
     outputs, stats = [], []
-    # the pass of their own: greedy only (each sampled step runs all 18 rows through the interpreter; the pass's
-    # kernel tests cover it)
-    below = KernelConfig().shared_prefix_columns
-    arms = ((1, 1, True), (1, below, False)) if sampling.is_greedy else ()
-    for rows, columns, align in arms + ((1, below, True), (0, 1, True)):
-        calls, lasts, modes, ends = [], [], [], []
+    below, cap = KernelConfig().shared_prefix_columns, KernelConfig().shared_prefix_first_row_rows
+    # (shared_prefix_rows, shared_prefix_columns, shared_prefix_align, shared_prefix_first_row_rows); the pass of
+    # their own and the variants of the first-row reads greedy only (each sampled step runs all 18 rows through the
+    # interpreter; the pass's kernel tests cover it)
+    arms = ((1, 1, True, cap), (1, below, False, cap), (1, below, True, 16)) if sampling.is_greedy else ()
+    for rows, columns, align, first_rows in arms + ((1, below, True, cap), (0, 1, True, cap)):
+        calls, lasts, modes, ends, buckets = [], [], [], [], []
         ro = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(
-            cuda_graphs=False, shared_prefix_columns=columns, shared_prefix_first_row=True,
-            shared_prefix_align=align))), rows, calls,
-            lasts=lasts, modes=modes, ends=ends)
+            cuda_graphs=False, shared_prefix_rows=rows, shared_prefix_columns=columns, shared_prefix_align=align,
+            shared_prefix_first_row_rows=first_rows))), rows, calls, lasts=lasts, modes=modes, ends=ends,
+            buckets=buckets)
         outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
         stats.append(ro.last_stats)
-        assert calls and all(calls) == bool(rows) and any(calls) == bool(rows)
-        assert all(lasts)  # every step stops at the current column
-        assert set(modes) == ({columns > 1} if rows else set())  # first_row below shared_prefix_columns
+        first_row = columns > 1
+        # every step of 18 rows (bucket 24) shares, but for the first-row reads only up to first_rows rows
+        assert calls == [bool(rows) and (not first_row or b <= first_rows) for b in buckets], (buckets, calls)
+        assert any(calls) == bool(rows) and all(lasts)  # every step stops at the current column
+        assert set(modes) == ({first_row} if rows else set())  # first_row below shared_prefix_columns
         # the first-row reads' prompts end at a tile edge (the 9 columns padded to 64) unless told not to; the pass's
         # prompts are not padded
-        assert set(ends) == ({da.BLOCK_L if columns > 1 and align else ids.shape[1]} if rows else set())
+        assert set(ends) == ({da.BLOCK_L if first_row and align else ids.shape[1]} if rows else set())
+        assert stats[-1].decode.shared_prefix_steps * model.config.num_hidden_layers == sum(calls)  # a call a layer
     for shared in stats[:-1]:
-        assert shared.decode.shared_prefix_steps == shared.decode.forwards > 0
         assert shared.cache.compactions >= 1 or not sampling.is_greedy  # greedy rows end early (sampled ones rarely)
     assert stats[-1].decode.shared_prefix_steps == 0
     # the cache holds the padded prompts (64 columns) with the first-row reads, their own 9 columns unshared
@@ -426,6 +432,8 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
         assert torch.equal(later.input_ids, outputs[0].input_ids)
         assert torch.equal(later.attention_mask, outputs[0].attention_mask)
     _same_tokens_and_hf_greedy(outputs[:2], sampling, model, ids, mask, eos)
+    if sampling.is_greedy:  # the capped arm shared some steps, not all
+        assert 0 < stats[2].decode.shared_prefix_steps < stats[2].decode.forwards
 
 
 def test_which_steps_share_the_prompt():
@@ -435,9 +443,9 @@ def test_which_steps_share_the_prompt():
 
     from rollout.executors.decode import shares_prefix
 
-    def parts(rows):
+    def parts(rows, first_row_rows=128):
         return SimpleNamespace(spec=SimpleNamespace(num_heads=16, num_kv_heads=2),
-                               fns=SimpleNamespace(shared_prefix_rows=rows))
+                               fns=SimpleNamespace(shared_prefix_rows=rows, first_row_rows=first_row_rows))
 
     assert shares_prefix(parts(32), 32, 4) and shares_prefix(parts(32), 256, 4)
     assert not shares_prefix(parts(32), 24, 4)  # a smaller batch reads every copy
@@ -445,21 +453,26 @@ def test_which_steps_share_the_prompt():
     assert not shares_prefix(parts(32), 256, 1)  # one sample a prompt: nothing to share
     assert shares_prefix(parts(32), 256, 16) and not shares_prefix(parts(32), 256, 17)  # 17 x 8 > 128 queries
     # from each run's first row: no tile limit; still the bucket's threshold and several samples a prompt
-    assert shares_prefix(parts(32), 256, 17, first_row=True) and shares_prefix(parts(32), 32, 2, first_row=True)
-    assert not shares_prefix(parts(32), 24, 4, first_row=True) and not shares_prefix(parts(32), 256, 1, first_row=True)
-    assert not shares_prefix(parts(0), 256, 4, first_row=True)
+    assert shares_prefix(parts(32, 256), 256, 17, first_row=True) and shares_prefix(parts(32), 32, 2, first_row=True)
+    assert not shares_prefix(parts(32), 24, 4, first_row=True) and not shares_prefix(parts(32), 128, 1, first_row=True)
+    assert not shares_prefix(parts(0), 128, 4, first_row=True)
+    # and only up to kernels.shared_prefix_first_row_rows rows (128 here)
+    assert shares_prefix(parts(32), 128, 4, first_row=True) and not shares_prefix(parts(32), 192, 4, first_row=True)
 
 
 def test_how_an_ordinary_call_shares_its_prompts():
     """``prompt_sharing``: a pass of their own from ``shared_prefix_columns`` on, below it the first-row reads
-    (padded to a tile edge with ``shared_prefix_align``), nothing on the HF path or with one sample a prompt."""
+    (padded to a tile edge with ``shared_prefix_align``) where some step may take them, nothing on the HF path or with
+    one sample a prompt."""
     from rollout.executors.decode import prompt_sharing
 
-    kernels = KernelConfig(shared_prefix_first_row=True)
+    kernels = KernelConfig()
     assert prompt_sharing(kernels, kernels.shared_prefix_columns, 4) == (4, False, False)
     assert prompt_sharing(kernels, 254, 4) == (4, True, True)
-    assert prompt_sharing(KernelConfig(shared_prefix_first_row=True, shared_prefix_align=False), 254, 4) == (
-        4, True, False)
-    assert prompt_sharing(KernelConfig(), 254, 4) == (1, False, False)  # the default: each row its own copy
+    assert prompt_sharing(KernelConfig(shared_prefix_align=False), 254, 4) == (4, True, False)
+    assert prompt_sharing(KernelConfig(shared_prefix_first_row_rows=0), 254, 4) == (1, False, False)
+    # no step can read from the first row: fewer rows allowed than shared_prefix_rows asks, or sharing off
+    assert prompt_sharing(KernelConfig(shared_prefix_first_row_rows=16), 254, 4) == (1, False, False)
+    assert prompt_sharing(KernelConfig(shared_prefix_rows=0), 254, 4) == (1, False, False)
     assert prompt_sharing(kernels, 254, 1) == (1, True, False)  # one sample: nothing to pad for
     assert prompt_sharing(None, 254, 4) == (1, False, False)

@@ -30,6 +30,8 @@ Cells (``--cells`` takes names or indices, comma-separated; ``3-6`` ranges too)
                          the nucleus sampler at the few rows of a long tail
  10 opsd-uniform         64 prompts x n=4, prompt lengths uniform in 128..256, 1024 new, T=1, EOS off: the
                          rollout of benchmarks.step's uniform cell (issue 32's RL command)
+ 11 opsd-longtail        the same prompts, each row ending at a budget of its own (row_max_new_tokens: log-normal,
+                         mean ~200 of 1024, as benchmarks.step's long-tail cell's first timed round): its rollout
 
 EOS on the random model: the tokenizer gets EOS id 2 and the EOS row of the output embedding (tied with the
 input embedding on the 3B shape) is multiplied in place by a scale found by a short calibration (a geometric

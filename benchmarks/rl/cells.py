@@ -44,6 +44,9 @@ class CellSpec:
     """A KV budget that allows this many slots (the capped cell)."""
     family: str = ""
     """Cells of one family share their prompts (same seed)."""
+    row_mean: Optional[int] = None
+    """Each row ends at a budget of its own (``RolloutRequest.row_max_new_tokens``): long-tailed lengths with this mean,
+    drawn as ``benchmarks.step``'s long-tail cell draws its first timed round's (:func:`row_budgets`)."""
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.n < 1:
@@ -66,7 +69,9 @@ class CellSpec:
             return self
         lo, hi = (max(2, v // divisor) for v in self.prompt_lens)
         mean = None if self.mean_target is None else max(2, round(self.mean_target / divisor))
-        return dataclasses.replace(self, prompt_lens=(lo, hi), budget=max(4, self.budget // divisor), mean_target=mean)
+        row_mean = None if self.row_mean is None else max(2, round(self.row_mean / divisor))
+        return dataclasses.replace(self, prompt_lens=(lo, hi), budget=max(4, self.budget // divisor), mean_target=mean,
+                                   row_mean=row_mean)
 
     def sampling_label(self) -> str:
         if self.temperature <= 0:
@@ -91,7 +96,19 @@ CELLS = (
     CellSpec("longtail-64-1024-top-p", 64, 4, (128, 1024), 1024, 1.0, 0.9, mean_target=100, family="longtail"),
     # the rollout of the OPSD step's uniform cell (benchmarks.step): prompts of 128..256 real tokens, T = 1, EOS off
     CellSpec("opsd-uniform", 64, 4, (128, 256), 1024, 1.0, family="opsd"),
+    # the rollout of its long-tail cell: the same prompts, each row ending at its own budget (mean ~200 of 1,024)
+    CellSpec("opsd-longtail", 64, 4, (128, 256), 1024, 1.0, family="opsd", row_mean=200),
 )
+
+
+def row_budgets(cell: CellSpec) -> Optional[torch.Tensor]:
+    """The cell's per-row budgets (None: every row runs to ``budget`` or EOS): ``benchmarks.step``'s long-tail
+    lengths for ``cell.rows`` rows, seed 1 (that cell's first timed round at ``--seed 0``)."""
+    from benchmarks.step import longtail_lengths
+
+    if cell.row_mean is None:
+        return None
+    return longtail_lengths(cell.rows, cell.budget, cell.row_mean, 1)
 
 
 @dataclass(frozen=True)

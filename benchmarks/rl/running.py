@@ -15,7 +15,7 @@ from benchmarks.harness.device import release_memory
 from benchmarks.harness.models import upstream_rollout
 from benchmarks.harness.rounds import Rounds, run_rounds
 from benchmarks.rl import busy
-from benchmarks.rl.cells import EOS_ID, PAD_ID, SAMPLING_SEED, SCALE_DIVISORS, Candidate, CellSpec
+from benchmarks.rl.cells import EOS_ID, PAD_ID, SAMPLING_SEED, SCALE_DIVISORS, Candidate, CellSpec, row_budgets
 from benchmarks.rl.figures import response_lengths
 from instrumentation.roofline import ModelGeometry, Rates
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
@@ -172,7 +172,8 @@ def make_runs(bench: Bench, cell: CellSpec, cands: list[Candidate], prompts: tup
     """A callable per candidate over ``prompts`` (``(ids, mask)``); ``shared``: the continuous slot variants share
     one ``Rollout``."""
     tok = bench.tokenizer(cell.eos)
-    request = RolloutRequest(*prompts)
+    budgets = row_budgets(cell)
+    request = RolloutRequest(*prompts, row_max_new_tokens=None if budgets is None else budgets.to(prompts[0].device))
     cache: dict = {}
     runs = []
     for cand in cands:

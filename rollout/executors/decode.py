@@ -108,7 +108,8 @@ class FastStep:
         fns = dataclasses.replace(fns, residual_in_place=kernels.residual_in_place)
         if attention_path(kernels.decode_attention, device) == "triton":
             fns = dataclasses.replace(fns, attention=decode_attention.attention,
-                                      shared_prefix_rows=kernels.shared_prefix_rows)
+                                      shared_prefix_rows=kernels.shared_prefix_rows,
+                                      first_row_rows=kernels.shared_prefix_first_row_rows)
         if qkv_folds:
             fns = dataclasses.replace(fns, rotary_write_rms=rms_scaled.rotary_write_rms)
         if gate_up_folds:
@@ -225,24 +226,24 @@ def _hf_reason(config: RolloutConfig, model: torch.nn.Module, is_zero3: bool,
 def shares_prefix(parts: StepParts, bucket: int, samples: int, first_row: bool = False) -> bool:
     """Whether an ordinary-route decode step of ``bucket`` rows reads each prompt's columns once for its ``samples``
     rows (``RolloutConfig.kernels.shared_prefix_rows``, set only where the Triton attention runs): ``first_row``, each
-    row from its run's first row (any ``samples`` > 1), else in a pass of their own (the kernel's tile limit:
-    :func:`decode_attention.one_tile`)."""
+    row from its run's first row (any ``samples`` > 1, buckets of at most ``shared_prefix_first_row_rows``), else in a
+    pass of their own (the kernel's tile limit: :func:`decode_attention.one_tile`)."""
     rows = parts.fns.shared_prefix_rows
     if first_row:
-        return 0 < rows <= bucket and samples > 1
+        return 0 < rows <= bucket <= parts.fns.first_row_rows and samples > 1
     return 0 < rows <= bucket and decode_attention.one_tile(samples, parts.spec.num_heads, parts.spec.num_kv_heads)
 
 
 def prompt_sharing(kernels: Optional[KernelConfig], width: int, samples: int) -> tuple[int, bool, bool]:
     """How an ordinary-route call's decode steps may read prompts of ``width`` columns with ``samples`` rows each
     (``kernels``: our step's settings; None on the HF path): ``(sharing, first_row, align)``, the rows per prompt that
-    read its columns once (1: every row its own copy), whether each reads them from its run's first row
-    (``shared_prefix_first_row``, below ``shared_prefix_columns``; else a pass of their own) and whether the prompts
-    are padded in front to end at a tile edge (``shared_prefix_align``: :data:`decode_attention.BLOCK_L`). Which steps
-    share is :func:`shares_prefix`."""
+    may read its columns once (1: every row its own copy), whether each then reads them from its run's first row
+    (``shared_prefix_first_row_rows``, below ``shared_prefix_columns``; else a pass of their own) and whether the
+    prompts are padded in front to end at a tile edge (``shared_prefix_align``: :data:`decode_attention.BLOCK_L`).
+    Which steps share is :func:`shares_prefix`."""
     if kernels is None:
         return 1, False, False
     long_prompts = width >= kernels.shared_prefix_columns
-    first_row = not long_prompts and kernels.shared_prefix_first_row
+    first_row = not long_prompts and 0 < kernels.shared_prefix_rows <= kernels.shared_prefix_first_row_rows
     sharing = samples if long_prompts or first_row else 1
     return sharing, first_row, first_row and sharing > 1 and kernels.shared_prefix_align

@@ -106,6 +106,9 @@ class StepFns:
     shared_prefix_rows: int = 0
     """Ordinary-route decode steps of at least this many rows, whose prompts have several samples, hand the
     attention piece a ``SharedPrefix`` (``RolloutConfig.kernels.shared_prefix_rows``; 0: never)."""
+    first_row_rows: int = 0
+    """Of those, steps of at most this many rows read the prompt from each run's first row
+    (``RolloutConfig.kernels.shared_prefix_first_row_rows``; 0: never)."""
     residual_in_place: bool = False
     """Decode steps add each layer's o and down projections into the residual stream in place (``addmm_``: the GEMM's
     own beta-add, no copy of the residual first), with the norm, gate|up and SiLU·mul in ``gate_up_silu``, where

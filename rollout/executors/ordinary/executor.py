@@ -40,11 +40,12 @@ class OrdinaryExecutor:
                               call.plan.bucket_lengths)
         batch = PromptBatch(prompts.ids, prompts.mask, prompts.expanded_ids, prompts.expanded_mask)
         # a prompt's samples read its columns once (in a pass of their own, or each from its run's first row, the
-        # prompts then padded to end at a tile edge where the first step shares, so that every prompt tile is shared)
+        # prompts then padded to end at a tile edge where the Triton attention runs, so that every prompt tile is
+        # shared; the KV budget counts the same columns: Runner._slots_within_budget)
         parts = self.fast_step.parts(ctx.device, mirrored=True) if choice.is_fast else None
         sharing, first_row, align = prompt_sharing(self.fast_step.kernels if parts else None, batch.ids.shape[1],
                                                    order.num_samples)
-        if align and shares_prefix(parts, batch_bucket(batch.ids.shape[0]), sharing, first_row):
+        if align and parts.fns.shared_prefix_rows > 0:
             batch = batch.left_padded(decode_attention.BLOCK_L)
         num_rows = batch.ids.shape[0]
         rows = batch_bucket(num_rows) if choice.is_fast else num_rows
