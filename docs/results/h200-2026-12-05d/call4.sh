@@ -7,10 +7,10 @@ run tests 100 python -m pytest -q -p no:cacheprovider -rfE tests/test_decode_att
 tail -2 $OUT/call4-tests.txt
 # the OPSD step's long-tail rollout (buckets compact from 256 rows to 32): the first-row reads up to 128 rows (the new
 # default), off, and at every bucket (256), interleaved
-run rlopsd 150 python -m benchmarks.rl --cells opsd-longtail --candidates auto --twin kernels.shared_prefix_first_row_rows=0 --twin kernels.shared_prefix_first_row_rows=256 --repeats 3 --busy off --commit-label HEAD --json $OUT/call4-rlopsd.json
+run rlopsd 150 python -m benchmarks.rl --cells opsd-longtail --candidates auto --twin kernels.shared_prefix_first_row_rows=0 --twin kernels.shared_prefix_first_row_rows=256 --repeats 3 --busy off --commit-label 604431e --json $OUT/call4-rlopsd.json
 tail -5 $OUT/call4-rlopsd.txt | cut -c1-250
 # the uniform rollout (all 1,024 steps at 256 rows: the cap leaves them reading their own copies): default against off
-run rl 130 python -m benchmarks.rl --cells opsd-uniform --candidates auto --twin kernels.shared_prefix_first_row_rows=0 --repeats 2 --busy off --commit-label HEAD --json $OUT/call4-rl.json
+run rl 130 python -m benchmarks.rl --cells opsd-uniform --candidates auto --twin kernels.shared_prefix_first_row_rows=0 --repeats 2 --busy off --commit-label 604431e --json $OUT/call4-rl.json
 tail -4 $OUT/call4-rl.txt | cut -c1-250
 # the OPSD step's long-tail cell at the new default
 run step 120 python -m benchmarks.step --cells longtail --paths packed --steps 3 --out $OUT/call4-step.json
