@@ -79,7 +79,7 @@ class DecodeStats:
     shared_prefix_steps: int = 0
     """Ordinary route, Triton attention: decode steps whose attention read each prompt's keys and values once for
     all of its samples (``RolloutConfig.kernels.shared_prefix_rows``), in a pass of their own or from the first row
-    of each prompt's run (``shared_prefix_first_row``)."""
+    of each prompt's run (``shared_prefix_first_row_rows``)."""
     eos_overrun_steps: int = 0
     """Ordinary route, static buffers: decode steps run after every row had ended (the EOS check reads the
     finished count one check late); their tokens are cut from the output."""
