@@ -71,8 +71,7 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         require(is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
                  f"must be a positive int; got {self.max_new_tokens!r}")
-        require(is_number(self.temperature),
-                 "temperature", f"must be a finite number; got {self.temperature!r}")
+        require(is_number(self.temperature), "temperature", f"must be a finite number; got {self.temperature!r}")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             warnings.warn(f"temperature: {self.temperature!r} is below the floor {MIN_TEMPERATURE} (logits / "
                           f"temperature would overflow float32); raised to {MIN_TEMPERATURE}", stacklevel=3)
@@ -354,6 +353,7 @@ REMOVED = {
                     "the RL cells within their spread",
     "continuous_stop_at_front": "no gain on the capped RL cell over 4 seeds (2.13x its roofline against 2.11x)",
     "continuous_shared_prefix": "slower on the capped RL cell over 4 seeds (2.33x its roofline against 2.11x)",
+    "kernels.shared_prefix_first_row": "now kernels.shared_prefix_first_row_rows, a step's most rows (0: off)",
 }
 
 

@@ -122,6 +122,15 @@ def test_a_removed_setting_says_why(old):
         RolloutConfig(**{old: 0})
 
 
+def test_the_replaced_first_row_bool_names_its_row_count():
+    """``kernels.shared_prefix_first_row`` (a bool until 604431e) names the row count that replaced it."""
+    with pytest.raises(ValueError, match=r"shared_prefix_first_row: not a RolloutConfig setting.*"
+                                         r"now kernels\.shared_prefix_first_row_rows"):
+        RolloutConfig().with_settings({"kernels.shared_prefix_first_row": True})
+    off = RolloutConfig().with_settings({"kernels.shared_prefix_first_row_rows": 0})
+    assert off.kernels.shared_prefix_first_row_rows == 0
+
+
 def test_common_settings_stay_flat_and_sections_round_trip():
     cfg = RolloutConfig(route="auto", max_cache_gib=40)
     assert (cfg.route, cfg.max_cache_gib) == ("auto", 40)
