@@ -297,45 +297,6 @@ def test_prompt_from_the_first_row_reads_no_other_copy(device, samples, block):
     assert not da.shares_prefix(da.SharedPrefix(shared.ids, 1, shared.end, True), 16, 2)
 
 
-@pytest.mark.parametrize("ids,samples,prefix_end,last", SHARED_LAYOUTS)
-@pytest.mark.parametrize("splits,block,flat", [(None, 64, False), (1, 64, True), (3, 16, False), (5, 16, True)])
-def test_whole_runs_equal_sdpa(device, ids, samples, prefix_end, last, splits, block, flat):
-    """Each run's rows in one program (``SharedPrefix.whole_runs``: the prompt's whole tiles once for all of the
-    run's queries, then each row's own tiles, which only its queries attend) gives SDPA's result for every layout of
-    runs, prefix length, split count (splits cutting the run's tiles anywhere, rows' and prompt's alike), tile size
-    and loop form (a loop per part, or one loop choosing each tile's row)."""
-    q, k, v, keep, shared, last_col = _shared_inputs(ids, samples, prefix_end, last, device=device, seed=len(ids))
-    runs = dataclasses.replace(shared, whole_runs=True)
-    assert da.shares_prefix(runs, 4, 2)
-    got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, last=last_col, shared=runs,
-                       block=block, flat=flat)
-    assert da.failure(q.device) is None
-    torch.testing.assert_close(got, _sdpa(q, k, v, keep, 4, 2), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("flat", [False, True])
-def test_whole_runs_read_one_copy_and_nothing_after_last(device, flat):
-    """NaN in the prompt's whole tiles of every row but its run's first, and after the last column, cannot reach
-    the output; NaN in one row's value after the prompt's end reaches its run's rows (their queries share the
-    tile's product with the values: 0 x NaN) and no other run's."""
-    ids, samples, prefix_end, last, block = [0, 1, 2, 3, 4, 5, 6, 7], 4, 70, 120, 16
-    q, k, v, keep, shared, last_col = _shared_inputs(ids, samples, prefix_end, last, device=device, seed=3)
-    runs = dataclasses.replace(shared, whole_runs=True)
-    expected = _sdpa(q, k, v, keep, 4, 2)
-    poisoned_k, poisoned_v = k.clone(), v.clone()
-    poisoned_k[[1, 2, 3, 5, 6, 7], :, :prefix_end // block * block] = float("nan")
-    poisoned_v[[1, 2, 3, 5, 6, 7], :, :prefix_end // block * block] = float("nan")
-    poisoned_k[:, :, last + 1:], poisoned_v[:, :, last + 1:] = float("nan"), float("nan")
-    poisoned_v[6, :, prefix_end + 3] = float("nan")
-    for splits in (None, 1, 2, 7):
-        got = da.attention(q, poisoned_k, poisoned_v, keep, 0.25, True, splits=splits, interpret=True, last=last_col,
-                           shared=runs, block=block, flat=flat)
-        torch.testing.assert_close(got[:4], expected[:4], rtol=1e-5, atol=1e-5)
-        assert torch.isnan(got[6]).all()
-    with pytest.raises(ValueError, match="first_row and whole_runs"):
-        dataclasses.replace(shared, whole_runs=True, first_row=True)
-
-
 def test_shared_prefix_takes_one_prompt_end_for_every_row():
     """``SharedPrefix.end`` is one column for every row (a scalar tensor); an end per row is refused, not read as
     its first element."""

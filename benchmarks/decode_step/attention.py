@@ -132,15 +132,6 @@ def shared_prefix_variants(rows: int, window: SharedWindow, geo: Geometry) -> li
     cases.append((f"last + the prompt from each run's first row (shared first_row, {tiles} columns)",
                   lambda: decode_attention.attention(q, k, v, keep, scale, True, last=last, shared=first_row),
                   groups * tiles + rows * (window.filled - tiles)))
-    # each run's rows in one program: the prompt's whole tiles once for all of their queries, then each row's own
-    runs = dataclasses.replace(shared, whole_runs=True)
-    for splits, flat, warps in ((None, False, 4), (1, False, 4), (2, False, 4), (4, False, 4), (None, True, 4),
-                                (1, True, 4), (None, False, 8), (1, False, 8)):
-        cases.append((f"last + whole runs ({samples} rows a program, {splits or 'default'} split(s), "
-                      f"{'one loop' if flat else 'a loop a part'}, {warps} warps)",
-                      lambda splits=splits, flat=flat, warps=warps: decode_attention.attention(
-                          q, k, v, keep, scale, True, last=last, shared=runs, splits=splits, flat=flat, warps=warps),
-                      groups * tiles + rows * (window.filled - tiles)))
     reference = cases[0][1]().float()
     part = f"attention x{geo.layers}, prefix {prefix}, filled {window.filled}, bucket {window.live}"
     out = []

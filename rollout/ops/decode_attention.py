@@ -78,15 +78,7 @@ class SharedPrefix:
     (then merged with the rows' own columns); True, by each row's own program from its run's first row, so the run's
     rows, launched side by side, read one copy from memory and the L2 cache serves the rest (no pass, no merge)."""
 
-    whole_runs: bool = False
-    """Instead (with ``first_row`` False): each run's rows in one program whose tile holds all of their queries,
-    reading the prompt's whole tiles once for all of them and then each row's own columns, the run's tiles shared
-    among the splits (``decode_attention_kernel.decode_attention_runs``: no second kind of program, merged only when
-    split)."""
-
     def __post_init__(self):
-        if self.first_row and self.whole_runs:
-            raise ValueError("SharedPrefix: first_row and whole_runs are two ways to read the prompt once; set one")
         if self.end.dim() != 0:
             raise ValueError(f"SharedPrefix.end must be a scalar tensor (one prompt end for every row), got shape "
                              f"{tuple(self.end.shape)}")
@@ -173,8 +165,7 @@ def sm_count(index: int) -> int:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, gqa: bool, *,
               splits: Optional[int] = None, interpret: bool = False, block: int = BLOCK_L, warps: int = WARPS,
               stages: int = STAGES, last: Optional[torch.Tensor] = None,
-              shared: Optional[SharedPrefix] = None, prefix_splits: Optional[int] = None,
-              flat: bool = False) -> torch.Tensor:
+              shared: Optional[SharedPrefix] = None, prefix_splits: Optional[int] = None) -> torch.Tensor:
     """Decode attention ``[B, Hq, 1, D]`` (module docstring); SDPA where the kernel cannot run. ``splits``:
     programs per (row, KV head) (default :func:`split_count`); ``interpret``: allow CPU tensors (tests, under
     ``TRITON_INTERPRET=1``); ``block``, ``warps``, ``stages``: launch parameters (module constants); ``last``:
@@ -188,7 +179,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
     return launch_or_fall_back(_FAILED, key, "decode attention kernel", f"SDPA runs instead for {key}",
                                lambda: _launch(q, k, v, keep, scale, splits=splits, block=block, warps=warps,
                                                stages=stages, last=last, shared=shared,
-                                               prefix_splits=prefix_splits, flat=flat),
+                                               prefix_splits=prefix_splits),
                                lambda: sdpa(q, k, v, keep, scale, gqa))
 
 
@@ -205,14 +196,11 @@ def shares_prefix(shared: Optional[SharedPrefix], heads: int, kv_heads: int) -> 
 
 
 def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, shared=None,
-            prefix_splits=None, flat=False) -> torch.Tensor:
+            prefix_splits=None) -> torch.Tensor:
     from rollout.ops import decode_attention_kernel as kernels
 
     rows, heads, _, dim = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
-    if shares_prefix(shared, heads, kv_heads) and shared.whole_runs:
-        return _launch_runs(kernels, q, k, v, keep, scale, shared, last=last, splits=splits, block=block, warps=warps,
-                            stages=stages, flat=flat)
     group = heads // kv_heads
     sms = sm_count(q.device.index or 0) if q.is_cuda else 1
     tiles = max(1, -(-length // block))
@@ -251,34 +239,4 @@ def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, sh
         kernels.decode_attention_merge[(rows, heads)](
             part, stat, out, out.stride(0), out.stride(1), heads, slots,
             DIM=dim, DIM_PAD=dim_pad, SPLITS_PAD=pow2_at_least(slots, 1))
-    return out
-
-
-def _launch_runs(kernels, q, k, v, keep, scale, shared, *, last, splits, block, warps, stages, flat) -> torch.Tensor:
-    """``SharedPrefix.whole_runs``: a program per run of rows, KV head and split (default: enough splits for ~2
-    working programs per SM)."""
-    rows, heads, _, dim = q.shape
-    kv_heads, length = k.shape[1], k.shape[2]
-    group, samples = heads // kv_heads, shared.samples
-    tiles = samples * max(1, -(-length // block))
-    if splits is None:
-        splits = split_count(-(-rows // samples), kv_heads, tiles * block, sm_count(q.device.index or 0)
-                             if q.is_cuda else 1, block)
-    splits = max(1, min(int(splits), tiles))
-    out = torch.empty(rows, heads, 1, dim, dtype=q.dtype, device=q.device)
-    dim_pad = pow2_at_least(dim, 16)
-    single = splits == 1
-    part = out if single else torch.empty(rows * heads * splits * dim_pad, dtype=torch.float32, device=q.device)
-    stat = out if single else torch.empty(rows * heads * splits * 2, dtype=torch.float32, device=q.device)
-    kernels.decode_attention_runs[(rows, kv_heads, splits)](
-        q, k, v, keep, shared.ids, shared.end, out if last is None else last, out, part, stat,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        keep.stride(0), keep.stride(-1), out.stride(0), out.stride(1), rows, length, splits, float(scale),
-        SAMPLES=samples, GROUP=group, M_PAD=pow2_at_least(samples * group, 16), DIM=dim, DIM_PAD=dim_pad,
-        EVEN_D=dim == dim_pad, BLOCK_L=block, SCAN=SCAN, LAST=last is not None, SINGLE=single, FLAT=flat,
-        **dot_options(q.dtype, q.is_cuda), num_warps=warps, num_stages=stages)
-    if not single:
-        kernels.decode_attention_merge[(rows, heads)](
-            part, stat, out, out.stride(0), out.stride(1), heads, splits,
-            DIM=dim, DIM_PAD=dim_pad, SPLITS_PAD=pow2_at_least(splits, 1))
     return out

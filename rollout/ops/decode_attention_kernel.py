@@ -43,21 +43,19 @@ def _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, s
     if FIRST_ROW:
         edge = tl.minimum(tl.maximum((end // BLOCK_L) * BLOCK_L, lo), hi)  # lo and the tiles: multiples of BLOCK_L
         acc, top, total = _tiles(q, acc, top, total, k_lead, v_lead, keep_row, k_sl, v_sl, keep_sl, lo, edge, hi, d,
-                                 d_ok, scale, EVEN_D, BLOCK_L, PRECISION, DOT_FP32, 0, False)
+                                 d_ok, scale, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
         acc, top, total = _tiles(q, acc, top, total, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, edge, hi, hi, d,
-                                 d_ok, scale, EVEN_D, BLOCK_L, PRECISION, DOT_FP32, 0, False)
+                                 d_ok, scale, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
     else:
         acc, top, total = _tiles(q, acc, top, total, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, hi, d,
-                                 d_ok, scale, EVEN_D, BLOCK_L, PRECISION, DOT_FP32, 0, False)
+                                 d_ok, scale, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
     return acc, top, total
 
 
 @triton.jit
 def _tiles(q, acc, top, total, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, until, hi, d, d_ok, scale,
-           EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, chosen,
-           CHOSEN: tl.constexpr):
-    # _window's online softmax carried on over the tiles starting in [lo, until), columns before hi. CHOSEN: only
-    # the queries where ``chosen`` (a [ROWS] boolean) attend these columns; the others' sums pass through unchanged.
+           EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    # _window's online softmax carried on over the tiles starting in [lo, until), columns before hi.
     cols0 = tl.arange(0, BLOCK_L)
     for start in range(lo, until, BLOCK_L):
         cols = start + cols0
@@ -71,10 +69,7 @@ def _tiles(q, acc, top, total, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
         else:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, BLOCK_L] fp32
-        if CHOSEN:
-            s = tl.where(keep[None, :] & chosen[:, None], s, float("-inf"))
-        else:
-            s = tl.where(keep[None, :], s, float("-inf"))
+        s = tl.where(keep[None, :], s, float("-inf"))
         new_top = tl.maximum(top, tl.max(s, 1))
         safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)  # a tile with nothing kept yet
         alpha = tl.exp(top - safe_top)
@@ -129,20 +124,6 @@ def _run_lead(ids_ptr, b, SAMPLES: tl.constexpr, SAMPLES_PAD: tl.constexpr):
     keys = tl.load(ids_ptr + rows, mask=inside, other=0) // SAMPLES
     other = (back < SAMPLES) & ((rows < 0) | (keys != tl.load(ids_ptr + b) // SAMPLES))
     return tl.maximum(tl.max(tl.where(other, rows, -1), 0) + 1, b - (SAMPLES - 1))
-
-
-@triton.jit
-def _run_from(ids_ptr, b, rows, SAMPLES: tl.constexpr):
-    # Whether row b leads a run (the first row of adjacent rows whose sample ids share id // SAMPLES: the copies
-    # of one prompt), and the run's length from b (rows b, b + 1, ... while their prompt is b's; at most SAMPLES).
-    key = tl.load(ids_ptr + b) // SAMPLES
-    prev = tl.load(ids_ptr + tl.maximum(b - 1, 0)) // SAMPLES
-    run = 1
-    for j in tl.static_range(1, SAMPLES):
-        inside = b + j < rows
-        other = tl.load(ids_ptr + b + j, mask=inside, other=0) // SAMPLES
-        run = tl.where(inside & (other == key) & (run == j), j + 1, run)
-    return (b == 0) | (prev != key), run
 
 
 @triton.jit
@@ -221,8 +202,15 @@ def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, las
     v_base = v_ptr + b * v_sb + kv * v_sh
     heads_of_kv = tl.num_programs(1) * GROUP
     if share < prefix_splits:
-        leader, run = _run_from(ids_ptr, b, rows, SAMPLES)
+        key = tl.load(ids_ptr + b) // SAMPLES
+        prev = tl.load(ids_ptr + tl.maximum(b - 1, 0)) // SAMPLES
+        leader = (b == 0) | (prev != key)
         if leader:
+            run = 1  # the run: rows b, b + 1, ... while their prompt is b's
+            for j in tl.static_range(1, SAMPLES):
+                inside = b + j < rows
+                other = tl.load(ids_ptr + b + j, mask=inside, other=0) // SAMPLES
+                run = tl.where(inside & (other == key) & (run == j), j + 1, run)
             m = tl.arange(0, M_PAD)
             member = m // GROUP
             heads = kv * GROUP + m % GROUP
@@ -246,127 +234,6 @@ def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, las
                                   GROUP_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32, False)
         _store_partials(part_ptr, stat_ptr, (b * heads_of_kv + heads) * slots + share, g_ok, acc, top, total, d,
                         DIM_PAD)
-
-
-@triton.jit
-def _run_rows(q, acc, top, total, k_head, v_head, keep_ptr, b, run, member, k_sb, v_sb, keep_sb, k_sl, v_sl, keep_sl,
-              lo, hi, prompt, own, first, edge, stop, d, d_ok, scale, SAMPLES: tl.constexpr, EVEN_D: tl.constexpr,
-              BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    # decode_attention_runs' tiles [lo, hi) of the run's, a loop per part: the prompt's, then each row's.
-    acc, top, total = _tiles(q, acc, top, total, k_head + b * k_sb, v_head + b * v_sb, keep_ptr + b * keep_sb, k_sl,
-                             v_sl, keep_sl, first + tl.minimum(lo, prompt) * BLOCK_L,
-                             first + tl.minimum(hi, prompt) * BLOCK_L, edge, d, d_ok, scale, EVEN_D, BLOCK_L,
-                             PRECISION, DOT_FP32, 0, False)
-    for r in tl.static_range(SAMPLES):
-        base = prompt + r * own  # row b + r's tiles: [base, base + own) of the run's
-        if r < run:
-            acc, top, total = _tiles(q, acc, top, total, k_head + (b + r) * k_sb, v_head + (b + r) * v_sb,
-                                     keep_ptr + (b + r) * keep_sb, k_sl, v_sl, keep_sl,
-                                     edge + tl.minimum(tl.maximum(lo - base, 0), own) * BLOCK_L,
-                                     edge + tl.minimum(tl.maximum(hi - base, 0), own) * BLOCK_L, stop, d, d_ok,
-                                     scale, EVEN_D, BLOCK_L, PRECISION, DOT_FP32, member == r, True)
-    return acc, top, total
-
-
-@triton.jit
-def _run_tiles(q, acc, top, total, k_head, v_head, keep_ptr, b, member, k_sb, v_sb, keep_sb, k_sl, v_sl, keep_sl,
-               lo, hi, prompt, own, first, edge, stop, d, d_ok, scale, EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr,
-               PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    # decode_attention_runs' tiles [lo, hi) of the run's in one loop, each tile choosing its row and columns: tile t
-    # < prompt is columns first + t * BLOCK_L of b's copy (every query; columns before edge), else row b + r's
-    # columns edge + i * BLOCK_L with (r, i) = divmod(t - prompt, own) (that row's queries; columns before stop).
-    cols0 = tl.arange(0, BLOCK_L)
-    for t in range(lo, hi):
-        mine = t >= prompt
-        r = tl.where(mine, (t - prompt) // tl.maximum(own, 1), 0)
-        start = tl.where(mine, edge + (t - prompt - r * own) * BLOCK_L, first + t * BLOCK_L)
-        cols = start + cols0
-        c_ok = cols < tl.where(mine, stop, edge)
-        row = b + r
-        keep = tl.load(keep_ptr + row * keep_sb + cols * keep_sl, mask=c_ok, other=0) != 0
-        chosen = (member == r) | (t < prompt)
-        if EVEN_D:
-            mask2 = c_ok[:, None]
-        else:
-            mask2 = c_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_head + row * k_sb + cols[:, None] * k_sl + d[None, :], mask=mask2, other=0.0)
-        v = tl.load(v_head + row * v_sb + cols[:, None] * v_sl + d[None, :], mask=mask2, other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(keep[None, :] & chosen[:, None], s, float("-inf"))
-        new_top = tl.maximum(top, tl.max(s, 1))
-        safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)
-        alpha = tl.exp(top - safe_top)
-        p = tl.exp(s - safe_top[:, None])
-        total = total * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        top = new_top
-    return acc, top, total
-
-
-@triton.jit
-def decode_attention_runs(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, last_ptr, out_ptr, part_ptr, stat_ptr,
-                          q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, keep_sb, keep_sl, o_sb, o_sh,
-                          rows, length, splits, scale,
-                          SAMPLES: tl.constexpr, GROUP: tl.constexpr, M_PAD: tl.constexpr, DIM: tl.constexpr,
-                          DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr, SCAN: tl.constexpr,
-                          LAST: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr,
-                          DOT_FP32: tl.constexpr, FLAT: tl.constexpr):
-    # One program: a run of rows that hold copies of one prompt (sample ids sharing id // SAMPLES, adjacent; its
-    # first row b leads it, the other rows' programs do nothing), KV head kv, one share (split) of the run's tiles.
-    # Its tile holds the queries of every row of the run times the GROUP query heads of kv. The run's tiles, in
-    # order: the prompt's whole tiles (columns [first kept, end) rounded down to a tile edge, from b's copy), read
-    # once for all of its queries; then each row's own tiles from that edge to the window's end, which only that
-    # row's queries attend. The splits share them in whole tiles, so prompt and rows alike fill the GPU; SINGLE
-    # normalises here, else partials for decode_attention_merge as decode_attention_split writes them.
-    b = tl.program_id(0).to(tl.int64)
-    kv = tl.program_id(1)
-    split = tl.program_id(2)
-    leader, run = _run_from(ids_ptr, b, rows, SAMPLES)
-    if leader:
-        m = tl.arange(0, M_PAD)
-        d = tl.arange(0, DIM_PAD)
-        d_ok = d < DIM
-        member = m // GROUP
-        heads = kv * GROUP + m % GROUP
-        row = b + member
-        m_ok = member < run
-        q = tl.load(q_ptr + row[:, None] * q_sb + heads[:, None] * q_sh + d[None, :],
-                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        keep_row = keep_ptr + b * keep_sb
-        stop = _window_end(length, last_ptr, LAST)
-        first = _first_kept(keep_row, keep_sl, stop, SCAN, BLOCK_L)
-        edge = tl.minimum((tl.load(end_ptr).to(tl.int32) // BLOCK_L) * BLOCK_L, stop)
-        prompt = tl.cdiv(tl.maximum(edge - first, 0), BLOCK_L)
-        own = tl.cdiv(tl.maximum(stop - edge, 0), BLOCK_L)
-        chunk = tl.cdiv(prompt + run * own, splits)
-        lo = split * chunk
-        hi = lo + chunk
-        acc = tl.zeros((M_PAD, DIM_PAD), tl.float32)
-        top = tl.full((M_PAD,), float("-inf"), tl.float32)
-        total = tl.zeros((M_PAD,), tl.float32)
-        if FLAT:
-            acc, top, total = _run_tiles(q, acc, top, total, k_ptr + kv * k_sh, v_ptr + kv * v_sh, keep_ptr, b,
-                                         member, k_sb, v_sb, keep_sb, k_sl, v_sl, keep_sl, lo,
-                                         tl.minimum(hi, prompt + run * own), prompt, own, first, edge, stop, d, d_ok,
-                                         scale, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
-        else:
-            acc, top, total = _run_rows(q, acc, top, total, k_ptr + kv * k_sh, v_ptr + kv * v_sh, keep_ptr, b, run,
-                                        member, k_sb, v_sb, keep_sb, k_sl, v_sl, keep_sl, lo, hi, prompt, own, first,
-                                        edge, stop, d, d_ok, scale, SAMPLES, EVEN_D, BLOCK_L, PRECISION, DOT_FP32)
-        if SINGLE:  # a query with nothing kept gets zeros
-            out = acc / tl.where(total > 0, total, 1.0)[:, None]
-            tl.store(out_ptr + row[:, None] * o_sb + heads[:, None] * o_sh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-        else:
-            _store_partials(part_ptr, stat_ptr, (row * (tl.num_programs(1) * GROUP) + heads) * splits + split, m_ok,
-                            acc, top, total, d, DIM_PAD)
 
 
 @triton.jit
