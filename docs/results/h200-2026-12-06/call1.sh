@@ -1,5 +1,5 @@
 # h200-2026-12-06 call 1: the whole-runs attention (SharedPrefix.whole_runs) timed against today's reads, then
-# 2026-12-05e call 1's row-cap A/B (opsd-longtail 128 / 0 / 256 rows, opsd-uniform 128 / 0)
+# 2026-12-05d call4.sh's row-cap A/B (opsd-longtail 128 / 0 / 256 rows, opsd-uniform 128 / 0)
 # (ran at 45aa351; its whole-run variants were removed again after this call: 658fd5c)
 set -u
 L=${LABEL:?commit label}
