@@ -189,7 +189,7 @@ def test_the_table_printer():
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------------
-BENCHMARKS = ["ab", "call_memory", "decode_step", "gemm_layouts", "jsd", "keep_cache", "multigpu", "optimizer",
+BENCHMARKS = ["ab", "call_memory", "decode_step", "gemm_algos", "gemm_layouts", "jsd", "keep_cache", "multigpu", "optimizer",
               "overhead", "planner", "postprocess", "profiler_cost", "rl", "sampler", "step", "suites", "trace_summary"]
 
 
@@ -217,6 +217,26 @@ def test_gemm_layouts_table_pairs_each_layout_with_its_kept_copy():
     assert len(lines) == 4 and "today / kept" in lines[0]
     assert [line.split("|")[3].strip() for line in lines[2:]] == ["cublaslt", "cublas"]
     assert [line.split("|")[6].strip() for line in lines[2:]] == ["0.900", "2.000"]
+
+
+def test_gemm_algos_table_picks_the_fastest_candidate_within_tolerance():
+    """``benchmarks.gemm_algos``' table: per projection and rows, PyTorch's ms, the heuristic's first choice, and the
+    fastest candidate whose product stays within the tolerance of PyTorch's (a faster wrong one is skipped)."""
+    from benchmarks import gemm_algos as g
+
+    cfg = {"algo": 66, "tile": 20, "stages": 8, "splitk": 1, "reduction": 0, "swizzle": 0, "cluster": 2, "custom": 0}
+    rows = [{"projection": "down", "rows": 256, "source": source, "ms": ms, "torch_ms": 0.9, "max_diff": diff,
+             **cfg, "splitk": splitk}
+            for source, ms, diff, splitk in (("heuristic 0", 0.91, 0.0, 1), ("heuristic 3", 0.5, 1.0, 1),
+                                             ("heuristic 1, split-K 4 reduction 2", 0.72, 0.01, 4))]
+    rows.append({**rows[0], "projection": "o", "ms": 0.3, "torch_ms": 0.25})
+    lines = g.table(rows, tolerance=0.05).splitlines()
+    assert len(lines) == 4 and "best / torch" in lines[0]
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
+    assert [c[0] for c in cells] == ["o", "down"]
+    assert cells[1][3:7] == ["0.910", "0.720", "0.800", "heuristic 1, split-K 4 reduction 2"]
+    assert "split-K 4" in cells[1][7] and cells[1][8] == "3"
+    assert cells[0][5] == "1.200"
 
 
 def test_scripts_keep_only_what_users_run():
