@@ -32,10 +32,10 @@ MAX_CACHE_GIB = 2**30
 GATHER_MODES = ("once", "per_forward")
 #: ``RolloutConfig.compile_mode`` values: torch.compile modes without inductor CUDA graphs.
 COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
-#: ``RolloutConfig.decode_attention`` values.
-DECODE_ATTENTIONS = ("triton", "sdpa")
-#: ``RolloutConfig.blas_library`` values besides None (``rollout.executors.blas`` sets them).
-BLAS_LIBRARIES = ("cublas", "cublaslt")
+DECODE_ATTENTIONS = ("triton", "sdpa")  # ``RolloutConfig.decode_attention`` values
+#: ``RolloutConfig.blas_library`` values besides None (``rollout.executors.blas``; the tuned one: ``ops.tuned_gemm``).
+TUNED_BLAS = "cublaslt-tuned"
+BLAS_LIBRARIES = ("cublas", "cublaslt", TUNED_BLAS)
 
 
 @dataclass(frozen=True)
@@ -161,8 +161,8 @@ class KernelConfig:
     fused_kv_write: bool = True
     """With ``compile`` and ``fuse_qkv`` on CUDA, the compiled q|k|v piece also writes k and v into the cache."""
     blas_library: Optional[str] = "cublaslt"
-    """On CUDA, the BLAS backend of the call's matrix products, set for the call and restored after it
-    (``rollout.executors.blas``): ``"cublaslt"``, ``"cublas"``, or None to leave the process's setting."""
+    """On CUDA, the BLAS backend of the call's products, set for the call and restored after it: ``"cublaslt"``,
+    ``"cublas"``, ``"cublaslt-tuned"`` (decode projections on each shape's fastest algorithm), None (the process's)."""
     fuse_qkv: bool = True
     """q, k and v with one GEMM over a concatenated copy of their weights (refreshed at every call)."""
     fuse_gate_up: bool = True

@@ -133,12 +133,14 @@ def blas_backend(name):
 
 
 def blas_ab(model, rows: int, live: int, backends: list[str]) -> list[dict]:
-    """The routes' default step captured and timed under each BLAS backend, in two rounds (A B, B A)."""
+    """The routes' default step captured and timed under each BLAS backend, in two rounds (A B, B A); with
+    ``"cublaslt-tuned"`` its projections on each shape's fastest cuBLASLt algorithm, as the routes run them."""
     out = []
 
     def call(name, seed, timed):
         with blas_backend(name):
-            ms = step_ms(model, rows, live, ROUTE_DEFAULT)
+            step = StepVariant(dataclasses.replace(ROUTE_DEFAULT.kernels, blas_library=name))
+            ms = step_ms(model, rows, live, step)
         out.append(dict(rows=rows, part="decode_logits", variant=f"{ROUTE_DEFAULT.name}; BLAS {name}", ms=ms))
 
     run_rounds(backends, Rounds(2, warmup=0), call)

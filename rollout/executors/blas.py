@@ -14,6 +14,10 @@ from typing import Iterator, Optional
 import torch
 
 
+#: Our backend names that are another name to torch: the tuned products run on cuBLASLt, as torch's own do.
+TORCH_BACKENDS = {"cublaslt-tuned": "cublaslt"}
+
+
 def _name(backend) -> str:
     """A backend as torch's getter returns it (``_BlasBackend.Cublaslt``), lower-case (``"cublaslt"``)."""
     return str(backend).rsplit(".", 1)[-1].lower()
@@ -35,12 +39,15 @@ def blas_library(name: Optional[str], device: torch.device) -> Iterator[str]:
         return
     before = torch.backends.cuda.preferred_blas_library()
     in_effect, changed = _name(before), False
-    if name is not None and name != in_effect:
+    backend = TORCH_BACKENDS.get(name, name)
+    if backend is not None and backend != in_effect:
         try:
-            torch.backends.cuda.preferred_blas_library(name)
+            torch.backends.cuda.preferred_blas_library(backend)
             in_effect, changed = name, True
         except RuntimeError as exc:  # e.g. a build without cuBLASLt
             in_effect = f"{in_effect} ({name} unavailable: {exc})"
+    elif backend is not None:
+        in_effect = name
     try:
         yield in_effect
     finally:

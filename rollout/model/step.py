@@ -66,14 +66,24 @@ def _layer_rest(fns: "StepFns", h, attn, w: LayerWeights, eps: float, skinny: bo
     if skinny and w.gate_up is not None:  # o + residual in one kernel, then the compiled MLP
         h = fns.skinny_linear(attn.reshape(rows, -1), w.o, w.o_bias, residual=h)
     elif in_place and w.o_bias is None:
-        h.addmm_(attn.reshape(rows, -1), w.o.t())
+        _addmm_(fns, h, attn.reshape(rows, -1), w.o)
     else:
         return layer_output(fns, h, attn, w, eps)
     if in_place and fns.silu_mul_rms is not None:  # the norm's gain folded into w.gate_up
-        return h.addmm_(fns.silu_mul_rms(torch.mm(h, w.gate_up.t()), h, eps=eps), w.down.t())
+        return _addmm_(fns, h, fns.silu_mul_rms(_mm(fns, h, w.gate_up), h, eps=eps), w.down)
     if in_place:
-        return h.addmm_(fns.gate_up_silu(h, w.post_norm, w.gate_up, eps), w.down.t())
+        return _addmm_(fns, h, fns.gate_up_silu(h, w.post_norm, w.gate_up, eps), w.down)
     return fns.gate_up_mlp(h, w.post_norm, w.gate_up, w.down, eps)
+
+
+def _mm(fns: "StepFns", x, w):
+    """``x @ w.t()`` through ``fns.tuned`` where set, else ``torch.mm``."""
+    return fns.tuned.mm(x, w) if fns.tuned is not None else torch.mm(x, w.t())
+
+
+def _addmm_(fns: "StepFns", h, x, w):
+    """``h += x @ w.t()`` in place, through ``fns.tuned`` where set."""
+    return fns.tuned.addmm_(h, x, w) if fns.tuned is not None else h.addmm_(x, w.t())
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,10 @@ class StepFns:
     decode steps multiply the residual stream itself by the copy (no norm) and hand the product and the residual to
     this function, which scales each row by its 1/RMS, adds the bias, rotates and writes the cache
     (:func:`rollout.ops.rms_scaled.rotary_write_rms`); it takes precedence over ``rotary_write``."""
+    tuned: object = None
+    """With ``RolloutConfig.kernels.blas_library="cublaslt-tuned"`` on CUDA: the projections the step runs outside the
+    compiled pieces (q|k|v with folded norms, o and down in place, gate|up) on each shape's fastest cuBLASLt
+    algorithm (:class:`rollout.ops.tuned_gemm.TunedGemm`)."""
     silu_mul_rms: object = None
     """Only where the post-attention norms' gains are folded into the fused gate|up copies: with
     ``residual_in_place``, decode steps multiply the residual itself by the copy and take the activation from this
@@ -187,7 +201,7 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
     skinny = (fns.skinny_linear is not None and fns.rotary_write is not None and tokens.shape[0] <= fns.skinny_rows)
     for i, w in enumerate(weights.layers):
         if fns.rotary_write_rms is not None and w.qkv is not None:  # the norm's gain folded into w.qkv
-            q = fns.rotary_write_rms(torch.mm(h, w.qkv.t()), h, w.qkv_bias, cos, sin, key_cache[i], value_cache[i],
+            q = fns.rotary_write_rms(_mm(fns, h, w.qkv), h, w.qkv_bias, cos, sin, key_cache[i], value_cache[i],
                                      cols, eps=eps, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
                                      head_dim=spec.head_dim)
         elif fns.rotary_write is not None and w.qkv is not None:

@@ -1,0 +1,178 @@
+"""The decode step's projections on the cuBLASLt algorithm timed fastest for each shape
+(``RolloutConfig.kernels.blas_library="cublaslt-tuned"``).
+
+PyTorch runs the first algorithm cuBLASLt's heuristic offers. At the decode step's small-M shapes that choice can
+be slow: at 256 rows on an H200, down ran at 56% of its compute floor and q|k|v and o at 41-44% (``docs/BENCHMARKS.md``
+section 1). :class:`TunedGemm` times, the first time it meets a product's shape (rows, K, N, the in-place residual,
+dtype, pointer alignments), the heuristic's candidates and the split-K variants of the fastest few, each with the L2
+cache flushed before it (the step's weights are never cache-resident: each layer's are distinct), and runs that
+shape on the fastest whose product stays within ``tolerance`` of PyTorch's (relative to its largest magnitude) from
+then on. Its choices are kept per device for the process (:func:`tuner`).
+
+Where it cannot run it leaves the product to PyTorch: off CUDA, other dtypes than bf16/fp16, strided operands, an
+empty batch, and a shape first met while a CUDA graph is being captured (timing needs a synchronisation; the routes'
+captures warm up eagerly first, so their shapes are tuned by then). A cuBLASLt failure warns once and leaves PyTorch
+every later product on that device. Which candidate wins can differ between processes where two time alike; their
+products differ by rounding only.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+#: Heuristic candidates asked for per shape, how many of the fastest get split-K variants, the split-K counts tried.
+REQUESTED = 16
+FINALISTS = 3
+SPLITS = (2, 3, 4, 6, 8)
+#: Timed launches per candidate (median), and the largest relative difference from PyTorch's product accepted.
+REPS = 5
+TOLERANCE = 2e-2
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One timed algorithm: where it came from (``"heuristic 2"``, ``"heuristic 2, split-K 4"``), its median ms with
+    a cold L2 cache, and ``max |its product - PyTorch's| / max |PyTorch's|``."""
+
+    source: str
+    ms: float
+    rel_diff: float
+
+
+def choose(candidates: Sequence[Candidate], tolerance: float = TOLERANCE) -> Optional[int]:
+    """The index of the fastest candidate within ``tolerance`` (the earlier one on a tie), None if there is none."""
+    good = [i for i, c in enumerate(candidates) if c.rel_diff <= tolerance and c.ms == c.ms]
+    return min(good, key=lambda i: (candidates[i].ms, i)) if good else None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one shape runs on: the chosen candidate, the heuristic's first choice for comparison, the algorithm's
+    configuration (``rollout.ops.cublaslt.config``) and every candidate timed."""
+
+    chosen: Candidate
+    first: Candidate
+    config: dict
+    candidates: tuple = field(repr=False)
+    product: object = field(repr=False, default=None)
+    algo: object = field(repr=False, default=None)
+
+
+class TunedGemm:
+    """``mm(x, w) = x @ w.t()`` and ``addmm_(h, x, w): h += x @ w.t()`` on one CUDA device, each shape on its
+    fastest cuBLASLt algorithm (module docstring)."""
+
+    def __init__(self, device_index: int, tolerance: float = TOLERANCE):
+        self.device_index, self.tolerance = device_index, tolerance
+        self.plans: dict = {}
+        """(rows, K, N, residual, dtype, alignments) -> :class:`Plan`."""
+        self.failure: Optional[str] = None
+        self.untuned_in_capture = 0
+        """Products left to PyTorch because their shape was first met inside a CUDA graph capture."""
+        self.tune_s = 0.0
+        """Wall seconds spent choosing (the host waits on the device while it times the candidates)."""
+        self._workspace: Optional[torch.Tensor] = None
+
+    def mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+        return out if self._run(x, w, out, residual=False) else torch.mm(x, w.t())
+
+    def addmm_(self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return h if self._run(x, w, h, residual=True) else h.addmm_(x, w.t())
+
+    def _run(self, x, w, out, residual: bool) -> bool:
+        from rollout.ops import cublaslt
+
+        if (self.failure is not None or x.device.type != "cuda" or x.dtype not in cublaslt.DATA_TYPES
+                or not (x.dtype == w.dtype == out.dtype) or x.shape[0] == 0 or not _dense(x) or not _dense(w)
+                or not _dense(out) or tuple(out.shape) != (x.shape[0], w.shape[0]) or x.shape[1] != w.shape[1]):
+            return False
+        aligns = tuple(cublaslt.alignment(t.data_ptr()) for t in (w, x, out))
+        key = (x.shape[0], x.shape[1], w.shape[0], residual, x.dtype, aligns)
+        plan = self.plans.get(key)
+        try:
+            if plan is None:
+                if torch.cuda.is_current_stream_capturing():
+                    self.untuned_in_capture += 1
+                    return False
+                began = time.perf_counter()
+                plan = self.plans[key] = self._tune(x, w, residual, aligns)
+                self.tune_s += time.perf_counter() - began
+            plan.product.launch(plan.algo, w.data_ptr(), x.data_ptr(), out.data_ptr(), self._workspace.data_ptr(),
+                                torch.cuda.current_stream(x.device).cuda_stream)
+        except cublaslt.CublasLtError as exc:
+            self.failure = str(exc)
+            warnings.warn(f"cublaslt-tuned: {exc}; PyTorch's products from now on (device {self.device_index})",
+                          RuntimeWarning, stacklevel=4)
+            return False
+        return True
+
+    def _tune(self, x: torch.Tensor, w: torch.Tensor, residual: bool, aligns) -> Plan:
+        from rollout.ops import cublaslt
+
+        if self._workspace is None:
+            self._workspace = torch.empty(cublaslt.WORKSPACE, device=x.device, dtype=torch.uint8)
+        rows, k, n = x.shape[0], x.shape[1], w.shape[0]
+        product = cublaslt.Product(self.device_index, rows, k, n, residual, x.dtype, aligns)
+        ref = torch.mm(x, w.t())
+        # The check starts D at the product itself: with the residual add the result must be twice it (an algorithm
+        # mishandling beta shows), without it just the product (beta 0 must ignore what D held).
+        start_d = ref.clone()
+        expected = ref.float() * (2.0 if residual else 1.0)
+        scale = float(expected.abs().max()) or 1.0
+        scratch = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+        l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
+        flush = torch.empty(max(2 * l2, 1 << 20), device=x.device, dtype=torch.uint8)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        ws = self._workspace.data_ptr()
+
+        def measure(source, algo):
+            scratch.copy_(start_d)
+            product.launch(algo, w.data_ptr(), x.data_ptr(), scratch.data_ptr(), ws, stream)
+            rel = float((scratch.float() - expected).abs().max()) / scale
+            events = []
+            for _ in range(REPS):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                flush.zero_()
+                start.record()
+                product.launch(algo, w.data_ptr(), x.data_ptr(), scratch.data_ptr(), ws, stream)
+                end.record()
+                events.append((start, end))
+            torch.cuda.synchronize(x.device)
+            return Candidate(source, statistics.median(s.elapsed_time(e) for s, e in events), rel)
+
+        algos = [(f"heuristic {i}", h.algo) for i, h in enumerate(product.heuristics(REQUESTED))]
+        if not algos:
+            raise cublaslt.CublasLtError(f"no algorithm for rows {rows}, K {k}, N {n}")
+        timed = [measure(source, algo) for source, algo in algos]
+        order = sorted(range(len(timed)), key=lambda i: timed[i].ms)[:FINALISTS]
+        for i in order:
+            for splitk in SPLITS:
+                for reduction in (cublaslt.INPLACE, cublaslt.COMPUTE_TYPE):
+                    algo = product.variant(algos[i][1], splitk, reduction)
+                    if algo is not None:
+                        algos.append((f"{algos[i][0]}, split-K {splitk} reduction {reduction}", algo))
+                        timed.append(measure(*algos[-1]))
+        best = choose(timed, self.tolerance)
+        if best is None:
+            raise cublaslt.CublasLtError(f"no algorithm within {self.tolerance} of PyTorch's product for rows {rows}, "
+                                         f"K {k}, N {n}")
+        return Plan(timed[best], timed[0], cublaslt.config(algos[best][1]), tuple(timed), product, algos[best][1])
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """A row-major matrix with rows back to back (what the descriptors describe)."""
+    return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) == t.shape[1]
+
+
+@functools.lru_cache(maxsize=None)
+def tuner(device_index: int) -> TunedGemm:
+    """The process's :class:`TunedGemm` for one CUDA device (its choices kept for every later call)."""
+    return TunedGemm(device_index)
