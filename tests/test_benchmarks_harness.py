@@ -229,13 +229,15 @@ def test_gemm_algos_table_picks_the_fastest_candidate_within_tolerance():
              **cfg, "splitk": splitk}
             for source, ms, diff, splitk in (("heuristic 0", 0.91, 0.0, 1), ("heuristic 3", 0.5, 1.0, 1),
                                              ("heuristic 1, split-K 4 reduction 2", 0.72, 0.01, 4))]
-    rows.append({**rows[0], "projection": "o", "ms": 0.3, "torch_ms": 0.25})
+    rows[0]["tuned_pick"] = "heuristic 1, split-K 4 reduction 2"
+    rows.append({**rows[0], "projection": "o", "ms": 0.3, "torch_ms": 0.25, "tuned_pick": "heuristic 0"})
     lines = g.table(rows, tolerance=0.05).splitlines()
     assert len(lines) == 4 and "best / torch" in lines[0]
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
     assert [c[0] for c in cells] == ["o", "down"]
     assert cells[1][3:7] == ["0.910", "0.720", "0.800", "heuristic 1, split-K 4 reduction 2"]
-    assert "split-K 4" in cells[1][7] and cells[1][8] == "3" and cells[1][9] == "-"
+    assert "split-K 4" in cells[1][7] and cells[1][8] == "3"
+    assert cells[1][9:] == ["heuristic 1, split-K 4 reduction 2", "0.720"] and cells[0][9:] == ["heuristic 0", "0.300"]
     assert cells[0][5] == "1.200"
 
 

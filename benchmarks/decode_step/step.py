@@ -11,10 +11,11 @@ import torch
 from benchmarks.decode_step.attention import compiled_grouped_attention
 from benchmarks.harness.device import capture, graph_ms
 from benchmarks.harness.rounds import Rounds, run_rounds
-from rollout.config import KernelConfig, SamplingConfig
+from rollout.config import TUNED_BLAS, KernelConfig, SamplingConfig
 from rollout.executors import blas
 from rollout.executors.decode import FastStep
 from rollout.model.step import decode_logits, grouped_decode_attention
+from rollout.ops.tuned_gemm import tuner
 
 #: The step before the kernels of issue 15 (compiled pieces, fused q|k|v, SDPA attention): the base of the
 #: experiments. ``KernelConfig()`` itself is the step the routes run by default.
@@ -144,6 +145,11 @@ def blas_ab(model, rows: int, live: int, backends: list[str]) -> list[dict]:
         out.append(dict(rows=rows, part="decode_logits", variant=f"{ROUTE_DEFAULT.name}; BLAS {name}", ms=ms))
 
     run_rounds(backends, Rounds(2, warmup=0), call)
+    if TUNED_BLAS in backends:
+        for key, plan in tuner(torch.cuda.current_device()).plans.items():
+            print(f"cublaslt-tuned, rows {key[0]} K {key[1]} N {key[2]}{' +=' if key[3] else ''}: "
+                  f"{plan.chosen.source} {plan.chosen.ms * 1e3:.1f} us against the heuristic's first "
+                  f"{plan.first.ms * 1e3:.1f} us ({len(plan.candidates)} candidates)", flush=True)
     return out
 
 

@@ -4,10 +4,11 @@
 PyTorch runs the first algorithm cuBLASLt's heuristic offers. At the decode step's small-M shapes that choice can
 be slow: at 256 rows on an H200, down ran at 56% of its compute floor and q|k|v and o at 41-44% (``docs/BENCHMARKS.md``
 section 1). :class:`TunedGemm` times, the first time it meets a product's shape (rows, K, N, the in-place residual,
-dtype, pointer alignments), the heuristic's candidates and the split-K variants of the fastest few, each with the L2
-cache flushed before it (the step's weights are never cache-resident: each layer's are distinct), and runs that
-shape on the fastest whose product stays within ``tolerance`` of PyTorch's (relative to its largest magnitude) from
-then on. Its choices are kept per device for the process (:func:`tuner`).
+dtype, pointer alignments), the heuristic's candidates and the split-K variants of the fastest few, each captured in
+a CUDA graph that runs it over enough stand-ins for the weight to overflow the L2 cache (the step's weights are never
+cache-resident: each layer's are distinct, and one launch alone times noisily), and runs that shape on the fastest
+whose product stays within ``tolerance`` of PyTorch's (relative to its largest magnitude) from then on. Its choices
+are kept per device for the process (:func:`tuner`).
 
 Where it cannot run it leaves the product to PyTorch: off CUDA, other dtypes than bf16/fp16, strided operands, an
 empty batch, and a shape first met while a CUDA graph is being captured (timing needs a synchronisation; the routes'
@@ -31,15 +32,17 @@ import torch
 REQUESTED = 16
 FINALISTS = 3
 SPLITS = (2, 3, 4, 6, 8)
-#: Timed launches per candidate (median), and the largest relative difference from PyTorch's product accepted.
+#: Timed replays per candidate (median), and the largest relative difference from PyTorch's product accepted.
 REPS = 5
+#: How many stand-ins for a weight one replay runs through (bounds of the count that overflows the L2 cache 3x).
+MIN_STAND_INS, MAX_STAND_INS = 4, 32
 TOLERANCE = 2e-2
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One timed algorithm: where it came from (``"heuristic 2"``, ``"heuristic 2, split-K 4"``), its median ms with
-    a cold L2 cache, and ``max |its product - PyTorch's| / max |PyTorch's|``."""
+    """One timed algorithm: where it came from (``"heuristic 2"``, ``"heuristic 2, split-K 4"``), its median ms a
+    launch with the weight cold, and ``max |its product - PyTorch's| / max |PyTorch's|``."""
 
     source: str
     ms: float
@@ -128,25 +131,38 @@ class TunedGemm:
         expected = ref.float() * (2.0 if residual else 1.0)
         scale = float(expected.abs().max()) or 1.0
         scratch = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+        # Stand-ins for the weight, enough that together they overflow the L2 cache three times: timed one after
+        # another in a CUDA graph, each finds its weight cold, as the step's layers do (each its own weights).
         l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
-        flush = torch.empty(max(2 * l2, 1 << 20), device=x.device, dtype=torch.uint8)
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        ws = self._workspace.data_ptr()
+        count = min(MAX_STAND_INS, max(MIN_STAND_INS, -(-3 * l2 // (w.numel() * w.element_size()))))
+        stand_ins = [torch.zeros_like(w, memory_format=torch.contiguous_format) for _ in range(count)]
+        current, side = torch.cuda.current_stream(x.device), torch.cuda.Stream(x.device)
+        ws, pool = self._workspace.data_ptr(), torch.cuda.graph_pool_handle()
 
         def measure(source, algo):
             scratch.copy_(start_d)
-            product.launch(algo, w.data_ptr(), x.data_ptr(), scratch.data_ptr(), ws, stream)
+            product.launch(algo, w.data_ptr(), x.data_ptr(), scratch.data_ptr(), ws, current.cuda_stream)
             rel = float((scratch.float() - expected).abs().max()) / scale
+            graph = torch.cuda.CUDAGraph()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):  # capture_begin/end: torch.cuda.graph would collect garbage every time
+                graph.capture_begin(pool=pool)
+                try:
+                    for buf in stand_ins:
+                        product.launch(algo, buf.data_ptr(), x.data_ptr(), scratch.data_ptr(), ws, side.cuda_stream)
+                finally:
+                    graph.capture_end()
+            current.wait_stream(side)
+            graph.replay()
             events = []
             for _ in range(REPS):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                flush.zero_()
                 start.record()
-                product.launch(algo, w.data_ptr(), x.data_ptr(), scratch.data_ptr(), ws, stream)
+                graph.replay()
                 end.record()
                 events.append((start, end))
             torch.cuda.synchronize(x.device)
-            return Candidate(source, statistics.median(s.elapsed_time(e) for s, e in events), rel)
+            return Candidate(source, statistics.median(s.elapsed_time(e) for s, e in events) / count, rel)
 
         algos = [(f"heuristic {i}", h.algo) for i, h in enumerate(product.heuristics(REQUESTED))]
         if not algos:
