@@ -137,7 +137,7 @@ class TunedGemm:
         count = min(MAX_STAND_INS, max(MIN_STAND_INS, -(-3 * l2 // (w.numel() * w.element_size()))))
         stand_ins = [torch.zeros_like(w, memory_format=torch.contiguous_format) for _ in range(count)]
         current, side = torch.cuda.current_stream(x.device), torch.cuda.Stream(x.device)
-        ws, pool = self._workspace.data_ptr(), torch.cuda.graph_pool_handle()
+        ws = self._workspace.data_ptr()
 
         def measure(source, algo):
             scratch.copy_(start_d)
@@ -146,7 +146,7 @@ class TunedGemm:
             graph = torch.cuda.CUDAGraph()
             side.wait_stream(current)
             with torch.cuda.stream(side):  # capture_begin/end: torch.cuda.graph would collect garbage every time
-                graph.capture_begin(pool=pool)
+                graph.capture_begin()  # a private pool of its own (a shared one dies with its first graph)
                 try:
                     for buf in stand_ins:
                         product.launch(algo, buf.data_ptr(), x.data_ptr(), scratch.data_ptr(), ws, side.cuda_stream)

@@ -1,4 +1,4 @@
-# h200-2026-12-06b call 2: TunedGemm choosing by a CUDA graph over stand-ins for the weight (call 1 timed one launch
+# h200-2026-12-06b call 2 (its second run, after the graph-pool fix): TunedGemm choosing by a CUDA graph over stand-ins for the weight (call 1 timed one launch
 # after an L2 flush, and its picks lost in opsd-uniform on the H100); then, on an H200, table 4's older cells with it
 set -u
 L=${LABEL:?commit label}
