@@ -43,6 +43,14 @@ def test_off_cuda_the_products_are_pytorchs():
     assert t.plans == {} and t.failure is None
 
 
+def test_summary_names_each_shape_its_pick_and_the_heuristics_first():
+    t = TunedGemm(0)
+    first, pick = Candidate("heuristic 0", 0.0345, 0.0), Candidate("heuristic 3, split-K 3 reduction 2", 0.0292, 1e-3)
+    t.plans[(256, 11008, 2048, True, torch.bfloat16, (256, 256, 256))] = tuned_gemm.Plan(pick, first, {}, (first, pick))
+    assert t.summary() == ["rows 256 K 11008 N 2048 +=: heuristic 3, split-K 3 reduction 2 29.2 us against the "
+                           "heuristic's first 34.5 us (2 candidates)"]
+
+
 @pytest.mark.parametrize("shape, dense", [((4, 8), True), ((1, 8), True), ((4, 8, 1), False)])
 def test_only_back_to_back_rows_are_handed_to_cublaslt(shape, dense):
     t = torch.zeros(*shape)

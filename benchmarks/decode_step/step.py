@@ -146,10 +146,8 @@ def blas_ab(model, rows: int, live: int, backends: list[str]) -> list[dict]:
 
     run_rounds(backends, Rounds(2, warmup=0), call)
     if TUNED_BLAS in backends:
-        for key, plan in tuner(torch.cuda.current_device()).plans.items():
-            print(f"cublaslt-tuned, rows {key[0]} K {key[1]} N {key[2]}{' +=' if key[3] else ''}: "
-                  f"{plan.chosen.source} {plan.chosen.ms * 1e3:.1f} us against the heuristic's first "
-                  f"{plan.first.ms * 1e3:.1f} us ({len(plan.candidates)} candidates)", flush=True)
+        for line in tuner(torch.cuda.current_device()).summary():
+            print(f"cublaslt-tuned, {line}", flush=True)
     return out
 
 

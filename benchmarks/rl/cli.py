@@ -194,4 +194,16 @@ def main(argv=None) -> SuiteResult:
         if args.json:
             results.write(args.json, meta, rows)
     print(format_table(sort_rows(rows)))
+    _print_tuned_plans()
     return SuiteResult(rows, batches, meta)
+
+
+def _print_tuned_plans() -> None:
+    """What ``kernels.blas_library="cublaslt-tuned"`` chose in this process, where a candidate ran with it."""
+    import torch
+
+    if torch.cuda.is_available():
+        from rollout.ops.tuned_gemm import tuner
+
+        for line in tuner(torch.cuda.current_device()).summary():
+            print(f"cublaslt-tuned, {line}")
