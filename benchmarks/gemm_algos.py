@@ -71,7 +71,7 @@ def search(rows: int, requested: int, splits: list[int], finalists: int, iters: 
         tuner.addmm_(torch.zeros_like(out), x, weights[0]) if residual else tuner.mm(x, weights[0])
         picked = next(iter(tuner.plans.values())).chosen.source if tuner.plans else f"none: {tuner.failure}"
 
-        def timed(algo, source):
+        def timed(source, algo):
             check = base.clone()  # D starts at the product: twice it after a residual add, else the product alone
             _lt_run(product, algo, weights[:1], x, check, workspace)()
             diff = float((check.float() - base.float() * (2.0 if residual else 1.0)).abs().max())
@@ -80,14 +80,8 @@ def search(rows: int, requested: int, splits: list[int], finalists: int, iters: 
                     "tflops": flops / ms / 1e9, "max_diff": diff, "tuned_pick": picked,
                     "tune_ms": tuner.tune_s * 1e3, **cublaslt.config(algo)}
 
-        algos = {f"heuristic {i}": h.algo for i, h in enumerate(product.heuristics(requested))}
-        candidates = [timed(algo, source) for source, algo in algos.items()]
-        for cand in sorted(candidates, key=lambda c: c["ms"])[:finalists]:
-            for splitk in splits:
-                for reduction in (REDUCTIONS if splitk > 1 else (cublaslt.NO_REDUCTION,)):
-                    algo = product.variant(algos[cand["source"]], splitk, reduction)
-                    if algo is not None:
-                        candidates.append(timed(algo, f"{cand['source']}, split-K {splitk} reduction {reduction}"))
+        swept = cublaslt.sweep(product, timed, requested, finalists, splits, REDUCTIONS, ms=lambda r: r["ms"])
+        candidates = [result for _, _, result in swept]
         out_rows.extend(candidates)
         print(f"{name} rows {rows}: torch {torch_ms:.3f} ms, {len(candidates)} candidates, best "
               f"{min(c['ms'] for c in candidates):.3f} ms; TunedGemm picks {picked} in {tuner.tune_s * 1e3:.0f} ms",

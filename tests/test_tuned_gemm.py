@@ -17,6 +17,7 @@ from rollout.model.step import decode_logits
 from rollout.ops import tuned_gemm
 from rollout.ops.tuned_gemm import Candidate, TunedGemm, choose
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
+from tests.test_residual_in_place import _step_inputs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -29,6 +30,30 @@ def test_choose_takes_the_fastest_within_tolerance():
     assert choose([Candidate("a", float("nan"), 0.0), Candidate("b", 2.0, 0.0)]) == 1
     assert choose([Candidate("a", 1.0, 0.3)], tolerance=0.02) is None
     assert choose([]) is None
+
+
+def test_sweep_times_the_heuristics_then_split_k_variants_of_the_fastest():
+    """``cublaslt.sweep``: every heuristic algorithm, then for the ``finalists`` fastest each split-K count with each
+    reduction cuBLASLt accepts (a count of 1 without one), named by where they came from."""
+    from types import SimpleNamespace
+
+    from rollout.ops import cublaslt
+
+    class FakeProduct:
+        def heuristics(self, requested):
+            return [SimpleNamespace(algo=f"a{i}") for i in range(min(requested, 3))]
+
+        def variant(self, algo, splitk, reduction):
+            return None if (splitk, reduction) == (4, cublaslt.INPLACE) else (algo, splitk, reduction)
+
+    speed = {"a0": 3.0, "a1": 1.0, "a2": 2.0}
+    got = cublaslt.sweep(FakeProduct(), lambda source, algo: speed.get(algo, 0.5), requested=8, finalists=2,
+                         splits=(1, 4), reductions=(cublaslt.INPLACE, cublaslt.COMPUTE_TYPE), ms=lambda r: r)
+    assert [source for source, _, _ in got] == [
+        "heuristic 0", "heuristic 1", "heuristic 2",
+        "heuristic 1, split-K 1 reduction 0", "heuristic 1, split-K 4 reduction 2",
+        "heuristic 2, split-K 1 reduction 0", "heuristic 2, split-K 4 reduction 2"]
+    assert got[4][1] == ("a1", 4, cublaslt.COMPUTE_TYPE) and got[1][2] == 1.0
 
 
 def test_off_cuda_the_products_are_pytorchs():
@@ -83,14 +108,9 @@ def test_the_step_hands_o_and_down_in_place_to_the_tuned_products():
     cfg = model.config
     base = FastStep(model, KernelConfig(), mirror_weights=False).parts(torch.device("cpu"), mirrored=False)
     assert base.fns.tuned is None and base.fns.residual_in_place
-    rows, live = 3, 6
+    rows = 3
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    gen = torch.Generator().manual_seed(3)
-    shape = (cfg.num_hidden_layers, rows, cfg.num_key_value_heads, live + 2, head_dim)
-    keys, values = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    tokens = torch.randint(3, cfg.vocab_size, (rows,), generator=gen)
-    keep = torch.ones(rows, 1, 1, live + 1, dtype=torch.bool)
-    args = (tokens, torch.full((rows,), live), torch.tensor(live), keep)
+    keys, values, *args = _step_inputs(model, rows, 6)
     rec = Recorder()
     with torch.no_grad():
         got = decode_logits(dataclasses.replace(base, fns=dataclasses.replace(base.fns, tuned=rec)), keys.clone(),
@@ -117,13 +137,10 @@ def test_folded_norms_hand_qkv_and_gate_up_too():
     rec = Recorder()
     fns = dataclasses.replace(parts.fns, tuned=rec, rotary_write_rms=rms_scaled.rotary_write_rms_reference,
                               silu_mul_rms=rms_scaled.silu_mul_rms_reference)
-    rows, live, head_dim = 2, 4, cfg.hidden_size // cfg.num_attention_heads
-    shape = (cfg.num_hidden_layers, rows, cfg.num_key_value_heads, live + 2, head_dim)
-    gen = torch.Generator().manual_seed(5)
-    keys, values = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    keys, values, *args = _step_inputs(model, 2, 4)
     with torch.no_grad():
-        decode_logits(dataclasses.replace(parts, fns=fns), keys, values, torch.tensor([5, 7]),
-                      torch.full((rows,), live), torch.tensor(live), torch.ones(rows, 1, 1, live + 1, dtype=torch.bool))
+        decode_logits(dataclasses.replace(parts, fns=fns), keys, values, *args)
     kinds = [c[0] for c in rec.calls]
     assert kinds == ["mm", "addmm_", "mm", "addmm_"] * cfg.num_hidden_layers
     qkv_n = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim

@@ -1,11 +1,11 @@
 """cuBLASLt, called directly: the algorithms it offers for one product, and that product run on a chosen one.
 
 PyTorch asks cuBLASLt's heuristic for one algorithm per GEMM and runs it. This binds the few entry points needed to
-see the others (``ctypes`` on the ``libcublasLt`` PyTorch has loaded, so no build step): a :class:`Product`
-describes the decode step's ``D [M, N] = x [M, K] @ W [N, K].t()`` (``+ D`` with ``residual``: the in-place residual
-add of o and down) as cuBLASLt's column-major ``D^T = op_T(W) @ x^T``; its :meth:`Product.heuristics` lists the
-algorithms the heuristic offers, :meth:`Product.variant` sets an algorithm's split-K count and reduction scheme (checked
-by ``cublasLtMatmulAlgoCheck``), :meth:`Product.launch` runs it on a stream (capturable in a CUDA graph: the workspace is
+see the others (``ctypes`` on the ``libcublasLt`` PyTorch has loaded, so no build step): a :class:`Product` describes
+the decode step's ``D [M, N] = x [M, K] @ W [N, K].t()`` (``+ D`` with ``residual``: the in-place residual add of o
+and down) as cuBLASLt's column-major ``D^T = op_T(W) @ x^T``; its :meth:`Product.heuristics` lists the algorithms the
+heuristic offers, :meth:`Product.variant` sets an algorithm's split-K count and reduction scheme (checked by
+``cublasLtMatmulAlgoCheck``), :meth:`Product.launch` runs it on a stream (capturable in a CUDA graph: the workspace is
 the caller's). :mod:`rollout.ops.tuned_gemm` times them; ``python -m benchmarks.gemm_algos`` tabulates them.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Callable, Sequence
 
 import torch
 
@@ -169,3 +170,21 @@ class Product:
         ok(self.lib.cublasLtMatmul(self.handle, self.desc, ctypes.byref(self.alpha), w, self.a, x, self.b,
                                    ctypes.byref(self.beta), d, self.d, d, self.d, ctypes.byref(algo), workspace,
                                    WORKSPACE, stream), "cublasLtMatmul")
+
+
+def sweep(product: Product, measure: Callable, requested: int, finalists: int, splits: Sequence[int],
+          reductions: Sequence[int], ms: Callable = lambda result: result.ms) -> list[tuple]:
+    """``(source, algo, measure(source, algo))`` for the heuristic's algorithms (up to ``requested``, as
+    ``"heuristic i"``), then, for the ``finalists`` fastest of them by ``ms(result)``, each split-K count of ``splits``
+    with each of ``reductions`` (a count of 1 with none) that cuBLASLt accepts (``"heuristic i, split-K s reduction
+    r"``). The candidates :mod:`rollout.ops.tuned_gemm` and ``benchmarks.gemm_algos`` time."""
+    out = [(source, algo, measure(source, algo))
+           for source, algo in ((f"heuristic {i}", h.algo) for i, h in enumerate(product.heuristics(requested)))]
+    for source, algo, _ in sorted(out, key=lambda t: ms(t[2]))[:finalists]:
+        for splitk in splits:
+            for reduction in (reductions if splitk > 1 else (NO_REDUCTION,)):
+                variant = product.variant(algo, splitk, reduction)
+                if variant is not None:
+                    name = f"{source}, split-K {splitk} reduction {reduction}"
+                    out.append((name, variant, measure(name, variant)))
+    return out

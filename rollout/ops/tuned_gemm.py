@@ -29,6 +29,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from rollout.ops import cublaslt
+
 #: Heuristic candidates asked for per shape, how many of the fastest get split-K variants, the split-K counts tried.
 REQUESTED = 16
 FINALISTS = 3
@@ -98,8 +100,6 @@ class TunedGemm:
                 f"({len(plan.candidates)} candidates)" for key, plan in self.plans.items()]
 
     def _run(self, x, w, out, residual: bool) -> bool:
-        from rollout.ops import cublaslt
-
         if (self.failure is not None or x.device.type != "cuda" or x.dtype not in cublaslt.DATA_TYPES
                 or not (x.dtype == w.dtype == out.dtype) or x.shape[0] == 0 or not _dense(x) or not _dense(w)
                 or not _dense(out) or tuple(out.shape) != (x.shape[0], w.shape[0]) or x.shape[1] != w.shape[1]):
@@ -125,8 +125,6 @@ class TunedGemm:
         return True
 
     def _tune(self, x: torch.Tensor, w: torch.Tensor, residual: bool, aligns) -> Plan:
-        from rollout.ops import cublaslt
-
         if self._workspace is None:
             self._workspace = torch.empty(cublaslt.WORKSPACE, device=x.device, dtype=torch.uint8)
         rows, k, n = x.shape[0], x.shape[1], w.shape[0]
@@ -171,23 +169,17 @@ class TunedGemm:
             torch.cuda.synchronize(x.device)
             return Candidate(source, statistics.median(s.elapsed_time(e) for s, e in events) / count, rel)
 
-        algos = [(f"heuristic {i}", h.algo) for i, h in enumerate(product.heuristics(REQUESTED))]
-        if not algos:
+        reductions = (cublaslt.INPLACE, cublaslt.COMPUTE_TYPE)
+        swept = cublaslt.sweep(product, measure, REQUESTED, FINALISTS, SPLITS, reductions)
+        if not swept:
             raise cublaslt.CublasLtError(f"no algorithm for rows {rows}, K {k}, N {n}")
-        timed = [measure(source, algo) for source, algo in algos]
-        order = sorted(range(len(timed)), key=lambda i: timed[i].ms)[:FINALISTS]
-        for i in order:
-            for splitk in SPLITS:
-                for reduction in (cublaslt.INPLACE, cublaslt.COMPUTE_TYPE):
-                    algo = product.variant(algos[i][1], splitk, reduction)
-                    if algo is not None:
-                        algos.append((f"{algos[i][0]}, split-K {splitk} reduction {reduction}", algo))
-                        timed.append(measure(*algos[-1]))
+        timed = [result for _, _, result in swept]
         best = choose(timed, self.tolerance)
         if best is None:
             raise cublaslt.CublasLtError(f"no algorithm within {self.tolerance} of PyTorch's product for rows {rows}, "
                                          f"K {k}, N {n}")
-        return Plan(timed[best], timed[0], cublaslt.config(algos[best][1]), tuple(timed), product, algos[best][1])
+        algo = swept[best][1]
+        return Plan(timed[best], timed[0], cublaslt.config(algo), tuple(timed), product, algo)
 
 
 def _dense(t: torch.Tensor) -> bool:
