@@ -21,6 +21,9 @@ result file keeps every step. ``--check`` first compares the paths' loss and per
 (plain modules, no optimizer update). ``--lora R``: a peft LoRA student (the main job's ``--lora``); its student
 roofline counts the backward a frozen base needs (``instrumentation.roofline.backward_flops``: the inputs' gradients
 and the adapters'), and ``packed`` against ``packed-hf-student`` sets the LoRA pieces against peft's layers.
+``--twin SETTINGS`` adds the first path again with those ``RolloutConfig`` settings (``benchmarks.rl``'s syntax),
+interleaved with the others: ``--twin "kernels.blas_library='cublaslt-tuned'"`` times the rollout's BLAS choice
+inside the whole step.
 
   python -m benchmarks.step --cells small,uniform --paths padded,packed --steps 2 --student qwen25-3b \\
       --teacher qwen25-3b --out docs/results/<dir>/step.json [--check]
@@ -48,6 +51,7 @@ from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.models import model_geometry, set_single_process_env
 from benchmarks.harness.rounds import round_order
 from benchmarks.harness.table import markdown_table
+from benchmarks.rl.cli import parse_settings
 from instrumentation import mfu as mfu_lib
 from instrumentation.geometry import trained_share
 from instrumentation.roofline import Rates, call_roofline_s, training_roofline
@@ -177,6 +181,10 @@ def run_cell(cell: Cell, args, rates: Rates, device, rows: list) -> None:
     for path in args.paths[1:]:
         steps[path] = OPSDStep(base.student, base.teacher, base.rollout.tokenizer, replace(opsd, **PATHS[path]),
                                rollout_config=job.rollout)
+    for name, settings in twin_paths(args).items():  # the first path with other rollout settings
+        steps[name] = OPSDStep(base.student, base.teacher, base.rollout.tokenizer,
+                               replace(opsd, **PATHS[args.paths[0]]),
+                               rollout_config=job.rollout.with_settings(dict(settings)))
     inputs = StepInputs(job, base, 0, device)
     figures = _figures(base, rates, device)
     for index in range(-1, args.steps):
@@ -186,7 +194,7 @@ def run_cell(cell: Cell, args, rates: Rates, device, rows: list) -> None:
         if cell.mean_length is not None:  # and the same lengths
             extra = dict(extra, row_max_new_tokens=longtail_lengths(
                 ids.shape[0] * cell.samples, cell.max_new_tokens, cell.mean_length, args.seed * 1000 + index + 1))
-        for path in (args.paths if index < 0 else round_order(list(args.paths), index)):
+        for path in (list(steps) if index < 0 else round_order(list(steps), index)):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             began = time.perf_counter()
@@ -194,11 +202,16 @@ def run_cell(cell: Cell, args, rates: Rates, device, rows: list) -> None:
             wall = time.perf_counter() - began
             row = _row(cell, path, index, result, wall, figures)
             row_path = steps[path].train_path
-            label = path if row_path == PATHS[path]["train_path"] else f"{path}->{row_path}"
+            label = path if row_path == PATHS[path.split("+")[0]]["train_path"] else f"{path}->{row_path}"
             rows.append(replace(row, path=label, passes=f"teacher {steps[path].teacher_path}, "
                                                         f"student {steps[path].student_path}"))
             print(f"  {cell.name} {row.path} round {index}: step {wall:.2f} s, loss {result.loss:.5f}, "
                   + " | ".join(result.breakdown.lines()), flush=True)
+
+
+def twin_paths(args) -> dict:
+    """``--twin``'s paths: ``"<first path>+<settings>"`` -> ``((setting, value), ...)``."""
+    return {args.paths[0] + "+" + ";".join(f"{k}={v!r}" for k, v in settings): settings for settings in args.twins}
 
 
 #: The variants of ``--check``: (label, ``OPSDConfig`` settings, FlashAttention on, dtype).
@@ -384,8 +397,11 @@ def main(argv=None) -> None:
                         help="the student engine's DeepSpeed config (the main job's flag; default: its built-in one)")
     parser.add_argument("--lora", type=int_at_least(1), default=None,
                         help="a peft LoRA student of this rank (the main job's flag): adapters alone train")
+    parser.add_argument("--twin", action="append", default=[], metavar="SETTING=VALUE[;SETTING=VALUE]",
+                        help="also the first path with these RolloutConfig settings, interleaved (repeatable)")
     parser.add_argument("--out", type=out_path, default=None)
     args = parser.parse_args(argv)
+    args.twins = tuple(parse_settings(parser, spec) for spec in args.twin)
     args.paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
     unknown = [p for p in args.paths if p not in PATHS]
     if unknown or not args.paths:

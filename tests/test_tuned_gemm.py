@@ -32,6 +32,16 @@ def test_choose_takes_the_fastest_within_tolerance():
     assert choose([]) is None
 
 
+def test_choose_keeps_pytorchs_product_unless_an_algorithm_beats_it_by_min_gain():
+    cands = [Candidate(tuned_gemm.PYTORCH, 1.0, 0.0), Candidate("heuristic 0", 0.995, 0.0),
+             Candidate("heuristic 1", 0.98, 0.0), Candidate("heuristic 2", 0.5, 0.3)]  # the last: fast but wrong
+    assert choose(cands, min_gain=0.01) == 2  # 2% faster replaces it
+    assert choose(cands[:2], min_gain=0.01) == 0  # 0.5% is a near tie: PyTorch keeps the shape
+    assert choose(cands[:2]) == 1  # without a margin the fastest
+    assert choose([Candidate("heuristic 0", 1.0, 0.0), Candidate(tuned_gemm.PYTORCH, 0.9, 0.0)], min_gain=0.5) == 1
+    assert tuned_gemm.MIN_GAIN == TunedGemm(0).min_gain == 0.01
+
+
 def test_sweep_times_the_heuristics_then_split_k_variants_of_the_fastest():
     """``cublaslt.sweep``: every heuristic algorithm, then for the ``finalists`` fastest each split-K count with each
     reduction cuBLASLt accepts (a count of 1 without one), named by where they came from."""
@@ -68,12 +78,19 @@ def test_off_cuda_the_products_are_pytorchs():
     assert t.plans == {} and t.failure is None
 
 
-def test_summary_names_each_shape_its_pick_and_the_heuristics_first():
+def test_summary_names_each_shape_its_pick_pytorchs_time_and_the_heuristics_first():
     t = TunedGemm(0)
     first, pick = Candidate("heuristic 0", 0.0345, 0.0), Candidate("heuristic 3, split-K 3 reduction 2", 0.0292, 1e-3)
-    t.plans[(256, 11008, 2048, True, torch.bfloat16, (256, 256, 256))] = tuned_gemm.Plan(pick, first, {}, (first, pick))
-    assert t.summary() == ["rows 256 K 11008 N 2048 +=: heuristic 3, split-K 3 reduction 2 29.2 us against the "
-                           "heuristic's first 34.5 us (2 candidates)"]
+    mine = Candidate(tuned_gemm.PYTORCH, 0.0341, 0.0)
+    t.plans[(256, 11008, 2048, True, torch.bfloat16, (256, 256, 256))] = tuned_gemm.Plan(pick, first, {},
+                                                                                          (mine, first, pick))
+    t.plans[(64, 2048, 2560, False, torch.bfloat16, (256, 256, 256))] = tuned_gemm.Plan(mine, first, {}, (first, mine))
+    t.plans[(8, 2048, 2048, False, torch.bfloat16, (256, 256, 256))] = tuned_gemm.Plan(first, first, {}, (first,))
+    assert t.summary() == [
+        "rows 256 K 11008 N 2048 +=: heuristic 3, split-K 3 reduction 2 29.2 us against PyTorch's 34.1 us, the "
+        "heuristic's first 34.5 us (3 candidates)",
+        "rows 64 K 2048 N 2560: pytorch 34.1 us against PyTorch's 34.1 us, the heuristic's first 34.5 us (2 candidates)",
+        "rows 8 K 2048 N 2048: heuristic 0 34.5 us against the heuristic's first 34.5 us (1 candidates)"]
 
 
 @pytest.mark.parametrize("shape, dense", [((4, 8), True), ((1, 8), True), ((4, 8, 1), False)])
@@ -214,7 +231,10 @@ def test_cuda_tuned_products_equal_pytorchs_also_in_a_graph(rows, k, n, residual
     got = t.addmm_(h, x, w) if residual else t.mm(x, w)
     assert t.failure is None and len(t.plans) == 1
     plan = next(iter(t.plans.values()))
-    assert plan.chosen.rel_diff <= tuned_gemm.TOLERANCE and plan.chosen.ms <= plan.first.ms
+    assert plan.chosen.rel_diff <= tuned_gemm.TOLERANCE and plan.pytorch is not None
+    assert plan.chosen.ms <= plan.pytorch.ms and (plan.algo is None) == (plan.chosen.source == tuned_gemm.PYTORCH)
+    if plan.algo is None:  # PyTorch kept the shape: its product exactly
+        torch.testing.assert_close(got, (h0.clone().addmm_(x, w.t()) if residual else x @ w.t()), rtol=0, atol=0)
     scale = want.abs().max()
     assert float((got.float() - want).abs().max() / scale) <= tuned_gemm.TOLERANCE
     # replayed from a CUDA graph: the plan is reused, the product the same
