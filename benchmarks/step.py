@@ -45,13 +45,12 @@ from typing import Optional
 import torch
 
 from benchmarks.harness import results
-from benchmarks.harness.cli import int_at_least, names_among, out_path
+from benchmarks.harness.cli import int_at_least, names_among, out_path, parse_settings
 from benchmarks.harness.device import measure_rates, rates_meta, release_memory
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.models import model_geometry, set_single_process_env
 from benchmarks.harness.rounds import round_order
 from benchmarks.harness.table import markdown_table
-from benchmarks.rl.cli import parse_settings
 from instrumentation import mfu as mfu_lib
 from instrumentation.geometry import trained_share
 from instrumentation.roofline import Rates, call_roofline_s, training_roofline

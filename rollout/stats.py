@@ -141,6 +141,12 @@ class CallStats:
     blas_library: str = ""
     """The BLAS backend the call's matrix products ran on (``"cublaslt"``, ``"cublas"``; ``""`` off CUDA;
     ``RolloutConfig.kernels.blas_library``, or the process's setting when that is None)."""
+    blas_tune_ms: float = 0.0
+    """``"cublaslt-tuned"``: wall ms the call spent timing cuBLASLt algorithms for product shapes new to the process
+    (``rollout.ops.tuned_gemm``; once per shape and process, so mostly the first calls)."""
+    blas_untuned: int = 0
+    """``"cublaslt-tuned"``: products the call left to PyTorch because their shape first came inside a CUDA graph
+    capture (0 where the routes warm up eagerly first, as they do)."""
     prefill: PrefillStats = field(default_factory=PrefillStats)
     decode: DecodeStats = field(default_factory=DecodeStats)
     sampler: SamplerStats = field(default_factory=SamplerStats)

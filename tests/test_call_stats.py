@@ -29,7 +29,7 @@ COMMON = {"dp_skipped": True, "route_estimates_ms": {}, "prefill.buckets": 1, "d
           "sampler.path": "eager",  # greedy on the CPU: the eager functions
           "decode.attention": "sdpa",  # no CUDA: the Triton kernel cannot run
           "decode.norms_folded": False,  # no CUDA: the norm gains stay in the norms
-          "blas_library": ""}  # no CUDA: no BLAS backend chosen
+          "blas_library": "", "blas_tune_ms": 0.0, "blas_untuned": 0}  # no CUDA: no BLAS backend chosen
 # ordinary: one pass over the 3 prompts of 6 tokens (each prompt's 2 samples share it), 4 decode steps of 6
 # rows; the cache holds the batch bucket of 6 rows (8) x (6 + 5) columns; no EOS ids -> no EOS check, no
 # compaction.

@@ -37,7 +37,8 @@ FIELDS = {
     "RolloutBatch": ["input_ids", "attention_mask", "response_start_idx", "finish_reasons", "logprobs"],
 }
 
-STATS = ["route", "route_reason", "dp_skipped", "route_estimates_ms", "plans", "blas_library",
+STATS = ["route", "route_reason", "dp_skipped", "route_estimates_ms", "plans", "blas_library", "blas_tune_ms",
+         "blas_untuned",
          "prefill.path", "prefill.buckets", "prefill.forwards", "prefill.graph_passes", "prefill.attention_groups",
          "prefill.rows", "prefill.tokens", "prefill.nonfinite_logits",
          "decode.path", "decode.fallback_reason", "decode.attention", "decode.norms_folded", "decode.forwards",

@@ -190,6 +190,37 @@ def test_the_setting_is_accepted_named_and_inert_on_the_cpu():
     assert torch.equal(outs[0], outs[1])
 
 
+def test_a_calls_stats_count_the_tuning_it_did(monkeypatch):
+    """``CallStats.blas_tune_ms`` and ``blas_untuned``: the tuner's growth during the call, 0 without a tuner."""
+    assert blas.tuner_of("cublaslt", torch.device("cuda", 0)) is None
+    assert blas.tuner_of(TUNED_BLAS, torch.device("cpu")) is None
+    assert blas.tuner_of(TUNED_BLAS, torch.device("cuda", 0)) is tuned_gemm.tuner(0)  # no CUDA call to get it
+    fake = TunedGemm(0)
+    fake.tune_s, fake.untuned_in_capture = 2.0, 5  # an earlier call's tuning is not this call's
+    monkeypatch.setattr(blas, "tuner_of", lambda name, device: fake if name == TUNED_BLAS else None)
+    model = tiny_model("qwen2", seed=33)
+    ids, mask = random_prompts(2, 6, seed=2, vocab_size=model.config.vocab_size, min_len=3)
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    ro = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=None),
+                 RolloutConfig(route="ordinary", kernels=KernelConfig(blas_library=TUNED_BLAS)))
+    executor = ro.runner.executors["ordinary"]
+    route_run = executor.run
+
+    def run(call):  # the route tunes two shapes, 0.25 s, and meets one inside a capture
+        fake.tune_s += 0.25
+        fake.untuned_in_capture += 1
+        return route_run(call)
+
+    monkeypatch.setattr(executor, "run", run)
+    ro.generate(RolloutRequest(ids, mask), sampling)
+    assert ro.last_stats.blas_tune_ms == pytest.approx(250.0) and ro.last_stats.blas_untuned == 1
+    ro.generate(RolloutRequest(ids, mask), sampling)  # the next call: its own growth only
+    assert ro.last_stats.blas_tune_ms == pytest.approx(250.0) and ro.last_stats.blas_untuned == 1
+    plain = Rollout(model, TinyTokenizer(pad_token_id=0, eos_token_id=None), RolloutConfig(route="ordinary"))
+    plain.generate(RolloutRequest(ids, mask), sampling)
+    assert plain.last_stats.blas_tune_ms == 0.0 and plain.last_stats.blas_untuned == 0
+
+
 def test_blas_context_sets_cublaslt_for_the_tuned_name(monkeypatch):
     state = {"value": "cublas", "sets": []}
 

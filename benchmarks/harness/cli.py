@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 
 from instrumentation.cli_values import output_problem, parse_int_text
+from rollout.config import RolloutConfig
 
 
 def int_at_least(minimum: int):
@@ -94,3 +96,24 @@ def names_among(choices):
 
     parse.__name__ = "names"
     return parse
+
+
+def parse_settings(parser, spec: str) -> tuple:
+    """``"kernels.fuse_qkv=False;kernels.compile=False"`` -> ``(("kernels.fuse_qkv", False), ("kernels.compile",
+    False))``: dotted ``RolloutConfig`` settings, each value a Python literal, checked by
+    ``RolloutConfig.with_settings`` (an old flat name fails naming its new one)."""
+    out = []
+    for part in spec.split(";"):
+        name, sep, text = part.strip().partition("=")
+        if not sep:
+            parser.error(f"--twin: {part!r} is not SETTING=VALUE")
+        try:
+            value = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            parser.error(f"--twin: {part!r}: the value must be a Python literal (True, 0.5, 'sdpa')")
+        out.append((name.strip(), value))
+    try:
+        RolloutConfig().with_settings(dict(out))
+    except ValueError as exc:
+        parser.error(f"--twin: {exc}")
+    return tuple(out)

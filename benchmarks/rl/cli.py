@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import sys
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from benchmarks.harness import results
+from benchmarks.harness.cli import parse_settings
 from benchmarks.harness.device import measure_rates, rates_meta
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.models import add_model_args, load_model, model_geometry
@@ -95,27 +95,6 @@ def parse_args(argv) -> argparse.Namespace:
         if not os.path.isfile(path):
             parser.error(f"--merge: no such file {path!r}")
     return args
-
-
-def parse_settings(parser, spec: str) -> tuple:
-    """``"kernels.fuse_qkv=False;kernels.compile=False"`` -> ``(("kernels.fuse_qkv", False), ("kernels.compile",
-    False))``: dotted ``RolloutConfig`` settings, each value a Python literal, checked by
-    ``RolloutConfig.with_settings`` (an old flat name fails naming its new one)."""
-    out = []
-    for part in spec.split(";"):
-        name, sep, text = part.strip().partition("=")
-        if not sep:
-            parser.error(f"--twin: {part!r} is not SETTING=VALUE")
-        try:
-            value = ast.literal_eval(text.strip())
-        except (ValueError, SyntaxError):
-            parser.error(f"--twin: {part!r}: the value must be a Python literal (True, 0.5, 'sdpa')")
-        out.append((name.strip(), value))
-    try:
-        RolloutConfig().with_settings(dict(out))
-    except ValueError as exc:
-        parser.error(f"--twin: {exc}")
-    return tuple(out)
 
 
 def _parse_candidates(parser, spec: Optional[str]) -> Optional[set[str]]:

@@ -13,6 +13,9 @@ from typing import Iterator, Optional
 
 import torch
 
+from rollout.config import TUNED_BLAS
+from rollout.ops import tuned_gemm
+
 
 #: Our backend names that are another name to torch: the tuned products run on cuBLASLt, as torch's own do.
 TORCH_BACKENDS = {"cublaslt-tuned": "cublaslt"}
@@ -53,3 +56,12 @@ def blas_library(name: Optional[str], device: torch.device) -> Iterator[str]:
     finally:
         if changed:
             torch.backends.cuda.preferred_blas_library(before)
+
+
+def tuner_of(name: Optional[str], device: torch.device) -> Optional["tuned_gemm.TunedGemm"]:
+    """The process's :class:`rollout.ops.tuned_gemm.TunedGemm` of ``device`` where a call's decode projections are
+    tuned (``name`` ``"cublaslt-tuned"`` on CUDA), else None: what a call's ``CallStats.blas_tune_ms`` and
+    ``blas_untuned`` are counted from."""
+    if name != TUNED_BLAS or device.type != "cuda":
+        return None
+    return tuned_gemm.tuner(device.index if device.index is not None else torch.cuda.current_device())

@@ -134,6 +134,8 @@ class Runner:
     def run(self, prepared: Prepared, plan: RouteChoice) -> Generation:
         """The planned route over the prepared prompts, with the weights ready for generation around it."""
         device, decode = prepared.device, prepared.decode
+        tuner = blas.tuner_of(self.config.kernels.blas_library, device)
+        tuned_before = (tuner.tune_s, tuner.untuned_in_capture) if tuner is not None else (0.0, 0)
         with self._inference_mode(), self._generation_weights(), self.fast_step.one_call(), \
                 blas.blas_library(self.config.kernels.blas_library, device) as blas_in_effect:
             ctx = self._context(prepared, plan.route)  # after the gather: ZeRO-3 weights are resident
@@ -141,6 +143,9 @@ class Runner:
             call = RouteCall(ctx, decode, plan, prepared.prompts, prepared.fit, blas_in_effect,
                              graph_passes_before=graphs.replays if graphs is not None else 0)
             result = self.executors[plan.route].run(call)
+        if tuner is not None:  # what this call spent choosing algorithms for shapes new to the process
+            result.stats.blas_tune_ms = (tuner.tune_s - tuned_before[0]) * 1e3
+            result.stats.blas_untuned = tuner.untuned_in_capture - tuned_before[1]
         if ctx.logit_check.found():  # one flag read at the end of the call (no sync per pass)
             result.stats.prefill.nonfinite_logits = True
             warnings.warn("Rollout.generate: the prefill produced NaN or infinite logits: the model's weights or "
