@@ -9,9 +9,9 @@ a CUDA graph that runs it over enough stand-ins for the weight to overflow the L
 cache-resident: each layer's are distinct, and one launch alone times noisily), and runs that shape on the fastest
 whose product stays within ``tolerance`` of PyTorch's (relative to its largest magnitude) from then on. PyTorch's own
 product is timed the same way and keeps the shape unless an algorithm beats it by ``MIN_GAIN`` (1%): a near tie is
-noise, and leaving it to PyTorch keeps the process's sums in PyTorch's order. Its choices
-are kept per device for the process (:func:`tuner`). Measured on an H100 (``docs/results/h200-2026-12-06b``): down at
-256 rows 19% faster (split-K 3, reduced in fp32), the routes' decode step 2.3-2.4% faster at 64-256 rows.
+noise, and leaving it to PyTorch keeps the process's sums in PyTorch's order. Its choices are kept per device for
+the process (:func:`tuner`). Measured on an H100 (``docs/results/h200-2026-12-06b`` and ``-06c``): down at 256 rows
+15-19% faster (split-K 3, reduced in fp32), the routes' decode step 2.0-2.5% faster at 64-256 rows.
 
 Where it cannot run it leaves the product to PyTorch: off CUDA, other dtypes than bf16/fp16, strided operands, an empty
 batch, and a shape first met while a CUDA graph is being captured (timing needs a synchronisation; the routes' captures
