@@ -10,8 +10,8 @@ run() { local name=$1 limit=$2; shift 2; echo "$name start $(date -u +%H:%M:%S)"
 # the machine's first process (nothing timed): the tuned products' tests on CUDA
 run tests 80 python -m pytest -q -p no:cacheprovider -rfE tests/test_tuned_gemm.py tests/test_blas.py
 tail -1 $OUT/$C-tests.txt
-run step 380 python -m benchmarks.step --cells uniform,longtail --paths packed --steps 3 --twin "kernels.blas_library='cublaslt-tuned'" --out $OUT/$C-step.json
+run step 380 python -m benchmarks.step --cells ${CELLS:-uniform,longtail} --paths packed --steps 3 --twin "kernels.blas_library='cublaslt-tuned'" --out $OUT/$C-step.json
 grep -E "^\||out of memory|Error" $OUT/$C-step.txt | cut -c1-400
-run rl 120 python -m benchmarks.rl --cells opsd-uniform --candidates auto --twin "kernels.blas_library='cublaslt-tuned'" --repeats 2 --busy off --commit-label $L --json $OUT/$C-rl.json
-grep -E "^\| [0-9a-f]{7} " $OUT/$C-rl.txt | cut -c1-250
+[ -n "${NO_RL:-}" ] || run rl 120 python -m benchmarks.rl --cells opsd-uniform --candidates auto --twin "kernels.blas_library='cublaslt-tuned'" --repeats 2 --busy off --commit-label $L --json $OUT/$C-rl.json
+[ -n "${NO_RL:-}" ] || grep -E "^\| [0-9a-f]{7} " $OUT/$C-rl.txt | cut -c1-250
 cat $D
