@@ -9,13 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.decode_step.attention import compiled_grouped_attention
-from benchmarks.harness.device import capture, graph_ms
+from benchmarks.harness.device import capture, graph_ms, print_tuned_plans
 from benchmarks.harness.rounds import Rounds, run_rounds
 from rollout.config import TUNED_BLAS, KernelConfig, SamplingConfig
 from rollout.executors import blas
 from rollout.executors.decode import FastStep
 from rollout.model.step import decode_logits, grouped_decode_attention
-from rollout.ops.tuned_gemm import tuner
 
 #: The step before the kernels of issue 15 (compiled pieces, fused q|k|v, SDPA attention): the base of the
 #: experiments. ``KernelConfig()`` itself is the step the routes run by default.
@@ -146,8 +145,7 @@ def blas_ab(model, rows: int, live: int, backends: list[str]) -> list[dict]:
 
     run_rounds(backends, Rounds(2, warmup=0), call)
     if TUNED_BLAS in backends:
-        for line in tuner(torch.cuda.current_device()).summary():
-            print(f"cublaslt-tuned, {line}", flush=True)
+        print_tuned_plans()
     return out
 
 

@@ -69,3 +69,13 @@ def measure_rates(device: str, dtype: torch.dtype) -> Rates:
 def rates_meta(rates: Rates) -> dict:
     """The measured rates as a result file records them (GB/s, TFLOP/s)."""
     return {"copy_gbps": rates.copy_bytes_s / 1e9, "gemm_tflops": rates.gemm_flops_s / 1e12}
+
+
+def print_tuned_plans() -> None:
+    """What ``kernels.blas_library="cublaslt-tuned"`` chose in this process on the current CUDA device (nothing
+    without CUDA or where no product ran with it), one line a shape."""
+    if torch.cuda.is_available():
+        from rollout.ops.tuned_gemm import tuner
+
+        for line in tuner(torch.cuda.current_device()).summary():
+            print(f"cublaslt-tuned, {line}", flush=True)

@@ -11,7 +11,7 @@ from typing import Optional
 
 from benchmarks.harness import results
 from benchmarks.harness.cli import parse_settings
-from benchmarks.harness.device import measure_rates, rates_meta
+from benchmarks.harness.device import measure_rates, print_tuned_plans, rates_meta
 from benchmarks.harness.meta import header, run_meta
 from benchmarks.harness.models import add_model_args, load_model, model_geometry
 from benchmarks.rl import busy
@@ -173,16 +173,6 @@ def main(argv=None) -> SuiteResult:
         if args.json:
             results.write(args.json, meta, rows)
     print(format_table(sort_rows(rows)))
-    _print_tuned_plans()
+    print_tuned_plans()
     return SuiteResult(rows, batches, meta)
 
-
-def _print_tuned_plans() -> None:
-    """What ``kernels.blas_library="cublaslt-tuned"`` chose in this process, where a candidate ran with it."""
-    import torch
-
-    if torch.cuda.is_available():
-        from rollout.ops.tuned_gemm import tuner
-
-        for line in tuner(torch.cuda.current_device()).summary():
-            print(f"cublaslt-tuned, {line}")

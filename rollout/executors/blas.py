@@ -60,8 +60,8 @@ def blas_library(name: Optional[str], device: torch.device) -> Iterator[str]:
 
 def tuner_of(name: Optional[str], device: torch.device) -> Optional["tuned_gemm.TunedGemm"]:
     """The process's :class:`rollout.ops.tuned_gemm.TunedGemm` of ``device`` where a call's decode projections are
-    tuned (``name`` ``"cublaslt-tuned"`` on CUDA), else None: what a call's ``CallStats.blas_tune_ms`` and
-    ``blas_untuned`` are counted from."""
+    tuned (``name`` ``"cublaslt-tuned"`` on CUDA), else None: what ``FastStep`` hands its step
+    (``StepFns.tuned``) and what a call's ``CallStats.blas_tune_ms`` and ``blas_untuned`` are counted from."""
     if name != TUNED_BLAS or device.type != "cuda":
         return None
     return tuned_gemm.tuner(device.index if device.index is not None else torch.cuda.current_device())

@@ -20,9 +20,10 @@ from typing import Collection, Optional
 
 import torch
 
-from rollout.config import TUNED_BLAS, KernelConfig, RolloutConfig
+from rollout.config import KernelConfig, RolloutConfig
+from rollout.executors import blas
 from rollout.model import prefill
-from rollout.ops import decode_attention, rms_scaled, rotary_write, skinny_linear, tuned_gemm
+from rollout.ops import decode_attention, rms_scaled, rotary_write, skinny_linear
 from rollout.model.step import (FusedGateUp, FusedQKV, StepFns, StepParts, WeightMirror, compiled_step_fns,
                                 spec_and_weights, unsupported_reason)
 
@@ -106,9 +107,9 @@ class FastStep:
         else:
             fns = StepFns()
         fns = dataclasses.replace(fns, residual_in_place=kernels.residual_in_place)
-        if kernels.blas_library == TUNED_BLAS and device.type == "cuda":
-            fns = dataclasses.replace(fns, tuned=tuned_gemm.tuner(device.index if device.index is not None
-                                                                  else torch.cuda.current_device()))
+        tuner = blas.tuner_of(kernels.blas_library, device)
+        if tuner is not None:
+            fns = dataclasses.replace(fns, tuned=tuner)
         if attention_path(kernels.decode_attention, device) == "triton":
             fns = dataclasses.replace(fns, attention=decode_attention.attention,
                                       shared_prefix_rows=kernels.shared_prefix_rows,
