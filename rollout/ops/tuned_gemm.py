@@ -10,8 +10,9 @@ cache-resident: each layer's are distinct, and one launch alone times noisily), 
 whose product stays within ``tolerance`` of PyTorch's (relative to its largest magnitude) from then on. PyTorch's own
 product is timed the same way and keeps the shape unless an algorithm beats it by ``MIN_GAIN`` (1%): a near tie is
 noise, and leaving it to PyTorch keeps the process's sums in PyTorch's order. Its choices are kept per device for
-the process (:func:`tuner`). Measured on an H100 (``docs/results/h200-2026-12-06b`` and ``-06c``): down at 256 rows
-15-19% faster (split-K 3, reduced in fp32), the routes' decode step 2.0-2.5% faster at 64-256 rows.
+the process (:func:`tuner`). Measured on an H100 (``docs/results/h200-2026-12-06b`` to ``-06d``): down at 256 rows
+15-19% faster (split-K 3), the routes' decode step 0.1-2.6% faster at 64-256 rows. Timing a product alone misses
+what it costs the kernels around it: after down's split-K pick the decode attention ran ~2 us a layer slower (06d).
 
 Where it cannot run it leaves the product to PyTorch: off CUDA, other dtypes than bf16/fp16, strided operands, an empty
 batch, and a shape first met while a CUDA graph is being captured (timing needs a synchronisation; the routes' captures
