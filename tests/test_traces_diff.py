@@ -11,7 +11,7 @@ from instrumentation import stages as S
 from traces.cli import main
 from traces.diff import diff_rows, noise_ms, verdict
 from traces.rows import StageRow, StepSpread
-from traces.synth import annotation, profiler_step, write_events
+from traces.synth import annotation, gpu_op, launch, profiler_step, write_events
 
 STEP, PREFILL, DECODE = (S.range_name(s) for s in (S.STEP, S.PREFILL, S.DECODE))
 
@@ -148,3 +148,53 @@ def test_a_compact_diff_shortens_long_names_to_fit():
     text = format_diff(rows)
     assert max(len(line) for line in text.splitlines()) <= COMPACT_WIDTH and "…" in text
     assert format_diff(rows, "markdown").count(long) == 1  # Markdown keeps the whole name
+
+
+def call_trace(tmp_path, name: str, kernels: list[tuple[str, float]]) -> str:
+    """A traced rollout call (no ``opsd/step`` range): one decode range whose launches ran ``kernels`` (name, us)."""
+    ev, t = [annotation(S.range_name(S.ROLLOUT), 0, 5000), annotation(DECODE, 10, 4000)], 20.0
+    for corr, (kernel, us) in enumerate(kernels, start=1):
+        ev += [launch(t, corr), gpu_op(t + 5, us, corr, name=kernel)]
+        t += us + 10
+    return write_events(str(tmp_path / name), ev, rank=0)
+
+
+def test_a_diff_of_calls_without_steps_compares_totals(tmp_path, capsys):
+    before = call_trace(tmp_path, "before.json", [("gemm", 300.0), ("attention", 400.0)])
+    after = call_trace(tmp_path, "after.json", [("gemm", 200.0), ("attention", 440.0)])
+    doc = cli_json(capsys, [after, "--diff", before])
+    d = by_name(doc["diff"])[DECODE]
+    assert d["gpu_step_ms"] is None and d["gpu_total_ms"]["change"] == pytest.approx(-0.06)
+    assert main([after, "--diff", before]) == 0
+    text = capsys.readouterr().out
+    assert "GPU ms over each side's traces: no opsd/step ranges" in text
+    line = next(row for row in text.splitlines() if row.startswith(DECODE) and "-0.060" in row)
+    assert "0.700" in line and "0.640" in line and "-8.6%" in line  # before, after, Δ ms and Δ %: not dashes
+
+
+def test_kernels_with_a_diff_name_what_changed(tmp_path, capsys):
+    before = call_trace(tmp_path, "before.json", [("gemm_a", 300.0), ("attention", 400.0), ("norm", 5.0)])
+    after = call_trace(tmp_path, "after.json", [("gemm_b", 200.0), ("reduce", 30.0), ("attention", 440.0),
+                                                ("norm", 5.0)])
+    doc = cli_json(capsys, [after, "--diff", before, "--kernels", "3"])
+    changes = by_name(doc["diff"])[DECODE]["kernels"]
+    assert [k["kernel"] for k in changes] == ["gemm_a", "gemm_b", "attention"]  # largest |Δ| first, 3 of 5 names
+    gone, new, slower = changes
+    assert gone["calls_after"] == 0 and gone["change_ms"] == pytest.approx(-0.3) and gone["relative"] == -1.0
+    assert new["calls_before"] == 0 and new["before_ms"] == 0.0 and new["relative"] is None
+    assert slower["change_ms"] == pytest.approx(0.04) and slower["relative"] == pytest.approx(0.1)
+    assert main([after, "--diff", before, "--kernels", "3"]) == 0
+    text = capsys.readouterr().out
+    table = text[text.index("kernels that changed most per stage"):]
+    assert "attention" in table and "+0.040" in table and "+10.0%" in table and "norm" not in table
+
+
+def test_kernels_against_a_saved_report_warn_that_it_keeps_no_kernel_lists(tmp_path, capsys):
+    before = call_trace(tmp_path, "before.json", [("gemm", 300.0)])
+    after = call_trace(tmp_path, "after.json", [("gemm", 200.0)])
+    saved = tmp_path / "before-report.json"
+    assert main([before, "--format", "json", "--kernels", "2"]) == 0
+    saved.write_text(capsys.readouterr().out)
+    assert main([after, "--diff", str(saved), "--kernels", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "keeps no kernel lists" in captured.err and "kernels that changed most" not in captured.out

@@ -19,6 +19,7 @@ from instrumentation import stages as S
 from instrumentation.cli_values import parse_int_text
 from instrumentation.config import parse_bool
 from traces.runs import csv_cell, group_by_run
+from traces import kernel_diff
 from traces.diff import baseline_problem, diff_columns, diff_headline, diff_rows, diff_values, format_diff, noise_note
 from traces.findings import format_findings, report_findings
 from traces.flags import flag_warnings, repeated_flags
@@ -81,8 +82,8 @@ def _reject_constant(name: str):
 
 
 def _baseline_rows(path: str, prefix: str, problems: tuple[list, list], args):
-    """Rows of the --diff baseline, or None; its problems go to ``problems`` (errors, warnings),
-    each naming the baseline's file."""
+    """Rows of the --diff baseline (None on a problem) and, from traces, every kernel of each stage (with
+    ``--kernels``; else None); its problems go to ``problems`` (errors, warnings), each naming the baseline's file."""
     errors, warnings = problems
     if os.path.isfile(path) and os.path.getsize(path) < MAX_REPORT_BYTES:
         with open(path, "rb") as f:
@@ -94,19 +95,19 @@ def _baseline_rows(path: str, prefix: str, problems: tuple[list, list], args):
                 problem = baseline_problem(doc)
                 if problem is not None:
                     errors.append(f"{path}: --diff baseline {problem}")
-                    return None
-                return [row_from_dict(d) for d in doc["stages"]]
+                    return None, None
+                return [row_from_dict(d) for d in doc["stages"]], None
             except Exception as exc:  # noqa: BLE001 - any flaw of the saved report (RecursionError too)
                 errors.append(f"{path}: --diff baseline is not a valid report ({type(exc).__name__}: {exc})")
-                return None
+                return None, None
     loaded = load([path], _source(args))
     errors.extend(f"{e} (--diff baseline)" for e in loaded.errors)
     warnings.extend(loaded.warnings)
-    report = _isolated_report(loaded, dict(prefix=prefix, steps=False), errors)
+    report = _isolated_report(loaded, dict(prefix=prefix, kernels=args.kernels, steps=False), errors)
     rows = report.stages if report is not None else []
     if loaded.files and not rows:
         errors.append(f"{path}: no ranges matching prefix {prefix!r} in the --diff baseline")
-    return rows or None
+    return rows or None, report.stage_kernels if rows and args.kernels else None
 
 
 def _isolated_report(loaded, options: dict, errors: list[str]):
@@ -179,6 +180,8 @@ def _render(report: Report, args) -> str:
             parts.insert(0, f"diff: {head}\n")
         parts += [f"\ndiff ({noise_note(report.diff)})\n",
                   format_diff(report.diff, fmt, wide=getattr(args, "diff_wide", False))]
+        changes = kernel_diff.format_kernel_changes(report.diff, fmt)
+        parts += ["\nkernels that changed most per stage (GPU ms over each side's traces)\n", changes] if changes else []
     return "".join(parts)
 
 
@@ -208,9 +211,13 @@ def run(args) -> int:
         report = None
     before, warnings = None, list(report.warnings if report else loaded.warnings)
     if report is not None and args.diff:
-        before = _baseline_rows(args.diff, args.prefix, (errors, warnings), args)
+        before, kernels = _baseline_rows(args.diff, args.prefix, (errors, warnings), args)
         if before is not None:
             report.diff = diff_rows(before, report.stages)
+            if args.kernels and kernels is not None:
+                kernel_diff.attach(report.diff, kernels, report.stage_kernels, args.kernels)
+            elif args.kernels:
+                warnings.append(f"{args.diff}: a saved report keeps no kernel lists; --kernels compares traces only")
     for w in warnings:
         _say("warning", w)
     if report is not None:

@@ -179,10 +179,20 @@ _SIGNED_MS = lambda v: f"{v:+.3f}"
 
 def basis(diff: list[dict]) -> str:
     """``"gpu"`` when the step's GPU time per step is known on both sides, else ``"cpu"``: the figure the compact
-    table and the headline compare."""
+    table and the headline compare. Without an ``opsd/step`` range on either side (a traced call, not a training
+    step) there are no per-step means: ``"gpu_total"`` (``"cpu_total"`` where no stage has GPU time on both sides)
+    compares each stage's totals over the traces, with no noise guard."""
     step = next((d for d in diff if d["name"] == STEP_NAME), None)
-    change = step.get("gpu_step_ms") if step else None
+    if step is None:
+        both = any(d["gpu_total_ms"] and d["gpu_total_ms"]["change"] is not None for d in diff)
+        return "gpu_total" if both else "cpu_total"
+    change = step.get("gpu_step_ms")
     return "gpu" if change and change["before"] is not None and change["after"] is not None else "cpu"
+
+
+def _key(side: str) -> str:
+    """The diff entry's key of :func:`basis`'s figure."""
+    return f"{side}_ms" if side.endswith("_total") else f"{side}_step_ms"
 
 
 def _steps(diff: list[dict]) -> tuple:
@@ -192,9 +202,13 @@ def _steps(diff: list[dict]) -> tuple:
 
 def noise_note(diff: list[dict]) -> str:
     """How the ± noise column was computed, with its n."""
+    side = basis(diff)
+    if side.endswith("_total"):
+        return (f"{side[:3].upper()} ms over each side's traces: no {STEP_NAME} ranges, so no per-step means and "
+                "no noise guard")
     before, after = _steps(diff)
     n = f"{before if before is not None else '?'} + {after if after is not None else '?'}"
-    return f"per-step {basis(diff).upper()} ms; ± noise = 2 sd of the difference of the means, n = {n} steps"
+    return f"per-step {side.upper()} ms; ± noise = 2 sd of the difference of the means, n = {n} steps"
 
 
 def diff_headline(diff: list[dict]) -> str | None:
@@ -202,7 +216,7 @@ def diff_headline(diff: list[dict]) -> str | None:
     with its n, and the verdict; None without an ``opsd/step`` on both sides."""
     step = next((d for d in diff if d["name"] == STEP_NAME), None)
     side = basis(diff)
-    change = step.get(f"{side}_step_ms") if step else None
+    change = step.get(_key(side)) if step else None
     if not change or change["before"] is None or change["after"] is None:
         return None
     before, after = _steps(diff)
@@ -217,10 +231,11 @@ def diff_headline(diff: list[dict]) -> str | None:
 
 
 def compact_columns(side: str) -> list[Column]:
-    """stage | before | after | Δ ms | Δ % | ± noise | verdict (per-step means of ``side``)."""
-    return [Column("name", "stage", left=True), Column(f"{side}_step_before_ms", "before", _MS),
-            Column(f"{side}_step_after_ms", "after", _MS), Column(f"{side}_step_change_ms", "Δ ms", _SIGNED_MS),
-            Column(f"{side}_step_relative", "Δ %", _REL), Column(f"{side}_step_noise_ms", "± noise", _MS),
+    """stage | before | after | Δ ms | Δ % | ± noise | verdict (per-step means of ``side``, or its totals)."""
+    k = _key(side)[:-3]
+    return [Column("name", "stage", left=True), Column(f"{k}_before_ms", "before", _MS),
+            Column(f"{k}_after_ms", "after", _MS), Column(f"{k}_change_ms", "Δ ms", _SIGNED_MS),
+            Column(f"{k}_relative", "Δ %", _REL), Column(f"{k}_noise_ms", "± noise", _MS),
             Column("verdict", "verdict", left=True)]
 
 
@@ -230,7 +245,7 @@ def _short(name: str, width: int | None) -> str:
 
 def compact_values(d: dict, side: str, name_width: int | None = None) -> list:
     """The values of one diff entry in :func:`compact_columns` order (the name cut to ``name_width``, if given)."""
-    key = f"{side}_step_ms"
+    key = _key(side)
     return [_short(d["name"], name_width), _get(d, key, "before"), _get(d, key, "after"), _get(d, key, "change"),
             _get(d, key, "relative"), _get(d, key, "noise"), verdict(d)]
 

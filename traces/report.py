@@ -49,7 +49,8 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     #: Host operators with slow calls (:mod:`traces.operators`), largest excess first.
     operators: list[SlowOperator] = field(default_factory=list)
-    #: Every kernel name of the stages that findings may need (GPU-bound with work), most GPU time first.
+    #: Every kernel name (most GPU time first) of the stages findings may need (GPU-bound with work); of every stage
+    #: with ``kernels`` > 0 (what ``--diff`` compares, :mod:`traces.kernel_diff`).
     stage_kernels: dict[str, tuple[KernelRow, ...]] = field(default_factory=dict)
 
     def to_dict(self, by_rank: bool = False, by_step: bool = False) -> dict:
@@ -260,7 +261,7 @@ def build_report(loaded: LoadedSet, prefix: str, kernels: int = 0, steps: bool =
                     warnings=list(loaded.warnings) + notes)
     report.stages = _with_work(report.stages, instances, report)
     report.operators = slow_operators([(f.slow, f.instances, f.data.ops) for f in files])
-    report.stage_kernels = _stage_kernels(report.stages, instances)
+    report.stage_kernels = _stage_kernels(report.stages, instances, every=kernels > 0)
     for rank, mine in by_rank.items():
         rank_instances = [i for f in mine for i in f.instances]
         rank_rows = build_rows(rank_instances, span[rank], kernels, rank=rank)
@@ -289,8 +290,10 @@ def _per_step(report: Report, instances: list[StageInstance]) -> None:
         report.per_rank_step[(rank, k)] = build_rows(by_rank_step[(rank, k)], 0.0, rank=rank, step=k)
 
 
-def _stage_kernels(rows: list[StageRow], instances: list[StageInstance]) -> dict[str, tuple[KernelRow, ...]]:
-    """Every kernel name (most GPU time first) of the rows the findings set against their roofline."""
-    wanted = {r.name for r in rows if r.work is not None and r.work.roofline_ms and r.gpu.bound in
+def _stage_kernels(rows: list[StageRow], instances: list[StageInstance],
+                   every: bool = False) -> dict[str, tuple[KernelRow, ...]]:
+    """Every kernel name (most GPU time first) of the rows the findings set against their roofline (``every``: of
+    every row)."""
+    wanted = {r.name for r in rows if every or r.work is not None and r.work.roofline_ms and r.gpu.bound in
               ("gpu", "memory", "compute")}
     return {name: top_kernels([i for i in instances if i.name == name], 1 << 30) for name in wanted}
