@@ -198,3 +198,12 @@ def test_kernels_against_a_saved_report_warn_that_it_keeps_no_kernel_lists(tmp_p
     assert main([after, "--diff", str(saved), "--kernels", "2"]) == 0
     captured = capsys.readouterr()
     assert "keeps no kernel lists" in captured.err and "kernels that changed most" not in captured.out
+
+
+def test_stages_whose_kernels_ran_alike_list_no_kernel_changes(tmp_path, capsys):
+    before = call_trace(tmp_path, "before.json", [("gemm", 300.0), ("norm", 5.0)])
+    after = call_trace(tmp_path, "after.json", [("gemm", 300.0), ("norm", 5.0004)])  # 0.4 ns: below MIN_CHANGE_MS
+    doc = cli_json(capsys, [after, "--diff", before, "--kernels", "3"])
+    assert all("kernels" not in d for d in doc["diff"])
+    assert main([after, "--diff", before, "--kernels", "3"]) == 0
+    assert "kernels that changed most" not in capsys.readouterr().out

@@ -15,6 +15,8 @@ from instrumentation.table import Column, fixed, percent, render
 
 #: Widest kernel name the text table prints (shortened by :func:`traces.format.short_kernel_names`).
 NAME_WIDTH = 60
+#: Changes smaller than this (ms over the traces) are not listed: a stage whose kernels ran alike lists none.
+MIN_CHANGE_MS = 1e-3
 
 _MS = fixed(3)
 COLUMNS = [Column("stage", "stage", left=True), Column("kernel", "kernel", left=True),
@@ -24,14 +26,16 @@ COLUMNS = [Column("stage", "stage", left=True), Column("kernel", "kernel", left=
 
 
 def kernel_changes(before: tuple[KernelRow, ...], after: tuple[KernelRow, ...], n: int) -> list[dict]:
-    """The ``n`` names of either side with the largest |after - before| summed GPU ms (ties by name): calls and ms of
-    each side (0 where a side did not run it), the change and the change over before (None from 0)."""
+    """The ``n`` names of either side with the largest |after - before| summed GPU ms (ties by name; at least
+    :data:`MIN_CHANGE_MS`): calls and ms of each side (0 where a side did not run it), the change and the change over
+    before (None from 0)."""
     b, a = {k.name: k for k in before}, {k.name: k for k in after}
 
     def ms(side: dict, name: str) -> float:
         return side[name].gpu_ms if name in side else 0.0
 
-    ranked = sorted(set(a) | set(b), key=lambda name: (-abs(ms(a, name) - ms(b, name)), name))[:n]
+    changed = [name for name in set(a) | set(b) if abs(ms(a, name) - ms(b, name)) >= MIN_CHANGE_MS]
+    ranked = sorted(changed, key=lambda name: (-abs(ms(a, name) - ms(b, name)), name))[:n]
     out = []
     for name in ranked:
         change = ms(a, name) - ms(b, name)
@@ -44,12 +48,12 @@ def kernel_changes(before: tuple[KernelRow, ...], after: tuple[KernelRow, ...], 
 
 def attach(diff: list[dict], before: dict[str, tuple[KernelRow, ...]], after: dict[str, tuple[KernelRow, ...]],
            n: int) -> None:
-    """Set ``"kernels"`` (:func:`kernel_changes`) on each diff entry whose stage ran GPU work on a side (and is a
-    stage of both)."""
+    """Set ``"kernels"`` (:func:`kernel_changes`) on each diff entry of a stage of both sides whose kernels changed."""
     for d in diff:
         name = d["name"]
-        if name in before and name in after and (before[name] or after[name]):
-            d["kernels"] = kernel_changes(before[name], after[name], n)
+        changes = kernel_changes(before[name], after[name], n) if name in before and name in after else []
+        if changes:
+            d["kernels"] = changes
 
 
 def format_kernel_changes(diff: list[dict], fmt: str = "table") -> str | None:
