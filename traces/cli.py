@@ -55,8 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="PNG", help="write stacked per-stage bars (matplotlib: .png, .svg, .pdf, ...)")
     p.add_argument("--tensorboard", metavar="DIR", help="write per-stage TensorBoard scalars")
     p.add_argument("--kernels", metavar="N", type=_kernels_arg, default=0,
-                   help="list the top N kernels (and copies) of each stage by GPU time, and the "
-                        "start of each stage's slowest call")
+                   help="list the top N kernels (and copies) of each stage by GPU time and the start of its "
+                        "slowest call; with --diff (traces), also the N whose GPU time changed most")
     p.add_argument("--nvtx-domain", metavar="D", default=None,
                    help=f"Nsight Systems inputs: keep the NVTX ranges of domain D only (ours: "
                         f"{S.NVTX_DOMAIN!r}; default: every domain; a warning for other inputs)")
