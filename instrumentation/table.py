@@ -28,8 +28,11 @@ FORMATS = ("table", "markdown", "csv")
 NULL = "-"
 
 
-def fixed(decimals: int = 3) -> Callable[[Any], str]:
-    """Formatter of numbers with ``decimals`` digits after the point (ints print as they are)."""
+def fixed(decimals: int = 3, signed: bool = False) -> Callable[[Any], str]:
+    """Formatter of numbers with ``decimals`` digits after the point (ints print as they are); ``signed``: every
+    number with its sign and ``decimals`` digits (a change: ``+0.040``)."""
+    if signed:
+        return lambda v: f"{v:+.{decimals}f}"
     return lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) else f"{v:.{decimals}f}"
 
 

@@ -174,7 +174,7 @@ def diff_values(d: dict) -> list:
 
 #: Widest a compact diff table prints (``--diff-wide``: every column).
 COMPACT_WIDTH = 100
-_SIGNED_MS = lambda v: f"{v:+.3f}"
+_SIGNED_MS = fixed(3, signed=True)
 
 
 def basis(diff: list[dict]) -> str:

@@ -21,7 +21,7 @@ MIN_CHANGE_MS = 1e-3
 _MS = fixed(3)
 COLUMNS = [Column("stage", "stage", left=True), Column("kernel", "kernel", left=True),
            Column("calls_before", "calls b"), Column("calls_after", "calls a"), Column("before_ms", "before ms", _MS),
-           Column("after_ms", "after ms", _MS), Column("change_ms", "Δ ms", lambda v: f"{v:+.3f}"),
+           Column("after_ms", "after ms", _MS), Column("change_ms", "Δ ms", fixed(3, signed=True)),
            Column("relative", "Δ %", percent(1, signed=True))]
 
 
