@@ -35,3 +35,21 @@ def round_up(value: int, multiple: int) -> int:
 def pow2_at_least(value: int, least: int) -> int:
     """The smallest power of two >= ``value`` and >= ``least`` (a Triton block size for ``value`` elements)."""
     return max(least, 1 << (max(1, value) - 1).bit_length())
+
+
+def require_bools(record, section: str, names: tuple[str, ...]) -> None:
+    """``ValueError`` naming ``<section>.<name>`` (or ``<name>`` where ``section`` is empty) for the first of the
+    record's fields ``names`` that is not a bool."""
+    for name in names:
+        value = getattr(record, name)
+        require(isinstance(value, bool), f"{section}.{name}" if section else name, f"must be a bool; got {value!r}")
+
+
+def as_python_numbers(record, ints: tuple[str, ...], floats: tuple[str, ...]) -> None:
+    """The frozen record's checked number fields ``ints`` and ``floats`` as Python ``int``/``float`` (None kept):
+    a numpy ``int8`` budget overflowed deep in the memory plan."""
+    for names, kind in ((ints, int), (floats, float)):
+        for name in names:
+            value = getattr(record, name)
+            if value is not None:
+                object.__setattr__(record, name, kind(value))

@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Mapping, Optional
 
-from rollout.checks import is_int, is_number, require
+from rollout.checks import as_python_numbers, is_int, is_number, require, require_bools
 
 ROUTES = ("ordinary", "continuous", "auto")
 #: Seeds key the sampling noise through 32-bit hashes: larger ones would alias smaller ones.
@@ -92,7 +92,7 @@ class SamplingConfig:
                 f"must be None or an int in [0, 2**32); got {self.seed!r}")
         for name in ("return_logprobs", "return_finish_reasons"):
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
-        _as_python(self, ("max_new_tokens", "top_k", "n_samples_per_prompt", "continuous_batch_size", "seed"),
+        as_python_numbers(self, ("max_new_tokens", "top_k", "n_samples_per_prompt", "continuous_batch_size", "seed"),
                    ("temperature", "top_p", "repetition_penalty"))
 
     @property
@@ -127,8 +127,8 @@ class RoutingConfig:
                 "routing.max_prefill_tokens", f"must be None or a positive int; got {self.max_prefill_tokens!r}")
         require(self.eos_check_interval is None or (is_int(self.eos_check_interval) and self.eos_check_interval >= 1),
                 "routing.eos_check_interval", f"must be None or an int >= 1; got {self.eos_check_interval!r}")
-        _require_bools(self, "routing", ("late_eos_count",))
-        _as_python(self, ("max_prefill_tokens", "eos_check_interval"), ())
+        require_bools(self, "routing", ("late_eos_count",))
+        as_python_numbers(self, ("max_prefill_tokens", "eos_check_interval"), ())
 
 
 @dataclass(frozen=True)
@@ -201,11 +201,18 @@ class KernelConfig:
     once in the copy, the normalized input not at all. float16 models keep their norms (the raw residual's products
     can pass float16's range)."""
 
+    rotary_in_attention_rows: int = 32
+    """Where ``fold_norms`` folds the q|k|v norm and the Triton attention runs: in decode steps of at least this many
+    rows the attention kernel rotates its own queries and writes the step's k and v into the cache
+    (``rollout.ops.rotary_attention``) instead of a rotary kernel a layer before it. 0: off. Smaller steps keep the
+    rotary kernel: there each of the attention's many short programs would pay the queries' 1/RMS and rotary in turn."""
+
     def __post_init__(self) -> None:
-        _require_bools(self, "kernels", ("fast_decode", "fast_prefill", "cuda_graphs", "compile", "fused_kv_write",
-                                         "fuse_qkv", "fuse_gate_up", "rotary_kernel", "residual_in_place",
-                                         "fold_norms", "shared_prefix_align"))
-        for name in ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows", "shared_prefix_first_row_rows"):
+        require_bools(self, "kernels", ("fast_decode", "fast_prefill", "cuda_graphs", "compile", "fused_kv_write",
+                                        "fuse_qkv", "fuse_gate_up", "rotary_kernel", "residual_in_place",
+                                        "fold_norms", "shared_prefix_align"))
+        for name in ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows", "shared_prefix_first_row_rows",
+                     "rotary_in_attention_rows"):
             value = getattr(self, name)
             require(is_int(value) and value >= 0, f"kernels.{name}", f"must be an int >= 0 (0: off); got {value!r}")
         require(is_int(self.shared_prefix_columns) and self.shared_prefix_columns >= 1, "kernels.shared_prefix_columns",
@@ -217,8 +224,8 @@ class KernelConfig:
                 f"must be one of {DECODE_ATTENTIONS}; got {self.decode_attention!r}")
         require(self.blas_library is None or self.blas_library in BLAS_LIBRARIES, "kernels.blas_library",
                 f"must be None or one of {BLAS_LIBRARIES}; got {self.blas_library!r}")
-        _as_python(self, ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows", "shared_prefix_columns",
-                          "shared_prefix_first_row_rows"), ())
+        as_python_numbers(self, ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows", "shared_prefix_columns",
+                                 "shared_prefix_first_row_rows", "rotary_in_attention_rows"), ())
 
 
 @dataclass(frozen=True)
@@ -236,11 +243,11 @@ class SamplerConfig:
     depend on its batch; other values sum masses in another order (tokens may differ at rounding ties)."""
 
     def __post_init__(self) -> None:
-        _require_bools(self, "sampler", ("fused",))
+        require_bools(self, "sampler", ("fused",))
         require(self.chunk_tokens is None or (is_int(self.chunk_tokens) and self.chunk_tokens >= 0),
                 "sampler.chunk_tokens", f"must be None or an int >= 0 (0: a program per row); "
                 f"got {self.chunk_tokens!r}")
-        _as_python(self, ("chunk_tokens",), ())
+        as_python_numbers(self, ("chunk_tokens",), ())
 
 
 #: The sections of ``RolloutConfig``: field name -> class.
@@ -285,7 +292,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         require(self.route in ROUTES, "route", f"must be one of {ROUTES}; got {self.route!r}")
         require(self.gather in GATHER_MODES, "gather", f"must be one of {GATHER_MODES}; got {self.gather!r}")
-        _require_bools(self, "", ("keep_cache", "fuse_lora"))
+        require_bools(self, "", ("keep_cache", "fuse_lora"))
         require(self.max_cache_gib is None or (is_number(self.max_cache_gib)
                                                 and 0 < self.max_cache_gib < MAX_CACHE_GIB),
                 "max_cache_gib", f"must be None or a finite number > 0 and < 2**30; got {self.max_cache_gib!r}")
@@ -294,7 +301,7 @@ class RolloutConfig:
         for name, cls in SECTIONS.items():
             value = getattr(self, name)
             require(isinstance(value, cls), name, f"must be a {cls.__name__}; got {type(value).__name__}")
-        _as_python(self, ("max_context",), ("max_cache_gib",))
+        as_python_numbers(self, ("max_context",), ("max_cache_gib",))
 
     def with_settings(self, settings: Mapping[str, object]) -> "RolloutConfig":
         """A copy with ``settings`` applied: ``{"route": "auto", "kernels.compile": False}`` (dotted names reach into
@@ -365,21 +372,6 @@ def _moved_hint(name: str) -> str:
     if name in REMOVED:
         return f"; it was removed in 0.2: {REMOVED[name]}"
     return ""
-
-
-def _require_bools(record, section: str, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(record, name)
-        require(isinstance(value, bool), f"{section}.{name}" if section else name, f"must be a bool; got {value!r}")
-
-
-def _as_python(record, ints: tuple[str, ...], floats: tuple[str, ...]) -> None:
-    """Checked numbers as Python ``int``/``float`` (a numpy ``int8`` budget overflowed deep in the memory plan)."""
-    for names, kind in ((ints, int), (floats, float)):
-        for name in names:
-            value = getattr(record, name)
-            if value is not None:
-                object.__setattr__(record, name, kind(value))
 
 
 def _refuse_flat_keywords(cls):

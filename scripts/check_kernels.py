@@ -207,8 +207,26 @@ def attention_cases() -> list[tuple[str, Callable]]:
         da.attention(q, k, k.clone(), keep, dim ** -0.5, heads != kv_heads, splits=splits, interpret=True,
                      last=torch.tensor(length - 1) if last else None, shared=shared)
 
+    def fused(dtype, heads, kv_heads, dim, *, rows=8, length=1024, splits=None, bias=True, first_row=False):
+        from rollout.ops import rotary_attention as ra
+
+        qkv = torch.zeros(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
+        cos = torch.ones(rows, 1, dim, dtype=dtype)
+        cache = torch.zeros(rows, kv_heads, length, dim, dtype=dtype)
+        shared = da.SharedPrefix(torch.arange(rows, dtype=torch.long), 4, torch.tensor(length // 2), True)
+        keep = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+        ra.rotary_attention(qkv, torch.ones(rows, 2048, dtype=dtype), qkv[0] if bias else None, cos, cos.clone(),
+                            cache, cache.clone(), torch.tensor([length - 1]), keep=keep, scale=dim ** -0.5, eps=1e-6,
+                            heads=heads, kv_heads=kv_heads, head_dim=dim, start=0, stop=length, splits=splits,
+                            shared=shared if first_row else None, interpret=True)
+
     bf16, fp32 = torch.bfloat16, torch.float32
     return [
+        ("attention 3B bf16, rotary inside, bias, split", lambda: fused(bf16, 16, 2, 128, splits=4)),
+        ("attention 3B bf16, rotary inside, one program", lambda: fused(bf16, 16, 2, 128, splits=1, bias=False)),
+        ("attention 3B bf16, rotary inside, prompt from the first row", lambda: fused(bf16, 16, 2, 128, splits=2,
+                                                                                     first_row=True)),
+        ("attention fp32, rotary inside", lambda: fused(fp32, 4, 2, 64, splits=2)),
         ("attention 3B bf16, split", lambda: call(bf16, 16, 2, 128, splits=4)),
         ("attention 3B bf16, one program", lambda: call(bf16, 16, 2, 128, splits=1)),
         ("attention 3B bf16, split, last", lambda: call(bf16, 16, 2, 128, splits=4, last=True)),

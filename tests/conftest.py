@@ -92,6 +92,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
 
 
+def counter(calls: dict):
+    """``counted(name, fn)``: ``fn`` wrapped so that each call adds 1 to ``calls[name]`` (pieces a test counts)."""
+    def counted(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+    return counted
+
+
 def with_step_pieces(ro, **pieces) -> None:
     """From now on ``ro``'s step parts carry ``pieces`` (``StepFns`` fields, e.g. an interpreted kernel or a
     counting wrapper) in place of what its config chose."""

@@ -22,7 +22,7 @@ from rollout.model.weights import FusedGateUp, FusedQKV, spec_and_weights
 from rollout.ops import rms_scaled as rs
 from rollout.ops import rotary_write as rw
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
-from tests.conftest import hf_greedy, response_of, with_step_pieces
+from tests.conftest import counter, hf_greedy, response_of, with_step_pieces
 from tests.test_decode_attention import device  # noqa: F401 - the fixture
 
 NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
@@ -103,7 +103,11 @@ def test_every_silu_launch_gives_the_reference(device, block, warps):
     product = (torch.randn(3, 200, generator=gen) * 20).to(device)
     got = rs.silu_mul_rms(product, h, eps=EPS, interpret=True, block=block, warps=warps)
     torch.testing.assert_close(got, rs.silu_mul_rms_reference(product, h, eps=EPS), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, rs.silu_mul_rms(product, h, eps=EPS, interpret=True), rtol=0, atol=0)
+    default = rs.silu_mul_rms(product, h, eps=EPS, interpret=True)
+    if device == "cpu":  # the interpreter: bitwise; compiled launches may round fp32 apart (H100: 1.2e-6 relative)
+        torch.testing.assert_close(got, default, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(got, default, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("launch,field", [(dict(block=48), "block"), (dict(block=8), "block"), (dict(block=True), "block"),
@@ -169,14 +173,9 @@ def _forced(ro, kernels: bool):
     fast = ro.runner.fast_step
     fast._folds = lambda device, rotary_kernel: (True, True)
     calls = {"rotary": 0, "silu": 0, "norm": 0}
-
-    def counted(name, fn):
-        def wrapped(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return wrapped
-
-    pieces = dict(qkv_projection=counted("norm", step.qkv_projection), gate_up_silu=counted("norm", step.gate_up_silu))
+    counted = counter(calls)
+    pieces = dict(qkv_projection=counted("norm", step.qkv_projection), gate_up_silu=counted("norm", step.gate_up_silu),
+                  rotary_attention=None)  # the rotary kernel itself (on CUDA the attention would take it in)
     if kernels:
         pieces.update(rotary_write_rms=counted("rotary", functools.partial(rs.rotary_write_rms, interpret=True)),
                       silu_mul_rms=counted("silu", functools.partial(rs.silu_mul_rms, interpret=True)))

@@ -31,7 +31,8 @@ FIELDS = {
     "KernelConfig": ["fast_decode", "fast_prefill", "cuda_graphs", "prefill_graph_tokens", "compile", "compile_mode",
                      "decode_attention", "fused_kv_write", "blas_library", "fuse_qkv", "fuse_gate_up",
                      "rotary_kernel", "skinny_rows", "shared_prefix_rows", "shared_prefix_columns",
-                     "shared_prefix_first_row_rows", "shared_prefix_align", "residual_in_place", "fold_norms"],
+                     "shared_prefix_first_row_rows", "shared_prefix_align", "residual_in_place", "fold_norms",
+                     "rotary_in_attention_rows"],
     "SamplerConfig": ["fused", "chunk_tokens"],
     "RolloutRequest": ["prompt_ids", "prompt_attention_mask", "row_max_new_tokens"],  # ours after DeepSpeed's
     "RolloutBatch": ["input_ids", "attention_mask", "response_start_idx", "finish_reasons", "logprobs"],

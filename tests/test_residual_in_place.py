@@ -14,7 +14,7 @@ from rollout import KernelConfig, Rollout, RolloutConfig, RolloutRequest, Sampli
 from rollout.model import step
 from rollout.model.step import StepFns, decode_logits
 from rollout.testing import TinyTokenizer, random_prompts, tiny_model
-from tests.conftest import assert_setting_keeps_hf_greedy, with_step_pieces
+from tests.conftest import assert_setting_keeps_hf_greedy, counter, with_step_pieces
 
 NO_EOS = TinyTokenizer(pad_token_id=0, eos_token_id=None)
 
@@ -43,13 +43,7 @@ def test_every_decode_layer_adds_in_place_and_the_prefill_does_not():
     new = 5
     for flag in (True, False):
         calls = {"silu": 0, "layer": 0}
-
-        def counted(name, fn):
-            def wrapped(*args, **kwargs):
-                calls[name] += 1
-                return fn(*args, **kwargs)
-            return wrapped
-
+        counted = counter(calls)
         ro = Rollout(model, NO_EOS, RolloutConfig(route="ordinary", kernels=KernelConfig(residual_in_place=flag)))
         with_step_pieces(ro, gate_up_silu=counted("silu", step.gate_up_silu),
                          attention_output_and_gate_up_mlp=counted("layer", step.attention_output_and_gate_up_mlp))

@@ -100,7 +100,7 @@ def test_step_with_the_kernel_equals_hf_generate(device, family):
     ids, mask = random_prompts(3, 7, min_len=2, seed=9)
     ids, mask = ids.to(device), mask.to(device)
     ro = Rollout(model, TinyTokenizer(eos_token_id=None), RolloutConfig(route="ordinary", kernels=KernelConfig(
-        cuda_graphs=False)))
+        cuda_graphs=False, fold_norms=False)))  # folded (CUDA, fp32), rotary_write_rms would take the kernel's place
     calls = []
 
     def counted(*args, **kwargs):

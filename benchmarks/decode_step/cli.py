@@ -25,7 +25,9 @@ from rollout.testing import shaped_model
 PARTS = ("attention", "sampler", "step", "skinny", "prefill", "shared", "silu")
 #: ``--kernel-variant``: the step whose kernels ``--kernels`` lists.
 KERNEL_VARIANTS = {"default": KernelConfig(), "no-skinny": KernelConfig(skinny_rows=0),
-                   "residual-copied": KernelConfig(residual_in_place=False), "norms-unfolded": KernelConfig(fold_norms=False)}
+                   "residual-copied": KernelConfig(residual_in_place=False), "norms-unfolded": KernelConfig(fold_norms=False),
+                   "rotary-apart": KernelConfig(rotary_in_attention_rows=0),
+                   "rotary-inside": KernelConfig(rotary_in_attention_rows=1)}
 
 
 @dataclass
@@ -94,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kernel-variant", choices=sorted(KERNEL_VARIANTS), default="default",
                         help="--kernels: list the kernels of the routes' default step, or of it without the skinny "
                              "o projection, or with the residual copied before o and down are added "
-                             "(kernels.residual_in_place=False), or with the norms run apart (kernels.fold_norms=False)")
+                             "(kernels.residual_in_place=False), or with the norms run apart (kernels.fold_norms=False), "
+                             "or with the rotary kernel before the attention at every row count "
+                             "(kernels.rotary_in_attention_rows=0) or inside it at every row count (=1)")
     parser.add_argument("--parts", nargs="+", default=["attention", "sampler", "step"], choices=PARTS,
                         help="which tables to time")
     parser.add_argument("--shared-windows", type=int_tuple(2), nargs="+",

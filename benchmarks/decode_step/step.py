@@ -48,7 +48,9 @@ class StepVariant:
                 + (", skinny o projection" if k.skinny_rows else "")
                 + (", o and down added in place" if k.residual_in_place else "")
                 + (", norms folded" if k.fold_norms and (k.rotary_kernel or k.fuse_gate_up and k.residual_in_place)
-                   else ""))
+                   else "")
+                + (f", rotary in the attention from {k.rotary_in_attention_rows} rows" if k.rotary_in_attention_rows
+                   and k.fold_norms and k.rotary_kernel and k.decode_attention == "triton" else ""))
 
 
 def variant(additive_mask: bool = False, grouped: bool = False, **kernels) -> StepVariant:
@@ -64,7 +66,9 @@ ROUTE_AB = {"gate_up": ("fuse_gate_up", False, "gate|up as one GEMM"),
             "rotary_kernel": ("rotary_kernel", False, "the rotary+write kernel"),
             "skinny": ("skinny_rows", 0, "the skinny o projection"),
             "residual_in_place": ("residual_in_place", False, "o and down added into the residual in place"),
-            "fold_norms": ("fold_norms", False, "the norm gains folded into the fused copies, 1/RMS in the kernels")}
+            "fold_norms": ("fold_norms", False, "the norm gains folded into the fused copies, 1/RMS in the kernels"),
+            "rotary_in_attention": ("rotary_in_attention_rows", 0, "the rotary and cache write inside the attention "
+                                    f"kernel from {KernelConfig().rotary_in_attention_rows} rows")}
 
 
 def decode_step_fn(model, rows: int, live: int, step: StepVariant, device: str = "cuda"):

@@ -23,7 +23,7 @@ import torch
 from rollout.config import KernelConfig, RolloutConfig
 from rollout.executors import blas
 from rollout.model import prefill
-from rollout.ops import decode_attention, rms_scaled, rotary_write, skinny_linear
+from rollout.ops import decode_attention, rms_scaled, rotary_attention, rotary_write, skinny_linear
 from rollout.model.step import (FusedGateUp, FusedQKV, StepFns, StepParts, WeightMirror, compiled_step_fns,
                                 spec_and_weights, unsupported_reason)
 
@@ -116,6 +116,10 @@ class FastStep:
                                       first_row_rows=kernels.shared_prefix_first_row_rows)
         if qkv_folds:
             fns = dataclasses.replace(fns, rotary_write_rms=rms_scaled.rotary_write_rms)
+            if (kernels.rotary_in_attention_rows and fns.attention is decode_attention.attention
+                    and rotary_attention.failure(device) is None):
+                fns = dataclasses.replace(fns, rotary_attention=rotary_attention.rotary_attention,
+                                          rotary_attention_rows=kernels.rotary_in_attention_rows)
         if gate_up_folds:
             fns = dataclasses.replace(fns, silu_mul_rms=rms_scaled.silu_mul_rms)
         if rotary_kernel:

@@ -132,6 +132,12 @@ class StepFns:
     decode steps multiply the residual stream itself by the copy (no norm) and hand the product and the residual to
     this function, which scales each row by its 1/RMS, adds the bias, rotates and writes the cache
     (:func:`rollout.ops.rms_scaled.rotary_write_rms`); it takes precedence over ``rotary_write``."""
+    rotary_attention: object = None
+    """With ``rotary_write_rms`` and the Triton attention: decode steps of at least ``rotary_attention_rows`` rows
+    hand the q|k|v product to this function, whose attention kernel rotates its own queries and writes k and v into the
+    cache (:func:`rollout.ops.rotary_attention.rotary_attention`), in place of ``rotary_write_rms`` and ``attention``
+    (``RolloutConfig.kernels.rotary_in_attention_rows``)."""
+    rotary_attention_rows: int = 1
     tuned: object = None
     """With ``RolloutConfig.kernels.blas_library="cublaslt-tuned"`` on CUDA: the projections the step runs outside the
     compiled pieces (q|k|v with folded norms, o and down in place, gate|up) on each shape's fastest cuBLASLt
@@ -199,24 +205,40 @@ def decode_logits(parts: StepParts, key_cache: torch.Tensor, value_cache: torch.
     cols = col.view(1)
     eps = spec.rms_eps
     skinny = (fns.skinny_linear is not None and fns.rotary_write is not None and tokens.shape[0] <= fns.skinny_rows)
+    scale, gqa = spec.head_dim ** -0.5, spec.num_heads != spec.num_kv_heads
+    fused = (fns.rotary_attention is not None and fns.rotary_write_rms is not None
+             and tokens.shape[0] >= fns.rotary_attention_rows)
     for i, w in enumerate(weights.layers):
-        if fns.rotary_write_rms is not None and w.qkv is not None:  # the norm's gain folded into w.qkv
-            q = fns.rotary_write_rms(_mm(fns, h, w.qkv), h, w.qkv_bias, cos, sin, key_cache[i], value_cache[i],
-                                     cols, eps=eps, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
-                                     head_dim=spec.head_dim)
-        elif fns.rotary_write is not None and w.qkv is not None:
-            qkv = fns.qkv_projection(h, w.input_norm, w.qkv, w.qkv_bias, eps)
-            q = fns.rotary_write(qkv, cos, sin, key_cache[i], value_cache[i], cols, heads=spec.num_heads,
-                                 kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
-        elif fns.attention_inputs_qkv_write is not None and w.qkv is not None:
-            q = fns.attention_inputs_qkv_write(h, w.input_norm, w.qkv, w.qkv_bias, cos=cos, sin=sin,
-                                               key_layer=key_cache[i], value_layer=value_cache[i], cols=cols,
-                                               **spec.piece_constants)
+        if fused and w.qkv is not None:
+            attn = fns.rotary_attention(_mm(fns, h, w.qkv), h, w.qkv_bias, cos, sin, key_cache[i], value_cache[i],
+                                        cols, keep=keep, scale=scale, eps=eps, heads=spec.num_heads,
+                                        kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, start=start, stop=stop,
+                                        **window)
         else:
-            q, k, v = layer_qkv(fns, h, w, cos, sin, spec)
-            key_cache[i].index_copy_(2, cols, k)
-            value_cache[i].index_copy_(2, cols, v)
-        attn = fns.attention(q, key_cache[i, :, :, start:stop], value_cache[i, :, :, start:stop], keep,
-                             spec.head_dim ** -0.5, spec.num_heads != spec.num_kv_heads, **window)
+            q = _queries_and_cache_write(fns, h, w, cos, sin, key_cache[i], value_cache[i], cols=cols, spec=spec)
+            attn = fns.attention(q, key_cache[i, :, :, start:stop], value_cache[i, :, :, start:stop], keep, scale,
+                                 gqa, **window)
         h = _layer_rest(fns, h, attn, w, eps, skinny)
     return fns.final_logits(h, weights.final_norm, weights.lm_head, weights.lm_head_bias, eps)
+
+
+def _queries_and_cache_write(fns: StepFns, h, w: LayerWeights, cos, sin, key_layer, value_layer, *, cols,
+                             spec: DecoderSpec):
+    """One layer's rotated queries ``[B, Hq, 1, D]`` of a decode step, its k and v written into cache column ``cols``:
+    by the rotary kernels where set (``rotary_write_rms``, ``rotary_write``), else the compiled pieces."""
+    eps = spec.rms_eps
+    if fns.rotary_write_rms is not None and w.qkv is not None:  # the norm's gain folded into w.qkv
+        return fns.rotary_write_rms(_mm(fns, h, w.qkv), h, w.qkv_bias, cos, sin, key_layer, value_layer, cols,
+                                    eps=eps, heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+    if fns.rotary_write is not None and w.qkv is not None:
+        qkv = fns.qkv_projection(h, w.input_norm, w.qkv, w.qkv_bias, eps)
+        return fns.rotary_write(qkv, cos, sin, key_layer, value_layer, cols, heads=spec.num_heads,
+                                kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+    if fns.attention_inputs_qkv_write is not None and w.qkv is not None:
+        return fns.attention_inputs_qkv_write(h, w.input_norm, w.qkv, w.qkv_bias, cos=cos, sin=sin,
+                                              key_layer=key_layer, value_layer=value_layer, cols=cols,
+                                              **spec.piece_constants)
+    q, k, v = layer_qkv(fns, h, w, cos, sin, spec)
+    key_layer.index_copy_(2, cols, k)
+    value_layer.index_copy_(2, cols, v)
+    return q

@@ -84,6 +84,26 @@ class SharedPrefix:
                              f"{tuple(self.end.shape)}")
 
 
+@dataclass(frozen=True)
+class RotaryInputs:
+    """What lets the attention kernel compute its own queries from a layer's q|k|v product and write the step's
+    cache column (:func:`rollout.ops.rotary_attention.rotary_attention`): the arguments of
+    :func:`rollout.ops.rms_scaled.rotary_write_rms` besides the product and the cache."""
+
+    h: torch.Tensor
+    """``[B, hidden]``: the raw residual rows whose 1/RMS scales the product."""
+    bias: Optional[torch.Tensor]
+    """``[(Hq + 2 Hkv) D]`` or None."""
+    cos: torch.Tensor
+    """``[B, D]`` (the rows' rotary)."""
+    sin: torch.Tensor
+    cols: torch.Tensor
+    """``[1]`` int64 on the device: the cache column written (of the whole layer, not the window)."""
+    start: int
+    """The window's first cache column."""
+    eps: float
+
+
 _FAILED: dict = {}
 """(device, dtype, head dim, group) -> why the kernel failed there: SDPA runs for those inputs from then on."""
 
@@ -183,6 +203,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
                                lambda: sdpa(q, k, v, keep, scale, gqa))
 
 
+def launch(q, k, v, keep, scale: float, *, splits: Optional[int] = None, last: Optional[torch.Tensor] = None,
+           shared: Optional[SharedPrefix] = None, rotary: Optional[RotaryInputs] = None) -> torch.Tensor:
+    """The kernel on inputs :func:`unsupported_reason` accepts, with the module's launch constants and no fallback
+    (:func:`attention`'s launch). ``rotary``: ``q`` is a view of the layer's q|k|v product, from which the kernel
+    rotates its queries and writes the step's cache column (:mod:`rollout.ops.rotary_attention`; not with a prompt
+    read in a pass of its own)."""
+    if rotary is not None and shares_prefix(shared, q.shape[1], k.shape[1]) and not shared.first_row:
+        raise ValueError("rotary: the prompt's own pass (SharedPrefix without first_row) computes no queries")
+    return _launch(q, k, v, keep, scale, splits=splits, block=BLOCK_L, warps=WARPS, stages=STAGES, last=last,
+                   shared=shared, rotary=rotary)
+
+
 def one_tile(samples: int, heads: int, kv_heads: int) -> bool:
     """Whether ``samples`` rows' query heads of one KV head fit one tile of the shared-prompt programs."""
     return samples > 1 and samples * (heads // kv_heads) <= MAX_SHARED_QUERIES
@@ -196,7 +228,8 @@ def shares_prefix(shared: Optional[SharedPrefix], heads: int, kv_heads: int) -> 
 
 
 def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, shared=None,
-            prefix_splits=None) -> torch.Tensor:
+            prefix_splits=None, rotary: Optional[RotaryInputs] = None) -> torch.Tensor:
+    # rotary: q is a [B, Hq, 1, D] view of the q|k|v product (RotaryInputs); never with the prompt's own pass.
     from rollout.ops import decode_attention_kernel as kernels
 
     rows, heads, _, dim = q.shape
@@ -234,9 +267,28 @@ def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, sh
         ids, end, samples = (shared.ids, shared.end, shared.samples) if first_row else (out, out, 1)
         kernels.decode_attention_split[(rows, kv_heads, splits)](
             q, k, v, keep, out, part, stat, last_ptr, ids, end, *strides, out.stride(0), out.stride(1), length, splits,
-            float(scale), SINGLE=single, SAMPLES=samples, SAMPLES_PAD=pow2_at_least(samples, 1), **common)
+            float(scale), *_rotary_args(rotary, out), SINGLE=single, SAMPLES=samples,
+            SAMPLES_PAD=pow2_at_least(samples, 1), **_rotary_constants(rotary, heads, kv_heads), **common)
     if not single:
         kernels.decode_attention_merge[(rows, heads)](
             part, stat, out, out.stride(0), out.stride(1), heads, slots,
             DIM=dim, DIM_PAD=dim_pad, SPLITS_PAD=pow2_at_least(slots, 1))
     return out
+
+
+def _rotary_args(rotary: Optional[RotaryInputs], dummy: torch.Tensor) -> tuple:
+    """The split kernel's arguments h_ptr ... eps (``dummy`` pointers and zeros without ``rotary``)."""
+    if rotary is None:
+        return (dummy,) * 5 + (0, 0, 0, 0, 0.0)
+    r = rotary
+    bias = r.bias if r.bias is not None else dummy
+    return (r.h, bias, r.cos, r.sin, r.cols, r.h.stride(0), r.cos.stride(0), r.sin.stride(0), int(r.start),
+            float(r.eps))
+
+
+def _rotary_constants(rotary: Optional[RotaryInputs], heads: int, kv_heads: int) -> dict:
+    if rotary is None:
+        return {}
+    hidden = rotary.h.shape[1]
+    return dict(ROTARY=True, HIDDEN=hidden, BLOCK_H=pow2_at_least(hidden, 1), HEADS=heads, KV_HEADS=kv_heads,
+                HAS_BIAS=rotary.bias is not None)

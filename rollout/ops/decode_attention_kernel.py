@@ -5,6 +5,8 @@ its shared-prompt form that reads a prompt's keys and values once for all of its
 import triton
 import triton.language as tl
 
+from rollout.ops.rms_scaled_kernel import row_rstd, scaled_rotated
+
 
 @triton.jit
 def _first_kept(keep_row, keep_sl, length, SCAN: tl.constexpr, BLOCK_L: tl.constexpr):
@@ -127,14 +129,46 @@ def _run_lead(ids_ptr, b, SAMPLES: tl.constexpr, SAMPLES_PAD: tl.constexpr):
 
 
 @triton.jit
+def _rotary_inputs(x_row, h_row, bias_ptr, cos_row, sin_row, eps, kv, heads, g_ok, dtype: tl.constexpr,
+                   HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                   DIM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # decode_attention_split's ROTARY prologue for one (row, KV head): the rotated queries of the KV head's query heads
+    # ([GROUP_PAD, DIM]) and KV head kv's k (rotated) and v ([2, DIM]), rounded to ``dtype`` (the cache's). Loaded
+    # before the window's first kept column is looked for, so their loads and the mask's overlap.
+    rstd = row_rstd(h_row, 0, 0, eps, HIDDEN, BLOCK_H)
+    d = tl.arange(0, DIM)[None, :]
+    c = tl.load(cos_row + d).to(tl.float32)
+    s = tl.load(sin_row + d).to(tl.float32)
+    q = scaled_rotated(x_row, bias_ptr, heads, g_ok, g_ok, rstd, c, s, DIM, HAS_BIAS).to(dtype)
+    pair = tl.arange(0, 2)  # k, then v
+    kv_cols = tl.where(pair == 0, HEADS + kv, HEADS + KV_HEADS + kv)
+    new_kv = scaled_rotated(x_row, bias_ptr, kv_cols, pair < 2, pair == 0, rstd, c, s, DIM, HAS_BIAS).to(dtype)
+    return q, new_kv
+
+
+@triton.jit
+def _write_column(new_kv, col, k_base, v_base, k_sl, v_sl, split, first, stop, lo, hi, DIM: tl.constexpr):
+    # The one share whose tiles hold the step's column ``col`` (a column of the window; split 0 when no share holds
+    # it) writes k and v there, before it reads its tiles.
+    if ((col >= lo) & (col < hi)) | ((split == 0) & ((col < first) | (col >= stop))):
+        pair = tl.arange(0, 2)
+        dest = tl.where(pair == 0, k_base + col * k_sl, v_base + col * v_sl)
+        tl.store(dest[:, None] + tl.arange(0, DIM)[None, :], new_kv)
+        tl.debug_barrier()  # the share's tile loads see the column written
+
+
+@triton.jit
 def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, stat_ptr, last_ptr, ids_ptr, end_ptr,
                            q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, keep_sb, keep_sl,
                            o_sb, o_sh, length, splits, scale,
+                           h_ptr, bias_ptr, cos_ptr, sin_ptr, col_ptr, h_sb, cos_sb, sin_sb, col_start, eps,
                            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
                            DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr, SCAN: tl.constexpr,
                            SINGLE: tl.constexpr, LAST: tl.constexpr,
                            PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SAMPLES: tl.constexpr,
-                           SAMPLES_PAD: tl.constexpr):
+                           SAMPLES_PAD: tl.constexpr, ROTARY: tl.constexpr = False, HIDDEN: tl.constexpr = 1,
+                           BLOCK_H: tl.constexpr = 1, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1,
+                           HAS_BIAS: tl.constexpr = False):
     # One program: row b, KV head kv, one share (split) of the row's key window.
     # The GROUP query heads that share KV head kv are the rows of one tile, so each key and value is read
     # once per KV head. The window: from the row's first kept column to the end (LAST: to column *last_ptr,
@@ -143,6 +177,10 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
     # SAMPLES > 1: rows whose sample ids (ids_ptr) share id // SAMPLES hold copies of one prompt in columns
     # [0, *end_ptr); each reads them from its run's first row, so the run's rows, launched side by side, read one
     # copy between them from memory (the others hit the L2 cache) and need no pass or merge of their own.
+    # ROTARY: q_ptr is the layer's q|k|v product of the raw residual rows h_ptr (q_sb its row stride), whose 1/RMS,
+    # bias and rotary (cos_ptr, sin_ptr: [B, DIM]) each program applies to its query heads itself (rms_scaled_kernel's
+    # arithmetic); the program whose share holds cache column *col_ptr (col_start: the window's first column; split 0
+    # when no share holds it) also writes kv's k (rotated) and v there before it reads its tiles.
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
     split = tl.program_id(2)
@@ -151,7 +189,15 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
     g_ok = g < GROUP
     d_ok = d < DIM
     heads = kv * GROUP + g
-    q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    k_row, v_row = k_ptr + b * k_sb + kv * k_sh, v_ptr + b * v_sb + kv * v_sh
+    if ROTARY:
+        q, new_kv = _rotary_inputs(q_ptr + b * q_sb, h_ptr + b * h_sb, bias_ptr, cos_ptr + b * cos_sb,
+                                   sin_ptr + b * sin_sb, eps, kv, heads, g_ok, k_ptr.dtype.element_ty, HIDDEN, BLOCK_H,
+                                   HEADS, KV_HEADS, DIM, HAS_BIAS)
+        col = tl.load(col_ptr).to(tl.int32) - col_start
+    else:
+        q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
+                    other=0.0)
     keep_row = keep_ptr + b * keep_sb
     stop = _window_end(length, last_ptr, LAST)
     k_lead, v_lead, end = k_ptr, v_ptr, 0
@@ -159,10 +205,12 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
         lead = _run_lead(ids_ptr, b, SAMPLES, SAMPLES_PAD)
         k_lead, v_lead = k_ptr + lead * k_sb + kv * k_sh, v_ptr + lead * v_sb + kv * v_sh
         end = tl.load(end_ptr).to(tl.int32)
-    lo, hi = _share(_first_kept(keep_row, keep_sl, stop, SCAN, BLOCK_L), stop, split, splits, BLOCK_L)
-    acc, top, total = _window(q, k_ptr + b * k_sb + kv * k_sh, v_ptr + b * v_sb + kv * v_sh, keep_row, k_sl, v_sl,
-                              keep_sl, lo, hi, d, d_ok, scale, k_lead, v_lead, end, GROUP_PAD, DIM_PAD, EVEN_D,
-                              BLOCK_L, PRECISION, DOT_FP32, SAMPLES > 1)
+    first = _first_kept(keep_row, keep_sl, stop, SCAN, BLOCK_L)
+    lo, hi = _share(first, stop, split, splits, BLOCK_L)
+    if ROTARY:
+        _write_column(new_kv, col, k_row, v_row, k_sl, v_sl, split, first, stop, lo, hi, DIM)
+    acc, top, total = _window(q, k_row, v_row, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale, k_lead, v_lead,
+                              end, GROUP_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32, SAMPLES > 1)
     if SINGLE:  # one split: normalise here; a row with nothing kept gets zeros
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(out_ptr + b * o_sb + heads[:, None] * o_sh + d[None, :], out.to(out_ptr.dtype.element_ty),

@@ -13,6 +13,26 @@ def row_rstd(h_ptr, row, stride_h, eps, HIDDEN: tl.constexpr, BLOCK_H: tl.conste
 
 
 @triton.jit
+def scaled_rotated(row_ptr, bias_ptr, heads, valid, rotate, rstd, c, s, DIM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # [N, DIM] fp32: the q|k|v heads ``heads`` ([N]; ``valid`` masks them) of one row's product times the row's 1/RMS,
+    # plus the bias; rotated (x * c + rotate_half(x) * s, c and s fp32 [1, DIM]) where ``rotate`` ([N]). The one
+    # arithmetic of rotary_write_rms and of decode attention with the rotary inside (decode_attention_kernel), so the
+    # two round alike.
+    half: tl.constexpr = DIM // 2
+    offs = tl.arange(0, DIM)[None, :]
+    partner = tl.where(offs < half, offs + half, offs - half)
+    mask = valid[:, None] & (offs < DIM)
+    base = row_ptr + heads[:, None] * DIM
+    x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32) * rstd
+    xp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32) * rstd
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + heads[:, None] * DIM + offs, mask=mask, other=0.0).to(tl.float32)
+        xp += tl.load(bias_ptr + heads[:, None] * DIM + partner, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.where(offs < half, -xp, xp)
+    return tl.where(rotate[:, None], x * c + xp * s, x)
+
+
+@triton.jit
 def rotary_write_rms(qkv_ptr, h_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, col_ptr, eps,
                      stride_x, stride_h, stride_cos, stride_sin, stride_kb, stride_kh, stride_kc, stride_vb,
                      stride_vh, stride_vc, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, HEADS: tl.constexpr,
@@ -22,21 +42,14 @@ def rotary_write_rms(qkv_ptr, h_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v
     # q to its own [B, Hq, 1, D] output, k and v to the cache column ``col``.
     row = tl.program_id(0)
     rstd = row_rstd(h_ptr, row, stride_h, eps, HIDDEN, BLOCK_H)
-    half: tl.constexpr = DIM // 2
-    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    head = tl.arange(0, BLOCK_HEADS)
     offs = tl.arange(0, DIM)[None, :]
-    partner = tl.where(offs < half, offs + half, offs - half)
-    valid = (heads < HEADS + 2 * KV_HEADS) & (offs < DIM)
-    base = qkv_ptr + row * stride_x + heads * DIM
-    x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * rstd
-    xp = tl.load(base + partner, mask=valid, other=0.0).to(tl.float32) * rstd
-    if HAS_BIAS:
-        x += tl.load(bias_ptr + heads * DIM + offs, mask=valid, other=0.0).to(tl.float32)
-        xp += tl.load(bias_ptr + heads * DIM + partner, mask=valid, other=0.0).to(tl.float32)
-    xp = tl.where(offs < half, -xp, xp)
     c = tl.load(cos_ptr + row * stride_cos + offs).to(tl.float32)
     s = tl.load(sin_ptr + row * stride_sin + offs).to(tl.float32)
-    y = tl.where(heads < HEADS + KV_HEADS, x * c + xp * s, x).to(q_ptr.dtype.element_ty)
+    y = scaled_rotated(qkv_ptr + row * stride_x, bias_ptr, head, head < HEADS + 2 * KV_HEADS,
+                       head < HEADS + KV_HEADS, rstd, c, s, DIM, HAS_BIAS).to(q_ptr.dtype.element_ty)
+    heads = head[:, None]
+    valid = (heads < HEADS + 2 * KV_HEADS) & (offs < DIM)
     col = tl.load(col_ptr)
     tl.store(q_ptr + (row * HEADS + heads) * DIM + offs, y, mask=valid & (heads < HEADS))
     kh = tl.maximum(heads - HEADS, 0)
