@@ -1,6 +1,6 @@
 # h200-2026-12-06e call 2: kernels.rotary_in_attention_rows (the rotary and cache write inside the decode attention
-# kernel from 32 rows): CUDA tests; the step at 8-64 rows inside against apart at every row count (the threshold); the
-# default against the setting at 0 at 256 and 64 rows; the OPSD rollout cells with the twin at 0 interleaved
+# kernel from 32 rows): CUDA tests; the step at 8-256 rows inside against apart at every row count (the threshold); the
+# OPSD rollout cells with the twin at 0 interleaved
 set -u
 L=${LABEL:?commit label}
 C=${CALL:-call2}
@@ -11,10 +11,8 @@ run() { local name=$1 limit=$2; shift 2; echo "$name start $(date -u +%H:%M:%S)"
 # the machine's first process (nothing timed): the kernels' tests on CUDA
 run tests 150 python -m pytest -q -p no:cacheprovider -rfE tests/test_rotary_attention.py tests/test_fold_norms.py tests/test_rotary_write.py
 tail -3 $OUT/$C-tests.txt
-run rows 150 python docs/results/h200-2026-12-06e/rotary_rows.py 8 16 24 32 48 64 128
+run rows 150 python docs/results/h200-2026-12-06e/rotary_rows.py 8 16 24 32 48 64 128 256
 grep -E "^\||H100|H200" $OUT/$C-rows.txt
-run step 100 python -m benchmarks.decode_step --rows 256 64 --live 704 --parts step --rotary-in-attention --json $OUT/$C-step.json
-grep -E "^\| [0-9]" $OUT/$C-step.txt | cut -c1-40,200-300
 run rl 200 python -m benchmarks.rl --cells opsd-uniform,opsd-longtail --candidates auto --twin "$T" --repeats 2 --busy off --commit-label $L --json $OUT/$C-rl.json
 grep -E "^\| [0-9a-f]{7} " $OUT/$C-rl.txt | cut -c1-250
 cat $D
