@@ -129,32 +129,29 @@ def _run_lead(ids_ptr, b, SAMPLES: tl.constexpr, SAMPLES_PAD: tl.constexpr):
 
 
 @triton.jit
-def _rotary_inputs(x_row, h_row, bias_ptr, cos_row, sin_row, eps, kv, heads, g_ok, dtype: tl.constexpr,
-                   HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                   DIM: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # decode_attention_split's ROTARY prologue for one (row, KV head): the rotated queries of the KV head's query heads
-    # ([GROUP_PAD, DIM]) and KV head kv's k (rotated) and v ([2, DIM]), rounded to ``dtype`` (the cache's). Loaded
-    # before the window's first kept column is looked for, so their loads and the mask's overlap.
+def _rotary_q_and_write(x_row, h_row, bias_ptr, cos_row, sin_row, col_ptr, col_start, eps, k_base, v_base, k_sl, v_sl,
+                        kv, heads, g_ok, split, first, stop, lo, hi, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
+                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # decode_attention_split's ROTARY prologue for one (row, KV head, share): the rotated queries of the KV head's
+    # query heads ([GROUP_PAD, DIM], rounded to the cache's dtype); k and v of KV head kv written into the cache column
+    # *col_ptr (a column of the window from col_start on) by the one share whose tiles hold it (split 0 when none
+    # does), which then reads them.
     rstd = row_rstd(h_row, 0, 0, eps, HIDDEN, BLOCK_H)
     d = tl.arange(0, DIM)[None, :]
     c = tl.load(cos_row + d).to(tl.float32)
     s = tl.load(sin_row + d).to(tl.float32)
-    q = scaled_rotated(x_row, bias_ptr, heads, g_ok, g_ok, rstd, c, s, DIM, HAS_BIAS).to(dtype)
-    pair = tl.arange(0, 2)  # k, then v
-    kv_cols = tl.where(pair == 0, HEADS + kv, HEADS + KV_HEADS + kv)
-    new_kv = scaled_rotated(x_row, bias_ptr, kv_cols, pair < 2, pair == 0, rstd, c, s, DIM, HAS_BIAS).to(dtype)
-    return q, new_kv
-
-
-@triton.jit
-def _write_column(new_kv, col, k_base, v_base, k_sl, v_sl, split, first, stop, lo, hi, DIM: tl.constexpr):
-    # The one share whose tiles hold the step's column ``col`` (a column of the window; split 0 when no share holds
-    # it) writes k and v there, before it reads its tiles.
-    if ((col >= lo) & (col < hi)) | ((split == 0) & ((col < first) | (col >= stop))):
-        pair = tl.arange(0, 2)
+    q = scaled_rotated(x_row, bias_ptr, heads, g_ok, g_ok, rstd, c, s, DIM, HAS_BIAS).to(k_base.dtype.element_ty)
+    col = tl.load(col_ptr).to(tl.int32) - col_start
+    held = (col >= lo) & (col < hi)
+    if held | ((split == 0) & ((col < first) | (col >= stop))):
+        pair = tl.arange(0, 2)  # k, then v
+        kv_cols = tl.where(pair == 0, HEADS + kv, HEADS + KV_HEADS + kv)
+        y = scaled_rotated(x_row, bias_ptr, kv_cols, pair < 2, pair == 0, rstd, c, s, DIM,
+                           HAS_BIAS).to(k_base.dtype.element_ty)
         dest = tl.where(pair == 0, k_base + col * k_sl, v_base + col * v_sl)
-        tl.store(dest[:, None] + tl.arange(0, DIM)[None, :], new_kv)
-        tl.debug_barrier()  # the share's tile loads see the column written
+        tl.store(dest[:, None] + d, y)
+        tl.debug_barrier()  # the share's tile loads below see the column written
+    return q
 
 
 @triton.jit
@@ -190,12 +187,7 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
     d_ok = d < DIM
     heads = kv * GROUP + g
     k_row, v_row = k_ptr + b * k_sb + kv * k_sh, v_ptr + b * v_sb + kv * v_sh
-    if ROTARY:
-        q, new_kv = _rotary_inputs(q_ptr + b * q_sb, h_ptr + b * h_sb, bias_ptr, cos_ptr + b * cos_sb,
-                                   sin_ptr + b * sin_sb, eps, kv, heads, g_ok, k_ptr.dtype.element_ty, HIDDEN, BLOCK_H,
-                                   HEADS, KV_HEADS, DIM, HAS_BIAS)
-        col = tl.load(col_ptr).to(tl.int32) - col_start
-    else:
+    if not ROTARY:
         q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
                     other=0.0)
     keep_row = keep_ptr + b * keep_sb
@@ -208,7 +200,9 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
     first = _first_kept(keep_row, keep_sl, stop, SCAN, BLOCK_L)
     lo, hi = _share(first, stop, split, splits, BLOCK_L)
     if ROTARY:
-        _write_column(new_kv, col, k_row, v_row, k_sl, v_sl, split, first, stop, lo, hi, DIM)
+        q = _rotary_q_and_write(q_ptr + b * q_sb, h_ptr + b * h_sb, bias_ptr, cos_ptr + b * cos_sb,
+                                sin_ptr + b * sin_sb, col_ptr, col_start, eps, k_row, v_row, k_sl, v_sl, kv, heads,
+                                g_ok, split, first, stop, lo, hi, HIDDEN, BLOCK_H, HEADS, KV_HEADS, DIM, HAS_BIAS)
     acc, top, total = _window(q, k_row, v_row, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale, k_lead, v_lead,
                               end, GROUP_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32, SAMPLES > 1)
     if SINGLE:  # one split: normalise here; a row with nothing kept gets zeros
