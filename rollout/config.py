@@ -93,7 +93,7 @@ class SamplingConfig:
         for name in ("return_logprobs", "return_finish_reasons"):
             require(isinstance(getattr(self, name), bool), name, f"must be a bool; got {getattr(self, name)!r}")
         as_python_numbers(self, ("max_new_tokens", "top_k", "n_samples_per_prompt", "continuous_batch_size", "seed"),
-                   ("temperature", "top_p", "repetition_penalty"))
+                          ("temperature", "top_p", "repetition_penalty"))
 
     @property
     def is_greedy(self) -> bool:

@@ -1,5 +1,5 @@
-"""A decode step's rotary, cache write and attention as one kernel a layer
-(``RolloutConfig.kernels.rotary_in_attention``).
+"""A decode step's rotary, cache write and attention as one kernel a layer, in steps of at least
+``RolloutConfig.kernels.rotary_in_attention_rows`` rows.
 
 With the input norms folded into the q|k|v copies (``kernels.fold_norms``), a layer's decode attention takes the
 product of the raw residual rows and runs, per layer, :func:`rollout.ops.rms_scaled.rotary_write_rms` (1/RMS, bias,
