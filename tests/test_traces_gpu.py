@@ -129,6 +129,22 @@ def test_top_kernels_and_slowest_call(tmp_path):
     assert report_of(tmp_path, graph_step_events(), name="b.json").stages[0].kernels is None
 
 
+def test_each_stages_kernels_are_listed_once(tmp_path, monkeypatch):
+    """With ``kernels`` > 0 the rows' top kernels, the per-rank rows' and ``stage_kernels`` (every kernel, what
+    ``--diff`` compares) come from one scan of each stage's kernels: one ``top_kernels`` call a stage, not three."""
+    from collections import Counter
+
+    import traces.report
+    from tests.conftest import counter
+    calls = Counter()
+    monkeypatch.setattr(traces.report, "top_kernels", counter(calls)("top", traces.report.top_kernels))
+    rep = report_of(tmp_path, graph_step_events(), kernels=2)
+    assert calls["top"] == len(rep.stages) == len(rep.stage_kernels) == 5
+    for row in rep.stages + rep.per_rank[0]:
+        assert row.kernels == rep.stage_kernels[row.name][:2], row.name
+    assert [k.name for k in rep.stage_kernels[STEP]][:2] == ["multi_tensor_apply_kernel", "nvjet_0"]
+
+
 def test_comm_vs_compute_with_nccl_kernels_on_their_stream(tmp_path):
     ev = [annotation(STEP, 0, 1000), annotation(BACKWARD, 10, 100),
           launch(20, 1), gpu_op(100, 200, 1, name="ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_nn",

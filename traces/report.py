@@ -60,7 +60,8 @@ class Report:
                "stages": [r.to_dict() for r in self.stages],
                "slow_operators": [o.to_dict() for o in self.operators]}
         if by_rank:
-            out["per_rank"] = {str(k): {"headline": _dict_or_none(self.rank_headline.get(k)),
+            heads = {k: h.to_dict() for k, h in self.rank_headline.items()}
+            out["per_rank"] = {str(k): {"headline": heads.get(k),
                                         "stages": [r.to_dict() for r in v]}
                                for k, v in self.per_rank.items()}
             out["straggler"] = self.straggler
@@ -71,10 +72,6 @@ class Report:
             out["diff"] = self.diff
         out["warnings"] = self.warnings
         return out
-
-
-def _dict_or_none(value):
-    return value.to_dict() if value is not None else None
 
 
 def stage_order(name: str) -> tuple:
@@ -135,7 +132,9 @@ def _row(name: str, group: list[StageInstance], context: dict, row_fields: dict)
     alloc = [i.peak_allocated_bytes for i in group if i.peak_allocated_bytes is not None]
     reserved = [i.peak_reserved_bytes for i in group if i.peak_reserved_bytes is not None]
     parents = Counter(i.parent for i in group).most_common(1)[0][0]
-    kernels = context["kernels"]
+    kernels, listed = context["kernels"], context["listed"]
+    if kernels and name not in listed:  # every kernel of the stage, once: the report's stage_kernels reuse it
+        listed[name] = top_kernels(group, 1 << 30)
     return StageRow(
         name=name, count=len(group), cpu_ms=Stats.of(i.cpu_us / 1e3 for i in group),
         gpu_ms=Stats.of(gpu) if gpu else None, gpu_span_ms=sum(spans) / 1e3 if spans else None,
@@ -144,7 +143,7 @@ def _row(name: str, group: list[StageInstance], context: dict, row_fields: dict)
         peak_allocated_mib=max(alloc) / _MIB if alloc else None,
         peak_reserved_mib=max(reserved) / _MIB if reserved else None,
         gpu=_gpu_figures(group, context["root_busy"]), parent=parents,
-        kernels=top_kernels(group, kernels) if kernels else None,
+        kernels=listed[name][:kernels] if kernels else None,
         slowest=slowest_call(group) if kernels else None, **row_fields)
 
 
@@ -159,20 +158,17 @@ def tree_order(rows: list[StageRow]) -> list[StageRow]:
     stack = [(n, 0) for n in sorted(children.get(None, []), key=stage_order, reverse=True)]
     while stack:
         name, depth = stack.pop()
-        out.append(_with_depth(by_name[name], depth))
+        out.append(replace(by_name[name], depth=depth))
         stack += [(n, depth + 1) for n in sorted(children.get(name, []), key=stage_order, reverse=True)]
     seen = {r.name for r in out}  # names in a parent cycle: append flat
     return out + [r for r in sorted(rows, key=lambda r: stage_order(r.name)) if r.name not in seen]
 
 
-def _with_depth(row: StageRow, depth: int) -> StageRow:
-    return replace(row, depth=depth)
-
-
-def build_rows(instances: list[StageInstance], span_us: float, kernels: int = 0,
+def build_rows(instances: list[StageInstance], span_us: float, kernels: int = 0, listed: dict | None = None,
                **row_fields) -> list[StageRow]:
     """One row per stage name of ``instances``, in tree order; ``span_us`` is the share denominator
-    without steps; ``kernels`` > 0 adds the top kernels and the slowest call."""
+    without steps; ``kernels`` > 0 adds the top kernels and the slowest call, from ``listed`` (stage name -> every
+    kernel of its instances here, filled where missing) when given."""
     by_name: dict[str, list[StageInstance]] = {}
     for inst in instances:
         by_name.setdefault(inst.name, []).append(inst)
@@ -181,7 +177,7 @@ def build_rows(instances: list[StageInstance], span_us: float, kernels: int = 0,
     if root is not None and by_name[root][0].gpu_busy_us is not None:
         root_busy = group_gpu(by_name[root]).busy_us
     context = {"step_total": sum(i.cpu_us for i in by_name.get(STEP_NAME, ())), "span_us": span_us,
-               "root_busy": root_busy, "kernels": kernels}
+               "root_busy": root_busy, "kernels": kernels, "listed": {} if listed is None else listed}
     rows = [_row(name, by_name[name], context, row_fields) for name in by_name]
     return tree_order(rows)
 
@@ -255,16 +251,17 @@ def build_report(loaded: LoadedSet, prefix: str, kernels: int = 0, steps: bool =
         assign_steps([i for f in mine for i in f.instances], STEP_NAME, marks)
         notes += step_problems([i for f in mine for i in f.instances], STEP_NAME, rank)
     span = {rank: sum(f.data.span_us for f in mine) for rank, mine in by_rank.items()}
-    rows = build_rows(instances, sum(span.values()), kernels)
+    listed: dict[str, tuple[KernelRow, ...]] = {}  # each stage's kernels, scanned once for its rows and stage_kernels
+    rows = build_rows(instances, sum(span.values()), kernels, listed)
     report = Report(sources=[f.data.path for f in files], ranks=ranks,
                     stages=with_spreads(rows, step_spreads(instances)),
                     warnings=list(loaded.warnings) + notes)
     report.stages = _with_work(report.stages, instances, report)
     report.operators = slow_operators([(f.slow, f.instances, f.data.ops) for f in files])
-    report.stage_kernels = _stage_kernels(report.stages, instances, every=kernels > 0)
+    report.stage_kernels = _stage_kernels(report.stages, instances, listed, every=kernels > 0)
     for rank, mine in by_rank.items():
         rank_instances = [i for f in mine for i in f.instances]
-        rank_rows = build_rows(rank_instances, span[rank], kernels, rank=rank)
+        rank_rows = build_rows(rank_instances, span[rank], kernels, listed if len(ranks) == 1 else None, rank=rank)
         if rank_rows:
             report.per_rank[rank] = with_spreads(rank_rows, step_spreads(rank_instances))
         head = _rank_headline(mine)
@@ -290,10 +287,11 @@ def _per_step(report: Report, instances: list[StageInstance]) -> None:
         report.per_rank_step[(rank, k)] = build_rows(by_rank_step[(rank, k)], 0.0, rank=rank, step=k)
 
 
-def _stage_kernels(rows: list[StageRow], instances: list[StageInstance],
+def _stage_kernels(rows: list[StageRow], instances: list[StageInstance], listed: dict,
                    every: bool = False) -> dict[str, tuple[KernelRow, ...]]:
     """Every kernel name (most GPU time first) of the rows the findings set against their roofline (``every``: of
-    every row)."""
+    every row); ``listed``'s lists where it has them."""
     wanted = {r.name for r in rows if every or r.work is not None and r.work.roofline_ms and r.gpu.bound in
               ("gpu", "memory", "compute")}
-    return {name: top_kernels([i for i in instances if i.name == name], 1 << 30) for name in wanted}
+    return {name: listed[name] if name in listed else top_kernels([i for i in instances if i.name == name], 1 << 30)
+            for name in wanted}
