@@ -201,11 +201,11 @@ class KernelConfig:
     once in the copy, the normalized input not at all. float16 models keep their norms (the raw residual's products
     can pass float16's range)."""
 
-    rotary_in_attention_rows: int = 32
+    rotary_in_attention_rows: int = 8
     """Where ``fold_norms`` folds the q|k|v norm and the Triton attention runs: in decode steps of at least this many
     rows the attention kernel rotates its own queries and writes the step's k and v into the cache
-    (``rollout.ops.rotary_attention``) instead of a rotary kernel a layer before it. 0: off. Smaller steps keep the
-    rotary kernel: there each of the attention's many short programs would pay the queries' 1/RMS and rotary in turn."""
+    (``rollout.ops.rotary_attention``) instead of a rotary kernel a layer before it. 0: off. 8: the fewest rows timed
+    (an H100's 3B step 1.5-2.1% faster at 8-256 rows; docs/config.md); smaller steps keep the rotary kernel."""
 
     def __post_init__(self) -> None:
         require_bools(self, "kernels", ("fast_decode", "fast_prefill", "cuda_graphs", "compile", "fused_kv_write",

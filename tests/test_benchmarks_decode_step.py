@@ -21,7 +21,7 @@ def _differences(a: KernelConfig, b: KernelConfig) -> dict:
 def test_the_routes_default_step_is_the_default_kernel_config():
     assert ROUTE_DEFAULT.kernels == KernelConfig() and not ROUTE_DEFAULT.additive_mask and not ROUTE_DEFAULT.grouped
     assert ROUTE_DEFAULT.name.endswith("fused gate|up, rotary+write kernel, skinny o projection, o and down added in place, norms folded, "
-                                       "rotary in the attention from 32 rows")
+                                       "rotary in the attention from 8 rows")
 
 
 @pytest.mark.parametrize("flag", sorted(ROUTE_AB))

@@ -243,21 +243,24 @@ def test_residual_in_place_gives_the_same_tokens_fp32(setup, route, slots):
 def test_fold_norms_gives_the_same_tokens_fp32(setup, route, slots, monkeypatch):
     """``fold_norms`` (norm gains drawn from [0.5, 1.5], the model's ragged EOS kept): the same greedy and
     seeded-sampled tokens in fp32 as the unfolded step, captured in graphs on both routes (with the skinny o projection
-    at its default rows and without it); the folded call ran both kernels that scale by 1/RMS, compiled."""
+    at its default rows and without it); the folded call ran the kernels that scale by 1/RMS, compiled: SiLU·mul's and
+    the rotary's, alone or inside the attention (``rotary_in_attention_rows``)."""
     import copy
 
-    from rollout.ops import rms_scaled
+    from rollout.ops import rms_scaled, rotary_attention
     from tests.test_fold_norms import _gained
 
     model, ids, mask, tok = setup
     gained = _gained(copy.deepcopy(model), seed=7)
     calls = Counter()
-    for name in ("rotary_write_rms", "silu_mul_rms"):
-        monkeypatch.setattr(rms_scaled, name, (lambda fn, key: lambda *a, **k: calls.update([key]) or fn(*a, **k))(
-            getattr(rms_scaled, name), name))
+    for module, name in ((rms_scaled, "rotary_write_rms"), (rms_scaled, "silu_mul_rms"),
+                         (rotary_attention, "rotary_attention")):
+        monkeypatch.setattr(module, name, (lambda fn, key: lambda *a, **k: calls.update([key]) or fn(*a, **k))(
+            getattr(module, name), name))
 
     def ran_kernels(ro, fold):
-        assert (calls["rotary_write_rms"] > 0 and calls["silu_mul_rms"] > 0) == fold
+        rotary = calls["rotary_write_rms"] + calls["rotary_attention"]
+        assert (rotary > 0 and calls["silu_mul_rms"] > 0) == fold
         assert ro.last_stats.decode.norms_folded == fold
         assert rms_scaled.failure(ids.device) is None
         calls.clear()

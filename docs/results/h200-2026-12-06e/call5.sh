@@ -1,0 +1,4 @@
+# h200-2026-12-06e call 5 (the machine of call 4, warm): the threshold sweep again at 8, 16, 32 and 256 rows (a second
+# process), then the CUDA tests with a longer limit (call 4's first process ran out of time compiling). Run as one
+# command line, as here.
+D=$OUT/call5-dates.txt; nvidia-smi --query-gpu=name --format=csv >$D; echo "rows start $(date -u +%T)" >>$D; timeout 60 python docs/results/h200-2026-12-06e/rotary_rows.py 8 16 32 256 > $OUT/call5-rows.txt 2>&1; echo "rows rc=$? end $(date -u +%T)" >>$D; cat $OUT/call5-rows.txt | grep "^|"; echo "tests start $(date -u +%T)" >>$D; timeout 230 python -m pytest -q -p no:cacheprovider -rfE --durations=15 tests/test_rotary_attention.py tests/test_fold_norms.py tests/test_rotary_write.py > $OUT/call5-tests.txt 2>&1; echo "tests rc=$? end $(date -u +%T)" >>$D; tail -25 $OUT/call5-tests.txt; cat $D

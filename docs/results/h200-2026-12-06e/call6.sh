@@ -1,0 +1,3 @@
+# h200-2026-12-06e call 6 (the same machine, warm): the OPSD rollout cells with the fused kernel from 1 row against
+# the default of then (32), interleaved. Run as one command line, as here.
+D=$OUT/call6-dates.txt; nvidia-smi --query-gpu=name --format=csv >$D; echo "rl start $(date -u +%T)" >>$D; timeout 200 python -m benchmarks.rl --cells opsd-longtail,opsd-uniform --candidates auto --twin "kernels.rotary_in_attention_rows=1" --repeats 2 --busy off --commit-label e29dd57 --json $OUT/call6-rl.json > $OUT/call6-rl.txt 2>&1; echo "rl rc=$? end $(date -u +%T)" >>$D; grep -E "^\| [0-9a-f]{7} " $OUT/call6-rl.txt | cut -c1-250; cat $D
