@@ -248,15 +248,16 @@ def test_fold_norms_gives_the_same_tokens_fp32(setup, route, slots, monkeypatch)
     import copy
 
     from rollout.ops import rms_scaled, rotary_attention
+    from tests.conftest import counter
     from tests.test_fold_norms import _gained
 
     model, ids, mask, tok = setup
     gained = _gained(copy.deepcopy(model), seed=7)
     calls = Counter()
+    counted = counter(calls)
     for module, name in ((rms_scaled, "rotary_write_rms"), (rms_scaled, "silu_mul_rms"),
                          (rotary_attention, "rotary_attention")):
-        monkeypatch.setattr(module, name, (lambda fn, key: lambda *a, **k: calls.update([key]) or fn(*a, **k))(
-            getattr(module, name), name))
+        monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
 
     def ran_kernels(ro, fold):
         rotary = calls["rotary_write_rms"] + calls["rotary_attention"]
