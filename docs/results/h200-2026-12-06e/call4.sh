@@ -1,7 +1,7 @@
-# h200-2026-12-06e call 4 (a new session's first call; call 2 plus the tuned BLAS as a second twin): the fused kernel's
-# CUDA tests; the step at 8-256 rows with the rotary inside the attention against apart at every row count (the
-# threshold of kernels.rotary_in_attention_rows); the OPSD rollout cells at the defaults against the twin at 0 rows and
-# the twin with kernels.blas_library='cublaslt-tuned', interleaved in one process
+# h200-2026-12-06e call 4 (a new session's first call; the never-run call 2 plus the tuned BLAS as a second twin):
+# the fused kernel's CUDA tests; the step at 8-256 rows with the rotary inside the attention against apart at every row
+# count (the threshold of kernels.rotary_in_attention_rows); the OPSD rollout cells at the defaults against the twin at
+# 0 rows and the twin with kernels.blas_library='cublaslt-tuned', interleaved in one process
 set -u
 L=${LABEL:?commit label}
 C=${CALL:-call4}
