@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
 
@@ -85,10 +86,18 @@ def assert_setting_keeps_hf_greedy(family: str, route: str, setting: str, *, see
 __all__ = ["TinyTokenizer", "random_prompts", "hf_greedy", "response_of", "assert_setting_keeps_hf_greedy"]
 
 
+def needs_cuda(reason: str) -> bool:
+    """Whether a ``skipif`` reason says its test needs CUDA ("needs CUDA", "needs a CUDA device", "pinned host memory
+    needs CUDA"). A reason that only mentions CUDA does not count: the interpreter-only tests skip on a GPU because
+    "tests/conftest.py sets it without CUDA", and matching that word made ``-m gpu`` on an H100 select 12 of them,
+    which then skipped there (2026-12-06)."""
+    return re.search(r"\bneeds (a )?cuda\b", reason.lower()) is not None
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark every test skipped without CUDA as ``gpu``: ``pytest -m gpu tests`` is the GPU selection."""
     for item in items:
-        if any("cuda" in str(m.kwargs.get("reason", "")).lower() for m in item.iter_markers("skipif")):
+        if any(needs_cuda(str(m.kwargs.get("reason", ""))) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.gpu)
 
 
