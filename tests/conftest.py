@@ -89,7 +89,7 @@ __all__ = ["TinyTokenizer", "random_prompts", "hf_greedy", "response_of", "asser
 def needs_cuda(reason: str) -> bool:
     """Whether a ``skipif`` reason says its test needs CUDA ("needs CUDA", "needs a CUDA device", "pinned host memory
     needs CUDA"). A reason that only mentions CUDA does not count: the interpreter-only tests skip on a GPU because
-    "tests/conftest.py sets it without CUDA", and matching that word made ``-m gpu`` on an H100 select 12 of them,
+    "tests/conftest.py sets it without CUDA", and matching that word made ``-m gpu`` on an H100 select 11 of them,
     which then skipped there (2026-12-06)."""
     return re.search(r"\bneeds (a )?cuda\b", reason.lower()) is not None
 
