@@ -1,4 +1,4 @@
-# h200-2026-12-07 call 2 (an H200; after call 1 the machine was released, so this is a fresh one): opsd-uniform once in
+# h200-2026-12-07 call 2 (any card: the cell peaks at 22.5 GiB; a fresh machine): opsd-uniform once in
 # the machine's first process (nothing kept), then one profiled call of it with our stage ranges (OPSD_PROFILE=1),
 # its kernels summed by name and grid per decode step, and the synthetic 256-row decode step's kernel table at 768
 # live columns (about the cell's mean) for comparison; NO_WARM=1: no warm-up process and no stage summary (short of device time)

@@ -1,13 +1,15 @@
 """The GPU kernels of one profiled rollout call (a Chrome trace of `benchmarks.rl --busy on --trace-dir`), summed by
 kernel name and launch grid, per decode step: where the call's GPU time goes, next to the synthetic decode step's
-kernel table (BENCHMARKS.md section 1). Usage: python kernels_of_trace.py TRACE.json STEPS [TOP]"""
+kernel table (BENCHMARKS.md section 1). Usage, from the repository root: python
+docs/results/h200-2026-12-07/kernels_of_trace.py TRACE.json STEPS [TOP]"""
 
 import json
 import re
 import sys
 from collections import defaultdict
 
-GPU = ("kernel", "gpu_memcpy", "gpu_memset")
+from benchmarks.rl.busy import GPU_EVENT_KINDS
+from benchmarks.rl.figures import union_length
 
 
 def short(name: str) -> str:
@@ -19,15 +21,9 @@ def short(name: str) -> str:
 def main(path: str, steps: int, top: int) -> None:
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
-    gpu = [e for e in events if e.get("cat") in GPU and "dur" in e]
-    gpu.sort(key=lambda e: e["ts"])
-    first, last = gpu[0]["ts"], max(e["ts"] + e["dur"] for e in gpu)
-    busy, end = 0.0, first
-    for e in gpu:  # the union of the GPU intervals
-        s, t = e["ts"], e["ts"] + e["dur"]
-        if t > end:
-            busy += t - max(s, end)
-            end = t
+    gpu = [e for e in events if e.get("cat") in GPU_EVENT_KINDS and "dur" in e]
+    first, last = min(e["ts"] for e in gpu), max(e["ts"] + e["dur"] for e in gpu)
+    busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
     total = sum(e["dur"] for e in gpu)
     groups = defaultdict(lambda: [0.0, 0])
     for e in gpu:
