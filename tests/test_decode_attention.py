@@ -140,6 +140,27 @@ def test_left_padding_tiles_are_not_read(device):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block,splits", [(64, 1), (64, 2), (16, 3)])
+def test_padding_inside_the_first_tile_is_not_read(device, block, splits):
+    """A row's window starts at its first kept column, not at the tile edge before it: NaN in the padding columns
+    of that tile (never attended) cannot reach the output; ``align=True`` (the window from the tile edge, as the
+    first-row reads take it) reads them and gives NaN (0 x NaN), and where nothing is poisoned both equal SDPA."""
+    q, k, v, keep = _inputs(3, 4, 2, 150, 16, torch.float32, device, seed=11)
+    first = 75  # row 0 keeps nothing before column 75 (_inputs)
+    assert not keep[0, ..., :first].any() and keep[0, ..., first:].any()
+    expected = _sdpa(q, k, v, keep, 4, 2)
+    for align in (False, True):
+        got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, block=block, align=align)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    k, v = k.clone(), v.clone()
+    edge = first // block * block
+    k[0, :, edge:first], v[0, :, edge:first] = float("nan"), float("nan")
+    got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, block=block)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    aligned = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, block=block, align=True)
+    assert torch.isnan(aligned[0]).all() and not torch.isnan(aligned[1:]).any()
+
+
 @pytest.mark.parametrize("padding", [0, 5, 1030, 1499])
 def test_long_padding_beyond_one_scan_block(device, padding):
     """Rows whose first kept column lies past the first mask block the kernel scans (``SCAN`` columns) or
@@ -237,7 +258,8 @@ def test_shared_prefix_equals_sdpa(device, ids, samples, prefix_end, last, split
 def test_shared_prefix_reads_one_copy_and_nothing_after_last(device):
     """NaN in every copy of a prompt but its run's first row, and after the last column, cannot reach the
     output: the prefix is read from one row per run, and the columns after ``last`` not at all (a kernel that
-    read them would give NaN: 0 x NaN). Without ``shared`` the copies are read, so NaN shows there."""
+    read them would give NaN: 0 x NaN). Without ``shared`` the copies are read, so NaN shows in rows 5-7; rows 1-3
+    attend none of their poisoned columns (row 0's prompt is left padding up to column 75), so theirs stay clean."""
     ids, samples, prefix_end, last = [0, 1, 2, 3, 4, 5, 6, 7], 4, 70, 120
     q, k, v, keep, shared, last_col = _shared_inputs(ids, samples, prefix_end, last, device=device, seed=3)
     expected = _sdpa(q, k, v, keep, 4, 2)
@@ -250,22 +272,24 @@ def test_shared_prefix_reads_one_copy_and_nothing_after_last(device):
                            shared=shared)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     unshared = da.attention(q, poisoned_k, poisoned_v, keep, 0.25, True, interpret=True, last=last_col)
-    assert torch.isnan(unshared[1]).all() and not torch.isnan(unshared[0]).any()
+    assert torch.isnan(unshared[5:]).all() and not torch.isnan(unshared[:5]).any()
 
 
 @pytest.mark.parametrize("ids,samples,prefix_end,last", SHARED_LAYOUTS)
 @pytest.mark.parametrize("splits,block", [(None, 64), (3, 16)])
 def test_prompt_from_the_first_row_is_the_unshared_result(device, ids, samples, prefix_end, last, splits, block):
     """Each row reading its prompt's columns from its run's first row (``SharedPrefix.first_row``) gives bitwise
-    the kernel's result over every row's own copy, and SDPA's within fp32 rounding, for every layout of runs, prefix
-    length, split count and tile size (tile edges moved onto the prompt's end: with 16-column tiles and a prompt
-    ending at column 70 the first tile starts before column 0)."""
+    the kernel's result over every row's own copy in the same tiles (``align``: from the tile edge before the first
+    kept column), and SDPA's within fp32 rounding, for every layout of runs, prefix length, split count and tile size
+    (tile edges moved onto the prompt's end: with 16-column tiles and a prompt ending at column 70 the first tile
+    starts before column 0)."""
     q, k, v, keep, shared, last_col = _shared_inputs(ids, samples, prefix_end, last, device=device, seed=len(ids))
     first_row = dataclasses.replace(shared, first_row=True)
     assert da.shares_prefix(first_row, 4, 2)
     got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, last=last_col, shared=first_row,
                        block=block)
-    own = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, last=last_col, block=block)
+    own = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, last=last_col, block=block,
+                       align=True)
     assert da.failure(q.device) is None
     assert torch.equal(got, own)
     torch.testing.assert_close(got, _sdpa(q, k, v, keep, 4, 2), rtol=1e-5, atol=1e-5)

@@ -12,10 +12,11 @@ batched-GEMM attention). One table; ``--json`` writes the result file.
   python -m benchmarks.decode_step --rows 32 256 --gate-up              # the routes' step with / without gate|up
   python -m benchmarks.decode_step --parts step --blas cublas cublaslt  # the BLAS A/B
   python -m benchmarks.decode_step --parts shared --rows 128 --live 1024
+  python -m benchmarks.decode_step --parts padding --rows 256 --live 704   # left padding read or skipped
   python -m benchmarks.decode_step --parts skinny --rows 8 32 --kernels
   python -m benchmarks.decode_step --parts silu --rows 64 256 --silu-launches 2048,8 4096,8
 
-Modules: ``attention`` (attention, shared-prefix and sampler pieces), ``step`` (whole steps from ``KernelConfig``,
+Modules: ``attention`` (attention, shared-prefix, left-padding and sampler pieces), ``step`` (whole steps from ``KernelConfig``,
 BLAS, the step's kernels, one profiled call), ``kernels`` (GEMMs, the skinny kernel, the prefill), ``norms`` (the
 SiLU·mul kernel's launches), ``cli``.
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +146,38 @@ def shared_prefix_variants(rows: int, window: SharedWindow, geo: Geometry) -> li
         except Exception as exc:  # noqa: BLE001 - reported, not fatal
             out.append(dict(rows=rows, part="attention shared", variant=name, ms=f"failed: {exc!r:.120}"))
     return out
+
+
+def padding_variants(rows: int, live: int, geo: Geometry, rounds: int = 3) -> list[dict]:
+    """The Triton attention over prompts of 128..256 tokens left-padded into 256 columns, then filled to ``live``
+    columns (the ordinary route's opsd cells): each row's window from its first kept column (today) against from
+    the tile edge before it (``align``, the kernel before 2026-12-07), times the layers, rounds alternating (A B,
+    B A, ...), medians; with the columns each reads and the largest difference between them."""
+    heads, kv_heads, dim = geo.heads, geo.kv_heads, geo.head_dim
+    q = torch.randn(rows, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(rows, kv_heads, live, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    gen = torch.Generator().manual_seed(0)
+    first = 256 - torch.randint(128, 257, (rows,), generator=gen)  # each row's first kept column
+    keep = (torch.arange(live)[None, :] >= first[:, None]).view(rows, 1, 1, live).cuda()
+    last = torch.tensor(live - 1, device="cuda")
+    block = decode_attention.BLOCK_L
+    column = 2 * kv_heads * dim * 2 * geo.layers  # bytes of one row's column, keys and values, every layer
+    cases = {"from the first kept column (today)": (False, int((live - first).sum())),
+             "from the tile edge before it (align)": (True, int((live - first // block * block).sum()))}
+    fns = {name: (lambda a=align: decode_attention.attention(q, k, v, keep, dim ** -0.5, True, last=last, align=a))
+           for name, (align, _) in cases.items()}
+    err = float((fns["from the first kept column (today)"]().float()
+                 - fns["from the tile edge before it (align)"]().float()).abs().max())
+    times = {name: [] for name in cases}
+    for r in range(rounds):
+        for name in (list(cases) if r % 2 == 0 else list(cases)[::-1]):
+            times[name].append(graph_ms(fns[name], 20) * geo.layers)
+    part = f"attention x{geo.layers}, prompts 128..256 left-padded in 256, {live} columns; max |diff| {err:.3g}"
+    return [dict(rows=rows, part=part, ms=statistics.median(times[name]),
+                 variant=f"{name}: {columns * column / 1e9:.2f} GB, "
+                         f"{columns * column / statistics.median(times[name]) / 1e6:.0f} GB/s")
+            for name, (_, columns) in cases.items()]
 
 
 def sampler_variants(rows: int, vocab: int) -> dict:

@@ -9,8 +9,8 @@ from typing import Optional, Union
 
 import torch
 
-from benchmarks.decode_step.attention import Geometry, SharedWindow, attention_variants, sampler_variants, \
-    shared_prefix_variants
+from benchmarks.decode_step.attention import Geometry, SharedWindow, attention_variants, padding_variants, \
+    sampler_variants, shared_prefix_variants
 from benchmarks.decode_step.kernels import gemm_variants, prefill_variants, skinny_variants
 from benchmarks.decode_step.norms import parse_launch, silu_variants
 from benchmarks.decode_step.step import ROUTE_AB, StepVariant, blas_ab, blas_backend, profile_call, \
@@ -22,7 +22,7 @@ from benchmarks.harness.table import fmt, markdown_table
 from rollout.config import BLAS_LIBRARIES, KernelConfig
 from rollout.testing import shaped_model
 
-PARTS = ("attention", "sampler", "step", "skinny", "prefill", "shared", "silu")
+PARTS = ("attention", "sampler", "step", "skinny", "prefill", "shared", "silu", "padding")
 #: ``--kernel-variant``: the step whose kernels ``--kernels`` lists.
 KERNEL_VARIANTS = {"default": KernelConfig(), "no-skinny": KernelConfig(skinny_rows=0),
                    "residual-copied": KernelConfig(residual_in_place=False), "norms-unfolded": KernelConfig(fold_norms=False),
@@ -128,6 +128,8 @@ def rows_of_count(model, rows: int, args) -> list[dict]:
     if "shared" in args.parts:
         for prefix, filled in args.shared_windows:
             out += shared_prefix_variants(rows, SharedWindow(args.live, prefix, filled, args.samples), geo)
+    if "padding" in args.parts:
+        out += padding_variants(rows, args.live, geo)
     if "sampler" in args.parts:
         out += [dict(rows=rows, part="sampler", variant=name, ms=ms)
                 for name, ms in sampler_variants(rows, cfg.vocab_size).items()]

@@ -10,8 +10,8 @@ default attention), so it can stand in as ``StepFns.attention``:
 - fp32 scores and softmax, the probabilities cast to the values' dtype for the second product (as the flash
   kernels do); a row with no kept column gives zeros (SDPA gives NaN there).
 
-Each key and value is read once per KV head, the tiles of a row's left padding (before its first kept
-column) not at all, and nothing is materialised besides the output (and, when
+Each key and value is read once per KV head, the columns of a row's left padding (before its first kept
+column) not at all (a row's first tile starts there, not at a tile edge), and nothing is materialised besides the output (and, when
 the window is split across programs to fill the GPU, fp32 partials of ``[B, Hq, splits, D]``). Two optional
 arguments let a caller that knows more read less:
 
@@ -185,21 +185,24 @@ def sm_count(index: int) -> int:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, gqa: bool, *,
               splits: Optional[int] = None, interpret: bool = False, block: int = BLOCK_L, warps: int = WARPS,
               stages: int = STAGES, last: Optional[torch.Tensor] = None,
-              shared: Optional[SharedPrefix] = None, prefix_splits: Optional[int] = None) -> torch.Tensor:
+              shared: Optional[SharedPrefix] = None, prefix_splits: Optional[int] = None,
+              align: bool = False) -> torch.Tensor:
     """Decode attention ``[B, Hq, 1, D]`` (module docstring); SDPA where the kernel cannot run. ``splits``:
     programs per (row, KV head) (default :func:`split_count`); ``interpret``: allow CPU tensors (tests, under
     ``TRITON_INTERPRET=1``); ``block``, ``warps``, ``stages``: launch parameters (module constants); ``last``:
     the last column any row attends (a scalar tensor; the columns after it are not read); ``shared``: rows
     sharing a prompt read it once (:class:`SharedPrefix`; used where ``samples x Hq / Hkv`` is at most
     ``MAX_SHARED_QUERIES``); ``prefix_splits``: programs per run of rows over its prompt (default
-    :func:`split_count` of the runs)."""
+    :func:`split_count` of the runs); ``align``: each row's window starts at the tile edge before its first kept
+    column, reading the padding columns in that tile (the kernel before 2026-12-07; what the first-row reads always
+    do), for benchmarks."""
     if unsupported_reason(q, k, v, keep, interpret) is not None:
         return sdpa(q, k, v, keep, scale, gqa)
     key = _key(q, k)
     return launch_or_fall_back(_FAILED, key, "decode attention kernel", f"SDPA runs instead for {key}",
                                lambda: _launch(q, k, v, keep, scale, splits=splits, block=block, warps=warps,
                                                stages=stages, last=last, shared=shared,
-                                               prefix_splits=prefix_splits),
+                                               prefix_splits=prefix_splits, align=align),
                                lambda: sdpa(q, k, v, keep, scale, gqa))
 
 
@@ -228,7 +231,7 @@ def shares_prefix(shared: Optional[SharedPrefix], heads: int, kv_heads: int) -> 
 
 
 def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, shared=None,
-            prefix_splits=None, rotary: Optional[RotaryInputs] = None) -> torch.Tensor:
+            prefix_splits=None, rotary: Optional[RotaryInputs] = None, align: bool = False) -> torch.Tensor:
     # rotary: q is a [B, Hq, 1, D] view of the q|k|v product (RotaryInputs); never with the prompt's own pass.
     from rollout.ops import decode_attention_kernel as kernels
 
@@ -256,8 +259,8 @@ def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, sh
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                keep_sb, keep_sl)
     common = dict(GROUP=group, GROUP_PAD=pow2_at_least(group, 16), DIM=dim, DIM_PAD=dim_pad, EVEN_D=dim == dim_pad,
-                  BLOCK_L=block, SCAN=SCAN, LAST=last is not None, **dot_options(q.dtype, q.is_cuda), num_warps=warps,
-                  num_stages=stages)
+                  BLOCK_L=block, SCAN=SCAN, LAST=last is not None, ALIGN=align, **dot_options(q.dtype, q.is_cuda),
+                  num_warps=warps, num_stages=stages)
     last_ptr = out if last is None else last
     if prefix:
         kernels.decode_attention_shared[(rows, kv_heads, slots)](

@@ -9,11 +9,11 @@ from rollout.ops.rms_scaled_kernel import row_rstd, scaled_rotated
 
 
 @triton.jit
-def _first_kept(keep_row, keep_sl, length, SCAN: tl.constexpr, BLOCK_L: tl.constexpr):
-    # The row's window starts at its first kept column (rounded down to a tile): the tiles of left padding
-    # before it are never read. The scan reads SCAN columns of the mask at a time and stops at the first block
-    # with a kept column (one load for most rows): a scan tile by tile costs a dependent load per tile, ~20 us
-    # over 1k columns.
+def _first_kept(keep_row, keep_sl, length, SCAN: tl.constexpr, BLOCK_L: tl.constexpr, ALIGN: tl.constexpr):
+    # The row's window starts at its first kept column, so no column of its left padding is read (ALIGN: rounded
+    # down to a tile edge, which the first-row reads need: their tiles must meet the prompt's end at an edge). The
+    # scan reads SCAN columns of the mask at a time and stops at the first block with a kept column (one load for
+    # most rows): a scan tile by tile costs a dependent load per tile, ~20 us over 1k columns.
     scan = tl.arange(0, SCAN)
     first = length
     start = 0
@@ -22,7 +22,9 @@ def _first_kept(keep_row, keep_sl, length, SCAN: tl.constexpr, BLOCK_L: tl.const
         kept = tl.load(keep_row + cols * keep_sl, mask=cols < length, other=0) != 0
         first = tl.minimum(first, tl.min(tl.where(kept, cols, length), 0))
         start += SCAN
-    return (first // BLOCK_L) * BLOCK_L
+    if ALIGN:
+        first = (first // BLOCK_L) * BLOCK_L
+    return first
 
 
 @triton.jit
@@ -165,7 +167,7 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
                            PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SAMPLES: tl.constexpr,
                            SAMPLES_PAD: tl.constexpr, ROTARY: tl.constexpr = False, HIDDEN: tl.constexpr = 1,
                            BLOCK_H: tl.constexpr = 1, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1,
-                           HAS_BIAS: tl.constexpr = False):
+                           HAS_BIAS: tl.constexpr = False, ALIGN: tl.constexpr = False):
     # One program: row b, KV head kv, one share (split) of the row's key window.
     # The GROUP query heads that share KV head kv are the rows of one tile, so each key and value is read
     # once per KV head. The window: from the row's first kept column to the end (LAST: to column *last_ptr,
@@ -197,7 +199,7 @@ def decode_attention_split(q_ptr, k_ptr, v_ptr, keep_ptr, out_ptr, part_ptr, sta
         lead = _run_lead(ids_ptr, b, SAMPLES, SAMPLES_PAD)
         k_lead, v_lead = k_ptr + lead * k_sb + kv * k_sh, v_ptr + lead * v_sb + kv * v_sh
         end = tl.load(end_ptr).to(tl.int32)
-    first = _first_kept(keep_row, keep_sl, stop, SCAN, BLOCK_L)
+    first = _first_kept(keep_row, keep_sl, stop, SCAN, BLOCK_L, ALIGN or SAMPLES > 1)
     lo, hi = _share(first, stop, split, splits, BLOCK_L)
     if ROTARY:
         q = _rotary_q_and_write(q_ptr + b * q_sb, h_ptr + b * h_sb, bias_ptr, cos_ptr + b * cos_sb,
@@ -221,7 +223,7 @@ def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, las
                             SAMPLES: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, M_PAD: tl.constexpr,
                             DIM: tl.constexpr, DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr,
                             SCAN: tl.constexpr, LAST: tl.constexpr, PRECISION: tl.constexpr,
-                            DOT_FP32: tl.constexpr):
+                            DOT_FP32: tl.constexpr, ALIGN: tl.constexpr = False):
     # Rows whose sample ids (ids_ptr) share id // SAMPLES hold copies of the same prompt's keys, values and mask
     # in columns [0, end), end = *end_ptr for every row. One launch, two kinds of program over
     # (row b, KV head kv, share s):
@@ -260,7 +262,7 @@ def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, las
             m_ok = member < run
             q = tl.load(q_ptr + row[:, None] * q_sb + heads[:, None] * q_sh + d[None, :],
                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            lo, hi = _share(_first_kept(keep_row, keep_sl, end, SCAN, BLOCK_L), end, share, prefix_splits, BLOCK_L)
+            lo, hi = _share(_first_kept(keep_row, keep_sl, end, SCAN, BLOCK_L, ALIGN), end, share, prefix_splits, BLOCK_L)
             acc, top, total = _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale, 0, 0,
                                       0, M_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32, False)
             _store_partials(part_ptr, stat_ptr, (row * heads_of_kv + heads) * slots + share, m_ok, acc, top, total,
