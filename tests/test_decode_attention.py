@@ -378,7 +378,9 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
     """``ro``'s step with ``shared_prefix_rows`` (and its ``kernels.shared_prefix_first_row_rows``, as on a GPU) and
     the kernel as its attention (interpreted on the CPU; ``attention``: another piece, e.g. SDPA); ``calls`` records
     whether each call was handed a ``SharedPrefix`` (``lasts`` whether it was handed the last column, ``modes`` each
-    ``SharedPrefix.first_row``, ``ends`` its prompts' end column, ``buckets`` each call's rows)."""
+    ``SharedPrefix.first_row``, ``ends`` its prompts' end column, ``buckets`` each call's rows). The fused rotary path
+    (``StepFns.rotary_attention``, on CUDA from ``kernels.rotary_in_attention_rows`` rows) calls the kernel itself, not
+    this piece, so it is off here."""
     original = ro.runner.fast_step.parts
     attend = attention or functools.partial(da.attention, interpret=True)
 
@@ -396,7 +398,7 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
 
     ro.runner.fast_step.parts = lambda dev, mirrored: dataclasses.replace(
         original(dev, mirrored), fns=dataclasses.replace(
-            original(dev, mirrored).fns, attention=kernel, shared_prefix_rows=shared_prefix_rows,
+            original(dev, mirrored).fns, attention=kernel, rotary_attention=None, shared_prefix_rows=shared_prefix_rows,
             first_row_rows=ro.config.kernels.shared_prefix_first_row_rows))
     return ro
 

@@ -16,7 +16,7 @@ batched-GEMM attention). One table; ``--json`` writes the result file.
   python -m benchmarks.decode_step --parts skinny --rows 8 32 --kernels
   python -m benchmarks.decode_step --parts silu --rows 64 256 --silu-launches 2048,8 4096,8
 
-Modules: ``attention`` (attention, shared-prefix, left-padding and sampler pieces), ``step`` (whole steps from ``KernelConfig``,
-BLAS, the step's kernels, one profiled call), ``kernels`` (GEMMs, the skinny kernel, the prefill), ``norms`` (the
-SiLU·mul kernel's launches), ``cli``.
+Modules: ``attention`` (attention, shared-prefix, left-padding and sampler pieces), ``step`` (whole steps from
+``KernelConfig``, BLAS, the step's kernels, one profiled call), ``kernels`` (GEMMs, the skinny kernel, the prefill),
+``norms`` (the SiLU·mul kernel's launches), ``cli``.
 """

@@ -11,9 +11,9 @@ default attention), so it can stand in as ``StepFns.attention``:
   kernels do); a row with no kept column gives zeros (SDPA gives NaN there).
 
 Each key and value is read once per KV head, the columns of a row's left padding (before its first kept
-column) not at all (a row's first tile starts there, not at a tile edge), and nothing is materialised besides the output (and, when
-the window is split across programs to fill the GPU, fp32 partials of ``[B, Hq, splits, D]``). Two optional
-arguments let a caller that knows more read less:
+column) not at all (a row's first tile starts there, not at a tile edge), and nothing is materialised besides
+the output (and, when the window is split across programs to fill the GPU, fp32 partials of ``[B, Hq, splits, D]``).
+Two optional arguments let a caller that knows more read less:
 
 - ``last`` (a scalar tensor): no row attends past this column (inclusive; masked for every row), so the
   columns after it are not read (the ordinary route's length bucket reaches up to 255 columns past it);

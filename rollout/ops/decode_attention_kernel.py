@@ -262,7 +262,8 @@ def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, las
             m_ok = member < run
             q = tl.load(q_ptr + row[:, None] * q_sb + heads[:, None] * q_sh + d[None, :],
                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            lo, hi = _share(_first_kept(keep_row, keep_sl, end, SCAN, BLOCK_L, ALIGN), end, share, prefix_splits, BLOCK_L)
+            first = _first_kept(keep_row, keep_sl, end, SCAN, BLOCK_L, ALIGN)
+            lo, hi = _share(first, end, share, prefix_splits, BLOCK_L)
             acc, top, total = _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, scale, 0, 0,
                                       0, M_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32, False)
             _store_partials(part_ptr, stat_ptr, (row * heads_of_kv + heads) * slots + share, m_ok, acc, top, total,
