@@ -25,6 +25,11 @@ class Geometry:
     head_dim: int
     layers: int
 
+    @property
+    def column_bytes(self) -> int:
+        """Bytes of one row's cached column in bf16: its keys and values, every layer."""
+        return 2 * self.kv_heads * self.head_dim * 2 * self.layers
+
     @classmethod
     def of(cls, config) -> "Geometry":
         heads = config.num_attention_heads
@@ -84,7 +89,7 @@ def attention_variants(rows: int, live: int, geo: Geometry) -> tuple[dict, int]:
             out[name] = f"failed: {exc!r:.120}"
     diff = (decode_attention.attention(q, k, v, keep, dim ** -0.5, True).float() - gqa_mask().float()).abs().max()
     print(f"# {rows} rows: triton kernel vs SDPA, max |diff| {diff.item():.3g}", flush=True)
-    return out, 2 * rows * kv_heads * live * dim * 2 * geo.layers
+    return out, rows * live * geo.column_bytes
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,7 @@ def shared_prefix_variants(rows: int, window: SharedWindow, geo: Geometry) -> li
     shared = decode_attention.SharedPrefix(torch.arange(rows, device="cuda"), samples,
                                            torch.tensor(prefix, device="cuda"))
     scale = dim ** -0.5
-    column = 2 * kv_heads * dim * 2 * geo.layers  # bytes of one row's column, keys and values, every layer
+    column = geo.column_bytes
     groups = -(-rows // samples)
     cases = [("whole length bucket", lambda: decode_attention.attention(q, k, v, keep, scale, True),
               rows * window.live),
@@ -162,7 +167,7 @@ def padding_variants(rows: int, live: int, geo: Geometry, rounds: int = 3) -> li
     keep = (torch.arange(live)[None, :] >= first[:, None]).view(rows, 1, 1, live).cuda()
     last = torch.tensor(live - 1, device="cuda")
     block = decode_attention.BLOCK_L
-    column = 2 * kv_heads * dim * 2 * geo.layers  # bytes of one row's column, keys and values, every layer
+    column = geo.column_bytes
     cases = {"from the first kept column (today)": (False, int((live - first).sum())),
              "from the tile edge before it (align)": (True, int((live - first // block * block).sum()))}
     fns = {name: (lambda a=align: decode_attention.attention(q, k, v, keep, dim ** -0.5, True, last=last, align=a))
