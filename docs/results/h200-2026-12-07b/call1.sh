@@ -2,7 +2,7 @@
 # process (nothing timed): the decode attention's, the fused rotary's and the ordinary route's CUDA tests. Then the OPSD
 # step's uniform cell at this tree (the rollout reading no left padding and generating the longest prompts first), and
 # the attention over left-padded prompts in request order, longest first, and from the tile edge (--parts padding) at
-# 320..1,280 columns. nvidia-smi samples the SM clock, power and clock-event reasons every 250 ms ($C-smi.csv)
+# 128..1,280 columns. nvidia-smi samples the SM clock, power and clock-event reasons every 250 ms ($C-smi.csv)
 set -u
 L=${LABEL:?commit label}
 C=${CALL:-call1}
@@ -16,7 +16,7 @@ run tests 150 python -m pytest -q -p no:cacheprovider -rfE tests/test_decode_att
 tail -2 $OUT/$C-tests.txt
 [ -n "${NO_STEP:-}" ] || run step 300 python -m benchmarks.step --cells uniform --paths packed --steps 3 --out $OUT/$C-step.json
 [ -n "${NO_STEP:-}" ] || grep -E "^\||out of memory|Error" $OUT/$C-step.txt | cut -c1-400
-for live in ${LIVE:-320 512 768 1024 1280}; do
+for live in ${LIVE:-128 320 512 768 1024 1280}; do
   run pad$live 60 python -m benchmarks.decode_step --rows 256 --live $live --parts padding
   grep -E "^\| 256" $OUT/$C-pad$live.txt | cut -c1-250
 done
