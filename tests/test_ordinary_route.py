@@ -106,19 +106,14 @@ def test_shared_prefill_with_planned_buckets(model, fast_prefill):
         assert response_of(got, row) == hf_greedy(model, ids[row // 2], mask[row // 2], 5), f"row {row}"
 
 
-def test_row_order_fans_prompts_out_to_adjacent_rows_longest_first():
-    """Prompts (and buckets) in generation order by span, longest first; each prompt's samples adjacent."""
+def test_row_order_fans_prompts_out_to_adjacent_rows():
     layout = PromptLayout((5, 2, 9), (5, 2, 8), 9)
     order = RowOrder.plan(layout, 2, [(1,), (0, 2)], [2, 9])
-    assert order.prompt_order == (2, 0, 1) and order.row_order == (4, 5, 0, 1, 2, 3)
-    assert order.groups == ((0, 2, 9), (2, 3, 2)) and order.group_spans(9) == [(0, 2, 9), (2, 3, 2)]
-    assert order.prompt_rows.real_counts == (8, 5, 2) and order.prompt_rows.first_cols == (0, 4, 7)
+    assert order.prompt_order == (1, 0, 2) and order.row_order == (2, 3, 0, 1, 4, 5)
+    assert order.groups == ((0, 1, 2), (1, 3, 9)) and order.group_spans(9) == [(0, 1, 2), (1, 3, 9)]
+    assert order.prompt_rows.real_counts == (2, 5, 8) and order.prompt_rows.first_cols == (7, 4, 0)
     plain = RowOrder.plan(layout, 3)
-    assert plain.prompt_order == (2, 0, 1) and plain.row_order == (6, 7, 8, 0, 1, 2, 3, 4, 5)
-    assert plain.group_spans(9) == [(0, 3, 9)] and plain.prompt_rows.first_cols == (0, 4, 7)
-    # ties keep the request order; already longest first: no permutation at all
-    assert RowOrder.plan(PromptLayout((4, 9, 4), (4, 9, 4), 9), 1).prompt_order == (1, 0, 2)
-    assert RowOrder.plan(PromptLayout((9, 4, 4), (9, 3, 4), 9), 2).row_order is None
+    assert plain.row_order is None and plain.group_spans(9) == [(0, 3, 9)]
 
 
 def test_continuous_refills_come_in_waves(model, prompts, frequent_eos, monkeypatch):

@@ -153,47 +153,36 @@ def shared_prefix_variants(rows: int, window: SharedWindow, geo: Geometry) -> li
     return out
 
 
-def padding_variants(rows: int, live: int, geo: Geometry, samples: int = 4, rounds: int = 3) -> list[dict]:
+def padding_variants(rows: int, live: int, geo: Geometry, rounds: int = 3) -> list[dict]:
     """The Triton attention over prompts of 128..256 tokens left-padded into 256 columns, then filled to ``live``
-    columns (the ordinary route's opsd cells: ``samples`` adjacent rows a prompt), times the layers, rounds
-    alternating (A B C, C B A, ...), medians, with the columns each reads and the largest difference between them:
-    each row's window from its first kept column with the prompts in request order (random lengths; the ordinary
-    route before 2026-12-07b) and longest first (its order since), and from the tile edge before that column
-    (``align``, the kernel before 2026-12-07)."""
+    columns (the ordinary route's opsd cells): each row's window from its first kept column (today) against from
+    the tile edge before it (``align``, the kernel before 2026-12-07), times the layers, rounds alternating (A B,
+    B A, ...), medians; with the columns each reads and the largest difference between them."""
     heads, kv_heads, dim = geo.heads, geo.kv_heads, geo.head_dim
     q = torch.randn(rows, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(rows, kv_heads, live, dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     gen = torch.Generator().manual_seed(0)
-    prompts = -(-rows // samples)
-    first = (256 - torch.randint(128, 257, (prompts,), generator=gen)).repeat_interleave(samples)[:rows]
-    longest = first.sort(stable=True).values  # the same windows, the longest (smallest first column) first
-
-    def keep_of(firsts):
-        return (torch.arange(live)[None, :] >= firsts[:, None]).view(rows, 1, 1, live).cuda()
-
+    first = 256 - torch.randint(128, 257, (rows,), generator=gen)  # each row's first kept column
+    keep = (torch.arange(live)[None, :] >= first[:, None]).view(rows, 1, 1, live).cuda()
     last = torch.tensor(live - 1, device="cuda")
     block = decode_attention.BLOCK_L
-    request, longest_first = keep_of(first), keep_of(longest)
-    cases = {"first kept column, request order": (request, False, int((live - first).sum())),
-             "first kept column, longest first (today)": (longest_first, False, int((live - first).sum())),
-             "tile edge before it (align), request order": (request, True,
-                                                            int((live - first // block * block).sum()))}
-    fns = {name: (lambda m=mask, a=align: decode_attention.attention(q, k, v, m, dim ** -0.5, True, last=last,
-                                                                      align=a))
-           for name, (mask, align, _) in cases.items()}
-    names = list(cases)
-    err = float((fns[names[0]]().float() - fns[names[2]]().float()).abs().max())
+    column = geo.column_bytes
+    cases = {"from the first kept column (today)": (False, int((live - first).sum())),
+             "from the tile edge before it (align)": (True, int((live - first // block * block).sum()))}
+    fns = {name: (lambda a=align: decode_attention.attention(q, k, v, keep, dim ** -0.5, True, last=last, align=a))
+           for name, (align, _) in cases.items()}
+    err = float((fns["from the first kept column (today)"]().float()
+                 - fns["from the tile edge before it (align)"]().float()).abs().max())
     times = {name: [] for name in cases}
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in (list(cases) if r % 2 == 0 else list(cases)[::-1]):
             times[name].append(graph_ms(fns[name], 20) * geo.layers)
-    part = (f"attention x{geo.layers}, prompts 128..256 left-padded in 256 ({samples} rows each), {live} columns; "
-            f"max |diff| first kept column / tile edge {err:.3g}")
+    part = f"attention x{geo.layers}, prompts 128..256 left-padded in 256, {live} columns; max |diff| {err:.3g}"
     return [dict(rows=rows, part=part, ms=statistics.median(times[name]),
-                 variant=f"{name}: {columns * geo.column_bytes / 1e9:.2f} GB, "
-                         f"{columns * geo.column_bytes / statistics.median(times[name]) / 1e6:.0f} GB/s")
-            for name, (_, _, columns) in cases.items()]
+                 variant=f"{name}: {columns * column / 1e9:.2f} GB, "
+                         f"{columns * column / statistics.median(times[name]) / 1e6:.0f} GB/s")
+            for name, (_, columns) in cases.items()]
 
 
 def sampler_variants(rows: int, vocab: int) -> dict:

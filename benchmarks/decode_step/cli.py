@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shared-windows", type=int_tuple(2), nargs="+",
                         default=[(256, 384), (256, 300), (768, 820)],
                         help="--parts shared: prefix,filled column counts (within --live)")
-    parser.add_argument("--samples", type=int_at_least(1), default=4, help="--parts shared and padding: rows per prompt")
+    parser.add_argument("--samples", type=int_at_least(1), default=4, help="--parts shared: rows per prompt")
     parser.add_argument("--blas", nargs="+", default=[], choices=BLAS_LIBRARIES,
                         help="step: only the routes' default step under each of these BLAS backends "
                              "(torch.backends.cuda.preferred_blas_library), in two rounds; with --kernels the "
@@ -129,7 +129,7 @@ def rows_of_count(model, rows: int, args) -> list[dict]:
         for prefix, filled in args.shared_windows:
             out += shared_prefix_variants(rows, SharedWindow(args.live, prefix, filled, args.samples), geo)
     if "padding" in args.parts:
-        out += padding_variants(rows, args.live, geo, args.samples)
+        out += padding_variants(rows, args.live, geo)
     if "sampler" in args.parts:
         out += [dict(rows=rows, part="sampler", variant=name, ms=ms)
                 for name, ms in sampler_variants(rows, cfg.vocab_size).items()]

@@ -47,9 +47,10 @@ class AlignedKVCache(Cache):
         """``state``: ``(valid [slots, capacity] bool, write_col [1] int64)`` to use instead of fresh ones
         (the static buffers of the continuous route's CUDA graphs, :mod:`rollout.executors.continuous.buffers`)."""
         dims = (shape.num_layers, shape.batch_size, shape.num_kv_heads, shape.capacity, shape.head_dim)
-        if storage is None:
-            storage = (torch.zeros(dims, dtype=shape.dtype, device=shape.device),
-                       torch.zeros(dims, dtype=shape.dtype, device=shape.device))
+        if storage is None:  # a new one is padded where the stride matters (CacheShape.storage_columns)
+            stored = dims[:3] + (shape.storage_columns, shape.head_dim)
+            storage = (torch.zeros(stored, dtype=shape.dtype, device=shape.device),
+                       torch.zeros(stored, dtype=shape.dtype, device=shape.device))
         keys, values = storage
         if keys.dim() != 5 or any(have < need for have, need in zip(keys.shape, dims)) \
                 or (keys.shape[0], keys.shape[2], keys.shape[4]) != (dims[0], dims[2], dims[4]):
@@ -88,7 +89,8 @@ class AlignedKVCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        return self.num_slots * self.capacity * self.column_bytes
+        """Bytes the slots take: their columns at the storage's own width (padded or reused wider: the stride)."""
+        return self.num_slots * (self.key_storage.stride(2) // self.key_storage.shape[4]) * self.column_bytes
 
     def reset(self, front: int) -> None:
         """Start a generation: no live rows, decode front at ``front``, counters zeroed."""

@@ -16,6 +16,11 @@ import torch
 
 from rollout.model import compat
 from rollout.model.compat import Cache, CacheLayerMixin
+from rollout.plan.buckets import storage_columns
+
+#: Device types whose KV storage is padded to ``rollout.plan.buckets.storage_columns`` (where the stride was
+#: measured to matter; tests add "cpu" to run the padded storage there).
+PADDED_DEVICE_TYPES = ("cuda",)
 
 
 class OwnedKVLayer(CacheLayerMixin):
@@ -84,6 +89,17 @@ class CacheShape:
         """Bytes of one column of one row: keys + values over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
+    @property
+    def padded_head_bytes(self) -> int:
+        """Bytes of one KV head's key column where the storage's width is padded (``PADDED_DEVICE_TYPES``), else 0:
+        the second argument of ``rollout.plan.buckets.storage_columns``."""
+        return self.head_dim * self.dtype.itemsize if torch.device(self.device).type in PADDED_DEVICE_TYPES else 0
+
+    @property
+    def storage_columns(self) -> int:
+        """Columns a new storage for this shape allocates: ``capacity``, padded where the stride matters."""
+        return storage_columns(self.capacity, self.padded_head_bytes)
+
     def fits_in(self, other: "CacheShape") -> bool:
         return (self.batch_size <= other.batch_size and self.capacity <= other.capacity
                 and (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
@@ -98,11 +114,12 @@ def cache_shape(model, batch_size: int, capacity: int) -> CacheShape:
 
 
 class StaticKVCache(Cache):
-    """Keys/values of every layer in two preallocated tensors ``[L, B, H_kv, capacity, D]``."""
+    """Keys/values of every layer in two preallocated tensors ``[L, B, H_kv, columns, D]``: ``columns`` is the
+    capacity, or more where a new storage is padded (``CacheShape.storage_columns``) or a larger one is reused."""
 
     def __init__(self, shape: CacheShape, storage: tuple[torch.Tensor, torch.Tensor] | None = None):
         if storage is None:
-            dims = (shape.num_layers, shape.batch_size, shape.num_kv_heads, shape.capacity, shape.head_dim)
+            dims = (shape.num_layers, shape.batch_size, shape.num_kv_heads, shape.storage_columns, shape.head_dim)
             storage = (torch.zeros(dims, dtype=shape.dtype, device=shape.device),
                        torch.zeros(dims, dtype=shape.dtype, device=shape.device))
         self.shape = shape

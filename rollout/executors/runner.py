@@ -226,9 +226,10 @@ class Runner:
         budget = Budget(None if cap is None else int(cap * GIB), free)
         align = decode.attention == "triton" and prompt_sharing(self.config.kernels, layout.padded_len,
                                                                 sampling.n_samples_per_prompt)[2]
+        shape = cache_shape(self.model, 1, 1)
         call = CallMemory(layout, sampling.n_samples_per_prompt, sampling.max_new_tokens, self.model.config.vocab_size,
-                          cache_shape(self.model, 1, 1).column_bytes, decode.is_fast,
-                          decode.is_fast and decode.cuda_graphs, decode_attention.BLOCK_L if align else 1)
+                          shape.column_bytes, decode.is_fast, decode.is_fast and decode.cuda_graphs,
+                          decode_attention.BLOCK_L if align else 1, shape.padded_head_bytes)
         return slots_within_budget(call, self.config.route, sampling.continuous_batch_size, budget)
 
     @contextlib.contextmanager

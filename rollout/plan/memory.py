@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rollout.checks import round_up
-from rollout.plan.buckets import batch_bucket
+from rollout.plan.buckets import batch_bucket, storage_columns
 from rollout.plan.layout import PromptLayout, continuous_cache_shape, default_capacity
 
 GIB = 2**30
@@ -33,10 +33,16 @@ class MemoryNeed:
     """Bytes of one cache column of one row (keys + values, all layers)."""
     row_overhead_bytes: int
     """Bytes per row besides the cache (decode buffers, one step's logits and sampler temporaries)."""
+    stored_columns: int = 0
+    """Columns the storage allocates (``rollout.plan.buckets.storage_columns``; 0: ``columns``)."""
+
+    @property
+    def allocated_columns(self) -> int:
+        return max(self.columns, self.stored_columns)
 
     @property
     def cache_bytes(self) -> int:
-        return self.rows * self.columns * self.column_bytes
+        return self.rows * self.allocated_columns * self.column_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -66,9 +72,10 @@ class Budget:
         """Most rows of ``need``'s shape that fit (None: no limit)."""
         limits = []
         if self.cache_bytes is not None:
-            limits.append(self.cache_bytes // max(need.columns * need.column_bytes, 1))
+            limits.append(self.cache_bytes // max(need.allocated_columns * need.column_bytes, 1))
         if self.free_bytes is not None:
-            limits.append(self.free_bytes // max(need.columns * need.column_bytes + need.row_overhead_bytes, 1))
+            limits.append(self.free_bytes // max(need.allocated_columns * need.column_bytes + need.row_overhead_bytes,
+                                                  1))
         return min(limits) if limits else None
 
     def describe(self) -> str:
@@ -82,7 +89,8 @@ class Budget:
 
 def refusal(need: MemoryNeed, budget: Budget, what: str, hint: str) -> str:
     """The message of a call refused for memory: what it needs against what the budget allows."""
-    return (f"max_cache_gib: {what} needs a KV cache of {need.rows} rows x {need.columns} columns = "
+    stored = f" (stored as {need.allocated_columns})" if need.allocated_columns != need.columns else ""
+    return (f"max_cache_gib: {what} needs a KV cache of {need.rows} rows x {need.columns} columns{stored} = "
             f"{need.cache_bytes / GIB:.3g} GiB ({need.total_bytes / GIB:.3g} GiB with its per-row buffers); "
             f"the budget is {budget.describe()}. {hint}")
 
@@ -103,6 +111,9 @@ class CallMemory:
     prompt_multiple: int = 1
     """The ordinary route pads its prompts in front to a multiple of this many columns (its step reading each prompt
     from its run's first row: ``rollout.executors.decode.prompt_sharing``)."""
+    head_column_bytes: int = 0
+    """One KV head's key column in bytes where the storage's width is padded (``CacheShape.padded_head_bytes``;
+    0: not padded)."""
 
     @property
     def num_rows(self) -> int:
@@ -111,8 +122,7 @@ class CallMemory:
     def ordinary(self) -> MemoryNeed:
         rows = batch_bucket(self.num_rows) if self.static_buffers else self.num_rows
         columns = round_up(self.layout.padded_len, self.prompt_multiple) + self.max_new_tokens
-        return MemoryNeed(rows, columns, self.column_bytes, row_overhead_bytes(self.vocab_size, self.max_new_tokens,
-                                                                               columns))
+        return self._need(rows, columns)
 
     def continuous(self, slots: int, rounded: bool = True) -> MemoryNeed:
         """``rounded``: static buffers' capacity rounded up to the length bucket (fewer distinct shapes
@@ -120,8 +130,12 @@ class CallMemory:
         capacity = None if rounded else default_capacity(self.layout.spans, self.max_new_tokens, slots < self.num_rows)
         rows, columns = continuous_cache_shape(self.layout, self.max_new_tokens, slots, self.num_rows,
                                                self.continuous_static_buffers, capacity)
-        return MemoryNeed(rows, columns, self.column_bytes, row_overhead_bytes(self.vocab_size, self.max_new_tokens,
-                                                                               columns))
+        return self._need(rows, columns)
+
+    def _need(self, rows: int, columns: int) -> MemoryNeed:
+        return MemoryNeed(rows, columns, self.column_bytes,
+                          row_overhead_bytes(self.vocab_size, self.max_new_tokens, columns),
+                          storage_columns(columns, self.head_column_bytes))
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,11 @@
 Prompts are prefilled once each, grouped by the planner's buckets (each padded to its longest prompt);
 a prompt's ``n`` samples are the ``n`` adjacent rows after it, which receive copies of its keys and
 values. Rows are generated in this order and each keeps its sample id (its row in the request order),
-so samples and the output order do not depend on the grouping or the order.
-
-The order is longest first: prompts by their span (the columns from their first real token, so the decode
-attention's key window) descending, buckets too. The decode attention launches one program per row and KV head
-and the GPU starts them in row order, so the longest windows start first and the short ones fill the gaps they
-leave at the end of the launch (longest-processing-time-first scheduling); in request or length order a
-launch's last programs may be its longest ones.
+so samples and the output order do not depend on the grouping.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -37,21 +30,17 @@ class RowOrder:
     @classmethod
     def plan(cls, layout: PromptLayout, num_samples: int, buckets: Optional[Sequence[Sequence[int]]] = None,
              lengths: Optional[Sequence[int]] = None) -> "RowOrder":
-        """From the route choice's prompt buckets and their padded lengths (None: one group), longest first (the
-        module docstring); ``prompt_order`` stays None where that is the request order."""
+        """From the route choice's prompt buckets and their padded lengths (None: request order, one group)."""
         rows = layout.expanded(1)
-        longest_first = functools.partial(sorted, key=lambda p: (-layout.spans[p], p))
         if not buckets or len(buckets) < 2:
-            order = tuple(longest_first(range(layout.num_prompts)))
-            if order == tuple(range(layout.num_prompts)):
-                return cls(num_samples, rows)
-            return cls(num_samples, _permuted(rows, order), order)
-        planned = sorted(zip(buckets, lengths), key=lambda bl: (-max((layout.spans[p] for p in bl[0]), default=0), -bl[1]))
-        order, groups = [], []
-        for bucket, length in planned:
-            groups.append((len(order), len(order) + len(bucket), length))
-            order.extend(longest_first(bucket))
-        return cls(num_samples, _permuted(rows, order), tuple(order), tuple(groups))
+            return cls(num_samples, rows)
+        order = tuple(p for bucket in buckets for p in bucket)
+        groups, first = [], 0
+        for bucket, length in zip(buckets, lengths):
+            groups.append((first, first + len(bucket), length))
+            first += len(bucket)
+        permuted = RowSpans(tuple(rows.real_counts[p] for p in order), tuple(rows.first_cols[p] for p in order))
+        return cls(num_samples, permuted, order, tuple(groups))
 
     @property
     def num_prompts(self) -> int:
@@ -68,7 +57,3 @@ class RowOrder:
     def group_spans(self, prompt_len: int) -> list[tuple[int, int, int]]:
         """The prefill groups over prompts (one group of every prompt when unplanned)."""
         return list(self.groups) if self.groups else [(0, self.num_prompts, prompt_len)]
-
-
-def _permuted(rows: RowSpans, order) -> RowSpans:
-    return RowSpans(tuple(rows.real_counts[p] for p in order), tuple(rows.first_cols[p] for p in order))
