@@ -31,7 +31,7 @@ def main(window: int, caps: list) -> None:
         for cap in (caps if r == 0 else caps[::-1]):
             k = torch.randn(ROWS, KV, cap, DIM, device="cuda", dtype=torch.bfloat16)[:, :, :window]
             v = torch.randn(ROWS, KV, cap, DIM, device="cuda", dtype=torch.bfloat16)[:, :, :window]
-            fn = lambda: decode_attention.attention(q, k, v, keep, DIM ** -0.5, True, last=last)  # noqa: E731
+            fn = lambda k=k, v=v: decode_attention.attention(q, k, v, keep, DIM ** -0.5, True, last=last)  # noqa: E731
             times.setdefault(cap, []).append(graph_ms(fn, 10) * LAYERS)
             del k, v
     gb = ROWS * KV * window * DIM * 2 * 2 * LAYERS / 1e9
