@@ -52,7 +52,7 @@ def storage_columns(capacity: int, head_column_bytes: int) -> int:
     1,280 or 2,560 columns (strides of 5 x 64 KiB and twice that) than from the other multiples of 64 columns from
     512 to 2,624, and every odd multiple of 16 KiB among them was within 2% of the best
     (docs/results/h200-2026-12-07b). The opsd cells' cache (256 prompt + 1,024 new columns) hit it: padded to
-    1,344 columns, opsd-uniform ran 5.8% faster."""
+    1,344 columns, opsd-uniform ran 5.3% faster (call 3 there)."""
     if head_column_bytes <= 0 or STRIDE_UNIT_BYTES % head_column_bytes:
         return capacity
     unit = STRIDE_UNIT_BYTES // head_column_bytes
