@@ -3,6 +3,7 @@ eighth (``rollout.plan.buckets.storage_columns``; on CUDA), because the decode a
 columns 6-19% slower on an H100. The padded columns change no token, and the budget and the stats count them."""
 
 import pytest
+import torch
 
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
 from rollout.cache import static
@@ -33,9 +34,9 @@ def test_storage_columns_make_the_stride_an_odd_multiple_of_16_kib():
 
 
 def test_only_cuda_storage_is_padded(monkeypatch):
-    shape = CacheShape(2, 1280, 3, 2, 128, static.torch.bfloat16, static.torch.device("cpu"))
+    shape = CacheShape(2, 1280, 3, 2, 128, torch.bfloat16, torch.device("cpu"))
     assert (shape.padded_head_bytes, shape.storage_columns) == (0, 1280)
-    cuda = CacheShape(2, 1280, 3, 2, 128, static.torch.bfloat16, static.torch.device("cuda", 0))
+    cuda = CacheShape(2, 1280, 3, 2, 128, torch.bfloat16, torch.device("cuda", 0))
     assert (cuda.padded_head_bytes, cuda.storage_columns) == (256, 1344)  # nothing allocated: no GPU needed
     monkeypatch.setattr(static, "PADDED_DEVICE_TYPES", ("cuda", "cpu"))
     cache = StaticKVCache(shape)
@@ -56,15 +57,14 @@ def padded(monkeypatch):
 def test_padded_storage_changes_no_token(qwen, padded, route):
     ids, mask = random_prompts(4, 24, seed=3)
     sampling = SamplingConfig(max_new_tokens=40, temperature=0.0, n_samples_per_prompt=2)
-    model = qwen
-    ro = Rollout(model, NO_EOS, RolloutConfig(route=route, keep_cache=True))
+    ro = Rollout(qwen, NO_EOS, RolloutConfig(route=route, keep_cache=True))
     got = ro.generate(RolloutRequest(ids, mask), sampling)
     stats, storage = ro.last_stats, ro.runner.pool._cache.key_storage
     assert stats.route == route
     assert storage.shape[3] == storage_columns(stats.cache.capacity, HEAD_COLUMN) > stats.cache.capacity
     assert stats.cache.nbytes == stats.cache.num_slots * storage.shape[3] * COLUMN
     for row in range(8):
-        assert response_of(got, row) == hf_greedy(model, ids[row // 2], mask[row // 2], 40), f"row {row}"
+        assert response_of(got, row) == hf_greedy(qwen, ids[row // 2], mask[row // 2], 40), f"row {row}"
 
 
 def test_the_budget_counts_the_padded_columns():
