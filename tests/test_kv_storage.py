@@ -8,6 +8,7 @@ import torch
 from rollout import Rollout, RolloutConfig, RolloutRequest, SamplingConfig
 from rollout.cache import static
 from rollout.cache.aligned import AlignedKVCache
+from rollout.cache.pool import CachePool
 from rollout.cache.static import CacheShape, StaticKVCache
 from rollout.plan import buckets
 from rollout.plan.buckets import storage_columns
@@ -44,6 +45,20 @@ def test_only_cuda_storage_is_padded(monkeypatch):
     aligned = AlignedKVCache(shape)
     assert aligned.key_storage.shape[3] == 1280 and aligned.key_storage.stride(2) == 1344 * 128
     assert aligned.nbytes == 2 * 1344 * shape.column_bytes
+
+
+def test_the_pool_reuses_padded_storage_up_to_its_width(monkeypatch):
+    monkeypatch.setattr(static, "PADDED_DEVICE_TYPES", ("cuda", "cpu"))
+    pool = CachePool(keep=True)
+
+    def shape(capacity):
+        return CacheShape(2, capacity, 1, 2, 128, torch.bfloat16, torch.device("cpu"))
+
+    first = pool.acquire(shape(1280))
+    assert first.shape.capacity == 1280 and first.key_storage.shape[3] == 1344
+    assert pool.acquire(shape(1344)).key_storage.data_ptr() == first.key_storage.data_ptr()
+    assert pool.num_allocations == 1
+    assert pool.acquire(shape(1345)).key_storage.shape[3] == 1472 and pool.num_allocations == 2
 
 
 @pytest.fixture

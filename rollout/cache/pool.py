@@ -3,6 +3,8 @@ a kept cache is never held twice) and the continuous route's ``ScratchArena`` fo
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from rollout.cache.static import CacheShape, StaticKVCache
@@ -22,7 +24,8 @@ class CachePool:
         if self._cache is not None and shape.fits_in(self._cache.shape):
             return self._cache.view(shape)
         self._cache = None  # drop the old storage before allocating the new one
-        self._cache = StaticKVCache(shape)
+        # recorded at the storage's own width, so a later call up to that width reuses it
+        self._cache = StaticKVCache(dataclasses.replace(shape, capacity=shape.storage_columns))
         self.num_allocations += 1
         return self._cache.view(shape)
 
