@@ -11,9 +11,9 @@ import torch
 from benchmarks.decode_step.attention import compiled_grouped_attention
 from benchmarks.harness.device import capture, graph_ms, print_tuned_plans
 from benchmarks.harness.rounds import Rounds, run_rounds
+from rollout.cache.static import CacheShape
 from rollout.config import TUNED_BLAS, KernelConfig, SamplingConfig
 from rollout.executors import blas
-from rollout.cache.static import CacheShape
 from rollout.executors.decode import FastStep
 from rollout.model.step import decode_logits, grouped_decode_attention
 
@@ -82,8 +82,7 @@ def decode_step_fn(model, rows: int, live: int, step: StepVariant, device: str =
     spec, dtype = parts.spec, next(model.parameters()).dtype
     # keys, values: [layers, B, Hkv, live + 8, D], views of storage as wide as a new cache's (CacheShape.storage_columns)
     shape = CacheShape(rows, live + 8, spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, torch.device(device))
-    stored = (spec.num_layers, rows, spec.num_kv_heads, shape.storage_columns, spec.head_dim)
-    keys, values = (torch.randn(stored, device=device, dtype=dtype)[:, :, :, :live + 8] for _ in range(2))
+    keys, values = (torch.randn(shape.storage_dims, device=device, dtype=dtype)[:, :, :, :live + 8] for _ in range(2))
     tokens = torch.randint(3, min(1000, model.config.vocab_size), (rows,), device=device)
     positions = torch.full((rows,), live, device=device)
     col = torch.tensor(live, device=device)

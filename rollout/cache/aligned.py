@@ -48,9 +48,7 @@ class AlignedKVCache(Cache):
         (the static buffers of the continuous route's CUDA graphs, :mod:`rollout.executors.continuous.buffers`)."""
         dims = (shape.num_layers, shape.batch_size, shape.num_kv_heads, shape.capacity, shape.head_dim)
         if storage is None:  # a new one is padded where the stride matters (CacheShape.storage_columns)
-            stored = dims[:3] + (shape.storage_columns, shape.head_dim)
-            storage = (torch.zeros(stored, dtype=shape.dtype, device=shape.device),
-                       torch.zeros(stored, dtype=shape.dtype, device=shape.device))
+            storage = shape.new_storage()
         keys, values = storage
         if keys.dim() != 5 or any(have < need for have, need in zip(keys.shape, dims)) \
                 or (keys.shape[0], keys.shape[2], keys.shape[4]) != (dims[0], dims[2], dims[4]):

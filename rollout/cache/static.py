@@ -100,6 +100,15 @@ class CacheShape:
         """Columns a new storage for this shape allocates: ``capacity``, padded where the stride matters."""
         return storage_columns(self.capacity, self.padded_head_bytes)
 
+    @property
+    def storage_dims(self) -> tuple[int, int, int, int, int]:
+        """``[layers, batch, KV heads, storage_columns, head dim]``: one new storage tensor's shape."""
+        return self.num_layers, self.batch_size, self.num_kv_heads, self.storage_columns, self.head_dim
+
+    def new_storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed keys and values of ``storage_dims`` (the two caches' own allocation when given none)."""
+        return tuple(torch.zeros(self.storage_dims, dtype=self.dtype, device=self.device) for _ in range(2))
+
     def fits_in(self, other: "CacheShape") -> bool:
         return (self.batch_size <= other.batch_size and self.capacity <= other.capacity
                 and (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device)
@@ -119,9 +128,7 @@ class StaticKVCache(Cache):
 
     def __init__(self, shape: CacheShape, storage: tuple[torch.Tensor, torch.Tensor] | None = None):
         if storage is None:
-            dims = (shape.num_layers, shape.batch_size, shape.num_kv_heads, shape.storage_columns, shape.head_dim)
-            storage = (torch.zeros(dims, dtype=shape.dtype, device=shape.device),
-                       torch.zeros(dims, dtype=shape.dtype, device=shape.device))
+            storage = shape.new_storage()
         self.shape = shape
         self.key_storage, self.value_storage = storage
         b = shape.batch_size
