@@ -1,7 +1,8 @@
 # h200-2026-12-07c call 2 (needs an H200: the 3B/3B OPSD step peaks at 90 GiB). The machine's first process (nothing
 # timed): the KV storage and decode attention padding tests on CUDA. Then the stride sweep (the decode attention over a
 # 512-column window read from storage 512..2,624 columns wide), opsd-uniform in the two trees' alternating processes
-# (new, old, then after the step old, new) and the OPSD step's uniform cell at this tree (a warm-up step, one timed).
+# (new, old, then after the step old, new; SHORT=1: not the second pair) and the OPSD step's uniform cell at this tree
+# (a warm-up step, one timed).
 # Run from the copy of this tree, with the old tree (git archive $OLD) at ../snapold.
 set -u
 L=${LABEL:?commit label}
@@ -25,5 +26,4 @@ uniform new
 uniform old
 timeout 150 python -m benchmarks.step --cells uniform --paths packed --steps 1 --out $OUT/$C-step.json > $OUT/$C-step.txt 2>&1; echo "step rc=$? $(date -u +%H:%M:%S)" | tee -a $D
 grep -E "^\||out of memory|Error" $OUT/$C-step.txt | cut -c1-400
-uniform old
-uniform new
+[ -n "${SHORT:-}" ] || { uniform old; uniform new; }
