@@ -579,3 +579,36 @@ def test_plain_draw_in_a_cuda_graph_on_the_gpu(temperature):
     assert torch.allclose(logprobs[same], compiled_lp[same], atol=1e-4)
     few, few_lp = fused_nucleus.sample_plain(logits[:8], temperature, seed, rows[:8], step, True)
     assert torch.equal(few, tokens[:8]) and torch.equal(few_lp, logprobs[:8])
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 16])
+def test_a_saturated_variate_draws_no_token_of_its_own_in_the_kernels(interpreted, chunk_tokens):
+    """The key whose variate for one token was exactly 1.0 (infinite noise: that token drawn, 30 below the favourite):
+    the plain draw and the nucleus kernels over every token (top-p 1) draw the favourite, as the eager sampler does,
+    in one program a row and in chunks."""
+    from tests.test_sampling import saturated_case
+
+    logits, (seed, rows, step), token = saturated_case()
+    expected, _ = _select(logits, SamplerKey(1.0, 0, 1.0, 1.0), None, seed, rows, step, False, search=False)
+    assert expected.item() == 0
+    plain, _ = interpreted.sample_plain(logits, 1.0, seed, rows, step, False, chunk_tokens=chunk_tokens)
+    nucleus, _ = interpreted.sample_top_p(logits, 1.0, 1.0, seed, rows, step, False, chunk_tokens=chunk_tokens)
+    assert plain.item() == 0 and nucleus.item() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("chunk_tokens", [0, 16])
+def test_a_saturated_variate_draws_no_token_of_its_own_on_the_gpu(chunk_tokens):
+    """The interpreter test above, compiled on CUDA, and the compiled sampler of a T=1 key (the plain draw)."""
+    from tests.test_sampling import saturated_case
+
+    if fused_nucleus.available() is not None:
+        pytest.skip(fused_nucleus.available())
+    logits, args, _ = saturated_case()
+    logits, (seed, rows, step) = logits.cuda(), [a.cuda() for a in args]
+    plain, _ = fused_nucleus.sample_plain(logits, 1.0, seed, rows, step, False, chunk_tokens=chunk_tokens)
+    nucleus, _ = fused_nucleus.sample_top_p(logits, 1.0, 1.0, seed, rows, step, False, chunk_tokens=chunk_tokens)
+    eager, _ = _select(logits, SamplerKey(1.0, 0, 1.0, 1.0), None, seed, rows, step, False, search=False)
+    sampled, _ = Sampler(SamplerKey(1.0, 0, 1.0, 1.0), compiled=True)(logits, None, seed, rows, step)
+    assert plain.item() == nucleus.item() == eager.item() == sampled.item() == 0

@@ -305,3 +305,47 @@ def test_compiled_sampler_in_a_cuda_graph():
     assert (out == expected).float().mean() >= 0.99
     tokens, logprobs = sampler(logits, None, seed, rows, step, True)
     assert torch.allclose(logprobs, sampled_logprobs(logits, sampling, None, tokens), atol=1e-5)
+
+
+SATURATED_VOCAB = 64
+
+
+def saturated_case():
+    """A key whose variate for one token was exactly 1.0 under the previous noise, and logits that make another
+    token (0) all but certain: every other token 30 below it."""
+    from tests.oracles import saturated_noise_key
+
+    seed, row, step, token = saturated_noise_key(SATURATED_VOCAB)
+    assert token != 0
+    logits = torch.full((1, SATURATED_VOCAB), -30.0)
+    logits[0, 0] = 0.0
+    return logits, (torch.tensor(seed), torch.tensor([row]), torch.tensor(step)), token
+
+
+def test_noise_is_capped_below_one():
+    """The hash's top values rounded to u = 1.0, whose Gumbel noise is infinite: capped at ``UNIFORM_MAX`` (the
+    largest float32 below 1), the noise is finite there and unchanged everywhere else."""
+    from benchmarks.sampler import _old_noise
+
+    _, args, token = saturated_case()
+    old = _old_noise(*args, SATURATED_VOCAB)
+    u = smp.uniform_noise(*args, SATURATED_VOCAB)
+    assert old[0, token] == 1.0 and u[0, token] == smp.UNIFORM_MAX < 1.0
+    others = torch.arange(SATURATED_VOCAB) != token
+    assert torch.equal(u[0, others], old[0, others])
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.9),
+                                    dict(temperature=0.7, top_k=5), dict(temperature=1.0, top_p=0.9, top_k=5)])
+@pytest.mark.parametrize("search", [False, True])
+def test_a_saturated_variate_draws_no_token_of_its_own(kwargs, search):
+    """Where the previous noise was 1.0 for a token 30 below the favourite, the previous sampler drew that token
+    (infinite noise; ``-inf + inf`` = NaN for a filtered one, which argmax takes): both nucleus filters now draw the
+    favourite, as the scores say, and so does the sampled log-probability's token."""
+    logits, args, token = saturated_case()
+    sampling = SamplingConfig(max_new_tokens=1, **kwargs)
+    assert old_select(logits, sampling, None, *args).item() == token  # the bug, reproduced
+    assert select_next_token(logits, sampling, None, *args).item() == 0
+    tokens, logprobs = _select(logits, sampler_key(sampling), None, *args, True, search=search)
+    assert tokens.item() == 0 and logprobs.item() > -1e-6

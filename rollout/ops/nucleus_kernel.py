@@ -74,7 +74,8 @@ def gumbel_update(idx, s, kept, base, lane_best, lane_idx, lane_score):
     """One block of Gumbel-max: each lane keeps its best ``s + Gumbel noise`` over kept tokens, its index and score
     (strictly better only: a lane keeps its first index among equal values)."""
     noise = hash32(base ^ (idx.to(tl.uint32) * 0x45D9F3B))
-    uniform = (noise.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
+    # capped at 1 - 2**-24 (sampling.UNIFORM_MAX): the hash's top 128 values round to 1.0, whose noise is infinite
+    uniform = tl.minimum((noise.to(tl.float32) + 0.5) * (1.0 / 4294967296.0), 0.999999940395355224609375)
     value = tl.where(kept, s - tl.log(-tl.log(uniform)), float("-inf"))
     better = value > lane_best
     return tl.where(better, value, lane_best), tl.where(better, idx, lane_idx), tl.where(better, s, lane_score)

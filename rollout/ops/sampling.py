@@ -47,12 +47,20 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+#: The largest float32 below 1 (1 - 2**-24): where the uniform variates stop. A 32-bit hash rounds to 2**32 in float32
+#: for its top 128 values, so ``(bits + 0.5) / 2**32`` was 1.0 there (probability 2**-25 a token), its Gumbel noise
+#: ``-log(-log 1)`` infinite, and that token drawn whatever its score: 0.45% of the rows a step at a 151,936-token
+#: vocabulary drew a uniformly random token. Capped here, its noise is 16.6, the largest any other variate gets.
+UNIFORM_MAX = 1.0 - 2.0 ** -24
+
+
 def uniform_noise(seed: torch.Tensor, rows: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``u [B, V]`` in (0, 1) from int64 tensors ``seed`` (scalar), ``rows [B]``, ``step`` (scalar)."""
+    """``u [B, V]`` in (0, 1) from int64 tensors ``seed`` (scalar), ``rows [B]``, ``step`` (scalar): at most
+    :data:`UNIFORM_MAX`, so the Gumbel noise ``-log(-log u)`` stays finite (the Triton kernels cap it the same way)."""
     base = hash32(hash32(seed ^ (rows * _ROW_SALT)) ^ (step * _STEP_SALT))  # [B]
     ids = torch.arange(vocab_size, device=rows.device, dtype=torch.long)
     bits = hash32(base[:, None] ^ (ids[None, :] * _MUL))  # [B, V]
-    return (bits.float() + 0.5) * (1.0 / 4294967296.0)
+    return ((bits.float() + 0.5) * (1.0 / 4294967296.0)).clamp_(max=UNIFORM_MAX)
 
 
 def prompt_history(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
