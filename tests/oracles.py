@@ -39,3 +39,16 @@ def saturated_noise_key(vocab: int, rows: int = 4096, steps: int = 64):
                 row, token = hit[0].tolist()
                 return seed, row, step, token
     raise AssertionError("no saturated variate in the keys scanned")
+
+
+SATURATED_VOCAB = 64
+
+
+def saturated_case():
+    """``(logits [1, V], (seed, rows, step), token)``: :func:`saturated_noise_key`'s key at ``SATURATED_VOCAB``
+    tokens, and logits that make another token (0) all but certain: every other token 30 below it."""
+    seed, row, step, token = saturated_noise_key(SATURATED_VOCAB)
+    assert token != 0
+    logits = torch.full((1, SATURATED_VOCAB), -30.0)
+    logits[0, 0] = 0.0
+    return logits, (torch.tensor(seed), torch.tensor([row]), torch.tensor(step)), token

@@ -20,6 +20,7 @@ import rollout.ops as ops_pkg
 from rollout.config import SamplerConfig, SamplingConfig
 from rollout.ops import fused_nucleus
 from rollout.ops.sampling import Sampler, SamplerKey, _select, sampler_key
+from tests.oracles import saturated_case
 
 CHI2_MIN_P = 1e-6
 
@@ -586,8 +587,6 @@ def test_a_saturated_variate_draws_no_token_of_its_own_in_the_kernels(interprete
     """The key whose variate for one token was exactly 1.0 (infinite noise: that token drawn, 30 below the favourite):
     the plain draw and the nucleus kernels over every token (top-p 1) draw the favourite, as the eager sampler does,
     in one program a row and in chunks."""
-    from tests.test_sampling import saturated_case
-
     logits, (seed, rows, step), token = saturated_case()
     expected, _ = _select(logits, SamplerKey(1.0, 0, 1.0, 1.0), None, seed, rows, step, False, search=False)
     assert expected.item() == 0
@@ -601,8 +600,6 @@ def test_a_saturated_variate_draws_no_token_of_its_own_in_the_kernels(interprete
 @pytest.mark.parametrize("chunk_tokens", [0, 16])
 def test_a_saturated_variate_draws_no_token_of_its_own_on_the_gpu(chunk_tokens):
     """The interpreter test above, compiled on CUDA, and the compiled sampler of a T=1 key (the plain draw)."""
-    from tests.test_sampling import saturated_case
-
     if fused_nucleus.available() is not None:
         pytest.skip(fused_nucleus.available())
     logits, args, _ = saturated_case()

@@ -17,6 +17,7 @@ from rollout.ops.nucleus import _nth_member, ordered_keys, top_p_keep
 from rollout.ops.sampling import (Sampler, _select, filter_top_k, sampled_logprobs, sampler_fn, sampler_key,
                                   select_next_token)
 from benchmarks.sampler import old_select  # the previous implementation (commit b8f0f0e), copied there
+from tests.oracles import SATURATED_VOCAB, saturated_case
 
 CHI2_MIN_P = 1e-6
 """A correct sampler's chi-square p-value is uniform on (0, 1): it falls below this with probability 1e-6."""
@@ -305,21 +306,6 @@ def test_compiled_sampler_in_a_cuda_graph():
     assert (out == expected).float().mean() >= 0.99
     tokens, logprobs = sampler(logits, None, seed, rows, step, True)
     assert torch.allclose(logprobs, sampled_logprobs(logits, sampling, None, tokens), atol=1e-5)
-
-
-SATURATED_VOCAB = 64
-
-
-def saturated_case():
-    """A key whose variate for one token was exactly 1.0 under the previous noise, and logits that make another
-    token (0) all but certain: every other token 30 below it."""
-    from tests.oracles import saturated_noise_key
-
-    seed, row, step, token = saturated_noise_key(SATURATED_VOCAB)
-    assert token != 0
-    logits = torch.full((1, SATURATED_VOCAB), -30.0)
-    logits[0, 0] = 0.0
-    return logits, (torch.tensor(seed), torch.tensor([row]), torch.tensor(step)), token
 
 
 def test_noise_is_capped_below_one():
