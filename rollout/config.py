@@ -186,10 +186,6 @@ class KernelConfig:
     """Below ``shared_prefix_columns``: decode steps of ``shared_prefix_rows`` up to this many rows read each prompt's
     whole tiles from its run's first row, through the L2 cache (bitwise the same result). 0: off. H200, 3B, 704 columns:
     128 rows 1.15 ms against 1.32, 256 rows 2.29 against 1.92 (an H100 gains at 256 rows: 2.60 against 3.02)."""
-    shared_prefix_runs_rows: int = 0
-    """With ``shared_prefix_rows``: decode steps of at least this many rows read each prompt, at any width, by one
-    program a run of its samples (and KV head) whose tile holds all of the run's queries, and which then reads each
-    of the run's rows' own columns (``SharedPrefix.runs``), in place of the pass or the first-row reads. 0: off."""
     shared_prefix_align: bool = True
     """With ``shared_prefix_first_row_rows``: prompts left-padded (masked) to end at a tile edge: every tile shared."""
     residual_in_place: bool = True
@@ -216,7 +212,7 @@ class KernelConfig:
                                         "fuse_qkv", "fuse_gate_up", "rotary_kernel", "residual_in_place",
                                         "fold_norms", "shared_prefix_align"))
         for name in ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows", "shared_prefix_first_row_rows",
-                     "shared_prefix_runs_rows", "rotary_in_attention_rows"):
+                     "rotary_in_attention_rows"):
             value = getattr(self, name)
             require(is_int(value) and value >= 0, f"kernels.{name}", f"must be an int >= 0 (0: off); got {value!r}")
         require(is_int(self.shared_prefix_columns) and self.shared_prefix_columns >= 1, "kernels.shared_prefix_columns",
@@ -229,8 +225,7 @@ class KernelConfig:
         require(self.blas_library is None or self.blas_library in BLAS_LIBRARIES, "kernels.blas_library",
                 f"must be None or one of {BLAS_LIBRARIES}; got {self.blas_library!r}")
         as_python_numbers(self, ("prefill_graph_tokens", "skinny_rows", "shared_prefix_rows", "shared_prefix_columns",
-                                 "shared_prefix_first_row_rows", "shared_prefix_runs_rows",
-                                 "rotary_in_attention_rows"), ())
+                                 "shared_prefix_first_row_rows", "rotary_in_attention_rows"), ())
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from typing import Callable, Optional
 
 ENTRY_KERNELS = {
     "rollout.ops.decode_attention_kernel": ("decode_attention_split", "decode_attention_shared",
-                                            "decode_attention_runs", "decode_attention_merge"),
+                                            "decode_attention_merge"),
     "rollout.ops.skinny_linear_kernel": ("skinny_linear",),
     "rollout.ops.rotary_write_kernel": ("rotary_write",),
     "rollout.ops.rms_scaled_kernel": ("rotary_write_rms", "silu_mul_rms"),
@@ -197,15 +197,13 @@ def attention_cases() -> list[tuple[str, Callable]]:
 
     from rollout.ops import decode_attention as da
 
-    def call(dtype, heads, kv_heads, dim, *, rows=8, length=1024, splits=None, last=False, samples=0, first_row=False,
-             runs=False):
+    def call(dtype, heads, kv_heads, dim, *, rows=8, length=1024, splits=None, last=False, samples=0, first_row=False):
         q = torch.zeros(rows, heads, 1, dim, dtype=dtype)
         k = torch.zeros(rows, kv_heads, length, dim, dtype=dtype)
         keep = torch.ones(rows, 1, 1, length, dtype=torch.bool)
         shared = None
         if samples:
-            shared = da.SharedPrefix(torch.arange(rows, dtype=torch.long), samples, torch.tensor(length // 2), first_row,
-                                     runs)
+            shared = da.SharedPrefix(torch.arange(rows, dtype=torch.long), samples, torch.tensor(length // 2), first_row)
         da.attention(q, k, k.clone(), keep, dim ** -0.5, heads != kv_heads, splits=splits, interpret=True,
                      last=torch.tensor(length - 1) if last else None, shared=shared)
 
@@ -241,9 +239,6 @@ def attention_cases() -> list[tuple[str, Callable]]:
          lambda: call(bf16, 16, 2, 128, splits=1, samples=4, last=True, first_row=True)),
         ("attention prompt from the first row, split", lambda: call(bf16, 16, 2, 128, splits=2, samples=4,
                                                                     first_row=True)),
-        ("attention one program a run, one share, last", lambda: call(bf16, 16, 2, 128, splits=1, samples=4,
-                                                                      last=True, runs=True)),
-        ("attention one program a run, split", lambda: call(bf16, 16, 2, 128, splits=2, samples=4, runs=True)),
     ]
 
 

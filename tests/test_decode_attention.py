@@ -243,12 +243,10 @@ SHARED_LAYOUTS = [
 
 @pytest.mark.parametrize("ids,samples,prefix_end,last", SHARED_LAYOUTS)
 @pytest.mark.parametrize("splits,prefix_splits", [(None, None), (1, 1), (3, 2)])
-@pytest.mark.parametrize("runs", [False, True], ids=["pass", "runs"])
-def test_shared_prefix_equals_sdpa(device, ids, samples, prefix_end, last, splits, prefix_splits, runs):
-    """Rows holding copies of one prompt read it once (the prefix pass, or one program a run: ``runs``) and then
-    their own columns: SDPA's result for every layout of runs, prefix length and split count (fp32)."""
+def test_shared_prefix_equals_sdpa(device, ids, samples, prefix_end, last, splits, prefix_splits):
+    """Rows holding copies of one prompt read it once (the prefix pass) and then their own columns: SDPA's
+    result for every layout of runs, prefix length and split count of each pass (fp32)."""
     q, k, v, keep, shared, last_col = _shared_inputs(ids, samples, prefix_end, last, device=device, seed=len(ids))
-    shared = dataclasses.replace(shared, runs=runs)
     assert da.shares_prefix(shared, 4, 2)
     expected = _sdpa(q, k, v, keep, 4, 2)
     got = da.attention(q, k, v, keep, 0.25, True, splits=splits, interpret=True, last=last_col, shared=shared,
@@ -269,9 +267,9 @@ def test_shared_prefix_reads_one_copy_and_nothing_after_last(device):
     for row in (1, 2, 3, 5, 6, 7):
         poisoned_k[row, :, :prefix_end], poisoned_v[row, :, :prefix_end] = float("nan"), float("nan")
     poisoned_k[:, :, last + 1:], poisoned_v[:, :, last + 1:] = float("nan"), float("nan")
-    for splits, runs in ((None, False), (1, False), (2, False), (None, True), (1, True), (2, True)):
+    for splits in (None, 1, 2):
         got = da.attention(q, poisoned_k, poisoned_v, keep, 0.25, True, splits=splits, interpret=True, last=last_col,
-                           shared=dataclasses.replace(shared, runs=runs))
+                           shared=shared)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     unshared = da.attention(q, poisoned_k, poisoned_v, keep, 0.25, True, interpret=True, last=last_col)
     assert torch.isnan(unshared[5:]).all() and not torch.isnan(unshared[:5]).any()
@@ -330,8 +328,6 @@ def test_shared_prefix_takes_one_prompt_end_for_every_row():
     assert int(da.SharedPrefix(ids, 2, torch.tensor(5)).end) == 5
     with pytest.raises(ValueError, match="scalar"):
         da.SharedPrefix(ids, 2, torch.tensor([5, 5, 3, 3]))
-    with pytest.raises(ValueError, match="first_row and runs"):
-        da.SharedPrefix(ids, 2, torch.tensor(5), first_row=True, runs=True)
 
 
 def test_shared_prefix_bf16_and_the_tile_limit(device):
@@ -342,9 +338,6 @@ def test_shared_prefix_bf16_and_the_tile_limit(device):
                                                      dtype=torch.bfloat16, device=device, seed=11)
     expected = _sdpa(q, k, v, keep, 16, 2)
     got = da.attention(q, k, v, keep, 32 ** -0.5, True, interpret=True, last=last_col, shared=shared)
-    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
-    got = da.attention(q, k, v, keep, 32 ** -0.5, True, interpret=True, last=last_col,
-                       shared=dataclasses.replace(shared, runs=True))
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
     wide = da.SharedPrefix(shared.ids, da.MAX_SHARED_QUERIES, shared.end)
     assert not da.shares_prefix(wide, 16, 2)
@@ -384,8 +377,8 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
                  modes: list | None = None, ends: list | None = None, buckets: list | None = None):
     """``ro``'s step with ``shared_prefix_rows`` (and its ``kernels.shared_prefix_first_row_rows``, as on a GPU) and
     the kernel as its attention (interpreted on the CPU; ``attention``: another piece, e.g. SDPA); ``calls`` records
-    whether each call was handed a ``SharedPrefix`` (``lasts`` whether it was handed the last column, ``modes`` how
-    each reads the prompt, ``ends`` its prompts' end column, ``buckets`` each call's rows). The fused rotary path
+    whether each call was handed a ``SharedPrefix`` (``lasts`` whether it was handed the last column, ``modes`` each
+    ``SharedPrefix.first_row``, ``ends`` its prompts' end column, ``buckets`` each call's rows). The fused rotary path
     (``StepFns.rotary_attention``, on CUDA from ``kernels.rotary_in_attention_rows`` rows) calls the kernel itself, not
     this piece, so it is off here."""
     original = ro.runner.fast_step.parts
@@ -398,8 +391,7 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
         if lasts is not None:
             lasts.append(kwargs.get("last") is not None)
         if modes is not None and kwargs.get("shared") is not None:
-            shared = kwargs["shared"]
-            modes.append("runs" if shared.runs else "first_row" if shared.first_row else "pass")
+            modes.append(kwargs["shared"].first_row)
         if ends is not None and kwargs.get("shared") is not None:
             ends.append(int(kwargs["shared"].end))
         return attend(*args, **kwargs)
@@ -407,8 +399,7 @@ def _with_kernel(ro, shared_prefix_rows: int, calls: list, attention=None, lasts
     ro.runner.fast_step.parts = lambda dev, mirrored: dataclasses.replace(
         original(dev, mirrored), fns=dataclasses.replace(
             original(dev, mirrored).fns, attention=kernel, rotary_attention=None, shared_prefix_rows=shared_prefix_rows,
-            first_row_rows=ro.config.kernels.shared_prefix_first_row_rows,
-            runs_rows=ro.config.kernels.shared_prefix_runs_rows))
+            first_row_rows=ro.config.kernels.shared_prefix_first_row_rows))
     return ro
 
 
@@ -423,11 +414,9 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
     (prompts of any length: ``kernels.shared_prefix_columns=1``) and, at the default ``shared_prefix_columns``, which
     these 9-column prompts are under, from the first row of each prompt's run (``shared_prefix_first_row_rows``; the
     prompts padded in front to end at a tile edge, ``shared_prefix_align``, and, greedy, not; and, greedy, only in
-    steps of at most 16 rows), and, greedy, by one program a run in steps of at least 16 rows
-    (``shared_prefix_runs_rows``), the smaller ones from the first row, with prompts of different lengths and rows
-    ending at different steps (compactions into smaller buckets): the same tokens as the kernel reading every row's
-    copy, and, greedy, HF generate's per request (fp32). With ``shared_prefix_first_row_rows=0`` these prompts are not
-    shared."""
+    steps of at most 16 rows), with prompts of different lengths and rows ending at different steps (compactions
+    into smaller buckets): the same tokens as the kernel reading every row's copy, and, greedy, HF generate's per
+    request (fp32). With ``shared_prefix_first_row_rows=0`` these prompts are not shared."""
     model, ids, mask, eos = _eos_setup(device, seed=3)
     tok = TinyTokenizer(pad_token_id=0, eos_token_id=eos)
     short_calls = []
@@ -438,30 +427,23 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
     assert short_calls and not any(short_calls)
     outputs, stats = [], []
     below, cap = KernelConfig().shared_prefix_columns, KernelConfig().shared_prefix_first_row_rows
-    # (shared_prefix_rows, shared_prefix_columns, shared_prefix_align, shared_prefix_first_row_rows,
-    # shared_prefix_runs_rows); the pass of their own, the variants of the first-row reads and the runs greedy only
-    # (each sampled step runs all 18 rows through the interpreter; the kernel tests cover them)
-    arms = ((1, 1, True, cap, 0), (1, below, False, cap, 0), (1, below, True, 16, 0),
-            (1, below, True, cap, 16)) if sampling.is_greedy else ()
-    runs_modes = []
-    for rows, columns, align, first_rows, runs in arms + ((1, below, True, cap, 0), (0, 1, True, cap, 0)):
+    # (shared_prefix_rows, shared_prefix_columns, shared_prefix_align, shared_prefix_first_row_rows); the pass of
+    # their own and the variants of the first-row reads greedy only (each sampled step runs all 18 rows through the
+    # interpreter; the pass's kernel tests cover it)
+    arms = ((1, 1, True, cap), (1, below, False, cap), (1, below, True, 16)) if sampling.is_greedy else ()
+    for rows, columns, align, first_rows in arms + ((1, below, True, cap), (0, 1, True, cap)):
         calls, lasts, modes, ends, buckets = [], [], [], [], []
         ro = _with_kernel(Rollout(model, tok, RolloutConfig(route="ordinary", kernels=KernelConfig(
             cuda_graphs=False, shared_prefix_rows=rows, shared_prefix_columns=columns, shared_prefix_align=align,
-            shared_prefix_first_row_rows=first_rows, shared_prefix_runs_rows=runs))), rows, calls, lasts=lasts,
-            modes=modes, ends=ends, buckets=buckets)
+            shared_prefix_first_row_rows=first_rows))), rows, calls, lasts=lasts, modes=modes, ends=ends,
+            buckets=buckets)
         outputs.append(ro.generate(RolloutRequest(ids, mask), sampling))
         stats.append(ro.last_stats)
         first_row = columns > 1
-        # every step of 18 rows (bucket 24) shares, but for the first-row reads only up to first_rows rows (unless
-        # the runs read it: from `runs` rows on)
-        by_runs = [bool(runs) and b >= runs for b in buckets]
-        assert calls == [bool(rows) and (not first_row or b <= first_rows or r) for b, r in zip(buckets, by_runs)], \
-            (buckets, calls)
+        # every step of 18 rows (bucket 24) shares, but for the first-row reads only up to first_rows rows
+        assert calls == [bool(rows) and (not first_row or b <= first_rows) for b in buckets], (buckets, calls)
         assert any(calls) == bool(rows) and all(lasts)  # every step stops at the current column
-        # first_row below shared_prefix_columns, the runs wherever they apply
-        assert modes == ["runs" if r else "first_row" if first_row else "pass" for c, r in zip(calls, by_runs) if c]
-        runs_modes = modes if runs else runs_modes
+        assert set(modes) == ({first_row} if rows else set())  # first_row below shared_prefix_columns
         # the first-row reads' prompts end at a tile edge (the 9 columns padded to 64) unless told not to; the pass's
         # prompts are not padded
         assert set(ends) == ({da.BLOCK_L if first_row and align else ids.shape[1]} if rows else set())
@@ -478,7 +460,6 @@ def test_route_reading_each_prompt_once_keeps_every_token(device, sampling):
     _same_tokens_and_hf_greedy(outputs[:2], sampling, model, ids, mask, eos)
     if sampling.is_greedy:  # the capped arm shared some steps, not all
         assert 0 < stats[2].decode.shared_prefix_steps < stats[2].decode.forwards
-        assert {"runs", "first_row"} <= set(runs_modes)  # the runs arm's 24-row steps, then its smaller ones
 
 
 def test_which_steps_share_the_prompt():
@@ -486,12 +467,11 @@ def test_which_steps_share_the_prompt():
     samples per prompt, and only while their queries fit one tile."""
     from types import SimpleNamespace
 
-    from rollout.executors.decode import runs_step, shares_prefix
+    from rollout.executors.decode import shares_prefix
 
-    def parts(rows, first_row_rows=128, runs_rows=0):
+    def parts(rows, first_row_rows=128):
         return SimpleNamespace(spec=SimpleNamespace(num_heads=16, num_kv_heads=2),
-                               fns=SimpleNamespace(shared_prefix_rows=rows, first_row_rows=first_row_rows,
-                                                   runs_rows=runs_rows))
+                               fns=SimpleNamespace(shared_prefix_rows=rows, first_row_rows=first_row_rows))
 
     assert shares_prefix(parts(32), 32, 4) and shares_prefix(parts(32), 256, 4)
     assert not shares_prefix(parts(32), 24, 4)  # a smaller batch reads every copy
@@ -504,11 +484,6 @@ def test_which_steps_share_the_prompt():
     assert not shares_prefix(parts(0), 128, 4, first_row=True)
     # and only up to kernels.shared_prefix_first_row_rows rows (128 here)
     assert shares_prefix(parts(32), 128, 4, first_row=True) and not shares_prefix(parts(32), 192, 4, first_row=True)
-    # by one program a run from kernels.shared_prefix_runs_rows rows on, past the first-row cap, within the tile limit
-    assert shares_prefix(parts(32, runs_rows=192), 192, 4, first_row=True)
-    assert runs_step(parts(32, runs_rows=192), 256, 4) and not runs_step(parts(32, runs_rows=192), 128, 4)
-    assert not runs_step(parts(32), 256, 4) and not runs_step(parts(0, runs_rows=32), 256, 4)
-    assert not runs_step(parts(32, runs_rows=32), 256, 17) and not runs_step(parts(32, runs_rows=32), 256, 1)
 
 
 def test_how_an_ordinary_call_shares_its_prompts():
@@ -527,7 +502,3 @@ def test_how_an_ordinary_call_shares_its_prompts():
     assert prompt_sharing(KernelConfig(shared_prefix_rows=0), 254, 4) == (1, False, False)
     assert prompt_sharing(kernels, 254, 1) == (1, True, False)  # one sample: nothing to pad for
     assert prompt_sharing(None, 254, 4) == (1, False, False)
-    # by one program a run: shared at any width, even where no step may read from the first row
-    assert prompt_sharing(KernelConfig(shared_prefix_first_row_rows=0, shared_prefix_runs_rows=64), 254, 4) == \
-        (4, False, False)
-    assert prompt_sharing(KernelConfig(shared_prefix_rows=0, shared_prefix_runs_rows=64), 254, 4) == (1, False, False)

@@ -141,11 +141,6 @@ def shared_prefix_variants(rows: int, window: SharedWindow, geo: Geometry) -> li
                lambda n=n: decode_attention.attention(q, k, v, keep, scale, True, last=last, shared=shared,
                                                       prefix_splits=n),
                groups * prefix + rows * (window.filled - prefix)) for n in (1, 2)]
-    # one program a run reads the prompt once and then each of its rows' own columns (SharedPrefix.runs)
-    runs = dataclasses.replace(shared, runs=True)
-    cases += [(f"one program a run (shared runs), {n or 'default'} share(s)",
-               lambda n=n: decode_attention.attention(q, k, v, keep, scale, True, last=last, shared=runs, splits=n),
-               groups * prefix + rows * (window.filled - prefix)) for n in (None, 1, 2, 4)]
     # each row reads the prompt's whole tiles from its run's first row (memory serves them once, L2 the rest)
     tiles = prefix // decode_attention.BLOCK_L * decode_attention.BLOCK_L
     first_row = dataclasses.replace(shared, first_row=True)

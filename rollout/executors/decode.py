@@ -113,8 +113,7 @@ class FastStep:
         if attention_path(kernels.decode_attention, device) == "triton":
             fns = dataclasses.replace(fns, attention=decode_attention.attention,
                                       shared_prefix_rows=kernels.shared_prefix_rows,
-                                      first_row_rows=kernels.shared_prefix_first_row_rows,
-                                      runs_rows=kernels.shared_prefix_runs_rows)
+                                      first_row_rows=kernels.shared_prefix_first_row_rows)
         if qkv_folds:
             fns = dataclasses.replace(fns, rotary_write_rms=rms_scaled.rotary_write_rms)
             if (kernels.rotary_in_attention_rows and fns.attention is decode_attention.attention
@@ -236,22 +235,11 @@ def shares_prefix(parts: StepParts, bucket: int, samples: int, first_row: bool =
     """Whether an ordinary-route decode step of ``bucket`` rows reads each prompt's columns once for its ``samples``
     rows (``RolloutConfig.kernels.shared_prefix_rows``, set only where the Triton attention runs): ``first_row``, each
     row from its run's first row (any ``samples`` > 1, buckets of at most ``shared_prefix_first_row_rows``), else in a
-    pass of their own (the kernel's tile limit: :func:`decode_attention.one_tile`); before either, by one program a
-    run where :func:`runs_step`."""
+    pass of their own (the kernel's tile limit: :func:`decode_attention.one_tile`)."""
     rows = parts.fns.shared_prefix_rows
-    if runs_step(parts, bucket, samples):
-        return True
     if first_row:
         return 0 < rows <= bucket <= parts.fns.first_row_rows and samples > 1
     return 0 < rows <= bucket and decode_attention.one_tile(samples, parts.spec.num_heads, parts.spec.num_kv_heads)
-
-
-def runs_step(parts: StepParts, bucket: int, samples: int) -> bool:
-    """Whether an ordinary-route decode step of ``bucket`` rows reads each prompt by one program a run
-    (``SharedPrefix.runs``: ``shared_prefix_runs_rows``, at any prompt width; the kernel's tile limit holds)."""
-    fns = parts.fns
-    return (0 < fns.shared_prefix_rows <= bucket and 0 < fns.runs_rows <= bucket
-            and decode_attention.one_tile(samples, parts.spec.num_heads, parts.spec.num_kv_heads))
 
 
 def prompt_sharing(kernels: Optional[KernelConfig], width: int, samples: int) -> tuple[int, bool, bool]:
@@ -265,6 +253,5 @@ def prompt_sharing(kernels: Optional[KernelConfig], width: int, samples: int) ->
         return 1, False, False
     long_prompts = width >= kernels.shared_prefix_columns
     first_row = not long_prompts and 0 < kernels.shared_prefix_rows <= kernels.shared_prefix_first_row_rows
-    runs = 0 < kernels.shared_prefix_rows and kernels.shared_prefix_runs_rows > 0
-    sharing = samples if long_prompts or first_row or runs else 1
+    sharing = samples if long_prompts or first_row else 1
     return sharing, first_row, first_row and sharing > 1 and kernels.shared_prefix_align

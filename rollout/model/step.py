@@ -119,9 +119,6 @@ class StepFns:
     first_row_rows: int = 0
     """Of those, steps of at most this many rows read the prompt from each run's first row
     (``RolloutConfig.kernels.shared_prefix_first_row_rows``; 0: never)."""
-    runs_rows: int = 0
-    """Of those, steps of at least this many rows read it by one program a run (``SharedPrefix.runs``), at any prompt
-    width (``RolloutConfig.kernels.shared_prefix_runs_rows``; 0: never); it takes precedence."""
     residual_in_place: bool = False
     """Decode steps add each layer's o and down projections into the residual stream in place (``addmm_``: the GEMM's
     own beta-add, no copy of the residual first), with the norm, gate|up and SiLU·mul in ``gate_up_silu``, where

@@ -23,9 +23,7 @@ Two optional arguments let a caller that knows more read less:
   (``decode_attention_kernel.decode_attention_shared``; their partial softmaxes are merged as the splits' are), or
   (``SharedPrefix.first_row``) each row's program from the first row of its run, whose copy the run's other rows
   read at the same time, so that memory serves it once and the L2 cache the rest: bitwise the result of reading
-  every row's own copy, with no pass or merge of its own, or (``SharedPrefix.runs``) by one program a run whose tile
-  holds all of the run's queries, which reads the prompt once and then each row's own columns for that row's queries
-  (``decode_attention_kernel.decode_attention_runs``; no merge where one program a run and KV head fills the GPU).
+  every row's own copy, with no pass or merge of its own.
 
 Where the kernel cannot run (no CUDA tensor, no triton, a GPU before compute capability 8.0, a float mask, more than
 one query) the call falls back to SDPA, so the function is safe to set anywhere; a kernel that fails to
@@ -79,17 +77,11 @@ class SharedPrefix:
     """How the prompt is read once: False, by a pass of its own whose tile holds the queries of every row of a run
     (then merged with the rows' own columns); True, by each row's own program from its run's first row, so the run's
     rows, launched side by side, read one copy from memory and the L2 cache serves the rest (no pass, no merge)."""
-    runs: bool = False
-    """Without ``first_row``: the prompt read by one program a run (and KV head, and share of the window) whose tile
-    holds every row's queries, which then reads each row's own columns for that row's queries alone (no pass beside
-    the rows' programs; with one share a run, no partials or merge either)."""
 
     def __post_init__(self):
         if self.end.dim() != 0:
             raise ValueError(f"SharedPrefix.end must be a scalar tensor (one prompt end for every row), got shape "
                              f"{tuple(self.end.shape)}")
-        if self.first_row and self.runs:
-            raise ValueError("SharedPrefix: first_row and runs are two ways to read the prompt once; choose one")
 
 
 @dataclass(frozen=True)
@@ -221,8 +213,7 @@ def launch(q, k, v, keep, scale: float, *, splits: Optional[int] = None, last: O
     rotates its queries and writes the step's cache column (:mod:`rollout.ops.rotary_attention`; not with a prompt
     read in a pass of its own)."""
     if rotary is not None and shares_prefix(shared, q.shape[1], k.shape[1]) and not shared.first_row:
-        raise ValueError("rotary: the prompt's own pass or a run's program (SharedPrefix without first_row) computes "
-                         "no queries")
+        raise ValueError("rotary: the prompt's own pass (SharedPrefix without first_row) computes no queries")
     return _launch(q, k, v, keep, scale, splits=splits, block=BLOCK_L, warps=WARPS, stages=STAGES, last=last,
                    shared=shared, rotary=rotary)
 
@@ -249,16 +240,12 @@ def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, sh
     group = heads // kv_heads
     sms = sm_count(q.device.index or 0) if q.is_cuda else 1
     tiles = max(1, -(-length // block))
-    splits_given = splits
     if splits is None:
         splits = split_count(rows, kv_heads, length, sms, block)
     splits = max(1, min(int(splits), tiles))
     sharing = shares_prefix(shared, heads, kv_heads)
-    first_row, runs = sharing and shared.first_row, sharing and shared.runs
-    prefix = sharing and not (first_row or runs)
-    # The prompt's shares (and a run's): its programs that do work are one per run of rows, not one per row.
-    if runs and splits_given is None:
-        splits = max(1, min(split_count(-(-rows // shared.samples), kv_heads, length, sms, block), tiles))
+    first_row, prefix = sharing and shared.first_row, sharing and not shared.first_row
+    # The prompt's shares: its programs that do work are one per run of rows, not one per row.
     if prefix_splits is None and prefix:
         prefix_splits = split_count(-(-rows // shared.samples), kv_heads, length, sms, block)
     prefix_splits = max(1, min(int(prefix_splits), tiles)) if prefix else 0
@@ -275,12 +262,7 @@ def _launch(q, k, v, keep, scale, *, splits, block, warps, stages, last=None, sh
                   BLOCK_L=block, SCAN=SCAN, LAST=last is not None, ALIGN=align, **dot_options(q.dtype, q.is_cuda),
                   num_warps=warps, num_stages=stages)
     last_ptr = out if last is None else last
-    if runs:
-        kernels.decode_attention_runs[(rows, kv_heads, slots)](
-            q, k, v, keep, shared.ids, shared.end, last_ptr, out, part, stat, *strides, out.stride(0), out.stride(1),
-            rows, length, slots, float(scale), SAMPLES=shared.samples,
-            M_PAD=pow2_at_least(shared.samples * group, 16), SINGLE=single, **common)
-    elif prefix:
+    if prefix:
         kernels.decode_attention_shared[(rows, kv_heads, slots)](
             q, k, v, keep, shared.ids, shared.end, last_ptr, part, stat, *strides, rows, length, prefix_splits, splits,
             float(scale), SAMPLES=shared.samples, M_PAD=pow2_at_least(shared.samples * group, 16), **common)

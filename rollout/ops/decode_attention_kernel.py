@@ -1,7 +1,6 @@
 """The Triton kernels of :mod:`rollout.ops.decode_attention` (imported only where they run: this module
 imports triton). Split-length ("flash-decoding") attention of one query per row, grouped by KV head, and
-its shared-prompt forms that read a prompt's keys and values once for all of its samples: a pass of its own beside
-the rows' programs, or one program a run that reads the prompt and then each of its rows' own columns."""
+its shared-prompt form that reads a prompt's keys and values once for all of its samples."""
 
 import triton
 import triton.language as tl
@@ -59,11 +58,8 @@ def _window(q, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, hi, d, d_ok, s
 
 @triton.jit
 def _tiles(q, acc, top, total, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo, until, hi, d, d_ok, scale,
-           EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-           live=0, ROW_MASK: tl.constexpr = False):
-    # _window's online softmax carried on over the tiles starting in [lo, until), columns before hi. ROW_MASK: only
-    # the queries where ``live`` ([ROWS] boolean) is set attend these columns; the others' sums are left as they were
-    # (a row of -inf scores leaves its maximum, so alpha is 1 and p is 0).
+           EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    # _window's online softmax carried on over the tiles starting in [lo, until), columns before hi.
     cols0 = tl.arange(0, BLOCK_L)
     for start in range(lo, until, BLOCK_L):
         cols = start + cols0
@@ -77,10 +73,7 @@ def _tiles(q, acc, top, total, k_base, v_base, keep_row, k_sl, v_sl, keep_sl, lo
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
         else:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, BLOCK_L] fp32
-        if ROW_MASK:
-            s = tl.where(live[:, None] & keep[None, :], s, float("-inf"))
-        else:
-            s = tl.where(keep[None, :], s, float("-inf"))
+        s = tl.where(keep[None, :], s, float("-inf"))
         new_top = tl.maximum(top, tl.max(s, 1))
         safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)  # a tile with nothing kept yet
         alpha = tl.exp(top - safe_top)
@@ -286,68 +279,6 @@ def decode_attention_shared(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, las
                                   GROUP_PAD, DIM_PAD, EVEN_D, BLOCK_L, PRECISION, DOT_FP32, False)
         _store_partials(part_ptr, stat_ptr, (b * heads_of_kv + heads) * slots + share, g_ok, acc, top, total, d,
                         DIM_PAD)
-
-
-@triton.jit
-def decode_attention_runs(q_ptr, k_ptr, v_ptr, keep_ptr, ids_ptr, end_ptr, last_ptr, out_ptr, part_ptr, stat_ptr,
-                          q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, keep_sb, keep_sl, o_sb, o_sh,
-                          rows, length, splits, scale,
-                          SAMPLES: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, M_PAD: tl.constexpr,
-                          DIM: tl.constexpr, DIM_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                          SCAN: tl.constexpr, LAST: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-                          ALIGN: tl.constexpr = False):
-    # One program a run and KV head for one share: rows whose sample ids (ids_ptr) share id // SAMPLES hold copies of
-    # one prompt in columns [0, end), end = *end_ptr for every row. Program (b, kv, share) does work only if b leads
-    # its run (the rows b, b + 1, ... holding b's prompt, at most SAMPLES); its tile holds the queries of every row of
-    # the run times the GROUP query heads of kv. It reads share ``share`` of the prompt's columns once, from b's copy,
-    # for all of them, then share ``share`` of each row's own columns [end, *last_ptr] for that row's queries alone
-    # (the tile's other queries masked). SINGLE: one share, normalised and stored here (no partials, no merge);
-    # else partials [B, Hq, splits, DIM_PAD] as decode_attention_split's, for decode_attention_merge.
-    b = tl.program_id(0).to(tl.int64)
-    kv = tl.program_id(1)
-    share = tl.program_id(2)
-    key = tl.load(ids_ptr + b) // SAMPLES
-    prev = tl.load(ids_ptr + tl.maximum(b - 1, 0)) // SAMPLES
-    if (b == 0) | (prev != key):
-        run = 1
-        for j in tl.static_range(1, SAMPLES):
-            inside = b + j < rows
-            other = tl.load(ids_ptr + b + j, mask=inside, other=0) // SAMPLES
-            run = tl.where(inside & (other == key) & (run == j), j + 1, run)
-        m = tl.arange(0, M_PAD)
-        d = tl.arange(0, DIM_PAD)
-        d_ok = d < DIM
-        member = m // GROUP
-        heads = kv * GROUP + m % GROUP
-        row = b + member
-        m_ok = member < run
-        q = tl.load(q_ptr + row[:, None] * q_sb + heads[:, None] * q_sh + d[None, :],
-                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        stop = _window_end(length, last_ptr, LAST)
-        end = tl.minimum(tl.load(end_ptr).to(tl.int32), stop)
-        keep_lead = keep_ptr + b * keep_sb
-        first = _first_kept(keep_lead, keep_sl, end, SCAN, BLOCK_L, ALIGN)
-        lo, hi = _share(first, end, share, splits, BLOCK_L)
-        top = tl.full((M_PAD,), float("-inf"), tl.float32)
-        total = tl.zeros((M_PAD,), tl.float32)
-        acc = tl.zeros((M_PAD, DIM_PAD), tl.float32)
-        acc, top, total = _tiles(q, acc, top, total, k_ptr + b * k_sb + kv * k_sh, v_ptr + b * v_sb + kv * v_sh,
-                                 keep_lead, k_sl, v_sl, keep_sl, lo, hi, hi, d, d_ok, scale, EVEN_D, BLOCK_L,
-                                 PRECISION, DOT_FP32)
-        lo, hi = _share(end, stop, share, splits, BLOCK_L)
-        for j in tl.static_range(SAMPLES):
-            if j < run:
-                acc, top, total = _tiles(q, acc, top, total, k_ptr + (b + j) * k_sb + kv * k_sh,
-                                         v_ptr + (b + j) * v_sb + kv * v_sh, keep_ptr + (b + j) * keep_sb, k_sl, v_sl,
-                                         keep_sl, lo, hi, hi, d, d_ok, scale, EVEN_D, BLOCK_L, PRECISION, DOT_FP32,
-                                         member == j, True)
-        if SINGLE:  # a row with nothing kept gets zeros
-            out = acc / tl.where(total > 0, total, 1.0)[:, None]
-            tl.store(out_ptr + row[:, None] * o_sb + heads[:, None] * o_sh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-        else:
-            _store_partials(part_ptr, stat_ptr, (row * (tl.num_programs(1) * GROUP) + heads) * splits + share, m_ok,
-                            acc, top, total, d, DIM_PAD)
 
 
 @triton.jit

@@ -44,7 +44,7 @@ def unsupported_reason(qkv, h, key_layer, value_layer, keep, *, heads: int, head
     if qkv.dtype != key_layer.dtype:
         return f"product dtype {qkv.dtype} is not the cache's {key_layer.dtype}"
     if da.shares_prefix(shared, heads, key_layer.shape[1]) and not shared.first_row:
-        return "the prompts are read in a pass or by programs of their own"
+        return "the prompts are read in a pass of their own"
     q = _queries(qkv, heads, head_dim)
     problem = da.unsupported_reason(q, key_layer[:, :, start:stop], value_layer[:, :, start:stop], keep, interpret)
     return problem or _FAILED.get(str(qkv.device))

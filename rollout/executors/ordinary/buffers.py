@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from rollout.model.step import StepParts, decode_logits
-from rollout.executors.decode import runs_step, shares_prefix
+from rollout.executors.decode import shares_prefix
 from rollout.ops.decode_attention import SharedPrefix
 from rollout.ops.sampling import Sampler
 
@@ -110,8 +110,7 @@ def decode_step(parts: StepParts, cache, bufs: DecodeBuffers, shape: tuple[int, 
     keep = (bufs.valid[:bucket, :length] & (bufs.cols[:length] <= bufs.col))[:, None, None, :]
     shared = None
     if shares_prefix(parts, bucket, samples, first_row):
-        runs = runs_step(parts, bucket, samples)
-        shared = SharedPrefix(bufs.rows[:bucket], samples, bufs.prefix_end, first_row and not runs, runs)
+        shared = SharedPrefix(bufs.rows[:bucket], samples, bufs.prefix_end, first_row)
     logits = decode_logits(parts, cache.key_storage[:, :bucket], cache.value_storage[:, :bucket],
                            bufs.tokens[:bucket], bufs.positions[:bucket], bufs.col, keep, last=bufs.col, shared=shared)
     seen = bufs.seen[:bucket] if has_seen else None
